@@ -1,0 +1,559 @@
+"""A Llama-style decoder with random weights, run by the executor on a paged KV cache.
+
+The model is small and deterministic: every weight comes from a local ``torch.Generator``
+seeded by ``LlamaConfig.seed``, so two engines built from the same config compute the same
+tokens bit for bit, and greedy outputs can be compared across scheduling policies.
+
+Two forward paths share all weights:
+
+* ``LlamaForCausalLM.forward`` -- what the executor runs. One flat batch of new tokens from
+  several requests; each layer writes the new tokens' K/V into the paged pools, then every
+  new token attends to its own request's cached prefix and new tokens.
+* ``LlamaForCausalLM.forward_full`` -- the reference. One whole sequence, no cache, plain
+  causal attention. The tests hold the paged path to it.
+
+Paged KV layout (one pool per layer for K, one for V; the KV manager owns them)::
+
+    pool: (num_blocks, tokens_per_block, num_kv_heads, head_dim)
+
+    request r, block_tables[r] = [7, 2, 5], tokens_per_block = 4,
+    num_cached_tokens[r] = 6, num_new_tokens[r] = 3:
+
+    position   0 1 2 3 | 4 5 6 7 | 8 . . .
+    block      7       | 2       | 5
+    state      c c c c | c c n n | n - - -     c: cached, read only
+                                                n: written by this forward, then read
+                                                -: never read nor written
+
+A slot's flat index in the pool viewed as ``(num_blocks * tokens_per_block, ...)`` is
+``block * tokens_per_block + offset``; the forward reads and writes exactly the slots of
+positions ``[0, num_cached_tokens[r] + num_new_tokens[r])`` and no others.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float64": torch.float64}
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+# --------------------------------------------------------------------------- config
+
+
+@dataclass(frozen=True, slots=True)
+class LlamaConfig:
+    """Sizes and seed of a random-weight Llama decoder."""
+
+    vocab_size: int = 512
+    hidden_size: int = 64
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 16
+    intermediate_size: int = 128
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 8192
+    dtype: str = "float32"  # "float32" | "float64"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "intermediate_size",
+            "max_position_embeddings",
+        ):
+            value = getattr(self, name)
+            if not _is_int(value) or value <= 0:
+                raise ValueError(f"LlamaConfig.{name} must be a positive int, got {value!r}")
+        for name in ("rope_theta", "rms_norm_eps"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+                raise ValueError(f"LlamaConfig.{name} must be a positive number, got {value!r}")
+        if self.num_heads % self.num_kv_heads != 0:
+            raise ValueError(
+                f"LlamaConfig.num_heads ({self.num_heads}) must be a multiple of "
+                f"num_kv_heads ({self.num_kv_heads})"
+            )
+        if self.head_dim % 2 != 0:
+            # RoPE rotates pairs of channels.
+            raise ValueError(f"LlamaConfig.head_dim must be even for RoPE, got {self.head_dim}")
+        if self.dtype not in _DTYPES:
+            raise ValueError(
+                f"LlamaConfig.dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}"
+            )
+        if not _is_int(self.seed):
+            raise ValueError(f"LlamaConfig.seed must be an int, got {self.seed!r}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]
+
+
+MODEL_PRESETS: dict[str, LlamaConfig] = {
+    "tiny-random": LlamaConfig(),
+    "small-random": LlamaConfig(
+        vocab_size=2048,
+        hidden_size=256,
+        num_layers=4,
+        num_heads=8,
+        num_kv_heads=4,
+        head_dim=32,
+        intermediate_size=512,
+    ),
+}
+
+
+# --------------------------------------------------------------------------- attention metadata
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Describes one flat forward over several requests.
+
+    Requests appear in the flat token order. For request r:
+      num_new_tokens[r]  tokens of this forward belong to r (contiguous in the flat input),
+      num_cached_tokens[r] tokens of r already have K/V in the paged cache (the first new
+                         token's position),
+      block_tables[r]    block ids (ints) covering positions [0, num_cached_tokens[r] +
+                         num_new_tokens[r]) of r, in order: position p of r lives in block
+                         block_tables[r][p // tokens_per_block] at offset p % tokens_per_block.
+
+    A block table may be longer than needed (blocks allocated ahead); the extra blocks are
+    neither read nor written. Blocks may be shared between requests (reused prefixes), but
+    the slots written by one forward must be distinct -- that is checked in the forward.
+    """
+
+    num_new_tokens: list[int]
+    num_cached_tokens: list[int]
+    block_tables: list[list[int]]
+    tokens_per_block: int
+
+    def __post_init__(self) -> None:
+        if not _is_int(self.tokens_per_block) or self.tokens_per_block <= 0:
+            raise ValueError(
+                f"AttentionMetadata.tokens_per_block must be a positive int, "
+                f"got {self.tokens_per_block!r}"
+            )
+        n = len(self.num_new_tokens)
+        if len(self.num_cached_tokens) != n or len(self.block_tables) != n:
+            raise ValueError(
+                "AttentionMetadata.num_new_tokens, num_cached_tokens and block_tables must have "
+                f"one entry per request, got lengths {n}, {len(self.num_cached_tokens)}, "
+                f"{len(self.block_tables)}"
+            )
+        for r in range(n):
+            new, cached = self.num_new_tokens[r], self.num_cached_tokens[r]
+            if not _is_int(new) or new < 0:
+                raise ValueError(
+                    f"AttentionMetadata.num_new_tokens[{r}] must be an int >= 0, got {new!r}"
+                )
+            if not _is_int(cached) or cached < 0:
+                raise ValueError(
+                    f"AttentionMetadata.num_cached_tokens[{r}] must be an int >= 0, got {cached!r}"
+                )
+            needed = self.num_blocks_needed(r)
+            table = self.block_tables[r]
+            if len(table) < needed:
+                raise ValueError(
+                    f"AttentionMetadata.block_tables[{r}] has {len(table)} blocks, but "
+                    f"{cached} cached + {new} new tokens need {needed} blocks of "
+                    f"{self.tokens_per_block} tokens"
+                )
+            used = table[:needed]
+            for block in used:
+                index = _as_index(block)
+                if index is None or index < 0:
+                    raise ValueError(
+                        f"AttentionMetadata.block_tables[{r}] holds {block!r}, "
+                        "block ids must be ints >= 0"
+                    )
+            if len(set(used)) != len(used):
+                raise ValueError(
+                    f"AttentionMetadata.block_tables[{r}] uses a block twice: {list(used)}"
+                )
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.num_new_tokens)
+
+    @property
+    def num_tokens(self) -> int:
+        """Total new tokens of this forward: the length of the flat input."""
+        return sum(self.num_new_tokens)
+
+    def context_len(self, r: int) -> int:
+        """Positions of request r that have K/V after this forward: cached + new."""
+        return self.num_cached_tokens[r] + self.num_new_tokens[r]
+
+    def num_blocks_needed(self, r: int) -> int:
+        return -(-self.context_len(r) // self.tokens_per_block)
+
+
+def _as_index(value: object) -> int | None:
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class _PagedLayout:
+    """Flat slot indices derived once per forward from the metadata, shared by every layer."""
+
+    new_slots: torch.Tensor  # (T,) slot written by each new token
+    # One entry per request: its range in the flat input and the slots of all its positions.
+    requests: list[tuple[int, int, torch.Tensor]]
+
+    @staticmethod
+    def build(meta: AttentionMetadata, num_blocks: int) -> _PagedLayout:
+        tpb = meta.tokens_per_block
+        new_slots: list[torch.Tensor] = []
+        requests: list[tuple[int, int, torch.Tensor]] = []
+        start = 0
+        for r in range(meta.num_requests):
+            table = torch.tensor(
+                [_as_index(b) for b in meta.block_tables[r][: meta.num_blocks_needed(r)]],
+                dtype=torch.int64,
+            )
+            if table.numel() and int(table.max()) >= num_blocks:
+                raise ValueError(
+                    f"AttentionMetadata.block_tables[{r}] refers to block {int(table.max())}, "
+                    f"but the KV pools hold {num_blocks} blocks"
+                )
+            positions = torch.arange(meta.context_len(r))  # (ctx,)
+            slots = table[positions // tpb] * tpb + positions % tpb  # (ctx,)
+            end = start + meta.num_new_tokens[r]
+            new_slots.append(slots[meta.num_cached_tokens[r] :])  # (new,)
+            requests.append((start, end, slots))
+            start = end
+        flat = torch.cat(new_slots) if new_slots else torch.empty(0, dtype=torch.int64)  # (T,)
+        if flat.numel() != torch.unique(flat).numel():
+            raise ValueError(
+                "AttentionMetadata maps two new tokens of this forward to the same KV slot "
+                "(a block that is being written is shared)"
+            )
+        return _PagedLayout(new_slots=flat, requests=requests)
+
+
+@dataclass(frozen=True, slots=True)
+class _PagedKV:
+    """What one attention layer needs for a paged forward: the layout and its own pools."""
+
+    layout: _PagedLayout
+    k_pool: torch.Tensor  # (num_blocks * tokens_per_block, n_kv_head, head_dim), a view
+    v_pool: torch.Tensor  # (num_blocks * tokens_per_block, n_kv_head, head_dim), a view
+
+
+# --------------------------------------------------------------------------- modules
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(hidden_size, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rms = torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + self.eps)  # (T, 1)
+        return x * rms * self.weight
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for the given positions (rotate-half convention, as in Llama)."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.dtype = config.torch_dtype
+        self.max_positions = config.max_position_embeddings
+        exponents = torch.arange(0, config.head_dim, 2, dtype=torch.float64) / config.head_dim
+        # Angles are computed in float64 and rounded once, so both paths and both dtypes agree.
+        inv_freq = 1.0 / (config.rope_theta**exponents)  # (head_dim/2,)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if position_ids.numel() and (
+            int(position_ids.min()) < 0 or int(position_ids.max()) >= self.max_positions
+        ):
+            raise ValueError(
+                f"position_ids must lie in [0, {self.max_positions}), got "
+                f"[{int(position_ids.min())}, {int(position_ids.max())}]"
+            )
+        angles = position_ids.to(torch.float64)[:, None] * self.inv_freq[None, :]  # (T, head_dim/2)
+        return angles.cos().to(self.dtype), angles.sin().to(self.dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate channel pairs (i, i + head_dim/2) of x (T, n_head, head_dim) by each token's angle."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]  # (T, n_head, head_dim/2) each
+    cos, sin = cos[:, None, :], sin[:, None, :]  # (T, 1, head_dim/2)
+    return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)  # (T, n_head, head_dim)
+
+
+class Attention(nn.Module):
+    """Grouped-query attention: n_head query heads share n_kv_head K/V heads."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.n_head = config.num_heads
+        self.n_kv_head = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.scale = config.head_dim**-0.5
+        dtype, hidden = config.torch_dtype, config.hidden_size
+        self.q_proj = _linear(hidden, self.n_head * self.head_dim, dtype)
+        self.k_proj = _linear(hidden, self.n_kv_head * self.head_dim, dtype)
+        self.v_proj = _linear(hidden, self.n_kv_head * self.head_dim, dtype)
+        self.o_proj = _linear(self.n_head * self.head_dim, hidden, dtype)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        position_ids: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        paged: _PagedKV | None,
+    ) -> torch.Tensor:
+        T = x.shape[0]
+        q = self.q_proj(x).view(T, self.n_head, self.head_dim)  # (T, n_head, head_dim)
+        k = self.k_proj(x).view(T, self.n_kv_head, self.head_dim)  # (T, n_kv_head, head_dim)
+        v = self.v_proj(x).view(T, self.n_kv_head, self.head_dim)  # (T, n_kv_head, head_dim)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+
+        if paged is None:
+            # One sequence, no cache: key j is visible to query i iff j <= i.
+            mask = torch.ones(T, T, dtype=torch.bool).tril()  # (T, T)
+            y = self._attend(q, k, v, mask)  # (T, n_head, head_dim)
+        else:
+            y = self._attend_paged(q, k, v, position_ids, paged)  # (T, n_head, head_dim)
+        y = y.reshape(T, self.n_head * self.head_dim)  # (T, n_head * head_dim)
+        return self.o_proj(y)  # (T, hidden)
+
+    def _attend_paged(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        position_ids: torch.Tensor,
+        paged: _PagedKV,
+    ) -> torch.Tensor:
+        layout = paged.layout
+        # Write first, so each request's new tokens see each other through the cache.
+        paged.k_pool[layout.new_slots] = k
+        paged.v_pool[layout.new_slots] = v
+        y = torch.empty_like(q)  # (T, n_head, head_dim)
+        for start, end, slots in layout.requests:
+            if start == end:
+                continue
+            keys = paged.k_pool[slots]  # (ctx, n_kv_head, head_dim)
+            values = paged.v_pool[slots]  # (ctx, n_kv_head, head_dim)
+            # Slot i of a request holds position i; mask by the caller's positions.
+            key_pos = torch.arange(slots.numel())  # (ctx,)
+            mask = key_pos[None, :] <= position_ids[start:end, None]  # (new, ctx)
+            y[start:end] = self._attend(q[start:end], keys, values, mask)
+        return y
+
+    def _attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
+    ) -> torch.Tensor:
+        """q (Tq, n_head, head_dim), k/v (Tk, n_kv_head, head_dim), mask (Tq, Tk) True = visible."""
+        group = self.n_head // self.n_kv_head
+        k = k.repeat_interleave(group, dim=1).transpose(0, 1)  # (n_head, Tk, head_dim)
+        v = v.repeat_interleave(group, dim=1).transpose(0, 1)  # (n_head, Tk, head_dim)
+        q = q.transpose(0, 1)  # (n_head, Tq, head_dim)
+        scores = (q @ k.transpose(1, 2)) * self.scale  # (n_head, Tq, Tk)
+        scores = scores.masked_fill(~mask[None, :, :], float("-inf"))
+        probs = torch.softmax(scores, dim=-1)  # (n_head, Tq, Tk)
+        return (probs @ v).transpose(0, 1)  # (Tq, n_head, head_dim)
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        dtype = config.torch_dtype
+        self.gate_proj = _linear(config.hidden_size, config.intermediate_size, dtype)
+        self.up_proj = _linear(config.hidden_size, config.intermediate_size, dtype)
+        self.down_proj = _linear(config.intermediate_size, config.hidden_size, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        dtype = config.torch_dtype
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.mlp = MLP(config)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        position_ids: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        paged: _PagedKV | None,
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), position_ids, cos, sin, paged)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    """Embedding, decoder layers and final norm: token ids -> normalised hidden states."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.utils.skip_init(
+            nn.Embedding, config.vocab_size, config.hidden_size, dtype=config.torch_dtype
+        )
+        self.rotary_emb = RotaryEmbedding(config)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.torch_dtype)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        paged: list[_PagedKV] | None,
+    ) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)  # (T, hidden)
+        cos, sin = self.rotary_emb(position_ids)  # (T, head_dim/2) each
+        for i, layer in enumerate(self.layers):
+            x = layer(x, position_ids, cos, sin, None if paged is None else paged[i])
+        return self.norm(x)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Random-weight Llama decoder with an untied LM head, run on a paged KV cache.
+
+    Weights never require grad: the model only serves. Both forwards work with or without
+    ``torch.inference_mode()``; the KV pools must then be ordinary tensors, or inference
+    tensors written under inference mode.
+    """
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config)
+        self.lm_head = _linear(config.hidden_size, config.vocab_size, config.torch_dtype)
+        self._init_weights()
+        self.requires_grad_(False)
+
+    @torch.no_grad()
+    def _init_weights(self) -> None:
+        # Draw in float64 from a local generator, in registration order: the global RNG is
+        # untouched, and float32 and float64 models of one seed hold the same weights rounded.
+        gen = torch.Generator().manual_seed(self.config.seed)
+        for name, param in self.named_parameters():
+            noise = torch.randn(param.shape, generator=gen, dtype=torch.float64)
+            if name.endswith("norm.weight"):
+                value = 1.0 + 0.1 * noise  # near 1, but not exactly, so the norms are exercised
+            elif name == "model.embed_tokens.weight":
+                value = noise
+            else:
+                value = noise * param.shape[1] ** -0.5  # keeps activations O(1) for any width
+            param.copy_(value)
+
+    def kv_cache_shape(self, num_blocks: int, tokens_per_block: int) -> tuple[int, ...]:
+        """Shape of ONE layer's K (or V) pool:
+        (num_blocks, tokens_per_block, num_kv_heads, head_dim)."""
+        return (num_blocks, tokens_per_block, self.config.num_kv_heads, self.config.head_dim)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        k_cache: list[torch.Tensor],
+        v_cache: list[torch.Tensor],
+    ) -> torch.Tensor:
+        """input_ids, position_ids: (T,) int64 flat over requests. k_cache[layer], v_cache[layer]:
+        the paged pools (kv_cache_shape). Writes the new tokens' K/V into their slots, then each
+        new token attends causally to all positions <= its own position of the same request
+        (cached prefix + new tokens). Returns hidden states (T, hidden) after the final norm.
+        Never reads slots beyond a request's own length."""
+        T = attn_metadata.num_tokens
+        self._check_ids(input_ids, "input_ids", T)
+        self._check_ids(position_ids, "position_ids", T)
+        self._check_pools(k_cache, v_cache, attn_metadata.tokens_per_block)
+        num_blocks = k_cache[0].shape[0]
+        layout = _PagedLayout.build(attn_metadata, num_blocks)
+        num_slots = num_blocks * attn_metadata.tokens_per_block
+        flat = (num_slots, self.config.num_kv_heads, self.config.head_dim)
+        paged = [
+            _PagedKV(layout, k.view(flat), v.view(flat))  # (num_slots, n_kv_head, head_dim)
+            for k, v in zip(k_cache, v_cache)
+        ]
+        return self.model(input_ids, position_ids, paged)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(N, hidden) -> (N, vocab)."""
+        return self.lm_head(hidden)
+
+    def forward_full(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Reference path with no cache: (L,) token ids of ONE sequence -> logits (L, vocab),
+        plain causal attention."""
+        L = input_ids.shape[0] if input_ids.dim() == 1 else -1
+        self._check_ids(input_ids, "input_ids", L)
+        position_ids = torch.arange(L, dtype=torch.int64)  # (L,)
+        return self.compute_logits(self.model(input_ids, position_ids, None))  # (L, vocab)
+
+    # ----------------------------------------------------------------------- checks
+
+    def _check_ids(self, ids: torch.Tensor, name: str, length: int) -> None:
+        if not isinstance(ids, torch.Tensor) or ids.dtype != torch.int64 or ids.dim() != 1:
+            raise ValueError(f"{name} must be a 1-D int64 tensor")
+        if ids.shape[0] != length:
+            raise ValueError(
+                f"{name} has {ids.shape[0]} tokens, attn_metadata.num_new_tokens sum to {length}"
+            )
+        if name == "input_ids" and ids.numel() and (
+            int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab_size
+        ):
+            raise ValueError(f"input_ids must lie in [0, {self.config.vocab_size})")
+
+    def _check_pools(
+        self, k_cache: list[torch.Tensor], v_cache: list[torch.Tensor], tokens_per_block: int
+    ) -> None:
+        n = self.config.num_layers
+        if len(k_cache) != n or len(v_cache) != n:
+            raise ValueError(
+                f"k_cache and v_cache need one pool per layer ({n}), "
+                f"got {len(k_cache)} and {len(v_cache)}"
+            )
+        expected = self.kv_cache_shape(k_cache[0].shape[0], tokens_per_block)
+        for i, pool in enumerate([*k_cache, *v_cache]):
+            which = f"{'k' if i < n else 'v'}_cache[{i % n}]"
+            if tuple(pool.shape) != expected:
+                raise ValueError(f"{which} has shape {tuple(pool.shape)}, expected {expected}")
+            if pool.dtype != self.config.torch_dtype:
+                raise ValueError(
+                    f"{which} has dtype {pool.dtype}, the model runs in {self.config.torch_dtype}"
+                )
+            if not pool.is_contiguous():
+                raise ValueError(f"{which} must be contiguous (slots are addressed flat)")
+
+
+def _linear(in_features: int, out_features: int, dtype: torch.dtype) -> nn.Linear:
+    # skip_init builds on the meta device: no default init, so the global RNG is untouched.
+    return nn.utils.skip_init(nn.Linear, in_features, out_features, bias=False, dtype=dtype)
