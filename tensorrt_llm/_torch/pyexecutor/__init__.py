@@ -1,0 +1,1 @@
+"""The executor layer: requests, paged KV cache, two-stage scheduler, token budget, engine, loop."""

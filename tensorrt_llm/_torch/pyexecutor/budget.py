@@ -1,0 +1,67 @@
+"""The remaining_budget re-check: our fix, run at the start of ``KVCacheManager.prepare_resources``.
+
+Admission upstream is reuse-discounted: a first chunk that expects to reuse most of its
+prompt is charged only the uncached tail. Reuse is then claimed one request after another,
+and an earlier allocation in the same batch can evict what a later request was counted as
+reusing; that request's chunk runs at full size and the forward overshoots
+``max_num_tokens``. The re-check closes the gap *before any block is claimed*:
+
+1. ``remaining_budget = max_num_tokens``;
+2. charge the costs that cannot change first: generation requests, then context chunks
+   that are already allocated (non-first chunks), then first chunks in priority order
+   (requests deferred earlier first, then scheduler order);
+3. charge every request its full forward cost, reuse not discounted
+   (:func:`forward_cost` with ``reuse_can_shift``), an upper bound of what
+   ``_prepare_tp_inputs`` will append whatever reuse materialises;
+4. a request that does not fit is deferred: it leaves the batch untouched.
+
+A deferred request is charged at full cost by the scheduler next iteration, so when it
+comes first here it fits: it is never deferred twice in a row for budget reasons.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from tensorrt_llm._torch.pyexecutor.forward_cost import forward_cost
+from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequest
+
+if TYPE_CHECKING:
+    from tensorrt_llm._torch.pyexecutor.kv_cache_manager import KVCacheManager
+    from tensorrt_llm._torch.pyexecutor.scheduled_requests import ScheduledRequests
+
+
+@dataclass(slots=True)
+class BudgetDecision:
+    """Outcome of one re-check; ``costs`` holds the full forward cost charged to each request."""
+
+    admitted: list[LlmRequest] = field(default_factory=list)
+    deferred: list[LlmRequest] = field(default_factory=list)
+    costs: dict[int, int] = field(default_factory=dict)
+    remaining_budget: int = 0
+
+
+def recheck_remaining_budget(
+    scheduled: "ScheduledRequests", max_num_tokens: int, kv_cache_manager: "KVCacheManager"
+) -> BudgetDecision:
+    """Decide, before any allocation, which scheduled requests this forward can afford.
+
+    Pure: it reads the batch and the KV manager and changes neither; the caller defers.
+    """
+    allocated = kv_cache_manager.is_allocated
+    first_chunks = [r for r in scheduled.context_requests if not allocated(r)]
+    later_chunks = [r for r in scheduled.context_requests if allocated(r)]
+    # sorted() is stable: scheduler order is kept within each priority class.
+    first_chunks.sort(key=lambda r: not r.py_budget_deferred)
+
+    decision = BudgetDecision(remaining_budget=max_num_tokens)
+    for request in (*scheduled.generation_requests, *later_chunks, *first_chunks):
+        cost = forward_cost(request, reuse_can_shift=kv_cache_manager.reuse_can_shift(request))
+        decision.costs[request.request_id] = cost
+        if cost <= decision.remaining_budget:
+            decision.remaining_budget -= cost
+            decision.admitted.append(request)
+        else:
+            decision.deferred.append(request)
+    return decision

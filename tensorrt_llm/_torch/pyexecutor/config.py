@@ -1,0 +1,120 @@
+"""Executor configuration: dataclasses validated at construction, with upstream's field names."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class CapacitySchedulerPolicy(enum.Enum):
+    """How the capacity scheduler admits requests into KV memory."""
+
+    GUARANTEED_NO_EVICT = "GUARANTEED_NO_EVICT"  # reserve blocks to completion; never pause a started request
+    MAX_UTILIZATION = "MAX_UTILIZATION"  # reserve one step; pause the last started request when blocks run out
+
+
+class ContextChunkingPolicy(enum.Enum):
+    """How the micro-batch scheduler splits the token budget between context requests."""
+
+    FIRST_COME_FIRST_SERVED = "FIRST_COME_FIRST_SERVED"
+    EQUAL_PROGRESS = "EQUAL_PROGRESS"
+
+
+class TokenBudgetPolicyName(enum.Enum):
+    """Which guard keeps a forward pass within ``max_num_tokens`` (see ``token_budget``)."""
+
+    NONE = "none"  # upstream before any fix
+    TRIM = "trim"  # shrink trailing chunks at the top of _prepare_tp_inputs (closed upstream proposal)
+    FIT = "fit"  # shrink chunks after allocation (upstream's merged approach)
+    RECHECK = "recheck"  # ours: full-cost re-check before any allocation
+
+
+def _enum(kind: type[enum.Enum], value: object, name: str) -> enum.Enum:
+    if isinstance(value, kind):
+        return value
+    try:
+        return kind(value)
+    except ValueError:
+        choices = ", ".join(repr(member.value) for member in kind)
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}") from None
+
+
+def _positive(name: str, value: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+@dataclass(slots=True)
+class KvCacheConfig:
+    """Paged KV cache settings.
+
+    The pool is ``num_blocks`` blocks of ``tokens_per_block`` tokens, or enough blocks for
+    ``max_tokens`` tokens. ``host_cache_size`` is the host (offload) tier in bytes, as
+    upstream; 0 disables the tier.
+    """
+
+    tokens_per_block: int = 32
+    max_tokens: int | None = None
+    num_blocks: int | None = None
+    enable_block_reuse: bool = True
+    enable_partial_reuse: bool = True
+    host_cache_size: int = 0
+
+    def __post_init__(self) -> None:
+        _positive("KvCacheConfig.tokens_per_block", self.tokens_per_block)
+        if self.max_tokens is not None and self.num_blocks is not None:
+            raise ValueError("KvCacheConfig: give max_tokens or num_blocks, not both")
+        if self.max_tokens is not None:
+            _positive("KvCacheConfig.max_tokens", self.max_tokens)
+        if self.num_blocks is not None:
+            _positive("KvCacheConfig.num_blocks", self.num_blocks)
+        if not isinstance(self.host_cache_size, int) or self.host_cache_size < 0:
+            raise ValueError(f"KvCacheConfig.host_cache_size must be >= 0 bytes, got {self.host_cache_size!r}")
+
+    def resolve_num_blocks(self, default_blocks: int) -> int:
+        if self.num_blocks is not None:
+            return self.num_blocks
+        if self.max_tokens is not None:
+            return -(-self.max_tokens // self.tokens_per_block)
+        return default_blocks
+
+
+@dataclass(slots=True)
+class ExecutorConfig:
+    """Scheduling and budget settings of one executor."""
+
+    max_batch_size: int = 64
+    max_num_tokens: int = 8192
+    max_seq_len: int = 4096
+    enable_chunked_prefill: bool = False
+    chunk_unit_size: int | None = None  # default: tokens_per_block
+    context_chunking_policy: ContextChunkingPolicy = ContextChunkingPolicy.FIRST_COME_FIRST_SERVED
+    capacity_scheduler_policy: CapacitySchedulerPolicy = CapacitySchedulerPolicy.GUARANTEED_NO_EVICT
+    token_budget_policy: TokenBudgetPolicyName = TokenBudgetPolicyName.RECHECK
+    kv_cache_config: KvCacheConfig = field(default_factory=KvCacheConfig)
+
+    def __post_init__(self) -> None:
+        for name in ("max_batch_size", "max_num_tokens", "max_seq_len"):
+            _positive(name, getattr(self, name))
+        self.context_chunking_policy = _enum(ContextChunkingPolicy, self.context_chunking_policy, "context_chunking_policy")
+        self.capacity_scheduler_policy = _enum(
+            CapacitySchedulerPolicy, self.capacity_scheduler_policy, "capacity_scheduler_policy"
+        )
+        self.token_budget_policy = _enum(TokenBudgetPolicyName, self.token_budget_policy, "token_budget_policy")
+        if not isinstance(self.kv_cache_config, KvCacheConfig):
+            raise ValueError(f"kv_cache_config must be a KvCacheConfig, got {type(self.kv_cache_config).__name__}")
+        tokens_per_block = self.kv_cache_config.tokens_per_block
+        if self.chunk_unit_size is None:
+            self.chunk_unit_size = tokens_per_block
+        _positive("chunk_unit_size", self.chunk_unit_size)
+        # A non-last chunk must end on a block boundary even after a reuse shift; that
+        # is only possible when chunks are whole blocks.
+        if self.chunk_unit_size % tokens_per_block:
+            raise ValueError(
+                f"chunk_unit_size ({self.chunk_unit_size}) must be a multiple of tokens_per_block ({tokens_per_block})"
+            )
+        if self.enable_chunked_prefill and self.max_num_tokens < self.chunk_unit_size:
+            raise ValueError(
+                f"max_num_tokens ({self.max_num_tokens}) must be >= chunk_unit_size ({self.chunk_unit_size})"
+                " with chunked prefill, or no chunk could ever be scheduled"
+            )

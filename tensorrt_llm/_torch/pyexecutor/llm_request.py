@@ -1,0 +1,207 @@
+"""``LlmRequest``: one request's tokens, lifecycle state and context-chunk bookkeeping.
+
+Context progress is two numbers::
+
+    prompt:  [0 ........ context_current_position ........ +context_chunk_size ........ prompt_len)
+              computed (or reused) KV                 this iteration's chunk        not yet scheduled
+
+``prepopulated_prompt_len`` is the prefix whose KV was reused from the cache rather than
+computed; the KV manager sets it when it allocates the first chunk, and moves
+``context_current_position`` there (the chunk window shifts with it).
+
+Ownership: the scheduler writes ``context_chunk_size``; the KV manager writes
+``prepopulated_prompt_len``/``context_current_position`` at allocation; the executor
+moves to the next chunk and appends sampled tokens after a forward.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+
+
+class LlmRequestState(enum.Enum):
+    """Lifecycle of a request. ``ERROR`` is terminal like ``GENERATION_COMPLETE``."""
+
+    CONTEXT_INIT = enum.auto()
+    GENERATION_IN_PROGRESS = enum.auto()
+    GENERATION_TO_COMPLETE = enum.auto()
+    GENERATION_COMPLETE = enum.auto()
+    ERROR = enum.auto()
+
+
+class DeferReason(enum.Enum):
+    """Why a scheduled request left an iteration's batch before its forward."""
+
+    BUDGET = "budget"  # the remaining_budget re-check could not fit its full forward cost
+    CAPACITY = "capacity"  # its KV blocks could not be had at allocation time
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingConfig:
+    """Per-request sampling settings; greedy when ``temperature == 0`` or ``top_k == 1``."""
+
+    temperature: float = 0.0
+    top_k: int = 0  # 0 = no top-k filter
+    top_p: float = 1.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+_request_ids = itertools.count()
+
+
+@dataclass(eq=False, slots=True)
+class LlmRequest:
+    """One request as the executor sees it.
+
+    ``tokens`` holds the prompt followed by generated tokens. ``prompt_len`` is the
+    part that is processed as context; it grows only when a paused request is
+    restarted (its generated tokens become context to recompute).
+    """
+
+    input_token_ids: list[int]
+    max_new_tokens: int
+    request_id: int = field(default_factory=lambda: next(_request_ids))
+    beam_width: int = 1
+    end_id: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    sampling_config: SamplingConfig = field(default_factory=SamplingConfig)
+    # Speculative decoding: drafts proposed for the next step; a first-draft request
+    # (the first generation step of a speculative request) always runs 1 + max_draft_len positions.
+    py_draft_tokens: list[int] = field(default_factory=list)
+    max_draft_len: int = 0
+    is_first_draft: bool = False
+    arrival_time: float = 0.0
+
+    # Mutable bookkeeping (not constructor arguments in practice).
+    state: LlmRequestState = LlmRequestState.CONTEXT_INIT
+    tokens: list[int] = field(init=False)
+    prompt_len: int = field(init=False)
+    orig_prompt_len: int = field(init=False)
+    context_current_position: int = 0
+    prepopulated_prompt_len: int = 0
+    estimated_reusable_tokens: int = 0
+    _context_chunk_size: int = 0
+    # Budget deferral: a deferred request is charged at full cost next time and goes
+    # first in the re-check, so it is never deferred twice in a row.
+    py_budget_deferred: bool = False
+    consecutive_budget_deferrals: int = 0
+    max_consecutive_budget_deferrals: int = 0
+    num_budget_deferrals: int = 0
+    num_capacity_deferrals: int = 0
+    num_pauses: int = 0
+    error: str | None = None
+    is_cancelled: bool = False
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+    def __post_init__(self) -> None:
+        self.tokens = list(self.input_token_ids)
+        self.prompt_len = len(self.tokens)
+        self.orig_prompt_len = self.prompt_len
+
+    # ---- context chunks -------------------------------------------------------------
+    @property
+    def context_remaining_length(self) -> int:
+        return self.prompt_len - self.context_current_position
+
+    @property
+    def context_chunk_size(self) -> int:
+        return self._context_chunk_size
+
+    @context_chunk_size.setter
+    def context_chunk_size(self, size: int) -> None:
+        if size < 0:
+            raise ValueError(f"request {self.request_id}: context_chunk_size must be >= 0, got {size}")
+        self._context_chunk_size = min(size, self.context_remaining_length)
+
+    @property
+    def is_first_context_chunk(self) -> bool:
+        """No chunk has been computed yet (reused KV does not count as computed)."""
+        return self.context_current_position == self.prepopulated_prompt_len
+
+    @property
+    def is_last_context_chunk(self) -> bool:
+        return self.context_current_position + self._context_chunk_size >= self.prompt_len
+
+    def move_to_next_context_chunk(self) -> None:
+        self.context_current_position += self._context_chunk_size
+        self._context_chunk_size = 0
+
+    # ---- state ----------------------------------------------------------------------
+    @property
+    def is_context_init_state(self) -> bool:
+        return self.state is LlmRequestState.CONTEXT_INIT
+
+    @property
+    def is_generation_in_progress_state(self) -> bool:
+        return self.state in (LlmRequestState.GENERATION_IN_PROGRESS, LlmRequestState.GENERATION_TO_COMPLETE)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.state in (LlmRequestState.GENERATION_COMPLETE, LlmRequestState.ERROR)
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return len(self.py_draft_tokens)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.tokens[self.orig_prompt_len :]
+
+    @property
+    def num_generated_tokens(self) -> int:
+        return len(self.tokens) - self.orig_prompt_len
+
+    @property
+    def max_total_len(self) -> int:
+        """Length the sequence reaches if it generates every allowed token."""
+        return self.orig_prompt_len + self.max_new_tokens
+
+    def add_new_token(self, token: int) -> None:
+        self.tokens.append(token)
+
+    def set_error(self, message: str) -> None:
+        self.error = message
+        self.state = LlmRequestState.ERROR
+
+    def pause(self) -> None:
+        """Give up the KV and start over as context (MAX_UTILIZATION preemption).
+
+        Generated tokens are kept and become part of the context to recompute, so
+        the output continues where it stopped.
+        """
+        self.state = LlmRequestState.CONTEXT_INIT
+        self.prompt_len = len(self.tokens)
+        self.context_current_position = 0
+        self.prepopulated_prompt_len = 0
+        self.estimated_reusable_tokens = 0
+        self._context_chunk_size = 0
+        self.num_pauses += 1
+
+    def __repr__(self) -> str:  # short: property-test counter-examples print lists of these
+        if self.is_context_init_state:
+            drafts = f" drafts={self.num_draft_tokens}" if self.py_draft_tokens else ""
+            return (
+                f"Ctx(id={self.request_id} prompt={self.prompt_len} pos={self.context_current_position}"
+                f" chunk={self._context_chunk_size} est_reuse={self.estimated_reusable_tokens}{drafts})"
+            )
+        extra = f" beam={self.beam_width}" if self.beam_width > 1 else ""
+        if self.is_first_draft:
+            extra += f" first_draft(max_draft_len={self.max_draft_len})"
+        elif self.py_draft_tokens:
+            extra += f" drafts={self.num_draft_tokens}"
+        return f"Gen(id={self.request_id} len={len(self.tokens)}{extra} state={self.state.name})"

@@ -1,0 +1,311 @@
+"""``PyExecutor``: the serving loop.
+
+One iteration (:meth:`PyExecutor.step`) is upstream's: fetch new requests, schedule,
+``prepare_resources`` (where the remaining_budget re-check runs, before any allocation),
+forward, sample, update request states, send responses, free finished requests.
+
+The loop never dies on a batch: whatever a batch raises — ``TokenBudgetExceeded`` from
+``_prepare_tp_inputs`` included — fails that batch's requests with the error, is counted
+in the iteration's statistics and in :meth:`health`, and the next iteration serves
+everyone else. The background thread calls the same ``step`` that a replay with a
+virtual clock calls directly.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable
+
+from tensorrt_llm._torch.pyexecutor.config import ExecutorConfig
+from tensorrt_llm._torch.pyexecutor.errors import ExecutorShutdown, InvalidRequestError, TokenBudgetExceeded
+from tensorrt_llm._torch.pyexecutor.forward_cost import forward_cost
+from tensorrt_llm._torch.pyexecutor.kv_cache_manager import KVCacheManager
+from tensorrt_llm._torch.pyexecutor.llm_request import DeferReason, LlmRequest, LlmRequestState
+from tensorrt_llm._torch.pyexecutor.model_engine import ModelEngine
+from tensorrt_llm._torch.pyexecutor.request_validation import RequestLimits, validate_request
+from tensorrt_llm._torch.pyexecutor.resource_manager import KV_CACHE_MANAGER, ResourceManager
+from tensorrt_llm._torch.pyexecutor.sampler import Sampler
+from tensorrt_llm._torch.pyexecutor.scheduled_requests import ScheduledRequests
+from tensorrt_llm._torch.pyexecutor.scheduler import SimpleScheduler
+from tensorrt_llm._torch.pyexecutor.stats import IterationStats
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Response:
+    """What changed for one request: new tokens, and whether it is over (and how)."""
+
+    request_id: int
+    new_token_ids: list[int]
+    finished: bool = False
+    error: str | None = None
+    cancelled: bool = False
+
+
+ResponseCallback = Callable[[LlmRequest, Response], None]
+
+
+class PyExecutor:
+    def __init__(
+        self,
+        *,
+        config: ExecutorConfig,
+        scheduler: SimpleScheduler,
+        resource_manager: ResourceManager,
+        model_engine: ModelEngine,
+        sampler: Sampler,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self.scheduler = scheduler
+        self.resource_manager = resource_manager
+        self.kv_cache_manager: KVCacheManager = resource_manager.get_resource_manager(KV_CACHE_MANAGER)
+        self.model_engine = model_engine
+        self.sampler = sampler
+        self.clock = clock
+        self.limits = RequestLimits(
+            max_seq_len=config.max_seq_len,
+            max_num_tokens=config.max_num_tokens,
+            enable_chunked_prefill=config.enable_chunked_prefill,
+            vocab_size=model_engine.vocab_size,
+            max_beam_width=model_engine.max_beam_width,
+            supports_draft_tokens=model_engine.supports_draft_tokens,
+            num_kv_blocks=self.kv_cache_manager.num_blocks,
+        )
+        self.active_requests: list[LlmRequest] = []
+        self.iteration_stats: list[IterationStats] = []
+        self.num_budget_violations = 0
+        self.num_failed_batches = 0
+        self.last_error: str | None = None
+        self._callbacks: dict[int, ResponseCallback] = {}
+        self._new_requests: deque[LlmRequest] = deque()
+        self._cancelled: set[int] = set()
+        self._wakeup = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._shutdown = False
+        self._iteration = 0
+
+    # ---- submission (any thread) ----------------------------------------------------
+    def enqueue_request(self, request: LlmRequest, on_response: ResponseCallback | None = None) -> int:
+        """Queue ``request``; an invalid one fails alone at the next iteration, with the reason."""
+        with self._wakeup:
+            if self._shutdown:
+                raise ExecutorShutdown("the executor is shut down")
+            if on_response is not None:
+                self._callbacks[request.request_id] = on_response
+            self._new_requests.append(request)
+            self._wakeup.notify()
+        return request.request_id
+
+    def cancel_request(self, request_id: int) -> None:
+        with self._wakeup:
+            self._cancelled.add(request_id)
+            self._wakeup.notify()
+
+    def validate(self, request: LlmRequest) -> None:
+        """Raise InvalidRequestError if this executor could never serve ``request``."""
+        blocks = self.kv_cache_manager.blocks_for_tokens(request, self.kv_cache_manager.max_sequence_len(request))
+        validate_request(request, self.limits, blocks)
+
+    # ---- the loop -------------------------------------------------------------------
+    @property
+    def has_work(self) -> bool:
+        return bool(self.active_requests or self._new_requests or self._cancelled)
+
+    def step(self) -> IterationStats | None:
+        """Run one iteration; None when there was nothing to do."""
+        self._fetch_new_requests()
+        self._handle_cancellations()
+        if not self.active_requests:
+            return None
+        scheduled = self.scheduler.schedule_request(self.active_requests)
+        self._pause(scheduled.paused_requests)
+        stats = IterationStats(self._iteration, self.clock(), max_num_tokens=self.config.max_num_tokens)
+        self._iteration += 1
+        batch = scheduled.all_requests
+        try:
+            self.resource_manager.prepare_resources(scheduled)
+            if not scheduled.is_empty:
+                output = self.model_engine.forward(scheduled)
+                stats.forward_tokens = output.num_tokens
+                self._update_requests(scheduled, output)
+                self.resource_manager.update_resources(scheduled)
+        except TokenBudgetExceeded as error:
+            self.num_budget_violations += 1
+            stats.forward_tokens, stats.overshoot = error.total_num_tokens, error.overshoot
+            self._fail_batch(scheduled.all_requests, error, stats)
+        except Exception as error:  # one bad batch must not take the server down
+            logger.exception("iteration %d failed; failing its %d requests", stats.iteration, len(batch))
+            self._fail_batch(scheduled.all_requests, error, stats)
+        self._record(stats, scheduled)
+        self._free_finished()
+        return stats
+
+    def run_until_idle(self, max_iterations: int = 1_000_000) -> None:
+        """Step until every submitted request has finished (tests and replays)."""
+        for _ in range(max_iterations):
+            if not self.has_work:
+                return
+            self.step()
+        raise RuntimeError(f"still busy after {max_iterations} iterations: {self.active_requests[:5]}")
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._executor_loop, name="PyExecutor", daemon=True)
+            self._thread.start()
+
+    def shutdown(self) -> None:
+        """Stop the loop; unfinished requests get an ExecutorShutdown error."""
+        with self._wakeup:
+            self._shutdown = True
+            self._wakeup.notify()
+        if self._thread is not None:
+            self._thread.join()
+        self._fetch_new_requests()
+        for request in self.active_requests:
+            self._fail(request, ExecutorShutdown("the executor shut down before the request finished"))
+        self._free_finished()
+
+    def health(self) -> dict:
+        """Liveness and the batch failures a load balancer should see."""
+        return {
+            "alive": self._thread is None or self._thread.is_alive(),
+            "iterations": self._iteration,
+            "active_requests": len(self.active_requests),
+            "failed_batches": self.num_failed_batches,
+            "budget_violations": self.num_budget_violations,
+            "last_error": self.last_error,
+        }
+
+    def _executor_loop(self) -> None:
+        while True:
+            with self._wakeup:
+                while not self._shutdown and not self.has_work:
+                    self._wakeup.wait()
+                if self._shutdown:
+                    return
+            try:
+                self.step()
+            except Exception as error:  # a bug outside any batch: fail what is active, keep serving
+                logger.exception("executor iteration crashed outside a batch")
+                self.last_error = repr(error)
+                for request in self.active_requests:
+                    self._fail(request, error)
+                self._free_finished()
+
+    # ---- iteration parts ------------------------------------------------------------
+    def _fetch_new_requests(self) -> None:
+        with self._wakeup:
+            new = list(self._new_requests)
+            self._new_requests.clear()
+        for request in new:
+            request.arrival_time = request.arrival_time or self.clock()
+            try:
+                self.validate(request)
+            except InvalidRequestError as error:
+                logger.warning("%s", error)
+                self._fail(request, error)
+                continue
+            self.active_requests.append(request)
+
+    def _handle_cancellations(self) -> None:
+        with self._wakeup:
+            cancelled, self._cancelled = self._cancelled, set()
+        for request in self.active_requests:
+            if request.request_id in cancelled and not request.is_finished:
+                request.is_cancelled = True
+                request.state = LlmRequestState.GENERATION_COMPLETE
+                request.finish_time = self.clock()
+                self._respond(request, Response(request.request_id, [], finished=True, cancelled=True))
+        self._free_finished()
+
+    def _pause(self, paused: list[LlmRequest]) -> None:
+        for request in paused:
+            self.resource_manager.free_resources(request)
+            request.pause()
+
+    def _update_requests(self, scheduled: ScheduledRequests, output) -> None:
+        for request in scheduled.context_requests:
+            samples = request.is_last_context_chunk
+            request.move_to_next_context_chunk()
+            if samples:
+                request.state = LlmRequestState.GENERATION_IN_PROGRESS
+                self._append(request, self.sampler.sample(request, output))
+        for request in scheduled.generation_requests:
+            self._append(request, self.sampler.sample(request, output))
+            request.is_first_draft = False
+
+    def _append(self, request: LlmRequest, tokens: list[int]) -> None:
+        new = []
+        for token in tokens:
+            request.add_new_token(token)
+            new.append(token)
+            stop = token == request.end_id or token in request.stop_token_ids
+            if stop or request.num_generated_tokens >= request.max_new_tokens:
+                request.state = LlmRequestState.GENERATION_TO_COMPLETE
+                break
+        now = self.clock()
+        if request.first_token_time is None:
+            request.first_token_time = now
+        finished = request.state is LlmRequestState.GENERATION_TO_COMPLETE
+        if finished:
+            request.state = LlmRequestState.GENERATION_COMPLETE
+            request.finish_time = now
+        self._respond(request, Response(request.request_id, new, finished=finished))
+
+    def _fail_batch(self, requests: list[LlmRequest], error: Exception, stats: IterationStats) -> None:
+        self.num_failed_batches += 1
+        self.last_error = str(error)
+        stats.error = str(error)
+        stats.num_failed_requests = len(requests)
+        for request in requests:
+            self._fail(request, error)
+
+    def _fail(self, request: LlmRequest, error: Exception) -> None:
+        if request.is_finished:
+            return
+        request.set_error(f"{type(error).__name__}: {error}")
+        request.finish_time = self.clock()
+        self._respond(request, Response(request.request_id, [], finished=True, error=request.error))
+
+    def _free_finished(self) -> None:
+        still_active = []
+        for request in self.active_requests:
+            if not request.is_finished:
+                still_active.append(request)
+                continue
+            store = request.state is LlmRequestState.GENERATION_COMPLETE
+            self.resource_manager.free_resources(request, store_for_reuse=store)
+            self.sampler.release(request)
+        self.active_requests = still_active
+
+    def _respond(self, request: LlmRequest, response: Response) -> None:
+        callback = self._callbacks.get(request.request_id)
+        if response.finished:
+            self._callbacks.pop(request.request_id, None)
+        if callback is not None:
+            callback(request, response)
+
+    def _record(self, stats: IterationStats, scheduled: ScheduledRequests) -> None:
+        kv = self.kv_cache_manager
+        stats.end_time = self.clock()
+        stats.num_active_requests = len(self.active_requests)
+        stats.num_context_requests = len(scheduled.context_requests)
+        stats.num_generation_requests = len(scheduled.generation_requests)
+        stats.num_paused_requests = len(scheduled.paused_requests)
+        stats.scheduled_tokens = scheduled.scheduled_tokens
+        for request, reason in scheduled.deferred_requests:
+            if reason is DeferReason.BUDGET:
+                stats.num_budget_deferrals += 1
+                stats.budget_deferred_tokens += forward_cost(request, reuse_can_shift=kv.reuse_can_shift(request))
+            else:
+                stats.num_capacity_deferrals += 1
+        for claim in kv.last_claims:
+            stats.reuse_estimated_tokens += claim.estimated_reusable_tokens
+            stats.reuse_claimed_tokens += claim.reused_tokens
+        self.iteration_stats.append(stats)

@@ -1,0 +1,109 @@
+"""Builds a :class:`PyExecutor` and its parts from one :class:`ExecutorConfig`."""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+from tensorrt_llm._torch.models.modeling_llama import LlamaForCausalLM
+from tensorrt_llm._torch.pyexecutor.block_pool import BlockTokens
+from tensorrt_llm._torch.pyexecutor.config import ExecutorConfig
+from tensorrt_llm._torch.pyexecutor.kv_cache_manager import KVCacheManager
+from tensorrt_llm._torch.pyexecutor.kv_storage import KVCacheStorage
+from tensorrt_llm._torch.pyexecutor.model_engine import ModelEngine, TorchModelEngine
+from tensorrt_llm._torch.pyexecutor.py_executor import PyExecutor
+from tensorrt_llm._torch.pyexecutor.resource_manager import KV_CACHE_MANAGER, ResourceManager
+from tensorrt_llm._torch.pyexecutor.sampler import Sampler, TorchSampler
+from tensorrt_llm._torch.pyexecutor.scheduler import CapacityScheduler, MicroBatchScheduler, SimpleScheduler
+from tensorrt_llm._torch.pyexecutor.token_budget import TokenBudgetPolicy, make_token_budget_policy
+
+EngineFactory = Callable[[KVCacheManager, TokenBudgetPolicy], ModelEngine]
+
+
+def default_num_blocks(config: ExecutorConfig) -> int:
+    """Without a pool size, room for a full batch of full-length sequences."""
+    tokens_per_block = config.kv_cache_config.tokens_per_block
+    return config.max_batch_size * -(-config.max_seq_len // tokens_per_block)
+
+
+def create_kv_cache_manager(
+    config: ExecutorConfig,
+    token_budget: TokenBudgetPolicy,
+    *,
+    model: LlamaForCausalLM | None = None,
+    kv_bytes_per_token: int | None = None,
+    block_hash: Callable[[BlockTokens], int] = hash,
+) -> KVCacheManager:
+    """With ``model``: real K/V tensors shaped for it. Without: bookkeeping only, and
+    ``kv_bytes_per_token`` sizes the host tier from ``host_cache_size`` bytes."""
+    kv_config = config.kv_cache_config
+    num_blocks = kv_config.resolve_num_blocks(default_num_blocks(config))
+    storage = None
+    if model is not None:
+        block_shape = model.kv_cache_shape(1, kv_config.tokens_per_block)[1:]
+        dtype = model.config.torch_dtype
+        bytes_per_block = KVCacheStorage.bytes_per_block(model.config.num_layers, block_shape, dtype)
+    elif kv_config.host_cache_size and not kv_bytes_per_token:
+        raise ValueError("host_cache_size needs the model's KV bytes per token to size the host tier")
+    else:
+        bytes_per_block = (kv_bytes_per_token or 0) * kv_config.tokens_per_block
+    num_host_blocks = kv_config.host_cache_size // bytes_per_block if kv_config.host_cache_size else 0
+    if model is not None:
+        storage = KVCacheStorage(
+            num_layers=model.config.num_layers,
+            num_blocks=num_blocks,
+            num_host_blocks=num_host_blocks,
+            block_shape=block_shape,
+            dtype=dtype,
+        )
+    return KVCacheManager(
+        kv_config,
+        num_blocks=num_blocks,
+        num_host_blocks=num_host_blocks,
+        storage=storage,
+        block_hash=block_hash,
+        token_budget=token_budget,
+    )
+
+
+def create_py_executor(
+    config: ExecutorConfig,
+    *,
+    model: LlamaForCausalLM | None = None,
+    engine_factory: EngineFactory | None = None,
+    sampler: Sampler | None = None,
+    kv_bytes_per_token: int | None = None,
+    clock: Callable[[], float] = time.monotonic,
+    block_hash: Callable[[BlockTokens], int] = hash,
+) -> PyExecutor:
+    """A torch executor (``model``) or one whose engine ``engine_factory`` builds (simulation)."""
+    if (model is None) == (engine_factory is None):
+        raise ValueError("give exactly one of model (torch engine) or engine_factory")
+    token_budget = make_token_budget_policy(
+        config.token_budget_policy,
+        config.max_num_tokens,
+        enable_chunked_prefill=config.enable_chunked_prefill,
+        tokens_per_block=config.kv_cache_config.tokens_per_block,
+    )
+    kv = create_kv_cache_manager(
+        config, token_budget, model=model, kv_bytes_per_token=kv_bytes_per_token, block_hash=block_hash
+    )
+    if model is not None:
+        engine: ModelEngine = TorchModelEngine(model, config.max_num_tokens, kv, token_budget)
+        sampler = sampler or TorchSampler()
+    else:
+        engine = engine_factory(kv, token_budget)
+        if sampler is None:
+            raise ValueError("a simulated engine needs its sampler")
+    scheduler = SimpleScheduler(
+        CapacityScheduler(config.capacity_scheduler_policy, kv),
+        MicroBatchScheduler(config, kv, token_budget),
+    )
+    return PyExecutor(
+        config=config,
+        scheduler=scheduler,
+        resource_manager=ResourceManager({KV_CACHE_MANAGER: kv}),
+        model_engine=engine,
+        sampler=sampler,
+        clock=clock,
+    )

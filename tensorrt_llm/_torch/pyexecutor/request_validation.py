@@ -1,0 +1,58 @@
+"""Submission-time checks: a request the executor could never serve fails alone, with a reason."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tensorrt_llm._torch.pyexecutor.errors import InvalidRequestError
+from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequest
+
+
+@dataclass(frozen=True, slots=True)
+class RequestLimits:
+    max_seq_len: int
+    max_num_tokens: int
+    enable_chunked_prefill: bool
+    vocab_size: int
+    max_beam_width: int
+    supports_draft_tokens: bool
+    num_kv_blocks: int
+
+
+def validate_request(request: LlmRequest, limits: RequestLimits, blocks_needed: int) -> None:
+    """Raise InvalidRequestError naming the problem; ``blocks_needed`` is the request's KV at completion."""
+    rid = request.request_id
+    prompt_len = request.prompt_len
+    if prompt_len == 0:
+        raise InvalidRequestError(f"request {rid}: the prompt is empty")
+    if request.max_new_tokens < 1:
+        raise InvalidRequestError(f"request {rid}: max_tokens must be >= 1, got {request.max_new_tokens}")
+    bad = next((t for t in request.tokens if not isinstance(t, int) or not 0 <= t < limits.vocab_size), None)
+    if bad is not None:
+        raise InvalidRequestError(f"request {rid}: token id {bad!r} is outside the vocabulary [0, {limits.vocab_size})")
+    if prompt_len > limits.max_seq_len:
+        raise InvalidRequestError(f"request {rid}: prompt length {prompt_len} exceeds max_seq_len {limits.max_seq_len}")
+    if prompt_len + request.max_new_tokens > limits.max_seq_len:
+        raise InvalidRequestError(
+            f"request {rid}: prompt length {prompt_len} + max_tokens {request.max_new_tokens}"
+            f" exceeds max_seq_len {limits.max_seq_len}"
+        )
+    drafts = max(request.max_draft_len, request.num_draft_tokens)
+    if not limits.enable_chunked_prefill and prompt_len + drafts > limits.max_num_tokens:
+        raise InvalidRequestError(
+            f"request {rid}: prompt length {prompt_len} exceeds max_num_tokens {limits.max_num_tokens}"
+            " and chunked prefill is off"
+        )
+    if not 1 <= request.beam_width <= limits.max_beam_width:
+        raise InvalidRequestError(
+            f"request {rid}: beam width {request.beam_width} is not implemented by this engine"
+            f" (supported: 1..{limits.max_beam_width})"
+        )
+    if drafts and not limits.supports_draft_tokens:
+        raise InvalidRequestError(f"request {rid}: draft tokens (speculative decoding) are not supported by this engine")
+    if max(request.beam_width, 1 + drafts) > limits.max_num_tokens:
+        raise InvalidRequestError(f"request {rid}: one generation step needs more than max_num_tokens positions")
+    if blocks_needed > limits.num_kv_blocks:
+        raise InvalidRequestError(
+            f"request {rid}: needs {blocks_needed} KV blocks at completion, the pool has {limits.num_kv_blocks}"
+        )

@@ -1,0 +1,61 @@
+"""Samplers: turn a forward's logits into each request's next token(s)."""
+
+from __future__ import annotations
+
+import abc
+
+import torch
+
+from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequest, SamplingConfig
+from tensorrt_llm._torch.pyexecutor.model_engine import ForwardOutput
+
+
+class Sampler(abc.ABC):
+    @abc.abstractmethod
+    def sample(self, request: LlmRequest, output: ForwardOutput) -> list[int]:
+        """Tokens to append to ``request`` (at least one) after a forward in which it sampled."""
+
+    def release(self, request: LlmRequest) -> None:
+        """Forget per-request state (random generators) of a finished request."""
+
+
+class TorchSampler(Sampler):
+    """Greedy, or temperature / top-k / top-p with a per-request seeded generator."""
+
+    def __init__(self) -> None:
+        self._generators: dict[int, torch.Generator] = {}
+
+    def sample(self, request: LlmRequest, output: ForwardOutput) -> list[int]:
+        logits = output.logits[request.request_id]  # (vocab,)
+        config = request.sampling_config
+        if config.is_greedy:
+            return [int(torch.argmax(logits))]
+        probs = self._filtered_probs(logits.double(), config)  # (vocab,)
+        return [int(torch.multinomial(probs, 1, generator=self._generator(request)))]
+
+    def release(self, request: LlmRequest) -> None:
+        self._generators.pop(request.request_id, None)
+
+    def _generator(self, request: LlmRequest) -> torch.Generator:
+        generator = self._generators.get(request.request_id)
+        if generator is None:
+            seed = request.sampling_config.seed
+            generator = torch.Generator()
+            generator.manual_seed(seed if seed is not None else request.request_id)
+            self._generators[request.request_id] = generator
+        return generator
+
+    @staticmethod
+    def _filtered_probs(logits: torch.Tensor, config: SamplingConfig) -> torch.Tensor:
+        logits = logits / config.temperature
+        if config.top_k:
+            kth = torch.topk(logits, min(config.top_k, logits.numel())).values[-1]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        probs = torch.softmax(logits, dim=-1)
+        if config.top_p < 1.0:
+            sorted_probs, order = torch.sort(probs, descending=True)
+            # keep the smallest prefix whose mass reaches top_p (the first token always stays)
+            drop = torch.cumsum(sorted_probs, dim=-1) - sorted_probs >= config.top_p
+            sorted_probs[drop] = 0.0
+            probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+        return probs / probs.sum()

@@ -1,0 +1,46 @@
+"""Per-iteration statistics: what was scheduled, what ran, what was deferred, what overshot."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass(slots=True)
+class IterationStats:
+    """One executor iteration. Token counts are positions in the forward pass.
+
+    ``scheduled_tokens`` is what the scheduler charged (reuse discounted where the policy
+    discounts); ``forward_tokens`` is what ``_prepare_tp_inputs`` built, also for a batch
+    that then failed its budget check (0 when nothing was built); ``overshoot`` is how far
+    such a batch went past ``max_num_tokens`` (it failed with TokenBudgetExceeded).
+    """
+
+    iteration: int
+    start_time: float
+    end_time: float = 0.0
+    max_num_tokens: int = 0
+    num_active_requests: int = 0
+    num_context_requests: int = 0
+    num_generation_requests: int = 0
+    num_paused_requests: int = 0
+    scheduled_tokens: int = 0
+    forward_tokens: int = 0
+    num_budget_deferrals: int = 0
+    budget_deferred_tokens: int = 0
+    num_capacity_deferrals: int = 0
+    overshoot: int = 0
+    reuse_estimated_tokens: int = 0
+    reuse_claimed_tokens: int = 0
+    num_failed_requests: int = 0
+    error: str | None = None
+
+    @property
+    def budget_utilization(self) -> float:
+        return self.forward_tokens / self.max_num_tokens if self.max_num_tokens else 0.0
+
+    @property
+    def busy(self) -> bool:
+        return self.forward_tokens > 0
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "budget_utilization": self.budget_utilization}
