@@ -79,6 +79,7 @@ class PyExecutor:
         )
         self.active_requests: list[LlmRequest] = []
         self.iteration_stats: list[IterationStats] = []
+        self.last_scheduled: ScheduledRequests | None = None  # the latest iteration's batch, for inspection
         self.num_budget_violations = 0
         self.num_failed_batches = 0
         self.last_error: str | None = None
@@ -123,7 +124,7 @@ class PyExecutor:
         self._handle_cancellations()
         if not self.active_requests:
             return None
-        scheduled = self.scheduler.schedule_request(self.active_requests)
+        scheduled = self.last_scheduled = self.scheduler.schedule_request(self.active_requests)
         self._pause(scheduled.paused_requests)
         stats = IterationStats(self._iteration, self.clock(), max_num_tokens=self.config.max_num_tokens)
         self._iteration += 1
