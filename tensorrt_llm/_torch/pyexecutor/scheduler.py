@@ -137,8 +137,10 @@ class MicroBatchScheduler:
     def _largest_chunk(self, request: LlmRequest, budget: int) -> int:
         """The largest allowed chunk whose charge fits ``budget`` (charges grow with the chunk)."""
         remaining = request.context_remaining_length
-        if not self.chunked or self._charge(request, remaining) <= budget:
-            return remaining if self._charge(request, remaining) <= budget else 0
+        if self._charge(request, remaining) <= budget:
+            return remaining
+        if not self.chunked:
+            return 0
         lo, hi = 0, (remaining - 1) // self.unit  # multiples of the unit strictly below the remainder
         while lo < hi:
             mid = (lo + hi + 1) // 2
@@ -149,11 +151,14 @@ class MicroBatchScheduler:
         return lo * self.unit
 
     def _first_come_first_served(self, contexts: list[LlmRequest], budget: int, scheduled: ScheduledRequests) -> None:
+        blocked = False
         for request in contexts:
-            chunk = self._largest_chunk(request, budget)
+            chunk = 0 if blocked else self._largest_chunk(request, budget)
             if chunk == 0:
+                # The oldest context request that does not fit waits; nobody overtakes it.
+                blocked = True
                 request.context_chunk_size = 0
-                break  # the oldest context request waits for budget; nobody overtakes it
+                continue
             charge = self._charge(request, chunk)
             budget -= charge
             scheduled.context_requests.append(request)
