@@ -34,12 +34,18 @@ if TYPE_CHECKING:
 
 @dataclass(slots=True)
 class BudgetDecision:
-    """Outcome of one re-check; ``costs`` holds the full forward cost charged to each request."""
+    """Outcome of one re-check, in charge order."""
 
     admitted: list[LlmRequest] = field(default_factory=list)
     deferred: list[LlmRequest] = field(default_factory=list)
-    costs: dict[int, int] = field(default_factory=dict)
     remaining_budget: int = 0
+
+    def charge(self, request: LlmRequest, cost: int) -> None:
+        if cost <= self.remaining_budget:
+            self.remaining_budget -= cost
+            self.admitted.append(request)
+        else:
+            self.deferred.append(request)
 
 
 def recheck_remaining_budget(
@@ -49,19 +55,22 @@ def recheck_remaining_budget(
 
     Pure: it reads the batch and the KV manager and changes neither; the caller defers.
     """
-    allocated = kv_cache_manager.is_allocated
-    first_chunks = [r for r in scheduled.context_requests if not allocated(r)]
-    later_chunks = [r for r in scheduled.context_requests if allocated(r)]
+    first_chunks: list[LlmRequest] = []
+    fixed = list(scheduled.generation_requests)  # costs that allocation cannot change
+    for request in scheduled.context_requests:
+        (fixed if kv_cache_manager.is_allocated(request) else first_chunks).append(request)
     # sorted() is stable: scheduler order is kept within each priority class.
     first_chunks.sort(key=lambda r: not r.py_budget_deferred)
 
     decision = BudgetDecision(remaining_budget=max_num_tokens)
-    for request in (*scheduled.generation_requests, *later_chunks, *first_chunks):
-        cost = forward_cost(request, reuse_can_shift=kv_cache_manager.reuse_can_shift(request))
-        decision.costs[request.request_id] = cost
-        if cost <= decision.remaining_budget:
-            decision.remaining_budget -= cost
-            decision.admitted.append(request)
-        else:
-            decision.deferred.append(request)
+    fixed_cost = sum(map(forward_cost, fixed))
+    if fixed_cost <= max_num_tokens:  # the usual case, in one pass: the scheduler charged these exactly
+        decision.admitted.extend(fixed)
+        decision.remaining_budget -= fixed_cost
+    else:
+        for request in fixed:
+            decision.charge(request, forward_cost(request))
+    reuse_can_shift = kv_cache_manager.enable_block_reuse  # true of every first chunk when reuse is on
+    for request in first_chunks:
+        decision.charge(request, forward_cost(request, reuse_can_shift=reuse_can_shift))
     return decision

@@ -18,7 +18,9 @@ first-draft generation                 ``1 + max_draft_len``
 
 from __future__ import annotations
 
-from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequest
+from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequest, LlmRequestState
+
+_CONTEXT_INIT = LlmRequestState.CONTEXT_INIT
 
 
 def forward_cost(request: LlmRequest, *, reuse_can_shift: bool = False) -> int:
@@ -29,12 +31,15 @@ def forward_cost(request: LlmRequest, *, reuse_can_shift: bool = False) -> int:
     and never lengthens it, but it can turn the chunk into the last one, which then
     carries the draft tokens. Without reuse materialising, the bound is exact.
     """
-    if request.is_context_init_state:
-        chunk = min(request.context_chunk_size, request.context_remaining_length)
-        carries_drafts = request.is_last_context_chunk or reuse_can_shift
-        return chunk + (request.num_draft_tokens if carries_drafts else 0)
+    # Plain attribute reads, no properties: this runs for every request in every iteration.
+    if request.state is _CONTEXT_INIT:
+        remaining = request.prompt_len - request.context_current_position
+        chunk = min(request._context_chunk_size, remaining)
+        if request.py_draft_tokens and (reuse_can_shift or chunk >= remaining):
+            return chunk + len(request.py_draft_tokens)
+        return chunk
     if request.is_first_draft:
         return 1 + request.max_draft_len
     if request.py_draft_tokens:
-        return 1 + request.num_draft_tokens
+        return 1 + len(request.py_draft_tokens)
     return request.beam_width

@@ -149,12 +149,12 @@ class RecheckTokenBudget(TokenBudgetPolicy):
     def before_allocation(self, scheduled: "ScheduledRequests", kv_cache_manager: "KVCacheManager") -> None:
         decision = recheck_remaining_budget(scheduled, self.max_num_tokens, kv_cache_manager)
         for request in decision.admitted:
-            request.consecutive_budget_deferrals = 0
+            if request.consecutive_budget_deferrals:
+                request.consecutive_budget_deferrals = 0
         for request in decision.deferred:
             logger.debug(
-                "request %d deferred: full cost %d > remaining budget %d",
+                "request %d deferred: its full cost does not fit the remaining budget %d",
                 request.request_id,
-                decision.costs[request.request_id],
                 decision.remaining_budget,
             )
             scheduled.defer(request, DeferReason.BUDGET)
