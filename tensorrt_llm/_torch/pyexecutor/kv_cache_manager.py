@@ -244,7 +244,9 @@ class KVCacheManager:
         total = self.blocks_for_tokens(request, needed_len)
         to_onboard = sum(1 for block in chain if block.block_id is None)
         if total - len(chain) + to_onboard > self.pool.available:
-            for block in (*chain, *([partial] if partial else [])):
+            # Leaves first, as free_resources does: a root released after its leaves stays
+            # younger in LRU, so one eviction cannot drop the whole cached prefix.
+            for block in reversed((*chain, *([partial] if partial else []))):
                 self.pool.decref(block)
             return False
         for block in chain:
