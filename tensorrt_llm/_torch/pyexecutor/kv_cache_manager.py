@@ -145,6 +145,13 @@ class KVCacheManager:
         request.estimated_reusable_tokens = estimate
         return estimate
 
+    def num_shared_blocks(self, request: LlmRequest) -> int:
+        """Prompt blocks a first-chunk claim would share with started requests (held: no pool slot)."""
+        if not self.enable_block_reuse or request.request_id in self._sequences:
+            return 0
+        keys = self._prompt_keys(request)[: (request.prompt_len - 1) // self.tokens_per_block]
+        return sum(1 for block in self.pool.match(keys) if block.ref_count > 0)
+
     # ---- lifecycle ------------------------------------------------------------------
     def prepare_resources(self, scheduled: "ScheduledRequests") -> None:
         """Re-check the budget, then allocate the admitted requests one after another."""

@@ -32,9 +32,11 @@ class CapacityScheduler:
     ``GUARANTEED_NO_EVICT`` reserves every started request's blocks to completion and
     admits new ones (oldest first) while their blocks to completion fit. ``MAX_UTILIZATION``
     reserves one step at a time and, when a started request cannot get its next step,
-    pauses the most recently started one. Both credit a new request with its estimated
-    reusable blocks, as upstream does; when that reuse is evicted before allocation, the
-    KV manager defers the request (it never crashes).
+    pauses the most recently started one. Both credit a new request only with the reusable
+    prompt blocks that started requests already hold: a cached, unreferenced block that a
+    claim pins leaves the pool's available count just as a fresh block does, so crediting
+    upstream's whole estimate over-admits, and GUARANTEED_NO_EVICT, which never pauses,
+    then deadlocks with every started request waiting for a block.
     """
 
     def __init__(self, policy: CapacitySchedulerPolicy, kv_cache_manager: KVCacheManager) -> None:
@@ -50,8 +52,8 @@ class CapacityScheduler:
         return self._max_utilization(started, waiting)
 
     def _new_request_blocks(self, request: LlmRequest, num_tokens: int) -> int:
-        reusable_blocks = self.kv.estimate_reusable_tokens(request) // self.kv.tokens_per_block
-        return max(0, self.kv.blocks_for_tokens(request, num_tokens) - reusable_blocks)
+        self.kv.estimate_reusable_tokens(request)  # upstream's estimate: the micro-batch discount reads it
+        return max(0, self.kv.blocks_for_tokens(request, num_tokens) - self.kv.num_shared_blocks(request))
 
     def _guaranteed_no_evict(self, started: list[LlmRequest], waiting: list[LlmRequest]) -> CapacityDecision:
         available = self.kv.pool.available
