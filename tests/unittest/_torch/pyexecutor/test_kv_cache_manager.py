@@ -1,0 +1,489 @@
+"""KVCacheManager: reuse estimate vs claim, partial reuse, LRU eviction, host tier,
+hash collisions, all-or-nothing allocation and the leak oracle.
+
+The tests play the scheduler and the engine by hand: a chunk is scheduled by setting
+``context_chunk_size``, allocated by ``prepare_resources``, "computed" by moving to the
+next chunk and calling ``update_resources``. Where tensors matter, the manager is built
+for the real model and block contents are written and read directly.
+"""
+
+import random
+
+import pytest
+import torch
+from factories import make_config, make_request, make_sim_executor
+from invariants import ExecutorChecker
+
+from tensorrt_llm._torch.models.modeling_llama import LlamaConfig, LlamaForCausalLM
+from tensorrt_llm._torch.pyexecutor.config import ExecutorConfig, KvCacheConfig
+from tensorrt_llm._torch.pyexecutor.kv_cache_manager import KVCacheManager
+from tensorrt_llm._torch.pyexecutor.kv_storage import KVCacheStorage
+from tensorrt_llm._torch.pyexecutor.llm_request import DeferReason, LlmRequestState
+from tensorrt_llm._torch.pyexecutor.py_executor_creator import create_kv_cache_manager
+from tensorrt_llm._torch.pyexecutor.scheduled_requests import ScheduledRequests
+from tensorrt_llm._torch.pyexecutor.token_budget import make_token_budget_policy
+
+TPB = 4
+
+
+# ---- helpers ------------------------------------------------------------------------
+def manager(num_blocks=16, *, partial=True, host_blocks=0, block_hash=hash) -> KVCacheManager:
+    """Bookkeeping-only manager with no token-budget policy: allocation alone is under test."""
+    config = KvCacheConfig(tokens_per_block=TPB, enable_partial_reuse=partial)
+    return KVCacheManager(config, num_blocks=num_blocks, num_host_blocks=host_blocks, block_hash=block_hash)
+
+
+FLOAT64_MODEL = LlamaConfig(dtype="float64")
+
+
+def tensor_manager(num_blocks=16, *, partial=True, host_blocks=0, block_hash=hash) -> KVCacheManager:
+    """A manager with real K/V tensors shaped for the float64 tiny model."""
+    model = LlamaForCausalLM(FLOAT64_MODEL)
+    block_shape = model.kv_cache_shape(1, TPB)[1:]
+    bytes_per_block = KVCacheStorage.bytes_per_block(FLOAT64_MODEL.num_layers, block_shape, torch.float64)
+    kv_config = KvCacheConfig(
+        tokens_per_block=TPB,
+        num_blocks=num_blocks,
+        enable_partial_reuse=partial,
+        host_cache_size=host_blocks * bytes_per_block,
+    )
+    config = ExecutorConfig(max_num_tokens=256, enable_chunked_prefill=True, kv_cache_config=kv_config)
+    policy = make_token_budget_policy(
+        config.token_budget_policy, config.max_num_tokens, enable_chunked_prefill=True, tokens_per_block=TPB
+    )
+    kv = create_kv_cache_manager(config, policy, model=model, block_hash=block_hash)
+    assert kv.pool.num_host_blocks == host_blocks
+    return kv
+
+
+def tokens(n, seed):
+    rng = random.Random(seed)
+    return [rng.randrange(1, 500) for _ in range(n)]
+
+
+def allocate(kv, request, chunk=None) -> ScheduledRequests:
+    """Schedule ``chunk`` tokens (default: the rest of the prompt) and run prepare_resources."""
+    request.context_chunk_size = request.context_remaining_length if chunk is None else chunk
+    scheduled = ScheduledRequests(context_requests=[request])
+    kv.prepare_resources(scheduled)
+    return scheduled
+
+
+def compute(kv, request) -> None:
+    """Play the engine: the scheduled chunk's KV is now written."""
+    request.move_to_next_context_chunk()
+    kv.update_resources(ScheduledRequests(context_requests=[request]))
+
+
+def cache_prompt(kv, prompt):
+    """Prefill ``prompt`` and free it: its full blocks stay cached. Returns the block table it had."""
+    request = make_request(prompt)
+    allocate(kv, request)
+    assert kv.is_allocated(request)
+    table = kv.block_table(request)
+    compute(kv, request)
+    kv.free_resources(request)
+    return table
+
+
+def hold(kv, prompt):
+    """Allocate ``prompt`` and keep its blocks."""
+    request = make_request(prompt)
+    allocate(kv, request)
+    assert kv.is_allocated(request), "the test expected this allocation to succeed"
+    return request
+
+
+def estimate(kv, prompt) -> int:
+    return kv.estimate_reusable_tokens(make_request(prompt))
+
+
+def pools(storage):
+    return (*storage.k_cache, *storage.v_cache)
+
+
+def read_block(storage, block_id) -> torch.Tensor:
+    return torch.stack([pool[block_id] for pool in pools(storage)])  # (2 * layers, tpb, kv_heads, head_dim)
+
+
+def read_host_block(storage, host_id) -> torch.Tensor:
+    return torch.stack([pool[host_id] for pool in (*storage.k_host, *storage.v_host)])
+
+
+def write_random(storage, block_ids, seed) -> dict[int, torch.Tensor]:
+    """Play the engine with tensors: give each block distinct content; returns it by block id."""
+    gen = torch.Generator().manual_seed(seed)
+    written = {}
+    for block_id in block_ids:
+        for pool in pools(storage):
+            pool[block_id].copy_(torch.randn(pool[block_id].shape, generator=gen, dtype=pool.dtype))
+        written[block_id] = read_block(storage, block_id).clone()
+    return written
+
+
+# ---- estimate vs claim --------------------------------------------------------------
+@pytest.mark.parametrize(
+    "prompt_len, partial, estimated, claimed",
+    [
+        (8, False, 8, 4),  # whole-prompt hit: the estimate counts the last block, the claim stops at 7
+        (8, True, 8, 7),  # partial reuse copies 3 tokens of the last block
+        (9, False, 8, 8),  # one token past the cached blocks: estimate and claim agree
+        (12, True, 8, 8),  # a tail of one unmatched block: nothing partial to copy
+        (6, True, 4, 5),  # partial reuse claims more than the estimate counted
+    ],
+)
+def test_reuse_estimate_vs_claim(prompt_len, partial, estimated, claimed):
+    kv = manager(partial=partial)
+    base = tokens(12, seed=1)
+    cache_prompt(kv, base[:8])
+    request = make_request((base[:8] + tokens(8, seed=2))[:prompt_len] if prompt_len > 8 else base[:prompt_len])
+
+    assert kv.estimate_reusable_tokens(request) == estimated
+    assert request.estimated_reusable_tokens == estimated
+    allocate(kv, request)
+
+    [claim] = kv.last_claims
+    assert (claim.estimated_reusable_tokens, claim.reused_tokens) == (estimated, claimed)
+    assert request.prepopulated_prompt_len == request.context_current_position == claimed
+    assert request.context_chunk_size == prompt_len - claimed  # the rest of the prompt runs
+    assert kv.num_computed_tokens(request) == claimed
+    kv.check_integrity()
+
+
+def test_estimate_is_zero_with_reuse_off_and_once_allocated():
+    prompt = tokens(8, seed=3)
+    kv = KVCacheManager(KvCacheConfig(tokens_per_block=TPB, enable_block_reuse=False), num_blocks=8)
+    cache_prompt(kv, prompt)
+    assert kv.pool.num_cached == 0 and estimate(kv, prompt) == 0
+
+    kv = manager()
+    cache_prompt(kv, prompt)
+    request = make_request(prompt + [7])
+    assert kv.estimate_reusable_tokens(request) == 8
+    allocate(kv, request)
+    assert kv.estimate_reusable_tokens(request) == 0  # an allocated request reuses nothing more
+
+
+def test_non_last_chunk_window_shifts_and_stays_block_aligned():
+    kv = manager()
+    prompt = tokens(24, seed=4)
+    cache_prompt(kv, prompt[:10] + [0, 0])  # 3 full blocks; the third shares 2 tokens with prompt
+    request = make_request(prompt)
+    allocate(kv, request, chunk=8)
+    # 8 reused + partial reuse of 2 tokens = 10; the 8-token window shifts to [10, 18) and
+    # is floored to the block boundary 16 because it is not the last chunk.
+    assert request.context_current_position == 10
+    assert request.context_current_position + request.context_chunk_size == 16
+
+
+def test_partial_reuse_copies_the_matching_part_of_a_block():
+    kv = tensor_manager(partial=True)
+    base = tokens(8, seed=5)
+    source_table = hold_and_fill = hold(kv, base)
+    source_ids = kv.block_table(hold_and_fill)
+    written = write_random(kv.storage, source_ids, seed=0)
+    compute(kv, source_table)
+    kv.free_resources(source_table)
+
+    # Shares block 0 and the first two tokens of block 1.
+    request = make_request(base[:6] + tokens(3, seed=6))
+    allocate(kv, request)
+
+    assert request.prepopulated_prompt_len == 6
+    table = kv.block_table(request)
+    assert table[0] == source_ids[0]  # a full match is shared, not copied
+    assert table[1] != source_ids[1]  # a partial match is copied into a private block
+    copied = read_block(kv.storage, table[1])
+    torch.testing.assert_close(copied[:, :2], written[source_ids[1]][:, :2], rtol=0, atol=0)
+    # The source block is left cached and unchanged.
+    torch.testing.assert_close(read_block(kv.storage, source_ids[1]), written[source_ids[1]], rtol=0, atol=0)
+    assert kv.pool.num_cached == 1
+    kv.check_integrity()
+
+
+def test_no_copy_without_partial_reuse():
+    kv = tensor_manager(partial=False)
+    base = tokens(8, seed=5)
+    cache_prompt(kv, base)
+    request = make_request(base[:6] + tokens(3, seed=6))
+    allocate(kv, request)
+    assert request.prepopulated_prompt_len == 4
+    assert torch.count_nonzero(read_block(kv.storage, kv.block_table(request)[1])) == 0
+
+
+# ---- LRU eviction -------------------------------------------------------------------
+def test_eviction_takes_leaves_before_their_prefix_root():
+    kv = manager(num_blocks=4)
+    prompt = tokens(12, seed=7)
+    cache_prompt(kv, prompt)  # 3 cached blocks, 1 free
+    probe = prompt + [1]
+    assert estimate(kv, probe) == 12
+
+    hold(kv, tokens(8, seed=8))  # 1 free + 1 evicted
+    assert estimate(kv, probe) == 8  # the deepest block went, the prefix is intact
+    hold(kv, tokens(4, seed=9))
+    assert estimate(kv, probe) == 4
+    hold(kv, tokens(4, seed=10))
+    assert estimate(kv, probe) == 0
+    assert kv.pool.num_evictions == 3
+    kv.check_integrity()
+
+
+def test_eviction_takes_the_least_recently_used_prefix_first():
+    kv = manager(num_blocks=6)
+    a, b = tokens(8, seed=11), tokens(8, seed=12)
+    cache_prompt(kv, a)
+    cache_prompt(kv, b)
+    cache_prompt(kv, a + tokens(4, seed=13))  # reuses a's blocks: a is now more recent than b
+    assert kv.pool.num_cached == 5 and kv.pool.num_free == 1
+
+    hold(kv, tokens(12, seed=14))  # 1 free + 2 evicted
+    assert estimate(kv, b + [1]) == 0
+    assert estimate(kv, a + tokens(4, seed=13) + [1]) == 12
+    hold(kv, tokens(4, seed=15))  # next: the leaf under a, then a's own leaf
+    assert estimate(kv, a + tokens(4, seed=13) + [1]) == 8
+    hold(kv, tokens(4, seed=16))
+    assert estimate(kv, a + [1]) == 4
+
+
+def test_referenced_blocks_are_never_evicted():
+    kv = manager(num_blocks=4)
+    prompt = tokens(8, seed=17)
+    cache_prompt(kv, prompt)
+    user = hold(kv, prompt + tokens(4, seed=18))  # claims both cached blocks, takes 1 free
+    shared = kv.block_table(user)[:2]
+    assert kv.pool.available == 1
+    hold(kv, tokens(4, seed=19))
+    assert kv.pool.available == 0
+    request = make_request(tokens(4, seed=20))
+    scheduled = allocate(kv, request)
+    assert scheduled.deferred_requests == [(request, DeferReason.CAPACITY)]
+    assert kv.block_table(user)[:2] == shared
+
+
+# ---- host tier ----------------------------------------------------------------------
+def test_offload_then_onboard_restores_the_kv():
+    kv = tensor_manager(num_blocks=4, host_blocks=4)
+    a = tokens(8, seed=21)
+    first = hold(kv, a)
+    a_ids = kv.block_table(first)
+    a_kv = write_random(kv.storage, a_ids, seed=1)
+    compute(kv, first)
+    kv.free_resources(first)
+
+    b = tokens(16, seed=22)
+    second = hold(kv, b)  # 2 free + both of a's blocks evicted to the host tier
+    assert kv.pool.num_offloads == 2 and kv.pool.num_host_cached == 2
+    b_ids = kv.block_table(second)
+    b_kv = write_random(kv.storage, b_ids, seed=2)  # overwrites a's old primary slots
+    compute(kv, second)
+    kv.free_resources(second)
+    assert (kv.pool.num_free, kv.pool.num_cached) == (0, 4)
+    assert estimate(kv, a + [1]) == 8  # host blocks still match
+
+    evictions = kv.pool.num_evictions
+    request = make_request(a + tokens(4, seed=23))
+    allocate(kv, request)
+
+    assert request.prepopulated_prompt_len == 8
+    assert kv.pool.num_onboards == 2
+    # No free slot: each onboard and the fresh block evicted one of b's cached blocks (to the host).
+    assert kv.pool.num_evictions == evictions + 3
+    assert (kv.pool.num_cached, kv.pool.num_host_cached) == (1, 3)
+    table = kv.block_table(request)
+    for block_id, original_id in zip(table[:2], a_ids):
+        torch.testing.assert_close(read_block(kv.storage, block_id), a_kv[original_id], rtol=0, atol=0)
+    kv.check_integrity()
+
+    # b's offloaded blocks come back intact too.
+    kv.free_resources(request)
+    again = make_request(b)
+    allocate(kv, again)
+    assert again.prepopulated_prompt_len == 12  # claim stops at prompt_len - 1: three blocks
+    for block_id, original_id in zip(kv.block_table(again)[:3], b_ids):
+        torch.testing.assert_close(read_block(kv.storage, block_id), b_kv[original_id], rtol=0, atol=0)
+    kv.check_integrity()
+
+
+def test_without_room_on_the_host_eviction_drops_the_block():
+    kv = manager(num_blocks=4, host_blocks=1)
+    a = tokens(8, seed=24)
+    cache_prompt(kv, a)
+    hold(kv, tokens(16, seed=25))
+    # The leaf was offloaded, then its prefix root took the only host slot and dropped it.
+    assert kv.pool.num_host_cached == 1
+    assert estimate(kv, a + [1]) == 4
+    kv.check_integrity()
+
+
+# ---- hash collisions ----------------------------------------------------------------
+def test_hash_collisions_never_reuse_the_wrong_kv():
+    kv = tensor_manager(block_hash=lambda block: 0)
+    a, b = tokens(8, seed=26), tokens(8, seed=27)
+    tables, contents = {}, {}
+    for name, prompt, seed in (("a", a, 3), ("b", b, 4)):
+        request = hold(kv, prompt)
+        tables[name] = kv.block_table(request)
+        contents.update(write_random(kv.storage, tables[name], seed=seed))
+        compute(kv, request)
+        kv.free_resources(request)
+    assert kv.pool.num_cached == 4  # same hash, different tokens: both cached
+
+    unrelated = tokens(8, seed=28)
+    assert estimate(kv, unrelated + [1]) == 0
+    request = make_request(b + [1])
+    assert kv.estimate_reusable_tokens(request) == 8
+    allocate(kv, request)
+    assert kv.block_table(request)[:2] == tables["b"]
+    for block_id in tables["b"]:
+        torch.testing.assert_close(read_block(kv.storage, block_id), contents[block_id], rtol=0, atol=0)
+
+    stranger = make_request(unrelated + [1])
+    allocate(kv, stranger)
+    assert stranger.prepopulated_prompt_len == 0
+    assert not set(kv.block_table(stranger)) & set(tables["a"] + tables["b"])
+
+
+def test_hash_collisions_with_partial_reuse_match_by_tokens():
+    kv = manager(block_hash=lambda block: 0)
+    a, b = tokens(4, seed=29), tokens(4, seed=30)
+    table_a = cache_prompt(kv, a + [1])
+    table_b = cache_prompt(kv, b + [1])
+    request = make_request(b[:3] + [499, 498])
+    allocate(kv, request)
+    assert request.prepopulated_prompt_len == 3
+    assert kv.block_table(request)[0] not in (table_a[0], table_b[0])  # a private copy
+
+
+def test_concurrent_commit_of_the_same_content_keeps_one_copy():
+    kv = manager()
+    prompt = tokens(8, seed=31)
+    first, second = make_request(prompt + [1]), make_request(prompt + [1])
+    allocate(kv, first)
+    allocate(kv, second)  # nothing cached yet: both compute the same blocks
+    compute(kv, first)
+    compute(kv, second)
+    assert kv.block_table(first)[:2] == kv.block_table(second)[:2]  # the second adopted the first's
+    kv.free_resources(first)
+    kv.free_resources(second)
+    assert kv.pool.num_cached == 2
+    kv.check_integrity()
+
+
+# ---- all-or-nothing allocation ------------------------------------------------------
+def counts(kv):
+    pool = kv.pool
+    return pool.num_free, pool.num_cached, pool.num_host_cached, pool.num_evictions, pool.num_onboards
+
+
+@pytest.mark.parametrize("shared", [8, 6], ids=["full-blocks", "with-partial"])
+def test_allocation_is_all_or_nothing(shared):
+    kv = manager(num_blocks=6)
+    a = tokens(8, seed=33)
+    cache_prompt(kv, a)
+    hold(kv, tokens(12, seed=34))  # 1 free, 2 cached
+    before = counts(kv)
+
+    # Pins what it shares with a (a partly matching block too), then needs 3 or 4 fresh blocks.
+    request = make_request(a[:shared] + [0] * 12)
+    scheduled = allocate(kv, request)
+
+    assert scheduled.deferred_requests == [(request, DeferReason.CAPACITY)]
+    assert scheduled.is_empty
+    assert not kv.is_allocated(request)
+    assert counts(kv) == before  # nothing stays claimed
+    assert all(block.ref_count == 0 for block in kv.pool._lru)
+    assert (request.context_current_position, request.prepopulated_prompt_len) == (0, 0)
+    assert request.num_capacity_deferrals == 1
+    assert kv.last_claims == []
+    kv.check_integrity()
+
+    # Releasing the claim kept leaves before roots: the next eviction takes a's leaf only.
+    hold(kv, tokens(8, seed=48))  # the free block + 1 eviction
+    assert estimate(kv, a + [1]) == 4
+
+
+def test_host_blocks_to_onboard_count_against_the_pool():
+    kv = manager(num_blocks=4, host_blocks=4)
+    a = tokens(8, seed=35)
+    cache_prompt(kv, a)
+    cache_prompt(kv, tokens(16, seed=36))  # a's blocks are offloaded; 4 cached primary
+    hold(kv, tokens(4, seed=37))  # evicts one more: 3 primary slots available
+    before = counts(kv)
+    request = make_request(a + tokens(4, seed=38))  # 2 to onboard + 1 fresh = 3: fits
+    allocate(kv, request)
+    assert kv.is_allocated(request)
+
+    kv.free_resources(request)
+    hold(kv, tokens(4, seed=39))
+    bigger = make_request(a + tokens(8, seed=40))  # 2 onboard + 2 fresh > what is left
+    before = counts(kv)
+    scheduled = allocate(kv, bigger)
+    assert scheduled.deferred_requests == [(bigger, DeferReason.CAPACITY)]
+    assert counts(kv) == before
+    kv.check_integrity()
+
+
+def test_generation_step_without_a_block_is_deferred_and_keeps_its_blocks():
+    kv = manager(num_blocks=3)
+    request = make_request(tokens(8, seed=41), max_new_tokens=8)
+    allocate(kv, request)
+    compute(kv, request)
+    request.state = LlmRequestState.GENERATION_IN_PROGRESS
+    request.add_new_token(5)  # position 8 needs a third block
+    hold(kv, tokens(4, seed=42))
+    held = kv.block_table(request)
+
+    scheduled = ScheduledRequests(generation_requests=[request])
+    kv.prepare_resources(scheduled)
+    assert scheduled.deferred_requests == [(request, DeferReason.CAPACITY)]
+    assert kv.block_table(request) == held
+    kv.check_integrity()
+
+
+def test_one_failed_allocation_leaves_the_others_in_the_batch():
+    kv = manager(num_blocks=4)
+    small, big = make_request(tokens(8, seed=43)), make_request(tokens(12, seed=44))
+    for request in (small, big):
+        request.context_chunk_size = request.prompt_len
+    scheduled = ScheduledRequests(context_requests=[small, big])
+    kv.prepare_resources(scheduled)
+    assert scheduled.context_requests == [small]
+    assert scheduled.deferred_requests == [(big, DeferReason.CAPACITY)]
+    assert kv.num_held_blocks(small) == 2 and not kv.is_allocated(big)
+    kv.check_integrity()
+
+
+# ---- the leak oracle ----------------------------------------------------------------
+def test_drain_leaves_every_block_free_or_cached():
+    rng = random.Random(0)
+    executor = make_sim_executor(make_config(num_blocks=40, host_blocks=8, max_num_tokens=32))
+    checker = ExecutorChecker(executor)
+    shared = tokens(24, seed=45)
+    for i in range(40):
+        prompt = shared[: rng.randrange(4, 24)] + tokens(rng.randrange(1, 20), seed=100 + i)
+        checker.submit(make_request(prompt, max_new_tokens=rng.randrange(1, 6)))
+        if i % 3 == 0:
+            checker.step()
+    checker.drain()  # calls check_integrity and checks free + cached == total
+    pool = executor.kv_cache_manager.pool
+    assert pool.num_free + pool.num_cached == pool.num_blocks
+    assert pool.num_cached > 0  # something was kept for reuse
+    assert sum(s.reuse_claimed_tokens for s in executor.iteration_stats) > 0
+
+
+def test_leak_oracle_catches_a_leaked_block():
+    kv = manager(num_blocks=4)
+    cache_prompt(kv, tokens(8, seed=46))
+    kv.check_integrity()
+    kv.pool._free.pop()  # a slot that is neither free, cached nor held
+    with pytest.raises(AssertionError, match="leak"):
+        kv.check_integrity()
+
+
+def test_leak_oracle_catches_a_block_in_two_sets():
+    kv = manager(num_blocks=4)
+    cache_prompt(kv, tokens(8, seed=47))
+    kv.pool._free.append(next(iter(kv.pool._lru)).block_id)
+    with pytest.raises(AssertionError):
+        kv.check_integrity()

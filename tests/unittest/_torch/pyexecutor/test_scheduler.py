@@ -1,0 +1,346 @@
+"""Two-stage scheduling: upstream's reuse-discounted charge, generation charges per policy,
+FCFS / EQUAL_PROGRESS chunking under max_num_tokens, max_batch_size, and the capacity
+policies (GUARANTEED_NO_EVICT reserves to completion; MAX_UTILIZATION pauses)."""
+
+import random
+
+import pytest
+from factories import make_config, make_kv_cache_manager, make_request, make_sim_executor
+from invariants import ExecutorChecker
+
+from tensorrt_llm._torch.pyexecutor.config import CapacitySchedulerPolicy
+from tensorrt_llm._torch.pyexecutor.forward_cost import forward_cost
+from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequestState
+from tensorrt_llm._torch.pyexecutor.scheduled_requests import ScheduledRequests
+from tensorrt_llm._torch.pyexecutor.scheduler import CapacityScheduler, MicroBatchScheduler
+from tensorrt_llm._torch.pyexecutor.token_budget import make_token_budget_policy, reuse_discounted_charge
+
+POLICIES = ["none", "trim", "fit", "recheck"]
+
+
+def micro_batch(**config_overrides):
+    config = make_config(**config_overrides)
+    kv = make_kv_cache_manager(config)
+    return MicroBatchScheduler(config, kv, kv.token_budget), kv
+
+
+def generation(request, *, tokens=1):
+    """Move ``request`` past its context as the executor would (without KV)."""
+    request.context_chunk_size = request.prompt_len
+    request.move_to_next_context_chunk()
+    request.state = LlmRequestState.GENERATION_IN_PROGRESS
+    for _ in range(tokens):
+        request.add_new_token(7)
+    return request
+
+
+def prefill(kv, request):
+    """Allocate and 'compute' ``request``'s whole prompt, leaving it in generation."""
+    request.context_chunk_size = request.prompt_len
+    scheduled = ScheduledRequests(context_requests=[request])
+    kv.prepare_resources(scheduled)
+    assert kv.is_allocated(request)
+    request.move_to_next_context_chunk()
+    request.state = LlmRequestState.GENERATION_IN_PROGRESS
+    request.add_new_token(7)
+    kv.update_resources(scheduled)
+
+
+# ---- upstream's reuse-discounted charge (DESIGN.md §1) ------------------------------
+@pytest.mark.parametrize(
+    "chunk, remaining, reusable, charge",
+    [
+        (8, 20, 0, 8),  # no reuse expected: the chunk
+        (8, 20, -4, 8),
+        (8, 20, 4, 8),  # 4 + 8 < 20: a non-last chunk shifts, it does not shrink
+        (8, 20, 11, 8),  # 19 < 20: still not the last chunk
+        (8, 20, 12, 8),  # 12 + 8 == 20: last chunk, remaining - reusable = 8
+        (12, 20, 12, 8),
+        (20, 20, 16, 4),
+        (5, 20, 16, 4),  # the discount can make a charge smaller than the chunk
+        (20, 20, 20, 1),  # fully cached: charged 0, floored to 1
+        (20, 20, 28, 1),  # an estimate past the prompt never goes negative
+        (0, 20, 0, 1),
+        (1, 1, 0, 1),
+    ],
+)
+def test_reuse_discounted_charge(chunk, remaining, reusable, charge):
+    assert reuse_discounted_charge(chunk, remaining, reusable) == charge
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_context_charge_uses_the_estimate_only_before_allocation(policy):
+    config = make_config(token_budget_policy=policy)
+    kv = make_kv_cache_manager(config)
+    prompt = make_request(prompt_len=16).input_token_ids
+    cached = make_request(prompt)
+    prefill(kv, cached)
+    kv.free_resources(cached)
+
+    request = make_request(prompt + [3, 4])
+    kv.estimate_reusable_tokens(request)
+    assert request.estimated_reusable_tokens == 16
+    request.context_chunk_size = 18
+    assert kv.token_budget.context_charge(request, kv) == 2  # every policy discounts at first admission
+
+    request.py_budget_deferred = True  # a request deferred earlier owes its full cost under recheck
+    assert kv.token_budget.context_charge(request, kv) == (18 if policy == "recheck" else 2)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize(
+    "beam_width, drafts, first_draft, max_draft_len",
+    [(1, 0, False, 0), (3, 0, False, 0), (1, 2, False, 2), (1, 0, True, 4), (1, 2, True, 4)],
+    ids=["plain", "beams", "drafts", "first-draft", "first-draft-with-drafts"],
+)
+def test_generation_charge(policy, beam_width, drafts, first_draft, max_draft_len):
+    budget = make_token_budget_policy(policy, 64, enable_chunked_prefill=True, tokens_per_block=4)
+    request = generation(
+        make_request(prompt_len=5, beam_width=beam_width, max_draft_len=max_draft_len, is_first_draft=first_draft)
+    )
+    request.py_draft_tokens = [9] * drafts
+    if policy == "recheck":
+        assert budget.generation_charge(request) == forward_cost(request)
+    else:
+        assert budget.generation_charge(request) == beam_width + drafts
+
+
+def test_upstream_undercharges_a_first_draft_request():
+    request = generation(make_request(prompt_len=5, max_draft_len=4, is_first_draft=True))
+    upstream = make_token_budget_policy("none", 64, enable_chunked_prefill=True, tokens_per_block=4)
+    ours = make_token_budget_policy("recheck", 64, enable_chunked_prefill=True, tokens_per_block=4)
+    assert (upstream.generation_charge(request), ours.generation_charge(request)) == (1, 5)
+
+
+# ---- chunking -----------------------------------------------------------------------
+def context_batch(prompt_lens):
+    return [make_request(prompt_len=n) for n in prompt_lens]
+
+
+def test_fcfs_gives_each_request_the_largest_chunk_that_fits():
+    scheduler, _ = micro_batch(max_num_tokens=16)
+    r1, r2, r3 = context_batch([10, 30, 2])
+    scheduled = scheduler.schedule([r1, r2, r3])
+    assert scheduled.context_requests == [r1, r2, r3]
+    assert [r.context_chunk_size for r in (r1, r2, r3)] == [10, 4, 2]  # 4 = the largest unit multiple <= 6
+    assert scheduled.scheduled_tokens == 16
+
+
+def test_fcfs_never_lets_a_later_request_overtake_one_that_did_not_fit():
+    scheduler, _ = micro_batch(max_num_tokens=16)
+    r1, r2, r3 = context_batch([13, 30, 2])
+    scheduled = scheduler.schedule([r1, r2, r3])
+    # 3 tokens are left: not a whole unit for r2, and r3 (2 tokens) must wait behind it.
+    assert scheduled.context_requests == [r1]
+    assert r2.context_chunk_size == 0 and r3.context_chunk_size == 0
+
+
+def test_without_chunked_prefill_a_prompt_runs_whole_or_waits():
+    scheduler, _ = micro_batch(max_num_tokens=16, enable_chunked_prefill=False)
+    r1, r2, r3 = context_batch([10, 10, 3])
+    scheduled = scheduler.schedule([r1, r2, r3])
+    assert scheduled.context_requests == [r1]
+    assert r1.context_chunk_size == 10
+
+
+def test_equal_progress_grows_every_request_one_unit_at_a_time():
+    scheduler, _ = micro_batch(max_num_tokens=16, context_chunking_policy="EQUAL_PROGRESS")
+    batch = context_batch([30, 30, 30])
+    scheduled = scheduler.schedule(batch)
+    assert [r.context_chunk_size for r in batch] == [8, 4, 4]
+    assert scheduled.scheduled_tokens == 16
+
+
+def test_equal_progress_finishes_short_prompts_with_a_partial_unit():
+    scheduler, _ = micro_batch(max_num_tokens=16, context_chunking_policy="EQUAL_PROGRESS")
+    batch = context_batch([6, 30])
+    scheduler.schedule(batch)
+    assert [r.context_chunk_size for r in batch] == [6, 8]
+
+
+def test_equal_progress_takes_the_rest_of_a_prompt_the_discount_covers():
+    scheduler, _ = micro_batch(max_num_tokens=16, context_chunking_policy="EQUAL_PROGRESS")
+    covered, other = context_batch([40, 40])
+    covered.estimated_reusable_tokens = 36  # only the last 4 tokens are charged
+    scheduled = scheduler.schedule([covered, other])
+    assert covered.context_chunk_size == 40
+    assert scheduled.charges[covered.request_id] == 4
+    assert other.context_chunk_size == 12
+
+
+@pytest.mark.parametrize("chunking", ["FIRST_COME_FIRST_SERVED", "EQUAL_PROGRESS"])
+@pytest.mark.parametrize("policy", ["none", "recheck"])
+def test_chunks_are_units_except_the_last_and_charges_fit_the_budget(chunking, policy):
+    rng = random.Random(hash((chunking, policy)) & 0xFFFF)
+    for _ in range(150):
+        max_num_tokens = rng.choice([8, 16, 24, 33, 64])
+        unit = rng.choice([4, 8])
+        if unit > max_num_tokens:
+            continue
+        scheduler, _ = micro_batch(
+            max_num_tokens=max_num_tokens,
+            chunk_unit_size=unit,
+            context_chunking_policy=chunking,
+            token_budget_policy=policy,
+        )
+        batch = context_batch([rng.randrange(1, 80) for _ in range(rng.randrange(1, 6))])
+        for request in batch:
+            if rng.random() < 0.3:
+                request.estimated_reusable_tokens = rng.randrange(0, request.prompt_len + 1) // 4 * 4
+        scheduled = scheduler.schedule(batch)
+        assert scheduled.scheduled_tokens <= max_num_tokens, scheduled
+        for request in scheduled.context_requests:
+            chunk = request.context_chunk_size
+            assert chunk > 0
+            assert chunk % unit == 0 or chunk == request.context_remaining_length, (request, unit)
+        if chunking == "FIRST_COME_FIRST_SERVED":
+            # The scheduled requests are a prefix of the candidates: nobody overtakes.
+            assert scheduled.context_requests == batch[: len(scheduled.context_requests)]
+
+
+def test_generation_requests_are_charged_first():
+    scheduler, _ = micro_batch(max_num_tokens=16)
+    context = make_request(prompt_len=40)
+    gens = [generation(make_request(prompt_len=5, beam_width=2)) for _ in range(3)]
+    scheduled = scheduler.schedule([context, *gens])
+    assert scheduled.generation_requests == gens
+    assert context.context_chunk_size == 8  # 16 - 3 * 2 = 10, floored to the unit
+
+
+# ---- max_batch_size -----------------------------------------------------------------
+def test_max_batch_size_limits_requests_not_tokens():
+    scheduler, _ = micro_batch(max_num_tokens=64, max_batch_size=2)
+    batch = context_batch([4, 4, 4])
+    scheduled = scheduler.schedule(batch)
+    assert scheduled.context_requests == batch[:2]
+    assert scheduled.batch_size == 2
+
+    gens = [generation(make_request(prompt_len=3)) for _ in range(3)]
+    scheduled = scheduler.schedule(gens)
+    assert scheduled.generation_requests == gens[:2]
+
+
+def test_max_batch_size_counts_generation_and_context_together():
+    scheduler, _ = micro_batch(max_num_tokens=64, max_batch_size=2)
+    gen = generation(make_request(prompt_len=3))
+    first, second = context_batch([4, 4])
+    scheduled = scheduler.schedule([gen, first, second])
+    assert scheduled.all_requests == [first, gen]  # context requests are listed first
+    assert scheduled.batch_size == 2
+
+
+# ---- capacity -----------------------------------------------------------------------
+def capacity(policy, num_blocks):
+    kv = make_kv_cache_manager(num_blocks=num_blocks, max_num_tokens=256)
+    return CapacityScheduler(CapacitySchedulerPolicy(policy), kv), kv
+
+
+def test_guaranteed_no_evict_reserves_to_completion_and_admits_in_order():
+    scheduler, kv = capacity("GUARANTEED_NO_EVICT", num_blocks=10)
+    r1 = make_request(prompt_len=12, max_new_tokens=8)  # 5 blocks to completion
+    r2 = make_request(prompt_len=16, max_new_tokens=8)  # 6 blocks
+    r3 = make_request(prompt_len=2, max_new_tokens=2)  # 1 block, but behind r2
+    decision = scheduler.schedule([r1, r2, r3])
+    assert decision.fitting == [r1] and decision.paused == []
+
+    prefill(kv, r1)  # holds its 3 prompt blocks now, reserves 2 more to completion
+    assert kv.num_held_blocks(r1) == 3 and kv.blocks_to_completion(r1) == 2
+    fits = make_request(prompt_len=16, max_new_tokens=4)  # 5 blocks: 3 held + 2 reserved + 5 = 10
+    too_big = make_request(prompt_len=16, max_new_tokens=5)  # 6 blocks
+    assert scheduler.schedule([r1, fits]).fitting == [r1, fits]
+    assert scheduler.schedule([r1, too_big]).fitting == [r1]
+
+
+def test_guaranteed_no_evict_credits_only_blocks_started_requests_hold():
+    scheduler, kv = capacity("GUARANTEED_NO_EVICT", num_blocks=10)
+    prompt = make_request(prompt_len=16).input_token_ids
+    cached = make_request(prompt)
+    prefill(kv, cached)
+    kv.free_resources(cached)  # 4 cached, unreferenced blocks
+    reuser = make_request(prompt + [1, 2, 3, 4], max_new_tokens=4)  # 6 blocks to completion
+    other = make_request(prompt_len=4, max_new_tokens=12)  # 4 blocks
+    # Claiming a cached block takes it out of the pool like a fresh one: no credit, 6 + 4 = 10 fits.
+    assert scheduler.schedule([reuser, other]).fitting == [reuser, other]
+    bigger = make_request(prompt_len=4, max_new_tokens=13)  # 5 blocks: 11 > 10
+    assert scheduler.schedule([reuser, bigger]).fitting == [reuser]
+    assert reuser.estimated_reusable_tokens == 16  # the micro-batch discount still sees the estimate
+
+    running = make_request(prompt + [9], max_new_tokens=4)
+    prefill(kv, running)  # holds the 4 cached blocks + 1 fresh, 1 more to completion: 5 available
+    assert kv.num_shared_blocks(reuser) == 4
+    assert kv.num_shared_blocks(make_request(prompt)) == 3  # a claim stops at prompt_len - 1
+    # The reuser shares the 4 held blocks for free: 1 + (6 - 4) <= 5; without the credit 6 would not fit.
+    assert scheduler.schedule([running, reuser]).fitting == [running, reuser]
+
+
+@pytest.mark.parametrize("capacity_policy", ["GUARANTEED_NO_EVICT", "MAX_UTILIZATION"])
+@pytest.mark.parametrize("policy", ["none", "recheck"])
+def test_reusing_a_cached_prefix_never_deadlocks_the_pool(capacity_policy, policy):
+    # Crediting the cached prefix as free used to admit both requests into 8 blocks that
+    # they need 7 + 4 of; under GUARANTEED_NO_EVICT both then waited for a block forever.
+    executor = make_sim_executor(
+        make_config(num_blocks=8, max_num_tokens=32, token_budget_policy=policy, capacity_scheduler_policy=capacity_policy)
+    )
+    checker = ExecutorChecker(executor)
+    prefix = make_request(prompt_len=16, max_new_tokens=2)
+    checker.submit(prefix)
+    checker.drain()
+    reuser = make_request(prefix.input_token_ids + [1, 2, 3, 4], max_new_tokens=8)
+    other = make_request(prompt_len=8, max_new_tokens=8)
+    checker.submit(reuser)
+    checker.submit(other)
+    checker.drain(max_steps=200)
+    assert reuser.num_generated_tokens == other.num_generated_tokens == 8
+    assert reuser.error is None and other.error is None
+
+
+def run_two_long_generations(policy, num_blocks):
+    """Two requests whose generations outgrow a small pool; returns them and the executor."""
+    executor = make_sim_executor(
+        make_config(num_blocks=num_blocks, capacity_scheduler_policy=policy, max_num_tokens=32)
+    )
+    checker = ExecutorChecker(executor)
+    first = make_request(prompt_len=8, max_new_tokens=16, request_id=1)
+    second = make_request(prompt_len=8, max_new_tokens=16, request_id=2)
+    checker.submit(first)
+    checker.step()  # first starts before second
+    checker.submit(second)
+    return checker, first, second
+
+
+def test_max_utilization_pauses_the_most_recently_started_request():
+    checker, first, second = run_two_long_generations("MAX_UTILIZATION", num_blocks=8)
+    paused_with = None
+    while checker.executor.has_work:
+        before = list(second.tokens)
+        checker.step()
+        if second.num_pauses and paused_with is None:
+            paused_with = before
+            # Restarted as context, generated tokens kept as prompt to recompute.
+            assert second.state is LlmRequestState.CONTEXT_INIT
+            assert second.tokens == before and second.prompt_len == len(before) > 8
+            assert not checker.executor.kv_cache_manager.is_allocated(second)
+    checker.check_drained()
+
+    assert paused_with is not None, "the pool was expected to run out"
+    assert first.num_pauses == 0
+    assert sum(s.num_paused_requests for s in checker.executor.iteration_stats) == second.num_pauses
+    for request in (first, second):
+        assert request.state is LlmRequestState.GENERATION_COMPLETE and request.error is None
+        assert request.num_generated_tokens == 16
+    assert second.tokens[: len(paused_with)] == paused_with  # the output continued where it stopped
+
+    # Same tokens as a run that never pauses.
+    alone, first_alone, second_alone = run_two_long_generations("MAX_UTILIZATION", num_blocks=64)
+    alone.drain()
+    assert second_alone.num_pauses == 0
+    assert second.output_token_ids == second_alone.output_token_ids
+    assert first.output_token_ids == first_alone.output_token_ids
+
+
+def test_guaranteed_no_evict_never_pauses_it_waits():
+    checker, first, second = run_two_long_generations("GUARANTEED_NO_EVICT", num_blocks=8)
+    checker.drain()
+    assert first.num_pauses == second.num_pauses == 0
+    assert all(s.num_paused_requests == 0 for s in checker.executor.iteration_stats)
+    assert second.first_token_time >= first.finish_time  # it only started once the first finished
