@@ -30,7 +30,7 @@ from tensorrt_llm._torch.pyexecutor.block_pool import BlockPool, BlockTokens, KV
 from tensorrt_llm._torch.pyexecutor.config import KvCacheConfig
 from tensorrt_llm._torch.pyexecutor.forward_cost import forward_cost
 from tensorrt_llm._torch.pyexecutor.kv_storage import KVCacheStorage
-from tensorrt_llm._torch.pyexecutor.llm_request import DeferReason, LlmRequest
+from tensorrt_llm._torch.pyexecutor.llm_request import DeferReason, LlmRequest, LlmRequestState
 
 if TYPE_CHECKING:
     from tensorrt_llm._torch.pyexecutor.scheduler import ScheduledRequests
@@ -169,8 +169,8 @@ class KVCacheManager:
         """Record computed KV and commit newly full blocks to the prefix tree."""
         for request in (*scheduled.context_requests, *scheduled.generation_requests):
             seq = self._sequences.get(request.request_id)
-            if seq is None or request.is_finished:
-                continue
+            if seq is None or request.state is LlmRequestState.ERROR:
+                continue  # a request that finished in this forward computed its KV: record it
             if request.is_context_init_state:
                 seq.num_computed = request.context_current_position
             else:  # the newest sampled token has no KV yet
