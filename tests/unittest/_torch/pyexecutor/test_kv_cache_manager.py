@@ -179,11 +179,11 @@ def test_non_last_chunk_window_shifts_and_stays_block_aligned():
 def test_partial_reuse_copies_the_matching_part_of_a_block():
     kv = tensor_manager(partial=True)
     base = tokens(8, seed=5)
-    source_table = hold_and_fill = hold(kv, base)
-    source_ids = kv.block_table(hold_and_fill)
+    source = hold(kv, base)
+    source_ids = kv.block_table(source)
     written = write_random(kv.storage, source_ids, seed=0)
-    compute(kv, source_table)
-    kv.free_resources(source_table)
+    compute(kv, source)
+    kv.free_resources(source)
 
     # Shares block 0 and the first two tokens of block 1.
     request = make_request(base[:6] + tokens(3, seed=6))

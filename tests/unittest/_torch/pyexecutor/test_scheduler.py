@@ -279,7 +279,9 @@ def test_reusing_a_cached_prefix_never_deadlocks_the_pool(capacity_policy, polic
     # Crediting the cached prefix as free used to admit both requests into 8 blocks that
     # they need 7 + 4 of; under GUARANTEED_NO_EVICT both then waited for a block forever.
     executor = make_sim_executor(
-        make_config(num_blocks=8, max_num_tokens=32, token_budget_policy=policy, capacity_scheduler_policy=capacity_policy)
+        make_config(
+            num_blocks=8, max_num_tokens=32, token_budget_policy=policy, capacity_scheduler_policy=capacity_policy
+        )
     )
     checker = ExecutorChecker(executor)
     prefix = make_request(prompt_len=16, max_new_tokens=2)
