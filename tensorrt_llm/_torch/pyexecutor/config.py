@@ -68,7 +68,7 @@ class KvCacheConfig:
             _positive("KvCacheConfig.max_tokens", self.max_tokens)
         if self.num_blocks is not None:
             _positive("KvCacheConfig.num_blocks", self.num_blocks)
-        if not isinstance(self.host_cache_size, int) or self.host_cache_size < 0:
+        if not isinstance(self.host_cache_size, int) or isinstance(self.host_cache_size, bool) or self.host_cache_size < 0:
             raise ValueError(f"KvCacheConfig.host_cache_size must be >= 0 bytes, got {self.host_cache_size!r}")
 
     def resolve_num_blocks(self, default_blocks: int) -> int:

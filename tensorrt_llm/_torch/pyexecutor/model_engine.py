@@ -43,10 +43,13 @@ class TpInputs:
     def total_num_tokens(self) -> int:
         return len(self.input_ids)
 
-    def append(self, request: LlmRequest, token_ids: list[int], start: int, block_table: list[int], samples: bool):
+    def append(
+        self, request: LlmRequest, token_ids: list[int], start: int, block_table: list[int], samples: bool, beams: int = 1
+    ) -> None:
+        """Consecutive positions from ``start``; with ``beams`` > 1 every beam is at ``start``."""
         self.requests.append(request)
         self.input_ids.extend(token_ids)
-        self.position_ids.extend(range(start, start + len(token_ids)))
+        self.position_ids.extend([start] * beams if beams > 1 else range(start, start + len(token_ids)))
         self.num_new_tokens.append(len(token_ids))
         self.num_cached_tokens.append(start)
         self.block_tables.append(block_table)
@@ -104,7 +107,8 @@ class ModelEngine(abc.ABC):
                 token_ids = [last_token, *request.py_draft_tokens]
             else:  # one position per beam
                 token_ids = [last_token] * request.beam_width
-            inputs.append(request, token_ids, len(request.tokens) - 1, kv.block_table(request), samples=True)
+            start = len(request.tokens) - 1
+            inputs.append(request, token_ids, start, kv.block_table(request), samples=True, beams=request.beam_width)
         assert all(n == forward_cost(r) for r, n in zip(inputs.requests, inputs.num_new_tokens)), "position count drift"
         if inputs.total_num_tokens > self.max_num_tokens:
             raise TokenBudgetExceeded(inputs.total_num_tokens, self.max_num_tokens)

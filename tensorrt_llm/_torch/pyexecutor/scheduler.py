@@ -115,10 +115,10 @@ class MicroBatchScheduler:
         budget = self.max_num_tokens
         contexts: list[LlmRequest] = []
         for request in candidates:
-            if scheduled.batch_size + len(contexts) >= self.max_batch_size:
-                break
             if request.is_context_init_state:
                 contexts.append(request)
+                continue
+            if len(scheduled.generation_requests) >= self.max_batch_size:
                 continue
             charge = self.policy.generation_charge(request)
             if charge > budget:
@@ -126,6 +126,8 @@ class MicroBatchScheduler:
             budget -= charge
             scheduled.generation_requests.append(request)
             scheduled.charges[request.request_id] = charge
+        # Context requests share the slots and budget that generation left.
+        del contexts[self.max_batch_size - len(scheduled.generation_requests) :]
         if self.chunked and self.chunking_policy is ContextChunkingPolicy.EQUAL_PROGRESS:
             self._equal_progress(contexts, budget, scheduled)
         else:
