@@ -12,7 +12,8 @@ reusing; that request's chunk runs at full size and the forward overshoots
    (requests deferred earlier first, then scheduler order);
 3. charge every request its full forward cost, reuse not discounted
    (:func:`forward_cost` with ``reuse_can_shift``), an upper bound of what
-   ``_prepare_tp_inputs`` will append whatever reuse materialises;
+   ``_prepare_tp_inputs`` will append whatever reuse materialises (a first chunk whose
+   prefix is already claimed — pinned, window shifted — is charged its exact cost);
 4. a request that does not fit is deferred: it leaves the batch untouched.
 
 A deferred request is charged at full cost by the scheduler next iteration, so when it
@@ -70,7 +71,6 @@ def recheck_remaining_budget(
     else:
         for request in fixed:
             decision.charge(request, forward_cost(request))
-    reuse_can_shift = kv_cache_manager.enable_block_reuse  # true of every first chunk when reuse is on
     for request in first_chunks:
-        decision.charge(request, forward_cost(request, reuse_can_shift=reuse_can_shift))
+        decision.charge(request, forward_cost(request, reuse_can_shift=kv_cache_manager.reuse_can_shift(request)))
     return decision

@@ -27,6 +27,7 @@ class TokenBudgetPolicyName(enum.Enum):
     TRIM = "trim"  # shrink trailing chunks at the top of _prepare_tp_inputs (closed upstream proposal)
     FIT = "fit"  # shrink chunks after allocation (upstream's merged approach)
     RECHECK = "recheck"  # ours: full-cost re-check before any allocation
+    CLAIM = "claim"  # ours, later work: pin every matched prefix first, then charge exact costs
 
 
 def _enum(kind: type[enum.Enum], value: object, name: str) -> enum.Enum:

@@ -55,6 +55,21 @@ class _Sequence:
 
 
 @dataclass(slots=True)
+class PrefixClaim:
+    """A first chunk's pinned reusable prefix, between the claim and the allocation."""
+
+    saved: tuple[int, int, int]  # (context_current_position, context_chunk_size, prepopulated_prompt_len)
+    chain: list[KVBlock] = field(default_factory=list)  # matched full blocks, either tier
+    partial: KVBlock | None = None  # primary block to copy a partial match from
+    partial_len: int = 0
+    reused: int = 0
+
+    @property
+    def pinned(self) -> list[KVBlock]:
+        return self.chain + ([self.partial] if self.partial is not None else [])
+
+
+@dataclass(slots=True)
 class ClaimRecord:
     """What allocation found for a first chunk: the estimate it was admitted with and the claim."""
 
@@ -90,6 +105,7 @@ class KVCacheManager:
         self._sequences: dict[int, _Sequence] = {}
         self._keys: dict[int, tuple[int, list[tuple[int, BlockTokens]]]] = {}
         self._stamps = itertools.count()
+        self._claims: dict[int, PrefixClaim] = {}
         self.last_claims: list[ClaimRecord] = []  # first chunks allocated in the last prepare_resources
 
     # ---- queries --------------------------------------------------------------------
@@ -101,8 +117,9 @@ class KVCacheManager:
         return request.request_id in self._sequences
 
     def reuse_can_shift(self, request: LlmRequest) -> bool:
-        """True while allocation may still move this request's chunk window (first chunk, reuse on)."""
-        return self.enable_block_reuse and request.request_id not in self._sequences
+        """True while allocation may still move this request's chunk window (unclaimed first chunk, reuse on)."""
+        rid = request.request_id
+        return self.enable_block_reuse and rid not in self._sequences and rid not in self._claims
 
     def num_held_blocks(self, request: LlmRequest) -> int:
         seq = self._sequences.get(request.request_id)
@@ -180,6 +197,7 @@ class KVCacheManager:
 
     def free_resources(self, request: LlmRequest, *, store_for_reuse: bool = True) -> None:
         """Release every block ``request`` holds; computed full blocks stay cached for reuse."""
+        self.release_claim(request)
         seq = self._sequences.pop(request.request_id, None)
         self._keys.pop(request.request_id, None)
         if seq is None:
@@ -194,6 +212,7 @@ class KVCacheManager:
     def check_integrity(self) -> None:
         """The leak oracle: free + cached + held partition the pool; no request holds a foreign block."""
         held = [b for seq in self._sequences.values() for b in (*seq.blocks, *seq.beam_blocks)]
+        held += [b for claim in self._claims.values() for b in claim.pinned]
         self.pool.check_integrity(held)
 
     # ---- allocation -----------------------------------------------------------------
@@ -228,55 +247,83 @@ class KVCacheManager:
             seq.beam_blocks.append(self.pool.allocate())
         return True
 
-    def _allocate_first_chunk(self, request: LlmRequest) -> bool:
-        """Claim the reusable prefix, allocate the rest of the prompt, shift the chunk window."""
-        prompt_len, tokens_per_block = request.prompt_len, self.tokens_per_block
-        claim_limit = prompt_len - 1  # the last prompt token is always computed
-        chain: list[KVBlock] = []
-        partial: KVBlock | None = None
-        partial_len = 0
+    # ---- prefix claims ---------------------------------------------------------------
+    def claim_prefix(self, request: LlmRequest) -> PrefixClaim:
+        """Pin the reusable prefix of an unallocated first chunk and shift its window onto it.
+
+        The claim walks the prefix tree for at most ``prompt_len - 1`` tokens (the last
+        prompt token is always computed, for its logits), pins the matched blocks so no
+        allocation can evict them, and with partial reuse pins the primary block that
+        shares the longest prefix with the next block. ``forward_cost(request)`` is then
+        exact. Allocation consumes the claim; :meth:`release_claim` undoes it.
+        """
+        assert request.request_id not in self._sequences, f"{request!r} is already allocated"
+        existing = self._claims.get(request.request_id)
+        if existing is not None:
+            return existing
+        prompt_len, tpb = request.prompt_len, self.tokens_per_block
+        claim_limit = prompt_len - 1
+        claim = PrefixClaim(
+            saved=(request.context_current_position, request.context_chunk_size, request.prepopulated_prompt_len)
+        )
         if self.enable_block_reuse:
-            keys = self._prompt_keys(request)[: claim_limit // tokens_per_block]
-            chain = self.pool.match(keys)
+            claim.chain = self.pool.match(self._prompt_keys(request)[: claim_limit // tpb])
             if self.enable_partial_reuse and request.beam_width == 1:
-                start = len(chain) * tokens_per_block
-                want = tuple(request.tokens[start : min(start + tokens_per_block, claim_limit)])
+                start = len(claim.chain) * tpb
+                want = tuple(request.tokens[start : min(start + tpb, claim_limit)])
                 if want:
-                    partial, partial_len = self.pool.match_partial(chain[-1] if chain else None, want)
-        for block in chain:
-            self.pool.incref(block)  # pin before anything can evict them
-        if partial is not None:
-            self.pool.incref(partial)
-        needed_len = max(prompt_len, request.context_current_position + forward_cost(request))
+                    parent = claim.chain[-1] if claim.chain else None
+                    claim.partial, claim.partial_len = self.pool.match_partial(parent, want)
+        for block in claim.pinned:
+            self.pool.incref(block)  # pinned: no allocation can evict them now
+        claim.reused = len(claim.chain) * tpb + claim.partial_len
+        if claim.reused:
+            self._shift_chunk_window(request, claim.reused)
+        self._claims[request.request_id] = claim
+        return claim
+
+    def release_claim(self, request: LlmRequest) -> None:
+        """Unpin a claim and restore the request's window: it is left exactly as before the claim."""
+        claim = self._claims.pop(request.request_id, None)
+        if claim is None:
+            return
+        # Leaves first, as free_resources does: a root released after its leaves stays
+        # younger in LRU, so one eviction cannot drop the whole cached prefix.
+        for block in reversed(claim.pinned):
+            self.pool.decref(block)
+        position, chunk, prepopulated = claim.saved
+        request.prepopulated_prompt_len = prepopulated
+        request.context_current_position = position
+        request.context_chunk_size = chunk
+
+    def _allocate_first_chunk(self, request: LlmRequest) -> bool:
+        """Claim the reusable prefix (unless already claimed), onboard it, allocate the rest of the prompt."""
+        claim = self.claim_prefix(request)
+        chain, tpb = claim.chain, self.tokens_per_block
+        needed_len = max(request.prompt_len, request.context_current_position + forward_cost(request))
         total = self.blocks_for_tokens(request, needed_len)
         to_onboard = sum(1 for block in chain if block.block_id is None)
         if total - len(chain) + to_onboard > self.pool.available:
-            # Leaves first, as free_resources does: a root released after its leaves stays
-            # younger in LRU, so one eviction cannot drop the whole cached prefix.
-            for block in reversed((*chain, *([partial] if partial else []))):
-                self.pool.decref(block)
+            self.release_claim(request)
             return False
+        del self._claims[request.request_id]
         for block in chain:
             if block.block_id is None:
                 self.pool.onboard(block)
-        shared_total = _ceil_div(needed_len, tokens_per_block)
+        shared_total = _ceil_div(needed_len, tpb)
         fresh = [self.pool.allocate() for _ in range(shared_total - len(chain))]
         beam_blocks = [self.pool.allocate() for _ in range(total - shared_total)]
-        reused = len(chain) * tokens_per_block
-        if partial is not None:
-            self.pool.copy(partial, fresh[0])
-            self.pool.decref(partial)
-            reused += partial_len
+        if claim.partial is not None:
+            self.pool.copy(claim.partial, fresh[0])
+            self.pool.decref(claim.partial)
         self._sequences[request.request_id] = _Sequence(
             blocks=chain + fresh,
             num_committed=len(chain),
-            num_computed=reused,
+            num_computed=claim.reused,
             beam_blocks=beam_blocks,
             stamp=next(self._stamps),
         )
-        self.last_claims.append(ClaimRecord(request.request_id, request.estimated_reusable_tokens, reused))
-        if reused:
-            self._shift_chunk_window(request, reused)
+        self.last_claims.append(ClaimRecord(request.request_id, request.estimated_reusable_tokens, claim.reused))
         return True
 
     def _shift_chunk_window(self, request: LlmRequest, reused: int) -> None:

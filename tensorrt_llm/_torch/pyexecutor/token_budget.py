@@ -15,6 +15,10 @@ fit        upstream's merged approach: after allocation, shrink context chunks (
            fits; cannot repair generation-only overshoot or runs without chunked prefill
 recheck    ours: :func:`recheck_remaining_budget` before any allocation; defers what
            overflows; the scheduler charges deferred requests at full cost
+claim      ours, claim-then-charge: first pin (claim) every first chunk's matched prefix
+           for the whole batch, then run the same re-check on exact post-reuse costs —
+           nothing can evict a pinned prefix, so no budget is spent on reuse that does
+           materialise
 =========  ==========================================================================
 """
 
@@ -23,7 +27,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, ClassVar
 
-from tensorrt_llm._torch.pyexecutor.budget import recheck_remaining_budget
+from tensorrt_llm._torch.pyexecutor.budget import BudgetDecision, recheck_remaining_budget
 from tensorrt_llm._torch.pyexecutor.config import TokenBudgetPolicyName
 from tensorrt_llm._torch.pyexecutor.forward_cost import forward_cost
 from tensorrt_llm._torch.pyexecutor.llm_request import DeferReason, LlmRequest
@@ -147,7 +151,10 @@ class RecheckTokenBudget(TokenBudgetPolicy):
         return forward_cost(request)
 
     def before_allocation(self, scheduled: "ScheduledRequests", kv_cache_manager: "KVCacheManager") -> None:
-        decision = recheck_remaining_budget(scheduled, self.max_num_tokens, kv_cache_manager)
+        self._apply(recheck_remaining_budget(scheduled, self.max_num_tokens, kv_cache_manager), scheduled)
+
+    @staticmethod
+    def _apply(decision: BudgetDecision, scheduled: "ScheduledRequests") -> None:
         for request in decision.admitted:
             if request.consecutive_budget_deferrals:
                 request.consecutive_budget_deferrals = 0
@@ -164,8 +171,24 @@ class RecheckTokenBudget(TokenBudgetPolicy):
             request.py_budget_deferred = False  # allocated: its priority is spent
 
 
+class ClaimTokenBudget(RecheckTokenBudget):
+    name = TokenBudgetPolicyName.CLAIM
+
+    def before_allocation(self, scheduled: "ScheduledRequests", kv_cache_manager: "KVCacheManager") -> None:
+        # Pin every prefix before anything allocates: from here on no allocation in this
+        # batch can evict what a later request claimed, so its post-reuse cost is exact.
+        for request in scheduled.context_requests:
+            if not kv_cache_manager.is_allocated(request):
+                kv_cache_manager.claim_prefix(request)
+        decision = recheck_remaining_budget(scheduled, self.max_num_tokens, kv_cache_manager)
+        for request in decision.deferred:
+            kv_cache_manager.release_claim(request)  # back to exactly how it was scheduled
+        self._apply(decision, scheduled)
+
+
 _POLICIES: dict[TokenBudgetPolicyName, type[TokenBudgetPolicy]] = {
-    policy.name: policy for policy in (NoTokenBudget, TrimTokenBudget, FitTokenBudget, RecheckTokenBudget)
+    policy.name: policy
+    for policy in (NoTokenBudget, TrimTokenBudget, FitTokenBudget, RecheckTokenBudget, ClaimTokenBudget)
 }
 
 
