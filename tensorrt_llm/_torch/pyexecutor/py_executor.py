@@ -76,6 +76,7 @@ class PyExecutor:
             max_beam_width=model_engine.max_beam_width,
             supports_draft_tokens=model_engine.supports_draft_tokens,
             num_kv_blocks=self.kv_cache_manager.num_blocks,
+            chunk_unit_size=config.chunk_unit_size,
         )
         self.active_requests: list[LlmRequest] = []
         self.iteration_stats: list[IterationStats] = []

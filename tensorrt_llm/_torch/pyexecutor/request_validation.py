@@ -17,6 +17,7 @@ class RequestLimits:
     max_beam_width: int
     supports_draft_tokens: bool
     num_kv_blocks: int
+    chunk_unit_size: int = 1  # smallest context chunk that is not a prompt's last one
 
 
 def validate_request(request: LlmRequest, limits: RequestLimits, blocks_needed: int) -> None:
@@ -42,6 +43,15 @@ def validate_request(request: LlmRequest, limits: RequestLimits, blocks_needed: 
         raise InvalidRequestError(
             f"request {rid}: prompt length {prompt_len} exceeds max_num_tokens {limits.max_num_tokens}"
             " and chunked prefill is off"
+        )
+    # With chunked prefill a last chunk carries the drafts and may be a whole unit (nothing
+    # smaller may precede it), so it needs up to a unit + drafts positions at once; a request
+    # paused and restarted recomputes up to max_total_len - 1 tokens of context.
+    longest_chunk = min(request.max_total_len - 1, limits.chunk_unit_size)
+    if limits.enable_chunked_prefill and longest_chunk + request.num_draft_tokens > limits.max_num_tokens:
+        raise InvalidRequestError(
+            f"request {rid}: a context chunk of {longest_chunk} tokens with its {request.num_draft_tokens}"
+            f" draft tokens exceeds max_num_tokens {limits.max_num_tokens}"
         )
     if not 1 <= request.beam_width <= limits.max_beam_width:
         raise InvalidRequestError(
