@@ -303,7 +303,11 @@ class KVCacheManager:
         needed_len = max(request.prompt_len, request.context_current_position + forward_cost(request))
         total = self.blocks_for_tokens(request, needed_len)
         to_onboard = sum(1 for block in chain if block.block_id is None)
-        if total - len(chain) + to_onboard > self.pool.available:
+        # A partial-match source pinned by this claim alone goes back to the cache once it is
+        # copied into the first fresh block, so the rest of the allocation may take its slot.
+        recycled = int(claim.partial is not None and claim.partial.ref_count == 1)
+        needed = total - len(chain) + to_onboard
+        if needed > self.pool.available + recycled or to_onboard + recycled > self.pool.available:
             self.release_claim(request)
             return False
         del self._claims[request.request_id]
@@ -311,11 +315,12 @@ class KVCacheManager:
             if block.block_id is None:
                 self.pool.onboard(block)
         shared_total = _ceil_div(needed_len, tpb)
-        fresh = [self.pool.allocate() for _ in range(shared_total - len(chain))]
-        beam_blocks = [self.pool.allocate() for _ in range(total - shared_total)]
+        fresh = [self.pool.allocate() for _ in range(min(1, shared_total - len(chain)))]
         if claim.partial is not None:
             self.pool.copy(claim.partial, fresh[0])
             self.pool.decref(claim.partial)
+        fresh += [self.pool.allocate() for _ in range(shared_total - len(chain) - len(fresh))]
+        beam_blocks = [self.pool.allocate() for _ in range(total - shared_total)]
         self._sequences[request.request_id] = _Sequence(
             blocks=chain + fresh,
             num_committed=len(chain),
