@@ -1,0 +1,193 @@
+"""The replay's two engines, built the way production builds an executor.
+
+``sim``: :class:`SimulatedModelEngine` with the KV manager in bookkeeping mode. Scheduling,
+the token-budget policy, KV allocation with prefix reuse and the host tier, and
+``_prepare_tp_inputs`` all run for real; only the forward's arithmetic is replaced by a
+cost model (``benchmarks.cost_model``) that advances a :class:`VirtualClock`. Tokens come
+from :class:`SyntheticSampler`, which never stops early.
+
+``torch``: a random-weight :class:`LlamaForCausalLM` on the local device, real K/V tensors,
+and a wall clock that skips idle gaps (see :class:`SkippingWallClock`), for scaled-down
+traces.
+
+Both return an :class:`Engine`: the executor plus the clock the replay injects arrivals on.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable, Protocol
+
+from benchmarks.cost_model import CostModel, ForwardShape, ModelShape, RooflineCostModel
+from tensorrt_llm._torch.models.modeling_llama import MODEL_PRESETS, LlamaForCausalLM
+from tensorrt_llm._torch.pyexecutor.config import ExecutorConfig
+from tensorrt_llm._torch.pyexecutor.kv_cache_manager import KVCacheManager
+from tensorrt_llm._torch.pyexecutor.model_engine import TpInputs
+from tensorrt_llm._torch.pyexecutor.py_executor import PyExecutor
+from tensorrt_llm._torch.pyexecutor.py_executor_creator import create_py_executor
+from tensorrt_llm._torch.pyexecutor.simulated_engine import SimulatedModelEngine, SyntheticSampler, VirtualClock
+from tensorrt_llm._torch.pyexecutor.token_budget import TokenBudgetPolicy
+
+ENGINES = ("sim", "torch")
+
+
+class ReplayClock(Protocol):
+    """A clock the replay reads and, when the executor is idle, moves to the next arrival."""
+
+    def __call__(self) -> float: ...
+
+    def advance_to(self, when: float) -> None: ...
+
+
+class SkippingWallClock:
+    """Real seconds since construction, plus every idle gap the replay skipped.
+
+    Busy time is measured (a real forward on this machine); waiting for the next arrival
+    is not slept through but jumped over, so a trace's hours of idle time cost nothing.
+    """
+
+    def __init__(self) -> None:
+        self._t0 = time.perf_counter()
+        self._skipped = 0.0
+
+    def __call__(self) -> float:
+        return time.perf_counter() - self._t0 + self._skipped
+
+    def advance_to(self, when: float) -> None:
+        now = self()
+        if when > now:
+            self._skipped += when - now
+
+
+def forward_shape(inputs: TpInputs) -> ForwardShape:
+    """The cost model's view of one flat forward.
+
+    Request ``i`` is a context chunk while it is still in context state (the executor moves
+    it to generation only after the forward): ``num_new_tokens[i]`` positions attending to
+    ``num_cached_tokens[i]`` earlier ones (the reused and previously computed prefix). A
+    generation request is a decode of ``num_new_tokens[i]`` positions (1, beams, or
+    1 + drafts) over its ``num_cached_tokens[i]`` tokens of context.
+    """
+    contexts = []
+    decodes = []
+    for request, new, cached in zip(inputs.requests, inputs.num_new_tokens, inputs.num_cached_tokens):
+        if request.is_context_init_state:
+            contexts.append((new, cached))
+        else:
+            decodes.append((new, cached))
+    return ForwardShape(contexts=tuple(contexts), decodes=tuple(decodes))
+
+
+class CostModelTimer:
+    """``forward_time_s`` for :class:`SimulatedModelEngine`: the cost model's time for the batch."""
+
+    __slots__ = ("cost_model",)
+
+    def __init__(self, cost_model: CostModel) -> None:
+        self.cost_model = cost_model
+
+    def __call__(self, inputs: TpInputs) -> float:
+        return self.cost_model.forward_time_s(forward_shape(inputs))
+
+
+def describe_cost_model(cost_model: CostModel) -> dict:
+    """What the JSON's config says about the forward-time model."""
+    description: dict = {"type": type(cost_model).__name__}
+    describe = getattr(cost_model, "describe", None)
+    if callable(describe):
+        description.update(describe())
+    fallback = getattr(cost_model, "fallback", None)
+    roofline = cost_model if isinstance(cost_model, RooflineCostModel) else fallback
+    if isinstance(roofline, RooflineCostModel):
+        gpu, model = roofline.gpu, roofline.model
+        description["gpu"] = {
+            "name": gpu.name,
+            "peak_flops": gpu.peak_flops,
+            "mem_bandwidth": gpu.mem_bandwidth,
+            "overhead_s": gpu.overhead_s,
+        }
+        description["model_shape"] = {
+            name: getattr(model, name)
+            for name in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
+                         "intermediate_size", "vocab_size", "dtype_bytes")
+        }
+    return description
+
+
+@dataclass(slots=True)
+class Engine:
+    """An executor ready to replay on, the clock arrivals are injected on, and what it is."""
+
+    executor: PyExecutor
+    clock: ReplayClock
+    vocab_size: int
+    kv_bytes_per_token: int
+    description: dict
+
+
+def build_sim_engine(
+    config: ExecutorConfig,
+    *,
+    cost_model: CostModel,
+    model_shape: ModelShape = ModelShape(),
+    vocab_size: int = 32000,
+) -> Engine:
+    """Simulated forward times on a virtual clock; the KV manager keeps books only.
+
+    ``model_shape`` sizes a token's KV (the host tier's ``host_cache_size`` is in bytes);
+    ``vocab_size`` is the synthetic sampler's (the trace's tokens must lie below it).
+    """
+    clock = VirtualClock()
+    timer = CostModelTimer(cost_model)
+    kv_bytes_per_token = model_shape.kv_bytes_per_token()
+
+    def engine_factory(kv: KVCacheManager, policy: TokenBudgetPolicy) -> SimulatedModelEngine:
+        return SimulatedModelEngine(
+            config.max_num_tokens, kv, policy, vocab_size=vocab_size, clock=clock, forward_time_s=timer
+        )
+
+    executor = create_py_executor(
+        config,
+        engine_factory=engine_factory,
+        sampler=SyntheticSampler(vocab_size),
+        kv_bytes_per_token=kv_bytes_per_token,
+        clock=clock,
+    )
+    description = {"engine": "sim", "clock": "virtual", "cost_model": describe_cost_model(cost_model)}
+    return Engine(executor, clock, vocab_size, kv_bytes_per_token, description)
+
+
+def torch_kv_bytes_per_token(model_name: str) -> int:
+    """Bytes of K and V one token occupies in ``model_name``'s paged cache, all layers."""
+    config = MODEL_PRESETS[model_name]
+    element = 8 if config.dtype == "float64" else 4
+    return 2 * config.num_layers * config.num_kv_heads * config.head_dim * element
+
+
+def torch_vocab_size(model_name: str) -> int:
+    return MODEL_PRESETS[model_name].vocab_size
+
+
+def build_torch_engine(config: ExecutorConfig, *, model_name: str = "tiny-random") -> Engine:
+    """A real (random-weight) model on the local device; forward times are measured."""
+    if model_name not in MODEL_PRESETS:
+        raise ValueError(f"unknown model {model_name!r}; presets: {', '.join(sorted(MODEL_PRESETS))}")
+    model_config = MODEL_PRESETS[model_name]
+    clock = SkippingWallClock()
+    executor = create_py_executor(config, model=LlamaForCausalLM(model_config), clock=clock)
+    description = {
+        "engine": "torch",
+        "clock": "wall (idle gaps skipped)",
+        "model": model_name,
+        "model_config": {
+            name: getattr(model_config, name)
+            for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+                         "intermediate_size", "dtype", "seed")
+        },
+        "device": "cpu",
+    }
+    return Engine(executor, clock, model_config.vocab_size, torch_kv_bytes_per_token(model_name), description)
+
+
+EngineBuilder = Callable[[ExecutorConfig], Engine]

@@ -1,0 +1,243 @@
+"""The replay benchmark: §5 JSON contract, determinism, upstream's crash under ``none``, the CLI, both engines.
+
+The crash tests use tiny hand-made traces built so that one DESIGN.md §1 mechanism fires at
+a known iteration; the numbers in their comments are the executor's arithmetic.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import lru_cache
+
+import pytest
+
+from benchmarks import replay_report
+from benchmarks.replay import (
+    KNOWN_POLICIES,
+    POLICIES,
+    ReplaySettings,
+    TraceSpec,
+    build_parser,
+    main,
+    replay_policy,
+    replay_trace,
+    settings_from_args,
+)
+from benchmarks.traces import SyntheticRequest, Trace, segment_key
+
+VOCAB = 32000
+
+
+def _request(index: int, arrival_s: float, output_len: int, *segments: tuple[str, int]) -> SyntheticRequest:
+    """A request whose prompt is the named segments in order (equal names, equal tokens)."""
+    keyed = tuple((segment_key(0x7E57, sum(map(ord, name)) * 1000 + len(name)), length) for name, length in segments)
+    return SyntheticRequest(index, arrival_s, sum(n for _, n in segments), output_len, keyed, VOCAB)
+
+
+def evicted_discount_trace() -> Trace:
+    """A follow-up counted as reusing its cached prefix, evicted by the first chunk before it.
+
+    tokens_per_block=4, 20 device blocks, no host tier, max_num_tokens=48. ``history`` (32
+    tokens, 8 blocks) is cached first, then ``junk`` (10 blocks, newer in LRU), leaving 2
+    free blocks. At t=1 ``fresh`` (40 tokens) and ``followup`` (history + 2 tokens) arrive
+    together: the follow-up is estimated to reuse 32 tokens and charged 2; ``fresh``
+    allocates 10 blocks first and evicts the 8 oldest cached ones, all of ``history``;
+    the follow-up then runs 34 positions: 40 + 34 = 74 > 48.
+    """
+    return Trace("evicted-discount", "scenario", (
+        _request(0, 0.0, 2, ("history", 32)),
+        _request(1, 0.1, 2, ("junk", 40)),
+        _request(2, 1.0, 2, ("fresh", 40)),
+        _request(3, 1.0, 2, ("history", 32), ("question", 2)),
+        _request(4, 2.0, 3, ("late", 20)),
+        _request(5, 2.5, 3, ("history", 32), ("other question", 5)),
+    ))
+
+
+EVICTED_SETTINGS = ReplaySettings(
+    max_num_tokens=48, tokens_per_block=4, kv_blocks=20, host_cache_blocks=0, max_batch_size=8,
+)
+
+
+def whole_prompt_hit_trace() -> Trace:
+    """An exact repeat of a block-aligned prompt, charged 1 token, recomputes its last block.
+
+    tokens_per_block=4, partial reuse off, max_num_tokens=64. ``long`` decodes (1 position);
+    at t=0.3 ``chunked`` (200 tokens) gets the largest whole-block chunk of the 63 tokens
+    left, 60, and the repeat, estimated fully cached, is charged 1 of the last 3. Its claim
+    stops at prompt_len - 1, i.e. 28 tokens, so it runs 4: 1 + 60 + 4 = 65 > 64.
+    """
+    return Trace("whole-prompt-hit", "scenario", (
+        _request(0, 0.0, 2, ("system", 32)),
+        _request(1, 0.05, 400, ("long", 8)),
+        _request(2, 0.3, 2, ("chunked", 200)),
+        _request(3, 0.3, 2, ("system", 32)),
+    ))
+
+
+WHOLE_SETTINGS = ReplaySettings(
+    max_num_tokens=64, tokens_per_block=4, kv_blocks=200, host_cache_blocks=0, enable_partial_reuse=False,
+)
+
+
+@lru_cache(maxsize=None)
+def _replay(trace_name: str, policies: tuple[str, ...] = POLICIES):
+    trace, settings = {
+        "evicted": (evicted_discount_trace(), EVICTED_SETTINGS),
+        "whole": (whole_prompt_hit_trace(), WHOLE_SETTINGS),
+    }[trace_name]
+    return replay_trace(trace, settings, policies, progress=False)
+
+
+def _check_schema(document: dict) -> None:
+    assert replay_report.schema_errors(document) == []
+    assert set(document) >= {"config", "results"}
+    for policy, result in document["results"].items():
+        assert policy in KNOWN_POLICIES
+        for key in ("requests", "completed", "errored", "overshoots", "max_forward_tokens", "deferrals",
+                    "max_consecutive_deferrals"):
+            assert type(result[key]) is int, key
+        assert type(result["crashed"]) is bool
+        for key in ("budget_utilization", "output_tokens_per_s", "wall_s"):
+            assert type(result[key]) is float, key
+        for key in ("ttft_ms", "tpot_ms"):
+            assert type(result[key]["p50"]) is float and type(result[key]["p99"]) is float
+        if result["crashed"]:
+            assert type(result["crash"]["iteration"]) is int and type(result["crash"]["message"]) is str
+        else:
+            assert result["crash"] is None
+        assert set(result["overshoot_mechanisms"]) == {"whole_prompt_hit", "evicted_discount", "other"}
+
+
+def test_json_follows_the_section_5_contract(tmp_path):
+    result = _replay("evicted")
+    path = tmp_path / "replay.json"
+    replay_report.write_json(result, path)
+    document = json.loads(path.read_text())  # strict JSON: no NaN
+    _check_schema(document)
+    config = document["config"]
+    assert config["trace"]["name"] == "evicted-discount" and config["trace"]["format"] == "scenario"
+    assert config["engine"]["engine"] == "sim" and "cost_model" in config["engine"]
+    assert config["executor"]["max_num_tokens"] == 48
+    assert config["kv_cache"]["num_blocks"] == 20 and config["kv_cache"]["host_cache_size"] == 0
+
+
+def test_schema_check_rejects_a_wrong_type():
+    document = _replay("evicted").to_json()
+    broken = json.loads(json.dumps(document))
+    broken["results"]["recheck"]["completed"] = 3.0
+    del broken["results"]["fit"]["wall_s"]
+    errors = replay_report.schema_errors(broken)
+    assert any("completed" in e for e in errors) and any("wall_s" in e for e in errors)
+
+
+def test_none_crashes_on_evicted_discount_and_recheck_completes_everything():
+    results = _replay("evicted").to_json()["results"]
+    none, recheck = results["none"], results["recheck"]
+    assert none["crashed"] and none["overshoots"] == 1
+    assert none["crash"]["message"] == "total_num_tokens (74) should be less than or equal to max_num_tokens (48)"
+    assert none["crash"]["mechanism"] == "evicted_discount"
+    assert none["overshoot_mechanisms"] == {"whole_prompt_hit": 0, "evicted_discount": 1, "other": 0}
+    assert none["completed"] == 2 and none["unserved"] == 4  # the crashed batch and every later request hang
+    assert not recheck["crashed"] and recheck["overshoots"] == 0
+    assert recheck["completed"] == recheck["requests"] == 6 and recheck["errored"] == 0
+    assert recheck["max_forward_tokens"] <= 48 and recheck["deferrals"] >= 1
+    assert recheck["max_consecutive_deferrals"] == 1
+
+
+def test_none_crashes_on_whole_prompt_hit():
+    results = _replay("whole", ("none", "recheck")).to_json()["results"]
+    crash = results["none"]["crash"]
+    assert crash["mechanism"] == "whole_prompt_hit" and crash["overshoot"] == 1
+    assert crash["message"].startswith("total_num_tokens (65)")
+    assert results["recheck"]["overshoots"] == 0 and results["recheck"]["completed"] == 4
+
+
+def test_policies_that_go_on_count_overshoots_as_errors():
+    trace = evicted_discount_trace()
+    run = replay_policy(trace, EVICTED_SETTINGS, "none", progress=False, stop_at_crash=False)
+    m = run.metrics
+    assert not m["crashed"] and m["overshoots"] == 1 and m["errored"] == 2  # the failed batch: fresh + follow-up
+    assert m["completed"] == 4 and m["unserved"] == 0
+
+
+def test_deterministic_except_wall_time():
+    spec = TraceSpec(num_requests=40, seed=3)
+
+    def strip(document: dict) -> dict:
+        for result in document["results"].values():
+            result.pop("wall_s")
+        return document
+
+    from benchmarks.replay import run_replay
+
+    first = strip(run_replay(spec, ReplaySettings(), ("none", "recheck"), progress=False).to_json())
+    second = strip(run_replay(spec, ReplaySettings(), ("none", "recheck"), progress=False).to_json())
+    assert json.dumps(first, sort_keys=True) == json.dumps(second, sort_keys=True)
+    assert first["results"]["recheck"]["completed"] == 40
+
+
+def test_cli_parses_every_flag():
+    args = build_parser().parse_args([
+        "--trace", "t.jsonl", "--format", "mooncake", "--policies", "fit,recheck", "--engine", "torch",
+        "--max-num-tokens", "2048", "--num-requests", "10", "--seed", "7", "--json", "o.json", "--plot", "o.png",
+        "--kv-blocks", "300", "--host-cache-blocks", "50", "--tokens-per-block", "16", "--max-batch-size", "12",
+        "--no-enable-partial-reuse", "--no-enable-block-reuse", "--no-enable-chunked-prefill",
+        "--time-scale", "0.5", "--qps", "3.5", "--system-prompt-len", "100", "--model", "small-random",
+    ])
+    spec, settings, policies = settings_from_args(args)
+    assert policies == ["fit", "recheck"] and args.json == "o.json" and args.plot == "o.png"
+    assert spec == TraceSpec(path="t.jsonl", format="mooncake", num_requests=10, seed=7, qps=3.5, time_scale=0.5,
+                             system_prompt_len=100)
+    assert settings == ReplaySettings(
+        engine="torch", model="small-random", max_num_tokens=2048, max_batch_size=12, tokens_per_block=16,
+        kv_blocks=300, host_cache_blocks=50, enable_block_reuse=False, enable_partial_reuse=False,
+        enable_chunked_prefill=False,
+    )
+    config = settings.executor_config("fit", max_seq_len=100, kv_bytes_per_token=10)
+    assert config.kv_cache_config.host_cache_size == 50 * 16 * 10  # blocks x tokens_per_block x bytes per token
+
+
+def test_cli_defaults_and_bad_values():
+    spec, settings, policies = settings_from_args(build_parser().parse_args([]))
+    assert spec.path is None and policies == list(POLICIES) and settings == ReplaySettings()
+    assert settings.max_num_tokens == 4096 and settings.enable_chunked_prefill and settings.enable_partial_reuse
+    assert settings.enable_block_reuse and settings.host_cache_blocks > 0
+    for bad in (["--policies", "none,best"], ["--engine", "gpu"], ["--kv-blocks", "0"], ["--qps", "-1"]):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(bad)
+
+
+def test_main_writes_table_json_and_plot(tmp_path, capsys):
+    out_json, out_png = tmp_path / "r.json", tmp_path / "r.png"
+    assert main(["--num-requests", "30", "--policies", "none,recheck", "--json", str(out_json), "--plot", str(out_png)]) == 0
+    printed = capsys.readouterr().out
+    assert "recheck" in printed and "note: default scenario:" in printed
+    _check_schema(json.loads(out_json.read_text()))
+    assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_torch_engine_runs_a_tiny_trace_end_to_end():
+    trace = Trace("tiny", "scenario", tuple(
+        SyntheticRequest(i, 0.05 * i, 24 + 8 * (i % 3), 4, ((segment_key(0xB0, i % 2), 16), (segment_key(0xB1, i), 8 + 8 * (i % 3))), 512)
+        for i in range(6)
+    ))
+    settings = ReplaySettings(engine="torch", model="tiny-random", max_num_tokens=32, tokens_per_block=4, kv_blocks=64,
+                              host_cache_blocks=8, max_batch_size=4)
+    document = replay_trace(trace, settings, ("none", "recheck"), progress=False).to_json()
+    _check_schema(document)
+    assert document["config"]["engine"]["engine"] == "torch"
+    for result in document["results"].values():
+        assert result["completed"] == 6 and result["overshoots"] == 0
+        assert result["ttft_ms"]["p50"] > 0.0
+
+
+def test_admission_window_changes_no_decision():
+    # 120 requests in 3 s overload the engine: a long queue forms behind a batch of 4.
+    trace = TraceSpec(num_requests=120, seed=5, qps=40.0).load(ReplaySettings())
+    settings = ReplaySettings(max_batch_size=4)
+    for policy in ("none", "recheck"):
+        gated = replay_policy(trace, settings, policy, progress=False, admission_window=4).metrics
+        ungated = replay_policy(trace, settings, policy, progress=False, admission_window=0).metrics
+        gated.pop("wall_s"), ungated.pop("wall_s")
+        assert gated == ungated
