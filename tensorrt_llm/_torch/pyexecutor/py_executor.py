@@ -230,6 +230,15 @@ class PyExecutor:
         for request in paused:
             self.resource_manager.free_resources(request)
             request.pause()
+            context = request.prompt_len + request.num_draft_tokens  # now with its generated tokens
+            if not self.config.enable_chunked_prefill and context > self.config.max_num_tokens:
+                # unchunked, it could never be scheduled again: fail it rather than let it (and
+                # every context request queued behind it) wait forever
+                self._fail(request, InvalidRequestError(
+                    f"request {request.request_id}: paused to free KV memory, its context of {context} tokens"
+                    f" (prompt + generated) exceeds max_num_tokens {self.config.max_num_tokens} and chunked"
+                    " prefill is off"
+                ))
 
     def _update_requests(self, scheduled: ScheduledRequests, output) -> None:
         for request in scheduled.context_requests:
