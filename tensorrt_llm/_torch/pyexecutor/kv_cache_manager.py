@@ -52,6 +52,12 @@ class _Sequence:
     num_computed: int  # tokens whose KV is written
     beam_blocks: list[KVBlock] = field(default_factory=list)  # private tails of beams 1..W-1
     stamp: int = 0  # allocation order
+    # block_id of each of ``blocks``, kept in step with it: a held block never changes slot,
+    # so the table only changes where ``blocks`` does (append, commit to a canonical block).
+    table: list[int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.table = [block.block_id for block in self.blocks]
 
 
 @dataclass(slots=True)
@@ -126,7 +132,7 @@ class KVCacheManager:
         return 0 if seq is None else len(seq.blocks) + len(seq.beam_blocks)
 
     def block_table(self, request: LlmRequest) -> list[int]:
-        return [block.block_id for block in self._sequences[request.request_id].blocks]
+        return list(self._sequences[request.request_id].table)
 
     def num_computed_tokens(self, request: LlmRequest) -> int:
         seq = self._sequences.get(request.request_id)
@@ -214,6 +220,8 @@ class KVCacheManager:
         held = [b for seq in self._sequences.values() for b in (*seq.blocks, *seq.beam_blocks)]
         held += [b for claim in self._claims.values() for b in claim.pinned]
         self.pool.check_integrity(held)
+        for request_id, seq in self._sequences.items():
+            assert seq.table == [b.block_id for b in seq.blocks], f"request {request_id}: stale block table"
 
     # ---- allocation -----------------------------------------------------------------
     def _allocate_step(self, request: LlmRequest) -> bool:
@@ -242,7 +250,9 @@ class KVCacheManager:
         if missing > self.pool.available:
             return False
         for _ in range(max(shared, 0)):
-            seq.blocks.append(self.pool.allocate())
+            block = self.pool.allocate()
+            seq.blocks.append(block)
+            seq.table.append(block.block_id)
         for _ in range(max(beam, 0)):
             seq.beam_blocks.append(self.pool.allocate())
         return True
@@ -348,7 +358,8 @@ class KVCacheManager:
         tokens, tpb = request.tokens, self.tokens_per_block
         for i in range(seq.num_committed, full):
             parent = seq.blocks[i - 1] if i else None
-            seq.blocks[i] = self.pool.commit(parent, seq.blocks[i], tuple(tokens[i * tpb : (i + 1) * tpb]))
+            block = seq.blocks[i] = self.pool.commit(parent, seq.blocks[i], tuple(tokens[i * tpb : (i + 1) * tpb]))
+            seq.table[i] = block.block_id
         seq.num_committed = max(seq.num_committed, full)
 
     def _prompt_keys(self, request: LlmRequest) -> list[tuple[int, BlockTokens]]:
