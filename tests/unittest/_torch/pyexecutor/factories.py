@@ -6,10 +6,16 @@ import itertools
 from typing import Sequence
 
 from tensorrt_llm._torch.pyexecutor.config import ExecutorConfig, KvCacheConfig
+from tensorrt_llm._torch.pyexecutor.errors import InvalidRequestError
 from tensorrt_llm._torch.pyexecutor.kv_cache_manager import KVCacheManager
-from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequest
+from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequest, LlmRequestState
+from tensorrt_llm._torch.pyexecutor.model_engine import ModelEngine
 from tensorrt_llm._torch.pyexecutor.py_executor import PyExecutor
 from tensorrt_llm._torch.pyexecutor.py_executor_creator import create_kv_cache_manager, create_py_executor
+from tensorrt_llm._torch.pyexecutor.request_validation import RequestLimits, validate_request
+from tensorrt_llm._torch.pyexecutor.sampler import Sampler
+from tensorrt_llm._torch.pyexecutor.scheduled_requests import ScheduledRequests
+from tensorrt_llm._torch.pyexecutor.scheduler import CapacityScheduler, MicroBatchScheduler, SimpleScheduler
 from tensorrt_llm._torch.pyexecutor.simulated_engine import SimulatedModelEngine, SyntheticSampler
 from tensorrt_llm._torch.pyexecutor.token_budget import make_token_budget_policy
 
@@ -80,6 +86,18 @@ def make_kv_cache_manager(config: ExecutorConfig | None = None, **config_overrid
     return create_kv_cache_manager(config, policy, kv_bytes_per_token=KV_BYTES_PER_TOKEN)
 
 
+def make_sim_engine(config: ExecutorConfig, kv: KVCacheManager) -> SimulatedModelEngine:
+    """The simulated engine an executor with ``config`` would run over ``kv`` (same budget policy)."""
+    return SimulatedModelEngine(config.max_num_tokens, kv, kv.token_budget, vocab_size=VOCAB)
+
+
+def make_scheduler(config: ExecutorConfig, kv: KVCacheManager) -> SimpleScheduler:
+    """The two-stage scheduler an executor with ``config`` would build over ``kv``."""
+    return SimpleScheduler(
+        CapacityScheduler(config.capacity_scheduler_policy, kv), MicroBatchScheduler(config, kv, kv.token_budget)
+    )
+
+
 def make_sim_executor(config: ExecutorConfig | None = None, **config_overrides) -> PyExecutor:
     """An executor whose engine is simulated (bookkeeping KV, synthetic tokens), everything else real."""
     config = config or make_config(**config_overrides)
@@ -90,3 +108,72 @@ def make_sim_executor(config: ExecutorConfig | None = None, **config_overrides) 
     return create_py_executor(
         config, engine_factory=engine, sampler=SyntheticSampler(VOCAB), kv_bytes_per_token=KV_BYTES_PER_TOKEN
     )
+
+
+# ---- driving one request by hand (building KV states for batch-level tests) ------------
+
+
+def make_request_limits(config: ExecutorConfig, kv: KVCacheManager, engine: ModelEngine) -> RequestLimits:
+    """The limits a :class:`PyExecutor` with this config, KV manager and engine checks at submission."""
+    return RequestLimits(
+        max_seq_len=config.max_seq_len,
+        max_num_tokens=config.max_num_tokens,
+        enable_chunked_prefill=config.enable_chunked_prefill,
+        vocab_size=engine.vocab_size,
+        max_beam_width=engine.max_beam_width,
+        supports_draft_tokens=engine.supports_draft_tokens,
+        num_kv_blocks=kv.num_blocks,
+        chunk_unit_size=config.chunk_unit_size,
+    )
+
+
+def is_servable(request: LlmRequest, limits: RequestLimits, kv: KVCacheManager) -> bool:
+    """Would the executor accept ``request`` (the same check as ``PyExecutor.validate``)?"""
+    try:
+        validate_request(request, limits, kv.blocks_for_tokens(request, kv.max_sequence_len(request)))
+    except InvalidRequestError:
+        return False
+    return True
+
+
+def prepare_alone(kv: KVCacheManager, request: LlmRequest) -> bool:
+    """Allocate ``request``'s next step on its own, outside any token budget; False if blocks ran out.
+
+    Setting-up helper: the budget policy is bypassed because a state being built is not a
+    batch under test. Allocation is all-or-nothing, so on False nothing was claimed.
+    """
+    scheduled = ScheduledRequests()
+    (scheduled.context_requests if request.is_context_init_state else scheduled.generation_requests).append(request)
+    policy, kv.token_budget = kv.token_budget, None
+    try:
+        kv.prepare_resources(scheduled)
+    finally:
+        kv.token_budget = policy
+    return not scheduled.deferred_requests
+
+
+def run_alone(kv: KVCacheManager, request: LlmRequest, sampler: Sampler, *, chunk: int | None = None) -> bool:
+    """One executor iteration for ``request`` alone: allocate, "compute", update its state and the KV.
+
+    A context request runs ``chunk`` tokens (default: the rest of its prompt); a generation
+    request one step. Mirrors ``PyExecutor._update_requests`` then ``update_resources``.
+    Returns False, changing nothing, when the blocks cannot be had.
+    """
+    if request.is_context_init_state:
+        request.context_chunk_size = request.context_remaining_length if chunk is None else chunk
+    if not prepare_alone(kv, request):
+        return False
+    scheduled = ScheduledRequests()
+    if request.is_context_init_state:
+        scheduled.context_requests.append(request)
+        samples = request.is_last_context_chunk
+        request.move_to_next_context_chunk()
+        if samples:
+            request.state = LlmRequestState.GENERATION_IN_PROGRESS
+            request.add_new_token(sampler.sample(request, None)[0])
+    else:
+        scheduled.generation_requests.append(request)
+        request.add_new_token(sampler.sample(request, None)[0])
+        request.is_first_draft = False
+    kv.update_resources(scheduled)
+    return True
