@@ -124,13 +124,19 @@ class BlockPool:
     # ---- matching -------------------------------------------------------------------
     def match(self, keys: list[tuple[int, BlockTokens]]) -> list[KVBlock]:
         """Longest chain of tree blocks (either tier) equal to the leading ``keys``."""
+        # KVBlock.child inlined: the schedulers walk every waiting prompt every iteration.
         chain: list[KVBlock] = []
-        node = self.root
+        children = self.root.children
         for block_hash, tokens in keys:
-            node = node.child(block_hash, tokens)
-            if node is None:
+            if children is None:
                 break
-            chain.append(node)
+            for candidate in children.get(block_hash, ()):
+                if candidate.tokens == tokens:  # verified: equal hash alone proves nothing
+                    break
+            else:
+                break
+            chain.append(candidate)
+            children = candidate.children
         return chain
 
     def match_partial(self, parent: KVBlock | None, tokens: BlockTokens) -> tuple[KVBlock | None, int]:
