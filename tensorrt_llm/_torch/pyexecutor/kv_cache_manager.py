@@ -168,6 +168,20 @@ class KVCacheManager:
         request.estimated_reusable_tokens = estimate
         return estimate
 
+    def estimate_admission(self, request: LlmRequest) -> int:
+        """:meth:`estimate_reusable_tokens` (stored on the request) and :meth:`num_shared_blocks`
+        (returned) from one walk of the prefix tree: the capacity scheduler needs both for
+        every waiting request, every iteration."""
+        if not self.enable_block_reuse or request.request_id in self._sequences:
+            request.estimated_reusable_tokens = 0
+            return 0
+        chain = self.pool.match(self._prompt_keys(request))
+        request.estimated_reusable_tokens = len(chain) * self.tokens_per_block
+        # A claim matches at most prompt_len - 1 tokens; match() of a prefix of the keys is
+        # the same prefix of the chain.
+        claimable = chain[: (request.prompt_len - 1) // self.tokens_per_block]
+        return sum(1 for block in claimable if block.ref_count > 0)
+
     def num_shared_blocks(self, request: LlmRequest) -> int:
         """Prompt blocks a first-chunk claim would share with started requests (held: no pool slot)."""
         if not self.enable_block_reuse or request.request_id in self._sequences:

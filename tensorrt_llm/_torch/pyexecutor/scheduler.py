@@ -52,8 +52,9 @@ class CapacityScheduler:
         return self._max_utilization(started, waiting)
 
     def _new_request_blocks(self, request: LlmRequest, num_tokens: int) -> int:
-        self.kv.estimate_reusable_tokens(request)  # upstream's estimate: the micro-batch discount reads it
-        return max(0, self.kv.blocks_for_tokens(request, num_tokens) - self.kv.num_shared_blocks(request))
+        # Also stores upstream's estimate on the request: the micro-batch discount reads it.
+        shared = self.kv.estimate_admission(request)
+        return max(0, self.kv.blocks_for_tokens(request, num_tokens) - shared)
 
     def _guaranteed_no_evict(self, started: list[LlmRequest], waiting: list[LlmRequest]) -> CapacityDecision:
         available = self.kv.pool.available
