@@ -122,11 +122,12 @@ class BlockPool:
         return len(self._host_lru)
 
     # ---- matching -------------------------------------------------------------------
-    def match(self, keys: list[tuple[int, BlockTokens]]) -> list[KVBlock]:
-        """Longest chain of tree blocks (either tier) equal to the leading ``keys``."""
+    def match(self, keys: list[tuple[int, BlockTokens]], parent: KVBlock | None = None) -> list[KVBlock]:
+        """Longest chain of tree blocks (either tier) equal to the leading ``keys``, below
+        ``parent`` (default: the root)."""
         # KVBlock.child inlined: the schedulers walk every waiting prompt every iteration.
         chain: list[KVBlock] = []
-        children = self.root.children
+        children = (parent or self.root).children
         for block_hash, tokens in keys:
             if children is None:
                 break

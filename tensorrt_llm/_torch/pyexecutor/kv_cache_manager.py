@@ -21,6 +21,7 @@ for what allocation may evict first. The gap between it and the claim is the bug
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import logging
 from dataclasses import dataclass, field
@@ -110,6 +111,8 @@ class KVCacheManager:
         self.token_budget = token_budget
         self._sequences: dict[int, _Sequence] = {}
         self._keys: dict[int, tuple[int, list[tuple[int, BlockTokens]]]] = {}
+        # Waiting requests' matched chains from the last admission walk, keyed like _keys.
+        self._matches: dict[int, tuple[int, list[KVBlock]]] = {}
         self._stamps = itertools.count()
         self._claims: dict[int, PrefixClaim] = {}
         self.last_claims: list[ClaimRecord] = []  # first chunks allocated in the last prepare_resources
@@ -173,14 +176,35 @@ class KVCacheManager:
         (returned) from one walk of the prefix tree: the capacity scheduler needs both for
         every waiting request, every iteration."""
         if not self.enable_block_reuse or request.request_id in self._sequences:
+            self._matches.pop(request.request_id, None)
             request.estimated_reusable_tokens = 0
             return 0
-        chain = self.pool.match(self._prompt_keys(request))
+        chain = self._match_prompt(request)
         request.estimated_reusable_tokens = len(chain) * self.tokens_per_block
         # A claim matches at most prompt_len - 1 tokens; match() of a prefix of the keys is
         # the same prefix of the chain.
         claimable = chain[: (request.prompt_len - 1) // self.tokens_per_block]
         return sum(1 for block in claimable if block.ref_count > 0)
+
+    def _match_prompt(self, request: LlmRequest) -> list[KVBlock]:
+        """``pool.match`` of the prompt's keys, resumed from the request's previous match.
+
+        Exact: a block leaves the tree only with its whole subtree, and a dropped block
+        object never re-enters it, so the blocks of the old chain that were dropped since
+        are a suffix of it (found by bisection); what was committed since is found by
+        walking on from the last surviving block.
+        """
+        keys = self._prompt_keys(request)
+        previous = self._matches.get(request.request_id)
+        if previous is None or previous[0] != request.prompt_len:
+            chain = self.pool.match(keys)
+        else:
+            chain = previous[1]
+            if chain and not chain[-1].in_tree:
+                del chain[bisect.bisect_left(chain, True, key=lambda block: not block.in_tree) :]
+            chain += self.pool.match(keys[len(chain) :], chain[-1] if chain else None)
+        self._matches[request.request_id] = (request.prompt_len, chain)
+        return chain
 
     def num_shared_blocks(self, request: LlmRequest) -> int:
         """Prompt blocks a first-chunk claim would share with started requests (held: no pool slot)."""
@@ -220,6 +244,7 @@ class KVCacheManager:
         self.release_claim(request)
         seq = self._sequences.pop(request.request_id, None)
         self._keys.pop(request.request_id, None)
+        self._matches.pop(request.request_id, None)
         if seq is None:
             return
         if store_for_reuse and self.enable_block_reuse:
