@@ -18,24 +18,26 @@ fails that batch with ``TokenBudgetExceeded`` and serves everyone else.
 Without ``--trace`` the built-in default scenario is replayed (``benchmarks.scenario``),
 under defaults tuned so that ``none`` crashes early on every seed while ``recheck``
 completes every request.
+
+Modules: this one holds the settings, the trace spec and the CLI; ``replay_loop`` replays
+one policy; ``replay_diagnosis`` names the overshoot mechanism; ``replay_report`` prints the
+table and writes the JSON and the plot; ``sim_engine`` builds the engines.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import math
 import sys
-import time
-from array import array
-from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Sequence
 
 from benchmarks.cost_model import ModelShape, default_cost_model
+from benchmarks.replay_diagnosis import MECHANISMS, Overshoot, classify_claim, diagnose_overshoot
+from benchmarks.replay_loop import PolicyRun, max_seq_len_for, replay_policy
 from benchmarks.scenario import ScenarioConfig, default_scenario
-from benchmarks.sim_engine import ENGINES, Engine, build_sim_engine, build_torch_engine, torch_vocab_size
+from benchmarks.sim_engine import ENGINES, Engine, build_sim_engine, build_torch_engine, torch_kv_bytes_per_token, torch_vocab_size
 from benchmarks.traces import DEFAULT_VOCAB_SIZE, Trace, load_trace
 from tensorrt_llm._torch.models.modeling_llama import MODEL_PRESETS
 from tensorrt_llm._torch.pyexecutor.config import (
@@ -45,21 +47,19 @@ from tensorrt_llm._torch.pyexecutor.config import (
     KvCacheConfig,
     TokenBudgetPolicyName,
 )
-from tensorrt_llm._torch.pyexecutor.kv_cache_manager import ClaimRecord
-from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequest, LlmRequestState
-from tensorrt_llm._torch.pyexecutor.py_executor import Response
-from tensorrt_llm._torch.pyexecutor.scheduled_requests import ScheduledRequests
+
+__all__ = [
+    "DEFAULT_SCENARIO_REQUESTS", "KNOWN_POLICIES", "MECHANISMS", "POLICIES", "Overshoot", "PolicyRun", "ReplayResult",
+    "ReplaySettings", "TraceSpec", "build_parser", "classify_claim", "diagnose_overshoot", "main", "max_seq_len_for",
+    "replay_policy", "replay_trace", "run_replay", "settings_from_args",
+]
 
 POLICIES = ("none", "trim", "fit", "recheck")  # DESIGN.md §5; the default set
 KNOWN_POLICIES = tuple(p.value for p in TokenBudgetPolicyName)  # also later work, e.g. "claim"
 # The default scenario's length in the replay: 100 s of arrivals at 7 req/s. The bug is a
-# rare coincidence (~2-3 overshoots per 100 s of this traffic under the default settings),
+# rare coincidence (a few overshoots per 100 s of this traffic under the default settings),
 # so the replay runs long enough for ``none`` to hit it on every seed tried.
 DEFAULT_SCENARIO_REQUESTS = 700
-MECHANISMS = ("whole_prompt_hit", "evicted_discount", "other")
-# A replay whose executor runs this many iterations in a row without a forward and without
-# an arrival to wait for is stuck (a scheduling bug); fail loudly instead of spinning.
-_MAX_IDLE_STEPS = 10_000
 
 
 # ---------------------------------------------------------------------------------------
@@ -131,8 +131,6 @@ class ReplaySettings:
 
     def build_engine(self, policy: str, max_seq_len: int) -> Engine:
         if self.engine == "torch":
-            from benchmarks.sim_engine import torch_kv_bytes_per_token
-
             config = self.executor_config(policy, max_seq_len=max_seq_len, kv_bytes_per_token=torch_kv_bytes_per_token(self.model))
             return build_torch_engine(config, model_name=self.model)
         shape = ModelShape()
@@ -149,399 +147,6 @@ def _cost_model():
     if _COST_MODEL is None:
         _COST_MODEL = default_cost_model()
     return _COST_MODEL
-
-
-def max_seq_len_for(trace: Trace) -> int:
-    """Room for the longest prompt plus its whole output."""
-    return max((r.input_len + r.output_len for r in trace.requests), default=1)
-
-
-# ---------------------------------------------------------------------------------------
-# Overshoot diagnosis
-# ---------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class Overshoot:
-    """One forward that went past ``max_num_tokens``, and which §1 mechanism caused it.
-
-    ``request_id`` is the request whose positions exceeded its admission charge the most;
-    ``estimated``/``claimed`` are that request's reuse estimate at admission and what its
-    allocation actually claimed (None when it was not a first chunk).
-    """
-
-    iteration: int
-    time_s: float
-    forward_tokens: int
-    overshoot: int
-    mechanism: str
-    request_id: int | None = None
-    prompt_len: int | None = None
-    charged: int | None = None
-    ran: int | None = None
-    estimated: int | None = None
-    claimed: int | None = None
-
-    def describe(self) -> str:
-        where = f"iteration {self.iteration} at t={self.time_s:.2f} s: {self.forward_tokens} positions (+{self.overshoot})"
-        if self.request_id is None:
-            return f"{where}, mechanism {self.mechanism}"
-        return (
-            f"{where}, mechanism {self.mechanism}: request {self.request_id} (prompt {self.prompt_len}) was charged "
-            f"{self.charged} and ran {self.ran}; reuse estimated {self.estimated}, claimed {self.claimed}"
-        )
-
-
-def classify_claim(prompt_len: int, claim: ClaimRecord, tokens_per_block: int) -> str:
-    """Which DESIGN.md §1 mechanism a first chunk's shortfall of reuse is.
-
-    ``whole_prompt_hit``: a block-aligned prompt estimated fully reusable, whose claim went
-    as far as a claim can (``(prompt_len - 1) // tpb * tpb``: the last token is always
-    computed) with nothing evicted, so its last block was recomputed.
-    ``evicted_discount``: the claim stopped short of full blocks that were counted at
-    admission: they were evicted (or onboarding failed) before this request allocated.
-    """
-    limit = (prompt_len - 1) // tokens_per_block * tokens_per_block
-    estimate, reused = claim.estimated_reusable_tokens, claim.reused_tokens
-    if estimate >= prompt_len and prompt_len % tokens_per_block == 0 and limit <= reused < prompt_len - 1:
-        return "whole_prompt_hit"
-    if reused < min(estimate, limit):
-        return "evicted_discount"
-    return "other"
-
-
-def diagnose_overshoot(
-    scheduled: ScheduledRequests, claims: Sequence[ClaimRecord], tokens_per_block: int, *, iteration: int,
-    time_s: float, forward_tokens: int, overshoot: int,
-) -> Overshoot:
-    """Blame the request of the failing batch whose chunk ran furthest past its admission charge.
-
-    Read right after the failing step: the batch's requests keep their chunk bookkeeping
-    (the failure only sets their error), and ``claims`` are the first chunks that batch
-    allocated, with the reuse each was admitted with and the reuse it got.
-    """
-    by_id = {claim.request_id: claim for claim in claims}
-    worst: tuple[int, LlmRequest] | None = None
-    for request in scheduled.context_requests:
-        ran = min(request.context_chunk_size, request.prompt_len - request.context_current_position)
-        excess = ran - scheduled.charges.get(request.request_id, ran)
-        if worst is None or excess > worst[0]:
-            worst = (excess, request)
-    base = dict(iteration=iteration, time_s=time_s, forward_tokens=forward_tokens, overshoot=overshoot)
-    if worst is None or worst[0] <= 0:
-        return Overshoot(mechanism="other", **base)
-    excess, request = worst
-    claim = by_id.get(request.request_id)
-    ran = min(request.context_chunk_size, request.prompt_len - request.context_current_position)
-    mechanism = classify_claim(request.prompt_len, claim, tokens_per_block) if claim else "other"
-    return Overshoot(
-        mechanism=mechanism,
-        request_id=request.request_id,
-        prompt_len=request.prompt_len,
-        charged=scheduled.charges.get(request.request_id),
-        ran=ran,
-        estimated=claim.estimated_reusable_tokens if claim else None,
-        claimed=claim.reused_tokens if claim else None,
-        **base,
-    )
-
-
-# ---------------------------------------------------------------------------------------
-# One policy
-# ---------------------------------------------------------------------------------------
-
-
-class Progress:
-    """``label [#####.....] done/total`` on stderr, redrawn at most 5 times a second.
-
-    On a terminal it redraws in place; otherwise it prints one line when the run ends.
-    """
-
-    def __init__(self, label: str, total: int, *, enabled: bool = True, stream=None) -> None:
-        self.label, self.total = label, max(total, 1)
-        self.stream = stream or sys.stderr
-        self.enabled = enabled
-        self.live = enabled and getattr(self.stream, "isatty", lambda: False)()
-        self._last = 0.0
-        self._t0 = time.perf_counter()
-
-    def update(self, done: int, force: bool = False) -> None:
-        if not self.live:
-            return
-        now = time.perf_counter()
-        if not force and now - self._last < 0.2:
-            return
-        self._last = now
-        width = 30
-        filled = int(width * min(done, self.total) / self.total)
-        bar = "#" * filled + "." * (width - filled)
-        self.stream.write(f"\r{self.label:>8} [{bar}] {done}/{self.total} requests {now - self._t0:6.1f} s")
-        self.stream.flush()
-
-    def close(self, done: int, note: str = "") -> None:
-        if not self.enabled:
-            return
-        if self.live:
-            self.update(done, force=True)
-            self.stream.write(f" {note}\n")
-        else:
-            self.stream.write(f"{self.label:>8}: {done}/{self.total} requests in {time.perf_counter() - self._t0:.1f} s {note}\n")
-        self.stream.flush()
-
-
-@dataclass(slots=True)
-class PolicyRun:
-    """What one policy's replay produced: the §5 metrics and the series the plot draws."""
-
-    policy: str
-    metrics: dict
-    iteration_time_s: array = field(default_factory=lambda: array("d"))  # end time of each forward that ran
-    iteration_tokens: array = field(default_factory=lambda: array("i"))  # its positions
-    overshoot_time_s: array = field(default_factory=lambda: array("d"))
-    overshoot_tokens: array = field(default_factory=lambda: array("i"))
-    ttft_ms: list[float] = field(default_factory=list)
-
-
-class _Outcomes:
-    """Per-request outcomes, filled from final responses; no request object is kept."""
-
-    def __init__(self, num_requests: int) -> None:
-        self.arrival = array("d", [0.0]) * num_requests
-        self.first_token = array("d", [math.nan]) * num_requests
-        self.finish = array("d", [math.nan]) * num_requests
-        self.outputs = array("i", [0]) * num_requests
-        self.status = bytearray(num_requests)  # 0 open, 1 completed, 2 errored
-        self.max_consecutive_deferrals = 0
-        self.deferrals = 0
-        self.capacity_deferrals = 0
-        self.completed = 0
-        self.errored = 0
-        self.output_tokens = 0
-        self.in_context = 0  # injected requests that have had no response yet (still in their prompt)
-        self._silent = bytearray(num_requests)
-
-    def injected(self, slot: int) -> None:
-        self.in_context += 1
-        self._silent[slot] = 1
-
-    def on_response(self, slot: int) -> Callable[[LlmRequest, Response], None]:
-        def record(request: LlmRequest, response: Response) -> None:
-            if self._silent[slot]:
-                self._silent[slot] = 0
-                self.in_context -= 1
-            if not response.finished:
-                return
-            if request.first_token_time is not None:
-                self.first_token[slot] = request.first_token_time
-            self.finish[slot] = request.finish_time if request.finish_time is not None else math.nan
-            self.outputs[slot] = request.num_generated_tokens
-            self.max_consecutive_deferrals = max(self.max_consecutive_deferrals, request.max_consecutive_budget_deferrals)
-            self.deferrals += request.num_budget_deferrals
-            self.capacity_deferrals += request.num_capacity_deferrals
-            if request.state is LlmRequestState.GENERATION_COMPLETE and not request.is_cancelled:
-                self.status[slot] = 1
-                self.completed += 1
-                self.output_tokens += request.num_generated_tokens
-            else:
-                self.status[slot] = 2
-                self.errored += 1
-
-        return record
-
-    def hang(self, slot: int) -> None:
-        """Undo a final error response: upstream never sends it."""
-        if self.status[slot] == 2:
-            self.status[slot] = 0
-            self.errored -= 1
-
-
-def replay_policy(
-    trace: Trace,
-    settings: ReplaySettings,
-    policy: str,
-    *,
-    max_seq_len: int | None = None,
-    progress: bool = True,
-    stop_at_crash: bool = True,
-    admission_window: int | None = None,
-) -> PolicyRun:
-    """Replay ``trace`` on a fresh executor under ``policy``; ``none`` stops at its first overshoot.
-
-    ``stop_at_crash=False`` lets ``none`` go on past overshoots the way the other policies
-    do (for measuring how often the bug fires; not upstream's behaviour).
-
-    ``admission_window``: arrived requests enter the executor only while fewer than this
-    many injected requests are still in their prompt (no response yet); the rest wait,
-    unmaterialised, in arrival order. This changes no decision: both schedulers take
-    requests in arrival order, the micro-batch scheduler never looks past the first
-    ``max_batch_size`` context requests and the capacity scheduler stops at the first
-    waiting request that does not fit, so a request behind ``max_batch_size`` earlier
-    context requests cannot be scheduled this iteration anyway. It bounds memory (and the
-    executor's per-iteration scans) when a trace overloads the engine. Default:
-    ``max_batch_size``, the smallest window that is exact; 0 disables it.
-    """
-    policy = TokenBudgetPolicyName(policy).value
-    wall_t0 = time.perf_counter()
-    max_seq_len = max_seq_len or max_seq_len_for(trace)
-    engine = settings.build_engine(policy, max_seq_len)
-    executor, clock = engine.executor, engine.clock
-    kv = executor.kv_cache_manager
-    tpb = settings.tokens_per_block
-    requests = trace.requests
-    n = len(requests)
-    outcomes = _Outcomes(n)
-    for slot, r in enumerate(requests):
-        outcomes.arrival[slot] = r.arrival_s
-    bar = Progress(policy, n, enabled=progress)
-
-    window = settings.max_batch_size if admission_window is None else admission_window
-    overshoots: list[Overshoot] = []
-    crash: Overshoot | None = None
-    crash_message: str | None = None
-    next_arrival = 0
-    backlog: deque[int] = deque()  # arrived, not yet in the executor (trace positions)
-    idle_steps = 0
-    while True:
-        now = clock()
-        while next_arrival < n and requests[next_arrival].arrival_s <= now:
-            backlog.append(next_arrival)
-            next_arrival += 1
-        while backlog and (not window or outcomes.in_context < window):
-            slot = backlog.popleft()
-            r = requests[slot]
-            # The prompt is materialised only now, and only the executor holds it.
-            request = LlmRequest(
-                input_token_ids=r.prompt_token_ids(),
-                max_new_tokens=r.output_len,
-                request_id=slot,
-                arrival_time=r.arrival_s,
-            )
-            outcomes.injected(slot)
-            executor.enqueue_request(request, outcomes.on_response(slot))
-        if not executor.has_work:
-            if next_arrival >= n:
-                break
-            clock.advance_to(requests[next_arrival].arrival_s)
-            continue
-        stats = executor.step()
-        bar.update(outcomes.completed + outcomes.errored)
-        if stats is None:
-            continue
-        if stats.overshoot > 0:
-            event = diagnose_overshoot(
-                executor.last_scheduled, kv.last_claims, tpb, iteration=stats.iteration, time_s=stats.start_time,
-                forward_tokens=stats.forward_tokens, overshoot=stats.overshoot,
-            )
-            overshoots.append(event)
-            if stop_at_crash and policy == TokenBudgetPolicyName.NONE.value:
-                crash = event
-                crash_message = stats.error
-                # Upstream's assertion kills the executor thread: the failing batch gets no
-                # response at all (here the loop failed it), so it is unserved, not errored.
-                for request in executor.last_scheduled.all_requests:
-                    outcomes.hang(request.request_id)
-                break
-        if stats.forward_tokens == 0 or stats.overshoot > 0:
-            idle_steps += 1
-            if idle_steps > _MAX_IDLE_STEPS:
-                if next_arrival < n:
-                    clock.advance_to(requests[next_arrival].arrival_s)
-                    idle_steps = 0
-                    continue
-                raise RuntimeError(f"{policy}: no forward in {_MAX_IDLE_STEPS} iterations; active {executor.active_requests[:5]}")
-        else:
-            idle_steps = 0
-
-    end_time = clock()
-    run = PolicyRun(policy, {})
-    forward_sum = 0
-    busy = 0
-    max_forward = 0
-    for stats in executor.iteration_stats:
-        if stats.overshoot > 0:
-            run.overshoot_time_s.append(stats.start_time)
-            run.overshoot_tokens.append(stats.forward_tokens)
-            max_forward = max(max_forward, stats.forward_tokens)
-            continue
-        if stats.forward_tokens > 0:
-            busy += 1
-            forward_sum += stats.forward_tokens
-            max_forward = max(max_forward, stats.forward_tokens)
-            run.iteration_time_s.append(stats.end_time)
-            run.iteration_tokens.append(stats.forward_tokens)
-    # In-flight requests at a crash report what they had so far (their deferrals count too).
-    if crash is not None:
-        for request in executor.active_requests:
-            outcomes.deferrals += request.num_budget_deferrals
-            outcomes.max_consecutive_deferrals = max(
-                outcomes.max_consecutive_deferrals, request.max_consecutive_budget_deferrals
-            )
-    del engine, executor, kv  # drop the KV tree and every in-flight prompt before the next policy
-
-    ttft = [
-        (outcomes.first_token[i] - outcomes.arrival[i]) * 1e3
-        for i in range(n)
-        if not math.isnan(outcomes.first_token[i])
-    ]
-    tpot = [
-        (outcomes.finish[i] - outcomes.first_token[i]) * 1e3 / (outcomes.outputs[i] - 1)
-        for i in range(n)
-        if outcomes.status[i] == 1 and outcomes.outputs[i] > 1
-    ]
-    makespan = end_time - (requests[0].arrival_s if n else 0.0)
-    mechanisms = dict.fromkeys(MECHANISMS, 0)
-    for event in overshoots:
-        mechanisms[event.mechanism] += 1
-    run.ttft_ms = ttft
-    run.metrics = {
-        "requests": n,
-        "completed": outcomes.completed,
-        "errored": outcomes.errored,
-        "crashed": crash is not None,
-        "crash": None if crash is None else {
-            "iteration": crash.iteration,
-            "message": crash_message,
-            "time_s": crash.time_s,
-            "overshoot": crash.overshoot,
-            "mechanism": crash.mechanism,
-            "detail": crash.describe(),
-        },
-        "overshoots": len(overshoots),
-        "max_forward_tokens": max_forward,
-        "deferrals": outcomes.deferrals,
-        "max_consecutive_deferrals": outcomes.max_consecutive_deferrals,
-        "budget_utilization": forward_sum / busy / settings.max_num_tokens if busy else 0.0,
-        "ttft_ms": _percentiles(ttft),
-        "tpot_ms": _percentiles(tpot),
-        "output_tokens_per_s": outcomes.output_tokens / makespan if makespan > 0 else 0.0,
-        "wall_s": time.perf_counter() - wall_t0,
-        # Extras beyond DESIGN.md §5.
-        "unserved": n - outcomes.completed - outcomes.errored,
-        "overshoot_mechanisms": mechanisms,
-        "overshoot_events": [dataclasses.asdict(event) for event in overshoots[:20]],
-        "capacity_deferrals": outcomes.capacity_deferrals,
-        "output_tokens": outcomes.output_tokens,
-        "makespan_s": makespan,
-        "iterations": busy,
-    }
-    note = f"crashed at t={crash.time_s:.1f} s ({crash.mechanism})" if crash else f"{outcomes.completed} completed"
-    bar.close(outcomes.completed + outcomes.errored, note)
-    return run
-
-
-def _percentiles(values: Sequence[float]) -> dict:
-    """p50 and p99 (linear interpolation); 0.0 with ``n == 0`` when there is nothing to measure."""
-    if not values:
-        return {"p50": 0.0, "p99": 0.0, "n": 0}
-    ordered = sorted(values)
-
-    def q(p: float) -> float:
-        pos = p * (len(ordered) - 1)
-        lo = math.floor(pos)
-        hi = min(lo + 1, len(ordered) - 1)
-        return float(ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo))
-
-    return {"p50": q(0.50), "p99": q(0.99), "n": len(ordered)}
 
 
 # ---------------------------------------------------------------------------------------

@@ -241,3 +241,26 @@ def test_admission_window_changes_no_decision():
         ungated = replay_policy(trace, settings, policy, progress=False, admission_window=0).metrics
         gated.pop("wall_s"), ungated.pop("wall_s")
         assert gated == ungated
+
+
+def test_resumed_admission_walk_equals_fresh_walks(monkeypatch):
+    """The capacity scheduler's memoised prefix match (KVCacheManager.estimate_admission)
+    agrees with upstream's estimate and the shared-block count walked from scratch, at every
+    admission of a replay whose pool and host tier churn."""
+    from tensorrt_llm._torch.pyexecutor.kv_cache_manager import KVCacheManager
+
+    resumed = KVCacheManager.estimate_admission
+    calls = []
+
+    def checked(self, request):
+        expected = (self.estimate_reusable_tokens(request), self.num_shared_blocks(request))
+        shared = resumed(self, request)
+        assert (request.estimated_reusable_tokens, shared) == expected
+        calls.append(shared)
+        return shared
+
+    monkeypatch.setattr(KVCacheManager, "estimate_admission", checked)
+    settings = ReplaySettings(kv_blocks=400, host_cache_blocks=64)
+    trace = TraceSpec(num_requests=120, seed=2).load(settings)
+    replay_policy(trace, settings, "recheck", progress=False)
+    assert len(calls) > 500 and any(calls)

@@ -1,0 +1,342 @@
+"""One policy's replay: a fresh executor, arrivals injected on its clock, metrics out.
+
+The loop, per iteration: move arrived requests from the trace to the executor (through the
+admission window, see :func:`replay_policy`), jump the clock to the next arrival when the
+executor is idle, step, and diagnose any overshoot. Finished requests leave only numbers
+behind (:class:`_Outcomes`); prompts live only inside the executor.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import sys
+import time
+from array import array
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable, Sequence
+
+from benchmarks.replay_diagnosis import MECHANISMS, Overshoot, diagnose_overshoot
+from benchmarks.traces import Trace
+from tensorrt_llm._torch.pyexecutor.config import TokenBudgetPolicyName
+from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequest, LlmRequestState
+from tensorrt_llm._torch.pyexecutor.py_executor import Response
+
+if TYPE_CHECKING:
+    from benchmarks.replay import ReplaySettings
+
+# A replay whose executor runs this many iterations in a row without a forward and without
+# an arrival to wait for is stuck (a scheduling bug); fail loudly instead of spinning.
+_MAX_IDLE_STEPS = 10_000
+
+
+def max_seq_len_for(trace: Trace) -> int:
+    """Room for the longest prompt plus its whole output."""
+    return max((r.input_len + r.output_len for r in trace.requests), default=1)
+
+
+class Progress:
+    """``label [#####.....] done/total`` on stderr, redrawn at most 5 times a second.
+
+    On a terminal it redraws in place; otherwise it prints one line when the run ends.
+    """
+
+    def __init__(self, label: str, total: int, *, enabled: bool = True, stream=None) -> None:
+        self.label, self.total = label, max(total, 1)
+        self.stream = stream or sys.stderr
+        self.enabled = enabled
+        self.live = enabled and getattr(self.stream, "isatty", lambda: False)()
+        self._last = 0.0
+        self._t0 = time.perf_counter()
+
+    def update(self, done: int, force: bool = False) -> None:
+        if not self.live:
+            return
+        now = time.perf_counter()
+        if not force and now - self._last < 0.2:
+            return
+        self._last = now
+        width = 30
+        filled = int(width * min(done, self.total) / self.total)
+        bar = "#" * filled + "." * (width - filled)
+        self.stream.write(f"\r{self.label:>8} [{bar}] {done}/{self.total} requests {now - self._t0:6.1f} s")
+        self.stream.flush()
+
+    def close(self, done: int, note: str = "") -> None:
+        if not self.enabled:
+            return
+        if self.live:
+            self.update(done, force=True)
+            self.stream.write(f" {note}\n")
+        else:
+            self.stream.write(f"{self.label:>8}: {done}/{self.total} requests in {time.perf_counter() - self._t0:.1f} s {note}\n")
+        self.stream.flush()
+
+
+@dataclass(slots=True)
+class PolicyRun:
+    """What one policy's replay produced: the §5 metrics and the series the plot draws."""
+
+    policy: str
+    metrics: dict
+    iteration_time_s: array = field(default_factory=lambda: array("d"))  # end time of each forward that ran
+    iteration_tokens: array = field(default_factory=lambda: array("i"))  # its positions
+    overshoot_time_s: array = field(default_factory=lambda: array("d"))
+    overshoot_tokens: array = field(default_factory=lambda: array("i"))
+    ttft_ms: list[float] = field(default_factory=list)
+
+
+class _Outcomes:
+    """Per-request outcomes, filled from final responses; no request object is kept."""
+
+    def __init__(self, num_requests: int) -> None:
+        self.arrival = array("d", [0.0]) * num_requests
+        self.first_token = array("d", [math.nan]) * num_requests
+        self.finish = array("d", [math.nan]) * num_requests
+        self.outputs = array("i", [0]) * num_requests
+        self.status = bytearray(num_requests)  # 0 open, 1 completed, 2 errored
+        self.max_consecutive_deferrals = 0
+        self.deferrals = 0
+        self.capacity_deferrals = 0
+        self.completed = 0
+        self.errored = 0
+        self.output_tokens = 0
+        self.in_context = 0  # injected requests that have had no response yet (still in their prompt)
+        self._silent = bytearray(num_requests)
+
+    def injected(self, slot: int) -> None:
+        self.in_context += 1
+        self._silent[slot] = 1
+
+    def on_response(self, slot: int) -> Callable[[LlmRequest, Response], None]:
+        def record(request: LlmRequest, response: Response) -> None:
+            if self._silent[slot]:
+                self._silent[slot] = 0
+                self.in_context -= 1
+            if not response.finished:
+                return
+            if request.first_token_time is not None:
+                self.first_token[slot] = request.first_token_time
+            self.finish[slot] = request.finish_time if request.finish_time is not None else math.nan
+            self.outputs[slot] = request.num_generated_tokens
+            self.max_consecutive_deferrals = max(self.max_consecutive_deferrals, request.max_consecutive_budget_deferrals)
+            self.deferrals += request.num_budget_deferrals
+            self.capacity_deferrals += request.num_capacity_deferrals
+            if request.state is LlmRequestState.GENERATION_COMPLETE and not request.is_cancelled:
+                self.status[slot] = 1
+                self.completed += 1
+                self.output_tokens += request.num_generated_tokens
+            else:
+                self.status[slot] = 2
+                self.errored += 1
+
+        return record
+
+    def hang(self, slot: int) -> None:
+        """Undo a final error response: upstream never sends it."""
+        if self.status[slot] == 2:
+            self.status[slot] = 0
+            self.errored -= 1
+
+
+def replay_policy(
+    trace: Trace,
+    settings: "ReplaySettings",
+    policy: str,
+    *,
+    max_seq_len: int | None = None,
+    progress: bool = True,
+    stop_at_crash: bool = True,
+    admission_window: int | None = None,
+) -> PolicyRun:
+    """Replay ``trace`` on a fresh executor under ``policy``; ``none`` stops at its first overshoot.
+
+    ``stop_at_crash=False`` lets ``none`` go on past overshoots the way the other policies
+    do (for measuring how often the bug fires; not upstream's behaviour).
+
+    ``admission_window``: arrived requests enter the executor only while fewer than this
+    many injected requests are still in their prompt (no response yet); the rest wait,
+    unmaterialised, in arrival order. This changes no decision: both schedulers take
+    requests in arrival order, the micro-batch scheduler never looks past the first
+    ``max_batch_size`` context requests and the capacity scheduler stops at the first
+    waiting request that does not fit, so a request behind ``max_batch_size`` earlier
+    context requests cannot be scheduled this iteration anyway. It bounds memory (and the
+    executor's per-iteration scans) when a trace overloads the engine. Default:
+    ``max_batch_size``, the smallest window that is exact; 0 disables it.
+    """
+    replay = _PolicyReplay(trace, settings, TokenBudgetPolicyName(policy).value, max_seq_len or max_seq_len_for(trace))
+    window = settings.max_batch_size if admission_window is None else admission_window
+    bar = Progress(replay.policy, len(trace), enabled=progress)
+    replay.run(window, stop_at_crash, bar)
+    run = replay.result()
+    crash = replay.crash
+    bar.close(replay.outcomes.completed + replay.outcomes.errored,
+              f"crashed at t={crash.time_s:.1f} s ({crash.mechanism})" if crash else f"{replay.outcomes.completed} completed")
+    return run
+
+
+class _PolicyReplay:
+    """The state of one policy's replay; :meth:`run` drives the executor, :meth:`result` sums up."""
+
+    def __init__(self, trace: Trace, settings: "ReplaySettings", policy: str, max_seq_len: int) -> None:
+        self.wall_t0 = time.perf_counter()
+        self.policy = policy
+        self.settings = settings
+        self.requests = trace.requests
+        self.engine = settings.build_engine(policy, max_seq_len)
+        self.executor, self.clock = self.engine.executor, self.engine.clock
+        self.outcomes = _Outcomes(len(self.requests))
+        for slot, r in enumerate(self.requests):
+            self.outcomes.arrival[slot] = r.arrival_s
+        self.overshoots: list[Overshoot] = []
+        self.crash: Overshoot | None = None
+        self.crash_message: str | None = None
+        self.next_arrival = 0
+        self.backlog: deque[int] = deque()  # arrived, not yet in the executor (trace positions)
+
+    def run(self, window: int, stop_at_crash: bool, bar: Progress) -> None:
+        executor, clock, requests = self.executor, self.clock, self.requests
+        n = len(requests)
+        idle_steps = 0
+        while True:
+            self._admit_arrivals(window)
+            if not executor.has_work:
+                if self.next_arrival >= n:
+                    return
+                clock.advance_to(requests[self.next_arrival].arrival_s)
+                continue
+            stats = executor.step()
+            bar.update(self.outcomes.completed + self.outcomes.errored)
+            if stats is None:
+                continue
+            if stats.overshoot > 0 and self._overshot(stats, stop_at_crash):
+                return
+            if stats.forward_tokens and not stats.overshoot:
+                idle_steps = 0
+                continue
+            idle_steps += 1
+            if idle_steps > _MAX_IDLE_STEPS:
+                if self.next_arrival >= n:
+                    raise RuntimeError(f"{self.policy}: no forward in {_MAX_IDLE_STEPS} iterations; "
+                                       f"active {executor.active_requests[:5]}")
+                clock.advance_to(requests[self.next_arrival].arrival_s)
+                idle_steps = 0
+
+    def _admit_arrivals(self, window: int) -> None:
+        """Arrivals up to now join the backlog; the backlog enters the executor through the window."""
+        requests, now, outcomes = self.requests, self.clock(), self.outcomes
+        while self.next_arrival < len(requests) and requests[self.next_arrival].arrival_s <= now:
+            self.backlog.append(self.next_arrival)
+            self.next_arrival += 1
+        while self.backlog and (not window or outcomes.in_context < window):
+            slot = self.backlog.popleft()
+            r = requests[slot]
+            # The prompt is materialised only now, and only the executor holds it.
+            request = LlmRequest(
+                input_token_ids=r.prompt_token_ids(), max_new_tokens=r.output_len, request_id=slot, arrival_time=r.arrival_s
+            )
+            outcomes.injected(slot)
+            self.executor.enqueue_request(request, outcomes.on_response(slot))
+
+    def _overshot(self, stats, stop_at_crash: bool) -> bool:
+        """Record an overshooting iteration; True when the replay stops here (``none``: upstream crashes)."""
+        executor = self.executor
+        event = diagnose_overshoot(
+            executor.last_scheduled, executor.kv_cache_manager.last_claims, self.settings.tokens_per_block,
+            iteration=stats.iteration, time_s=stats.start_time, forward_tokens=stats.forward_tokens,
+            overshoot=stats.overshoot,
+        )
+        self.overshoots.append(event)
+        if not (stop_at_crash and self.policy == TokenBudgetPolicyName.NONE.value):
+            return False
+        self.crash, self.crash_message = event, stats.error
+        # Upstream's assertion kills the executor thread: the failing batch gets no response
+        # at all (here the loop failed it), so it is unserved, not errored.
+        for request in executor.last_scheduled.all_requests:
+            self.outcomes.hang(request.request_id)
+        # In-flight requests report what they had so far (their deferrals count too).
+        for request in executor.active_requests:
+            self.outcomes.deferrals += request.num_budget_deferrals
+            self.outcomes.max_consecutive_deferrals = max(
+                self.outcomes.max_consecutive_deferrals, request.max_consecutive_budget_deferrals
+            )
+        return True
+
+    def result(self) -> PolicyRun:
+        """The §5 metrics (and extras) and the plot's series; drops the executor."""
+        end_time = self.clock()
+        run = PolicyRun(self.policy, {})
+        forward_sum = busy = max_forward = 0
+        for stats in self.executor.iteration_stats:
+            if stats.overshoot > 0:
+                run.overshoot_time_s.append(stats.start_time)
+                run.overshoot_tokens.append(stats.forward_tokens)
+            elif stats.forward_tokens > 0:
+                busy += 1
+                forward_sum += stats.forward_tokens
+                run.iteration_time_s.append(stats.end_time)
+                run.iteration_tokens.append(stats.forward_tokens)
+            max_forward = max(max_forward, stats.forward_tokens)
+        self.engine = self.executor = None  # the KV tree and every in-flight prompt go now
+
+        o, n = self.outcomes, len(self.requests)
+        ttft = [(o.first_token[i] - o.arrival[i]) * 1e3 for i in range(n) if not math.isnan(o.first_token[i])]
+        tpot = [
+            (o.finish[i] - o.first_token[i]) * 1e3 / (o.outputs[i] - 1)
+            for i in range(n)
+            if o.status[i] == 1 and o.outputs[i] > 1
+        ]
+        makespan = end_time - (self.requests[0].arrival_s if n else 0.0)
+        mechanisms = dict.fromkeys(MECHANISMS, 0)
+        for event in self.overshoots:
+            mechanisms[event.mechanism] += 1
+        crash = self.crash
+        run.ttft_ms = ttft
+        run.metrics = {
+            "requests": n,
+            "completed": o.completed,
+            "errored": o.errored,
+            "crashed": crash is not None,
+            "crash": None if crash is None else {
+                "iteration": crash.iteration,
+                "message": self.crash_message,
+                "time_s": crash.time_s,
+                "overshoot": crash.overshoot,
+                "mechanism": crash.mechanism,
+                "detail": crash.describe(),
+            },
+            "overshoots": len(self.overshoots),
+            "max_forward_tokens": max_forward,
+            "deferrals": o.deferrals,
+            "max_consecutive_deferrals": o.max_consecutive_deferrals,
+            "budget_utilization": forward_sum / busy / self.settings.max_num_tokens if busy else 0.0,
+            "ttft_ms": _percentiles(ttft),
+            "tpot_ms": _percentiles(tpot),
+            "output_tokens_per_s": o.output_tokens / makespan if makespan > 0 else 0.0,
+            "wall_s": time.perf_counter() - self.wall_t0,
+            # Extras beyond DESIGN.md §5.
+            "unserved": n - o.completed - o.errored,
+            "overshoot_mechanisms": mechanisms,
+            "overshoot_events": [dataclasses.asdict(event) for event in self.overshoots[:20]],
+            "capacity_deferrals": o.capacity_deferrals,
+            "output_tokens": o.output_tokens,
+            "makespan_s": makespan,
+            "iterations": busy,
+        }
+        return run
+
+
+def _percentiles(values: Sequence[float]) -> dict:
+    """p50 and p99 (linear interpolation); 0.0 with ``n == 0`` when there is nothing to measure."""
+    if not values:
+        return {"p50": 0.0, "p99": 0.0, "n": 0}
+    ordered = sorted(values)
+
+    def q(p: float) -> float:
+        pos = p * (len(ordered) - 1)
+        lo = math.floor(pos)
+        hi = min(lo + 1, len(ordered) - 1)
+        return float(ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo))
+
+    return {"p50": q(0.50), "p99": q(0.99), "n": len(ordered)}
