@@ -145,15 +145,20 @@ def plot(result: "ReplayResult", path: Path) -> None:
 
     max_num_tokens = result.config["executor"]["max_num_tokens"]
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(11, 8.5))
-    for policy, run in result.runs.items():
+    # Policies that never crash cover the same ground; draw them first, none last, as dots.
+    order = sorted(result.runs.items(), key=lambda item: item[0] == "none")
+    for policy, run in order:
         color = _COLORS.get(policy)
-        top.plot(run.iteration_time_s, run.iteration_tokens, lw=0.6, alpha=0.7, color=color, label=policy)
+        top.scatter(run.iteration_time_s, run.iteration_tokens, s=2, alpha=0.5, color=color, lw=0,
+                    label=f"{policy} (max {run.metrics['max_forward_tokens']})")
         if len(run.overshoot_time_s):
             top.scatter(run.overshoot_time_s, run.overshoot_tokens, marker="x", s=40, color=color, zorder=5,
                         label=f"{policy} overshoot")
         crash = run.metrics["crash"]
         if crash:
             top.axvline(crash["time_s"], color=color, ls=":", lw=1)
+    for policy, run in result.runs.items():
+        color = _COLORS.get(policy)
         if run.ttft_ms:
             xs = sorted(run.ttft_ms)
             ys = [(i + 1) / len(xs) for i in range(len(xs))]
@@ -162,8 +167,11 @@ def plot(result: "ReplayResult", path: Path) -> None:
     top.axhline(max_num_tokens, color="black", ls="--", lw=1, label=f"max_num_tokens = {max_num_tokens}")
     top.set_xlabel("simulated time (s)")
     top.set_ylabel("positions in the forward")
-    top.set_title(f"Forward tokens per iteration — {result.config['trace']['name']}")
-    top.legend(loc="lower right", fontsize=8, ncol=2)
+    fig.suptitle(f"Forward tokens per iteration and TTFT — {result.config['trace']['name']}")
+    legend = top.legend(loc="lower left", bbox_to_anchor=(0.0, 1.0), fontsize=8, ncol=6, frameon=False)
+    for handle in legend.legend_handles:
+        if hasattr(handle, "set_sizes"):
+            handle.set_sizes([25])  # the dots are tiny on the axes
     bottom.set_xscale("log")
     bottom.set_xlabel("time to first token (ms, log)")
     bottom.set_ylabel("fraction of requests")
