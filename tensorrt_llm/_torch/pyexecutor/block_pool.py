@@ -122,13 +122,16 @@ class BlockPool:
         return len(self._host_lru)
 
     # ---- matching -------------------------------------------------------------------
-    def match(self, keys: list[tuple[int, BlockTokens]], parent: KVBlock | None = None) -> list[KVBlock]:
-        """Longest chain of tree blocks (either tier) equal to the leading ``keys``, below
+    def match(
+        self, keys: list[tuple[int, BlockTokens]], parent: KVBlock | None = None, start: int = 0
+    ) -> list[KVBlock]:
+        """Longest chain of tree blocks (either tier) equal to ``keys[start:]``, below
         ``parent`` (default: the root)."""
         # KVBlock.child inlined: the schedulers walk every waiting prompt every iteration.
         chain: list[KVBlock] = []
         children = (parent or self.root).children
-        for block_hash, tokens in keys:
+        for i in range(start, len(keys)):
+            block_hash, tokens = keys[i]
             if children is None:
                 break
             for candidate in children.get(block_hash, ()):

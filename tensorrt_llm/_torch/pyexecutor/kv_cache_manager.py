@@ -202,7 +202,7 @@ class KVCacheManager:
             chain = previous[1]
             if chain and not chain[-1].in_tree:
                 del chain[bisect.bisect_left(chain, True, key=lambda block: not block.in_tree) :]
-            chain += self.pool.match(keys[len(chain) :], chain[-1] if chain else None)
+            chain += self.pool.match(keys, chain[-1] if chain else None, start=len(chain))
         self._matches[request.request_id] = (request.prompt_len, chain)
         return chain
 
