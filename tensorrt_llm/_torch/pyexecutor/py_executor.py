@@ -218,6 +218,8 @@ class PyExecutor:
     def _handle_cancellations(self) -> None:
         with self._wakeup:
             cancelled, self._cancelled = self._cancelled, set()
+        if not cancelled:
+            return  # nothing to do: every path that finishes a request frees it before returning
         for request in self.active_requests:
             if request.request_id in cancelled and not request.is_finished:
                 request.is_cancelled = True
