@@ -269,10 +269,25 @@ def replay_trace(
     spec = spec or TraceSpec(path=None)
     max_seq_len = max_seq_len_for(trace)
     runs = {policy: replay_policy(trace, settings, policy, max_seq_len=max_seq_len, progress=progress) for policy in policies}
+    _utilization_before_crash(runs, settings.max_num_tokens)
     probe = settings.build_engine(policies[0], max_seq_len)  # only to describe it; nothing runs on it
     engine = {**probe.description, "kv_bytes_per_token": probe.kv_bytes_per_token}
     del probe
     return ReplayResult(describe_config(trace, spec, settings, policies, engine), runs, trace.notes)
+
+
+def _utilization_before_crash(runs: dict[str, PolicyRun], max_num_tokens: int) -> None:
+    """Add ``budget_utilization_before_crash`` to every result: the §5 utilisation over the
+    forwards that ended before the earliest crash (None when nothing crashed), so that
+    ``none`` and the policies that go on are compared over the same stretch of traffic."""
+    crashes = [run.metrics["crash"]["time_s"] for run in runs.values() if run.metrics["crash"]]
+    horizon = min(crashes) if crashes else None
+    for run in runs.values():
+        value = None
+        if horizon is not None:
+            tokens = [n for t, n in zip(run.iteration_time_s, run.iteration_tokens) if t <= horizon]
+            value = sum(tokens) / len(tokens) / max_num_tokens if tokens else 0.0
+        run.metrics["budget_utilization_before_crash"] = value
 
 
 # ---------------------------------------------------------------------------------------

@@ -129,6 +129,10 @@ def format_report(result: "ReplayResult") -> str:
             lines.append(f"{policy}: CRASHED at iteration {crash['iteration']} (t={crash['time_s']:.2f} s): {crash['message']}")
             lines.append(f"  mechanism: {crash['mechanism']} -- {crash['detail']}")
             lines.append(f"  {run.metrics['unserved']} of {run.metrics['requests']} requests left unserved")
+            before = ", ".join(
+                f"{name} {other.metrics['budget_utilization_before_crash']:.3f}" for name, other in result.runs.items()
+            )
+            lines.append(f"  budget utilisation over the forwards before t={crash['time_s']:.1f} s: {before}")
     return "\n".join(lines)
 
 
