@@ -8,7 +8,9 @@ behind (:class:`_Outcomes`); prompts live only inside the executor.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 import math
 import sys
 import time
@@ -165,15 +167,36 @@ def replay_policy(
     executor's per-iteration scans) when a trace overloads the engine. Default:
     ``max_batch_size``, the smallest window that is exact; 0 disables it.
     """
-    replay = _PolicyReplay(trace, settings, TokenBudgetPolicyName(policy).value, max_seq_len or max_seq_len_for(trace))
     window = settings.max_batch_size if admission_window is None else admission_window
-    bar = Progress(replay.policy, len(trace), enabled=progress)
-    replay.run(window, stop_at_crash, bar)
-    run = replay.result()
+    with _without_cyclic_gc():
+        replay = _PolicyReplay(trace, settings, TokenBudgetPolicyName(policy).value, max_seq_len or max_seq_len_for(trace))
+        bar = Progress(replay.policy, len(trace), enabled=progress)
+        replay.run(window, stop_at_crash, bar)
+        run = replay.result()
     crash = replay.crash
     bar.close(replay.outcomes.completed + replay.outcomes.errored,
               f"crashed at t={crash.time_s:.1f} s ({crash.mechanism})" if crash else f"{replay.outcomes.completed} completed")
     return run
+
+
+@contextlib.contextmanager
+def _without_cyclic_gc():
+    """Run without the cyclic garbage collector, then collect once.
+
+    Reference counting frees what a replay discards: the KV tree unlinks a block from its
+    parent and children when it drops it, and a finished request leaves no cycle behind.
+    Meanwhile every full collection walks the whole, ever-growing prefix tree: about a fifth
+    of a Mooncake replay's time, for nothing (peak RSS is the same with or without it). The
+    collection at the end frees the executor's own object graph.
+    """
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+        gc.collect()
 
 
 class _PolicyReplay:
