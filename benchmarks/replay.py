@@ -129,6 +129,15 @@ class ReplaySettings:
         """Token ids the engine accepts: the torch model's vocabulary, or the trace default."""
         return torch_vocab_size(self.model) if self.engine == "torch" else DEFAULT_VOCAB_SIZE
 
+    def max_seq_len(self, trace: Trace) -> int:
+        """Room for the trace's longest prompt plus its output, but never more positions than
+        the torch model has: a longer request is then refused alone at submission, with the
+        reason, instead of failing its whole batch inside the model."""
+        longest = max_seq_len_for(trace)
+        if self.engine == "torch":
+            return min(longest, MODEL_PRESETS[self.model].max_position_embeddings)
+        return longest
+
     def build_engine(self, policy: str, max_seq_len: int) -> Engine:
         if self.engine == "torch":
             config = self.executor_config(policy, max_seq_len=max_seq_len, kv_bytes_per_token=torch_kv_bytes_per_token(self.model))
@@ -201,7 +210,7 @@ def describe_config(trace: Trace, spec: TraceSpec, settings: ReplaySettings, pol
     """Every setting the replay used, for the JSON's ``config``."""
     kv_bytes = engine["kv_bytes_per_token"]
     tpb = settings.tokens_per_block
-    executor_config = settings.executor_config(policies[0], max_seq_len=max_seq_len_for(trace), kv_bytes_per_token=kv_bytes)
+    executor_config = settings.executor_config(policies[0], max_seq_len=settings.max_seq_len(trace), kv_bytes_per_token=kv_bytes)
     gib = 1 << 30
     return {
         "trace": {
@@ -267,7 +276,7 @@ def replay_trace(
     if not policies:
         raise ValueError("no policy to replay")
     spec = spec or TraceSpec(path=None)
-    max_seq_len = max_seq_len_for(trace)
+    max_seq_len = settings.max_seq_len(trace)
     runs = {policy: replay_policy(trace, settings, policy, max_seq_len=max_seq_len, progress=progress) for policy in policies}
     _utilization_before_crash(runs, settings.max_num_tokens)
     probe = settings.build_engine(policies[0], max_seq_len)  # only to describe it; nothing runs on it

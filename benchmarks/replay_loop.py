@@ -169,7 +169,7 @@ def replay_policy(
     """
     window = settings.max_batch_size if admission_window is None else admission_window
     with _without_cyclic_gc():
-        replay = _PolicyReplay(trace, settings, TokenBudgetPolicyName(policy).value, max_seq_len or max_seq_len_for(trace))
+        replay = _PolicyReplay(trace, settings, TokenBudgetPolicyName(policy).value, max_seq_len or settings.max_seq_len(trace))
         bar = Progress(replay.policy, len(trace), enabled=progress)
         replay.run(window, stop_at_crash, bar)
         run = replay.result()

@@ -106,6 +106,10 @@ def format_table(result: "ReplayResult") -> str:
     return "\n".join(lines)
 
 
+def _size(gib: float) -> str:
+    return f"{gib:.1f} GiB" if gib >= 1 or gib == 0 else f"{gib * 1024:.1f} MiB"
+
+
 def format_report(result: "ReplayResult") -> str:
     config = result.config
     trace, kv, ex = config["trace"], config["kv_cache"], config["executor"]
@@ -117,8 +121,8 @@ def format_report(result: "ReplayResult") -> str:
     lines.append(
         f"engine: {config['engine']['engine']}; max_num_tokens={ex['max_num_tokens']} max_batch_size={ex['max_batch_size']}"
         f" chunked_prefill={ex['enable_chunked_prefill']}; KV {kv['num_blocks']} x {kv['tokens_per_block']}-token blocks"
-        f" ({kv['num_tokens']} tokens, {kv['device_pool_gib']:.1f} GiB) + host {kv['host_cache_blocks']} blocks"
-        f" ({kv['host_pool_gib']:.1f} GiB); block_reuse={kv['enable_block_reuse']} partial_reuse={kv['enable_partial_reuse']}"
+        f" ({kv['num_tokens']} tokens, {_size(kv['device_pool_gib'])}) + host {kv['host_cache_blocks']} blocks"
+        f" ({_size(kv['host_pool_gib'])}); block_reuse={kv['enable_block_reuse']} partial_reuse={kv['enable_partial_reuse']}"
     )
     lines.append("")
     lines.append(format_table(result))

@@ -264,3 +264,17 @@ def test_resumed_admission_walk_equals_fresh_walks(monkeypatch):
     trace = TraceSpec(num_requests=120, seed=2).load(settings)
     replay_policy(trace, settings, "recheck", progress=False)
     assert len(calls) > 500 and any(calls)
+
+
+def test_torch_engine_refuses_a_request_longer_than_the_model_alone():
+    from tensorrt_llm._torch.models.modeling_llama import MODEL_PRESETS
+
+    limit = MODEL_PRESETS["tiny-random"].max_position_embeddings
+    trace = Trace("too-long", "scenario", (
+        SyntheticRequest(0, 0.0, limit, 4, ((segment_key(0xC0, 0), limit),), 512),
+        SyntheticRequest(1, 0.0, 20, 4, ((segment_key(0xC0, 1), 20),), 512),
+    ))
+    settings = ReplaySettings(engine="torch", max_num_tokens=64, tokens_per_block=4, kv_blocks=2100, host_cache_blocks=0)
+    assert settings.max_seq_len(trace) == limit
+    result = replay_trace(trace, settings, ("recheck",), progress=False).to_json()["results"]["recheck"]
+    assert result["errored"] == 1 and result["completed"] == 1  # the short request is not collateral damage
