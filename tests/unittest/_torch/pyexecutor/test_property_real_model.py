@@ -7,8 +7,8 @@ reuse off, on, and on with partial reuse. Greedy outputs must equal greedy decod
 ``forward_full`` (one whole sequence, no cache), hence each other.
 
 The workload runs in three phases: warm prompts one at a time (they populate the prefix
-tree), then a *probe* alone — a warm prompt's block-aligned prefix, longer than
-``max_num_tokens``, plus a short tail — then a burst of prompts sharing prefixes submitted
+tree), then a *probe* alone — the last warm prompt (block-aligned, longer than
+``max_num_tokens``) plus a short tail — then a burst of prompts sharing prefixes submitted
 together. Upstream's admission charges the probe only its tail; its full cost does not
 fit, so with chunked prefill and reuse on the re-check must defer it, and the test asserts
 it did (``llm.iteration_stats``). Under ``none`` (and the baselines) a batch that overshoots
@@ -104,12 +104,13 @@ def workloads(draw) -> Workload:
     budget = draw(st.integers(tpb, 4 * tpb))
     # the probe's warm prefix: whole blocks, longer than the budget
     warm_len = -(-budget // tpb) * tpb + tpb * draw(st.integers(0, 2))
-    warm = [tuple(document(0, warm_len))]
-    warm += [
+    warm = [
         tuple(document(draw(st.integers(0, 1)), draw(st.integers(1, warm_len))) + draw(tails))
         for _ in range(draw(st.integers(0, 2)))
     ]
-    probe = warm[0] + tuple(draw(st.lists(st.integers(1, MODEL.vocab_size - 1), min_size=1, max_size=min(budget, tpb))))
+    # warmed last, so nothing allocates between caching the probe's prefix and the probe
+    warm.append(tuple(document(0, warm_len)))
+    probe = warm[-1] + tuple(draw(st.lists(st.integers(1, MODEL.vocab_size - 1), min_size=1, max_size=min(budget, tpb))))
     burst = []
     for _ in range(draw(st.integers(1, 5))):
         if draw(st.integers(0, 3)) == 0:  # an identical repeat
@@ -118,8 +119,8 @@ def workloads(draw) -> Workload:
             head = document(draw(st.integers(0, 1)), draw(st.integers(0, warm_len + tpb)))
             burst.append(tuple(head + draw(tails)) or (1,))
     longest = max(map(len, [*warm, probe, *burst]))
-    if not chunked:  # every prompt must fit a forward
-        budget = draw(st.integers(longest, longest + 2 * tpb))
+    if not chunked:  # every prompt must fit a forward, also recomputed with its tokens after a pause
+        budget = draw(st.integers(longest + max_tokens, longest + max_tokens + 2 * tpb))
     need = -(-(longest + max_tokens) // tpb)
     return Workload(
         tokens_per_block=tpb,
