@@ -54,7 +54,7 @@ __all__ = [
     "replay_policy", "replay_trace", "run_replay", "settings_from_args",
 ]
 
-POLICIES = ("none", "trim", "fit", "recheck")  # DESIGN.md §5; the default set
+POLICIES = ("none", "trim", "fit", "recheck", "claim")  # DESIGN.md §5 set, plus claim-then-charge
 KNOWN_POLICIES = tuple(p.value for p in TokenBudgetPolicyName)  # also later work, e.g. "claim"
 # The default scenario's length in the replay: 100 s of arrivals at 7 req/s. The bug is a
 # rare coincidence (a few overshoots per 100 s of this traffic under the default settings),
