@@ -34,14 +34,7 @@ C_TAIL = [5, 6]
 OVERSHOOT_MESSAGE = "total_num_tokens (54) should be less than or equal to max_num_tokens (30)"
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """The tiny model's matmuls are far too small for intra-op threads: on a busy 2-core
-    machine, OpenMP spin-waiting made each forward about 20 times slower."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def prompt_of(length, seed):

@@ -26,14 +26,7 @@ from tensorrt_llm.llmapi import KvCacheConfig, RequestError
 VOCAB = 512  # the tiny model's
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """The tiny model's matmuls are far too small for intra-op threads: on a busy 2-core
-    machine, OpenMP spin-waiting made each forward about 20 times slower."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 # ---- the traffic --------------------------------------------------------------------
