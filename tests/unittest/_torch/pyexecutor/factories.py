@@ -177,3 +177,15 @@ def run_alone(kv: KVCacheManager, request: LlmRequest, sampler: Sampler, *, chun
         request.is_first_draft = False
     kv.update_resources(scheduled)
     return True
+
+
+def greedy_reference(model, prompt: Sequence[int], max_tokens: int) -> list[int]:
+    """Greedy decoding with ``forward_full``: the whole sequence every step, no KV cache."""
+    import torch
+
+    tokens = list(prompt)
+    with torch.inference_mode():
+        for _ in range(max_tokens):
+            logits = model.forward_full(torch.tensor(tokens, dtype=torch.long))  # (L, vocab)
+            tokens.append(int(torch.argmax(logits[-1])))
+    return tokens[len(prompt) :]

@@ -13,7 +13,7 @@ from contextlib import contextmanager
 
 import pytest
 import torch
-from factories import make_config, make_request, make_sim_executor
+from factories import greedy_reference, make_config, make_request, make_sim_executor
 from invariants import ExecutorChecker
 
 from tensorrt_llm import LLM, SamplingParams
@@ -150,16 +150,6 @@ def wait_for(condition, timeout=10.0):
     while not condition():
         assert time.monotonic() < deadline, "timed out"
         time.sleep(0.001)
-
-
-def greedy_reference(model, prompt, max_tokens):
-    """Greedy decoding with the no-cache full-sequence forward."""
-    tokens = list(prompt)
-    with torch.inference_mode():
-        for _ in range(max_tokens):
-            logits = model.forward_full(torch.tensor(tokens, dtype=torch.long))  # (L, vocab)
-            tokens.append(int(torch.argmax(logits[-1])))
-    return tokens[len(prompt) :]
 
 
 def evicted_discount_llm(policy):

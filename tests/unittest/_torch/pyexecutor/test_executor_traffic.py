@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+import factories
 from factories import make_config, make_sim_executor
 from invariants import ExecutorChecker
 
@@ -187,12 +188,7 @@ MODEL = LlamaConfig(dtype="float64")
 
 
 def greedy_reference(model, prompt, max_tokens=MAX_TOKENS):
-    tokens = list(prompt)
-    with torch.inference_mode():
-        for _ in range(max_tokens):
-            logits = model.forward_full(torch.tensor(tokens, dtype=torch.long))  # (L, vocab)
-            tokens.append(int(torch.argmax(logits[-1])))
-    return tokens[len(prompt) :]
+    return factories.greedy_reference(model, prompt, max_tokens)
 
 
 def unaligned(prompt, rng):

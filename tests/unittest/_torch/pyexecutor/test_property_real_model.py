@@ -23,6 +23,7 @@ import queue
 
 import pytest
 import torch
+import factories
 from hypothesis import event, given, note, settings
 from hypothesis import strategies as st
 from strategies import examples
@@ -55,13 +56,7 @@ def reference_model() -> LlamaForCausalLM:
 
 @functools.lru_cache(maxsize=4096)
 def greedy_reference(prompt: tuple[int, ...], max_tokens: int) -> tuple[int, ...]:
-    """Greedy decoding with ``forward_full``: the whole sequence every step, no KV cache."""
-    tokens = list(prompt)
-    with torch.inference_mode():
-        for _ in range(max_tokens):
-            logits = reference_model().forward_full(torch.tensor(tokens, dtype=torch.long))  # (L, vocab)
-            tokens.append(int(torch.argmax(logits[-1])))
-    return tuple(tokens[len(prompt) :])
+    return tuple(factories.greedy_reference(reference_model(), prompt, max_tokens))
 
 
 def document(doc: int, length: int) -> list[int]:
