@@ -140,7 +140,7 @@ def format_report(result: "ReplayResult") -> str:
     return "\n".join(lines)
 
 
-_COLORS = {"none": "tab:red", "trim": "tab:orange", "fit": "tab:blue", "recheck": "tab:green"}
+_COLORS = {"none": "tab:red", "trim": "tab:orange", "fit": "tab:blue", "recheck": "tab:green", "claim": "tab:purple"}
 
 
 def plot(result: "ReplayResult", path: Path) -> None:
