@@ -68,16 +68,7 @@ class PyExecutor:
         self.model_engine = model_engine
         self.sampler = sampler
         self.clock = clock
-        self.limits = RequestLimits(
-            max_seq_len=config.max_seq_len,
-            max_num_tokens=config.max_num_tokens,
-            enable_chunked_prefill=config.enable_chunked_prefill,
-            vocab_size=model_engine.vocab_size,
-            max_beam_width=model_engine.max_beam_width,
-            supports_draft_tokens=model_engine.supports_draft_tokens,
-            num_kv_blocks=self.kv_cache_manager.num_blocks,
-            chunk_unit_size=config.chunk_unit_size,
-        )
+        self.limits = RequestLimits.of(config, self.kv_cache_manager, model_engine)
         self.active_requests: list[LlmRequest] = []
         self.iteration_stats: list[IterationStats] = []
         self.last_scheduled: ScheduledRequests | None = None  # the latest iteration's batch, for inspection
@@ -111,8 +102,7 @@ class PyExecutor:
 
     def validate(self, request: LlmRequest) -> None:
         """Raise InvalidRequestError if this executor could never serve ``request``."""
-        blocks = self.kv_cache_manager.blocks_for_tokens(request, self.kv_cache_manager.max_sequence_len(request))
-        validate_request(request, self.limits, blocks)
+        validate_request(request, self.limits, self.kv_cache_manager)
 
     # ---- the loop -------------------------------------------------------------------
     @property

@@ -3,9 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from tensorrt_llm._torch.pyexecutor.errors import InvalidRequestError
 from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequest
+
+if TYPE_CHECKING:
+    from tensorrt_llm._torch.pyexecutor.config import ExecutorConfig
+    from tensorrt_llm._torch.pyexecutor.kv_cache_manager import KVCacheManager
+    from tensorrt_llm._torch.pyexecutor.model_engine import ModelEngine
 
 
 @dataclass(frozen=True, slots=True)
@@ -19,9 +25,23 @@ class RequestLimits:
     num_kv_blocks: int
     chunk_unit_size: int = 1  # smallest context chunk that is not a prompt's last one
 
+    @classmethod
+    def of(cls, config: "ExecutorConfig", kv_cache_manager: "KVCacheManager", engine: "ModelEngine") -> "RequestLimits":
+        """The limits an executor with this config, KV manager and engine enforces at submission."""
+        return cls(
+            max_seq_len=config.max_seq_len,
+            max_num_tokens=config.max_num_tokens,
+            enable_chunked_prefill=config.enable_chunked_prefill,
+            vocab_size=engine.vocab_size,
+            max_beam_width=engine.max_beam_width,
+            supports_draft_tokens=engine.supports_draft_tokens,
+            num_kv_blocks=kv_cache_manager.num_blocks,
+            chunk_unit_size=config.chunk_unit_size,
+        )
 
-def validate_request(request: LlmRequest, limits: RequestLimits, blocks_needed: int) -> None:
-    """Raise InvalidRequestError naming the problem; ``blocks_needed`` is the request's KV at completion."""
+
+def validate_request(request: LlmRequest, limits: RequestLimits, kv_cache_manager: "KVCacheManager") -> None:
+    """Raise InvalidRequestError naming the problem, if ``request`` could never be served."""
     rid = request.request_id
     prompt_len = request.prompt_len
     if prompt_len == 0:
@@ -62,6 +82,7 @@ def validate_request(request: LlmRequest, limits: RequestLimits, blocks_needed: 
         raise InvalidRequestError(f"request {rid}: draft tokens (speculative decoding) are not supported by this engine")
     if max(request.beam_width, 1 + drafts) > limits.max_num_tokens:
         raise InvalidRequestError(f"request {rid}: one generation step needs more than max_num_tokens positions")
+    blocks_needed = kv_cache_manager.blocks_for_tokens(request, kv_cache_manager.max_sequence_len(request))
     if blocks_needed > limits.num_kv_blocks:
         raise InvalidRequestError(
             f"request {rid}: needs {blocks_needed} KV blocks at completion, the pool has {limits.num_kv_blocks}"

@@ -115,22 +115,13 @@ def make_sim_executor(config: ExecutorConfig | None = None, **config_overrides) 
 
 def make_request_limits(config: ExecutorConfig, kv: KVCacheManager, engine: ModelEngine) -> RequestLimits:
     """The limits a :class:`PyExecutor` with this config, KV manager and engine checks at submission."""
-    return RequestLimits(
-        max_seq_len=config.max_seq_len,
-        max_num_tokens=config.max_num_tokens,
-        enable_chunked_prefill=config.enable_chunked_prefill,
-        vocab_size=engine.vocab_size,
-        max_beam_width=engine.max_beam_width,
-        supports_draft_tokens=engine.supports_draft_tokens,
-        num_kv_blocks=kv.num_blocks,
-        chunk_unit_size=config.chunk_unit_size,
-    )
+    return RequestLimits.of(config, kv, engine)
 
 
 def is_servable(request: LlmRequest, limits: RequestLimits, kv: KVCacheManager) -> bool:
     """Would the executor accept ``request`` (the same check as ``PyExecutor.validate``)?"""
     try:
-        validate_request(request, limits, kv.blocks_for_tokens(request, kv.max_sequence_len(request)))
+        validate_request(request, limits, kv)
     except InvalidRequestError:
         return False
     return True
