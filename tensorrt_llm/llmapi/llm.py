@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import queue
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
+from typing import AsyncIterator, Iterator, Sequence
 
 from tensorrt_llm._torch.models.modeling_llama import MODEL_PRESETS, LlamaConfig, LlamaForCausalLM
 from tensorrt_llm._torch.pyexecutor.config import ExecutorConfig, KvCacheConfig
@@ -51,12 +52,23 @@ class RequestOutput:
 
 
 class RequestOutputHandle:
-    """A submitted request: iterate it to stream, ``result()`` to wait, ``abort()`` to cancel."""
+    """A submitted request: iterate it to stream, ``result()`` to wait, ``abort()`` to cancel.
+
+    A handle created inside a running asyncio event loop is consumed from that loop with
+    ``async for`` and ``await aresult()``: each response crosses from the executor thread
+    with ``loop.call_soon_threadsafe``, so the loop never blocks on the executor. Any other
+    handle is consumed with ``for`` and ``result()``.
+    """
 
     def __init__(self, llm: "LLM", request: LlmRequest) -> None:
         self._llm = llm
         self._request = request
-        self._events: queue.Queue[Response] = queue.Queue()
+        try:
+            self._loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            self._loop = None
+        self._events: queue.Queue[Response] | None = None if self._loop else queue.Queue()
+        self._aevents: asyncio.Queue[Response] | None = asyncio.Queue() if self._loop else None
         self.output = RequestOutput(request.request_id, list(request.input_token_ids), [CompletionOutput(0)])
 
     @property
@@ -64,7 +76,14 @@ class RequestOutputHandle:
         return self._request.request_id
 
     def _on_response(self, request: LlmRequest, response: Response) -> None:
-        self._events.put(response)
+        """Runs on the executor thread; never blocks, never raises into it."""
+        if self._loop is None:
+            self._events.put(response)
+            return
+        try:
+            self._loop.call_soon_threadsafe(self._aevents.put_nowait, response)
+        except RuntimeError:  # the event loop is closed: nobody is waiting for this request any more
+            pass
 
     def _apply(self, response: Response) -> None:
         completion = self.output.outputs[0]
@@ -83,17 +102,41 @@ class RequestOutputHandle:
 
     def __iter__(self) -> Iterator[RequestOutput]:
         """Yields the output after each step that changed it, until it is finished."""
+        self._check_mode(asynchronous=False)
         while not self.output.finished:
             self._apply(self._events.get())
             yield self.output
 
+    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        """``__iter__`` for a handle created in an event loop, awaited on that loop."""
+        self._check_mode(asynchronous=True)
+        while not self.output.finished:
+            self._apply(await self._aevents.get())
+            yield self.output
+
     def result(self, timeout: float | None = None) -> RequestOutput:
         """Wait for the final output; raises RequestError if the request failed."""
+        self._check_mode(asynchronous=False)
         while not self.output.finished:
             self._apply(self._events.get(timeout=timeout))
+        return self._final()
+
+    async def aresult(self) -> RequestOutput:
+        """``result()`` for a handle created in an event loop."""
+        self._check_mode(asynchronous=True)
+        while not self.output.finished:
+            self._apply(await self._aevents.get())
+        return self._final()
+
+    def _final(self) -> RequestOutput:
         if self.output.error:
             raise RequestError(self.request_id, self.output.error)
         return self.output
+
+    def _check_mode(self, *, asynchronous: bool) -> None:
+        if asynchronous != (self._loop is not None):
+            how = "async for / await aresult()" if self._loop else "for / result()"
+            raise RuntimeError(f"request {self.request_id}: this handle is consumed with {how}")
 
     def abort(self) -> None:
         self._llm._executor.cancel_request(self.request_id)
@@ -111,6 +154,8 @@ class LLM:
         unknown = set(executor_options) - _EXECUTOR_FIELDS
         if unknown:
             raise TypeError(f"LLM got unknown options {sorted(unknown)}; accepted: {sorted(_EXECUTOR_FIELDS)}")
+        self.model_id = model if isinstance(model, str) else "custom"
+        self.tokenizer = None  # random-weight models take token ids only
         if isinstance(model, str):
             if model not in MODEL_PRESETS:
                 raise ValueError(f"unknown model {model!r}; available: {sorted(MODEL_PRESETS)}")
@@ -150,6 +195,11 @@ class LLM:
 
     def health(self) -> dict:
         return self._executor.health()
+
+    @property
+    def executor(self) -> PyExecutor:
+        """The executor serving this LLM (health, statistics, iteration listeners)."""
+        return self._executor
 
     @property
     def iteration_stats(self):

@@ -80,6 +80,44 @@ class KvCacheConfig:
         return default_blocks
 
 
+def _non_negative_int(name: str, value: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+
+
+def _positive_seconds(name: str, value: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+        raise ValueError(f"{name} must be a finite number of seconds > 0, got {value!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class FaultInjectionConfig:
+    """Chaos testing (off by default): faults injected into the model engine's forwards.
+
+    Counting forwards from 1, every ``forward_error_every``-th raises (its batch fails), every
+    ``nan_logits_every``-th gives one sampling request of the batch NaN logits (that request
+    fails), every ``slow_forward_every``-th first sleeps ``slow_forward_s``. 0 disables a fault.
+    ``seed`` picks which request gets the NaN logits.
+    """
+
+    forward_error_every: int = 0
+    nan_logits_every: int = 0
+    slow_forward_every: int = 0
+    slow_forward_s: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("forward_error_every", "nan_logits_every", "slow_forward_every"):
+            _non_negative_int(f"fault_injection.{name}", getattr(self, name))
+        _positive_seconds("fault_injection.slow_forward_s", self.slow_forward_s)
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
+            raise ValueError(f"fault_injection.seed must be an integer, got {self.seed!r}")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.forward_error_every or self.nan_logits_every or self.slow_forward_every)
+
+
 @dataclass(slots=True)
 class ExecutorConfig:
     """Scheduling and budget settings of one executor."""
@@ -93,10 +131,20 @@ class ExecutorConfig:
     capacity_scheduler_policy: CapacitySchedulerPolicy = CapacitySchedulerPolicy.GUARANTEED_NO_EVICT
     token_budget_policy: TokenBudgetPolicyName = TokenBudgetPolicyName.RECHECK
     kv_cache_config: KvCacheConfig = field(default_factory=KvCacheConfig)
+    # Serving: /health reports the loop stalled when, with work, no iteration finished for this long.
+    health_check_timeout_s: float = 60.0
+    # Iteration statistics kept (a ring, oldest dropped); None keeps all (replays read the whole record).
+    iter_stats_max_iterations: int | None = None
+    fault_injection: FaultInjectionConfig | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_batch_size", "max_num_tokens", "max_seq_len"):
             _positive(name, getattr(self, name))
+        _positive_seconds("health_check_timeout_s", self.health_check_timeout_s)
+        if self.iter_stats_max_iterations is not None:
+            _positive("iter_stats_max_iterations", self.iter_stats_max_iterations)
+        if self.fault_injection is not None and not isinstance(self.fault_injection, FaultInjectionConfig):
+            raise ValueError(f"fault_injection must be a FaultInjectionConfig, got {type(self.fault_injection).__name__}")
         self.context_chunking_policy = _enum(ContextChunkingPolicy, self.context_chunking_policy, "context_chunking_policy")
         self.capacity_scheduler_policy = _enum(
             CapacitySchedulerPolicy, self.capacity_scheduler_policy, "capacity_scheduler_policy"

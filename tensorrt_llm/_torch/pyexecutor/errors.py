@@ -29,6 +29,17 @@ class InvalidRequestError(ValueError):
     """A request the executor cannot serve; it fails alone, the loop goes on."""
 
 
+class NonFiniteLogitsError(ExecutorError):
+    """A request's logits hold NaN or inf: it fails alone rather than sample garbage."""
+
+    def __init__(self, request_id: int, position: int) -> None:
+        self.request_id = request_id
+        self.position = position
+        super().__init__(
+            f"request {request_id}: the logits at position {position} contain NaN or inf; refusing to sample from them"
+        )
+
+
 class RequestError(RuntimeError):
     """Raised to a caller whose request failed inside the executor; carries its message."""
 
@@ -40,3 +51,10 @@ class RequestError(RuntimeError):
 
 class ExecutorShutdown(RuntimeError):
     """The executor was shut down before the request finished."""
+
+
+class ExecutorLoopKilled(BaseException):
+    """Kills the executor thread the way upstream's failed assertion did (a test hook raises it).
+
+    A ``BaseException`` so that the loop's per-batch ``except Exception`` does not absorb it.
+    """

@@ -7,8 +7,11 @@ forward, sample, update request states, send responses, free finished requests.
 The loop never dies on a batch: whatever a batch raises — ``TokenBudgetExceeded`` from
 ``_prepare_tp_inputs`` included — fails that batch's requests with the error, is counted
 in the iteration's statistics and in :meth:`health`, and the next iteration serves
-everyone else. The background thread calls the same ``step`` that a replay with a
-virtual clock calls directly.
+everyone else. A request whose logits are not finite fails alone. The background thread
+calls the same ``step`` that a replay with a virtual clock calls directly.
+
+Should the thread die all the same (upstream's failure mode; a test hook reproduces it),
+every request it held ends with an error, new ones are refused, and :meth:`health` says so.
 """
 
 from __future__ import annotations
@@ -21,7 +24,13 @@ from dataclasses import dataclass
 from typing import Callable
 
 from tensorrt_llm._torch.pyexecutor.config import ExecutorConfig
-from tensorrt_llm._torch.pyexecutor.errors import ExecutorShutdown, InvalidRequestError, TokenBudgetExceeded
+from tensorrt_llm._torch.pyexecutor.errors import (
+    ExecutorLoopKilled,
+    ExecutorShutdown,
+    InvalidRequestError,
+    NonFiniteLogitsError,
+    TokenBudgetExceeded,
+)
 from tensorrt_llm._torch.pyexecutor.forward_cost import forward_cost
 from tensorrt_llm._torch.pyexecutor.kv_cache_manager import KVCacheManager
 from tensorrt_llm._torch.pyexecutor.llm_request import DeferReason, LlmRequest, LlmRequestState
@@ -48,6 +57,7 @@ class Response:
 
 
 ResponseCallback = Callable[[LlmRequest, Response], None]
+IterationListener = Callable[[IterationStats], None]
 
 
 class PyExecutor:
@@ -70,7 +80,7 @@ class PyExecutor:
         self.clock = clock
         self.limits = RequestLimits.of(config, self.kv_cache_manager, model_engine)
         self.active_requests: list[LlmRequest] = []
-        self.iteration_stats: list[IterationStats] = []
+        self.iteration_stats: deque[IterationStats] = deque(maxlen=config.iter_stats_max_iterations)
         self.last_scheduled: ScheduledRequests | None = None  # the latest iteration's batch, for inspection
         self.num_budget_violations = 0
         self.num_failed_batches = 0
@@ -82,6 +92,12 @@ class PyExecutor:
         self._thread: threading.Thread | None = None
         self._shutdown = False
         self._iteration = 0
+        self._iteration_listeners: list[IterationListener] = []
+        # Health: when the loop last showed progress (wall clock, whatever ``clock`` is), and
+        # why it died, if it did.
+        self._heartbeat = time.monotonic()
+        self._loop_error: str | None = None
+        self._kill_requested = False
 
     # ---- submission (any thread) ----------------------------------------------------
     def enqueue_request(self, request: LlmRequest, on_response: ResponseCallback | None = None) -> int:
@@ -89,6 +105,10 @@ class PyExecutor:
         with self._wakeup:
             if self._shutdown:
                 raise ExecutorShutdown("the executor is shut down")
+            if self._loop_error is not None:
+                raise ExecutorShutdown(f"the executor loop died: {self._loop_error}")
+            if not self.has_work:  # a stall is timed from when work arrives, not from the last idle iteration
+                self._heartbeat = time.monotonic()
             if on_response is not None:
                 self._callbacks[request.request_id] = on_response
             self._new_requests.append(request)
@@ -163,24 +183,69 @@ class PyExecutor:
             self._fail(request, ExecutorShutdown("the executor shut down before the request finished"))
         self._free_finished()
 
+    def add_iteration_listener(self, listener: IterationListener) -> None:
+        """Call ``listener(stats)`` on the executor thread after every iteration; it must be quick.
+        An exception it raises is logged and ignored."""
+        self._iteration_listeners.append(listener)
+
     def health(self) -> dict:
-        """Liveness and the batch failures a load balancer should see."""
+        """Liveness and the batch failures a load balancer should see; callable from any thread.
+
+        ``healthy`` is False once the loop has died or shut down, or while it has work and
+        has not finished an iteration for ``health_check_timeout_s`` (``reason`` says which).
+        Failed batches do not make it unhealthy: the loop goes on serving.
+        """
+        alive = self._thread is None or self._thread.is_alive()
+        has_work = self.has_work
+        stalled_s = time.monotonic() - self._heartbeat if has_work else 0.0
+        reason = None
+        if self._loop_error is not None:
+            reason = f"the executor loop died: {self._loop_error}"
+        elif self._shutdown:
+            reason = "the executor is shut down"
+        elif not alive:
+            reason = "the executor loop thread is not running"
+        elif stalled_s > self.config.health_check_timeout_s:
+            reason = (
+                f"the executor loop has not finished an iteration for {stalled_s:.1f} s while it has work"
+                f" (health_check_timeout_s={self.config.health_check_timeout_s:g})"
+            )
         return {
-            "alive": self._thread is None or self._thread.is_alive(),
+            "healthy": reason is None,
+            "reason": reason,
+            "alive": alive,
+            "seconds_since_progress": round(stalled_s, 3),
             "iterations": self._iteration,
             "active_requests": len(self.active_requests),
+            "queued_requests": len(self._new_requests),
             "failed_batches": self.num_failed_batches,
             "budget_violations": self.num_budget_violations,
             "last_error": self.last_error,
         }
 
+    def kill_loop_for_testing(self) -> None:
+        """Test hook: the loop thread dies at its next iteration, as upstream's did on its assertion."""
+        with self._wakeup:
+            self._kill_requested = True
+            self._wakeup.notify()
+
     def _executor_loop(self) -> None:
+        try:
+            self._serve_forever()
+        except BaseException as error:  # the thread is dying: nothing may be left waiting on it
+            logger.critical("the executor loop died", exc_info=True)
+            self._die(error)
+
+    def _serve_forever(self) -> None:
         while True:
             with self._wakeup:
-                while not self._shutdown and not self.has_work:
+                while not self._shutdown and not self.has_work and not self._kill_requested:
                     self._wakeup.wait()
+                if self._kill_requested:
+                    raise ExecutorLoopKilled("killed by kill_loop_for_testing()")
                 if self._shutdown:
                     return
+                self._heartbeat = time.monotonic()
             try:
                 self.step()
             except Exception as error:  # a bug outside any batch: fail what is active, keep serving
@@ -189,6 +254,17 @@ class PyExecutor:
                 for request in self.active_requests:
                     self._fail(request, error)
                 self._free_finished()
+            self._heartbeat = time.monotonic()
+
+    def _die(self, error: BaseException) -> None:
+        """Every request the dead loop held or had queued ends with an error; later ones are refused."""
+        with self._wakeup:
+            self._loop_error = f"{type(error).__name__}: {error}"
+            queued = list(self._new_requests)
+            self._new_requests.clear()
+        failure = ExecutorShutdown(f"the executor loop died: {self._loop_error}")
+        for request in (*self.active_requests, *queued):
+            self._fail(request, failure)
 
     # ---- iteration parts ------------------------------------------------------------
     def _fetch_new_requests(self) -> None:
@@ -238,10 +314,19 @@ class PyExecutor:
             request.move_to_next_context_chunk()
             if samples:
                 request.state = LlmRequestState.GENERATION_IN_PROGRESS
-                self._append(request, self.sampler.sample(request, output))
+                self._sample(request, output)
         for request in scheduled.generation_requests:
-            self._append(request, self.sampler.sample(request, output))
+            self._sample(request, output)
             request.is_first_draft = False
+
+    def _sample(self, request: LlmRequest, output) -> None:
+        try:
+            tokens = self.sampler.sample(request, output)
+        except NonFiniteLogitsError as error:  # this request's numbers are broken, not the batch's
+            logger.error("%s", error)
+            self._fail(request, error)
+            return
+        self._append(request, tokens)
 
     def _append(self, request: LlmRequest, tokens: list[int]) -> None:
         new = []
@@ -308,7 +393,14 @@ class PyExecutor:
                 stats.budget_deferred_tokens += forward_cost(request, reuse_can_shift=kv.reuse_can_shift(request))
             else:
                 stats.num_capacity_deferrals += 1
+        prompt_lens = {request.request_id: request.prompt_len for request in scheduled.context_requests}
         for claim in kv.last_claims:
             stats.reuse_estimated_tokens += claim.estimated_reusable_tokens
             stats.reuse_claimed_tokens += claim.reused_tokens
+            stats.reuse_query_tokens += prompt_lens.get(claim.request_id, 0)
         self.iteration_stats.append(stats)
+        for listener in self._iteration_listeners:
+            try:
+                listener(stats)
+            except Exception:  # statistics must never stop the loop
+                logger.exception("iteration listener %r failed", listener)

@@ -8,6 +8,7 @@ from typing import Callable
 from tensorrt_llm._torch.models.modeling_llama import LlamaForCausalLM
 from tensorrt_llm._torch.pyexecutor.block_pool import BlockTokens
 from tensorrt_llm._torch.pyexecutor.config import ExecutorConfig
+from tensorrt_llm._torch.pyexecutor.fault_injection import FaultInjectingEngine
 from tensorrt_llm._torch.pyexecutor.kv_cache_manager import KVCacheManager
 from tensorrt_llm._torch.pyexecutor.kv_storage import KVCacheStorage
 from tensorrt_llm._torch.pyexecutor.model_engine import ModelEngine, TorchModelEngine
@@ -95,6 +96,8 @@ def create_py_executor(
         engine = engine_factory(kv, token_budget)
         if sampler is None:
             raise ValueError("a simulated engine needs its sampler")
+    if config.fault_injection is not None and config.fault_injection.enabled:
+        engine = FaultInjectingEngine(engine, config.fault_injection)
     scheduler = SimpleScheduler(
         CapacityScheduler(config.capacity_scheduler_policy, kv),
         MicroBatchScheduler(config, kv, token_budget),

@@ -6,6 +6,7 @@ import abc
 
 import torch
 
+from tensorrt_llm._torch.pyexecutor.errors import NonFiniteLogitsError
 from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequest, SamplingConfig
 from tensorrt_llm._torch.pyexecutor.model_engine import ForwardOutput
 
@@ -13,7 +14,10 @@ from tensorrt_llm._torch.pyexecutor.model_engine import ForwardOutput
 class Sampler(abc.ABC):
     @abc.abstractmethod
     def sample(self, request: LlmRequest, output: ForwardOutput) -> list[int]:
-        """Tokens to append to ``request`` (at least one) after a forward in which it sampled."""
+        """Tokens to append to ``request`` (at least one) after a forward in which it sampled.
+
+        Raises NonFiniteLogitsError when its logits are not finite; the executor fails that
+        request alone."""
 
     def release(self, request: LlmRequest) -> None:
         """Forget per-request state (random generators) of a finished request."""
@@ -26,7 +30,11 @@ class TorchSampler(Sampler):
         self._generators: dict[int, torch.Generator] = {}
 
     def sample(self, request: LlmRequest, output: ForwardOutput) -> list[int]:
+        """Raises NonFiniteLogitsError when the logits hold NaN or inf: argmax or multinomial
+        over them would return a token that means nothing."""
         logits = output.logits[request.request_id]  # (vocab,)
+        if not bool(torch.isfinite(logits).all()):
+            raise NonFiniteLogitsError(request.request_id, len(request.tokens))
         config = request.sampling_config
         if config.is_greedy:
             return [int(torch.argmax(logits))]

@@ -31,6 +31,7 @@ class IterationStats:
     overshoot: int = 0
     reuse_estimated_tokens: int = 0
     reuse_claimed_tokens: int = 0
+    reuse_query_tokens: int = 0  # prompt tokens of the first chunks whose prefix was looked up
     num_failed_requests: int = 0
     error: str | None = None
 

@@ -1,0 +1,12 @@
+"""The OpenAI-compatible HTTP front of an :class:`~tensorrt_llm.LLM` (DESIGN.md §6).
+
+``openai_server`` builds the FastAPI app, ``openai_protocol`` holds the request and
+response models, ``generation`` turns an executor request into text deltas (detokenization,
+stop strings, timing), ``metrics`` the Prometheus registry, ``middleware`` the API key and
+body-size guards, ``llm_options`` the ``--extra_llm_api_options`` YAML, ``errors`` the error
+format.
+"""
+
+from tensorrt_llm.serve.openai_server import OpenAIServer
+
+__all__ = ["OpenAIServer"]

@@ -1,0 +1,173 @@
+"""Prometheus metrics of a server: one registry per server (``/prometheus/metrics``).
+
+Three sources, each pushed or pulled once:
+
+- every executor iteration, on the executor thread (an iteration listener): budget
+  deferrals and overshoots, failed batches, prefix-cache queries and hits, forward tokens
+  and budget utilization;
+- every request, on the event loop (:class:`RequestMetrics`): prompt and generated tokens,
+  time to first token, inter-token latency, end-to-end latency, how it finished;
+- at scrape time: running and waiting requests, KV-cache usage, health, injected faults.
+
+prometheus-client objects are thread-safe, so the two writers need no lock of their own.
+"""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
+
+from tensorrt_llm._torch.pyexecutor.fault_injection import FAULT_KINDS, FaultInjectingEngine
+from tensorrt_llm._torch.pyexecutor.py_executor import PyExecutor
+from tensorrt_llm._torch.pyexecutor.stats import IterationStats
+
+FINISH_REASONS = ("stop", "length", "error", "cancelled")
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+_E2E_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+_UTILIZATION_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0, 1.25, 1.5, 2.0)  # > 1: an overshoot
+
+
+def _token_buckets(max_num_tokens: int) -> tuple[float, ...]:
+    """Powers of two up to the budget, the budget itself, and twice it (overshoots)."""
+    buckets = {float(max_num_tokens), float(2 * max_num_tokens)}
+    power = 1
+    while power < max_num_tokens:
+        buckets.add(float(power))
+        power *= 2
+    return tuple(sorted(buckets))
+
+
+class ServerMetrics:
+    """The registry and every metric; :meth:`request` starts one request's metrics."""
+
+    def __init__(self, executor: PyExecutor) -> None:
+        self.registry = registry = CollectorRegistry()
+        self._executor = executor
+        kv = executor.kv_cache_manager
+
+        Gauge("trtllm_num_requests_running", "Requests holding KV blocks in the executor", registry=registry
+              ).set_function(lambda: self._load()[0])
+        Gauge("trtllm_num_requests_waiting", "Requests queued or active without KV blocks yet", registry=registry
+              ).set_function(lambda: self._load()[1])
+        Gauge("trtllm_kv_cache_usage_ratio", "Fraction of KV blocks referenced by requests (0..1)", registry=registry
+              ).set_function(lambda: 1.0 - (kv.pool.num_free + kv.pool.num_cached) / kv.pool.num_blocks)
+        Gauge("trtllm_executor_healthy", "1 while /health answers 200", registry=registry
+              ).set_function(lambda: float(executor.health()["healthy"]))
+
+        self.prefix_hit_tokens = Counter(
+            "trtllm_prefix_cache_hit_tokens_total", "Prompt tokens whose KV was reused from the prefix cache",
+            registry=registry)
+        self.prefix_query_tokens = Counter(
+            "trtllm_prefix_cache_query_tokens_total", "Prompt tokens looked up in the prefix cache", registry=registry)
+        self.budget_deferrals = Counter(
+            "trtllm_budget_deferrals_total", "Requests deferred by the token-budget re-check", registry=registry)
+        self.budget_overshoots = Counter(
+            "trtllm_budget_overshoots_total", "Forwards that exceeded max_num_tokens (their batch failed)",
+            registry=registry)
+        self.failed_batches = Counter(
+            "trtllm_failed_batches_total", "Executor iterations whose batch failed", registry=registry)
+        self.iterations = Counter("trtllm_iterations_total", "Executor iterations", registry=registry)
+        self.prompt_tokens = Counter(
+            "trtllm_prompt_tokens_total", "Prompt tokens of requests that got their first token", registry=registry)
+        self.generation_tokens = Counter(
+            "trtllm_generation_tokens_total", "Tokens generated and delivered", registry=registry)
+        self.request_success = Counter(
+            "trtllm_request_success_total", "Finished requests by finish reason", ["finished_reason"],
+            registry=registry)
+        for reason in FINISH_REASONS:
+            self.request_success.labels(reason)
+
+        self.forward_tokens = Histogram(
+            "trtllm_iteration_forward_tokens", "Positions in each forward pass",
+            buckets=_token_buckets(executor.config.max_num_tokens), registry=registry)
+        self.budget_utilization = Histogram(
+            "trtllm_budget_utilization", "Forward positions / max_num_tokens of each forward pass",
+            buckets=_UTILIZATION_BUCKETS, registry=registry)
+        self.ttft = Histogram(
+            "trtllm_time_to_first_token_seconds", "Request received to first token delivered",
+            buckets=_LATENCY_BUCKETS, registry=registry)
+        self.itl = Histogram(
+            "trtllm_inter_token_latency_seconds", "Gap between delivered tokens", buckets=_LATENCY_BUCKETS,
+            registry=registry)
+        self.e2e = Histogram(
+            "trtllm_e2e_request_latency_seconds", "Request received to request finished", buckets=_E2E_BUCKETS,
+            registry=registry)
+
+        engine = executor.model_engine
+        if isinstance(engine, FaultInjectingEngine):
+            registry.register(_FaultCollector(engine))
+        executor.add_iteration_listener(self.on_iteration)
+
+    def on_iteration(self, stats: IterationStats) -> None:
+        """Executor thread, after every iteration."""
+        self.iterations.inc()
+        self.budget_deferrals.inc(stats.num_budget_deferrals)
+        self.prefix_hit_tokens.inc(stats.reuse_claimed_tokens)
+        self.prefix_query_tokens.inc(stats.reuse_query_tokens)
+        if stats.overshoot > 0:
+            self.budget_overshoots.inc()
+        if stats.error is not None:
+            self.failed_batches.inc()
+        if stats.forward_tokens > 0:
+            self.forward_tokens.observe(stats.forward_tokens)
+            self.budget_utilization.observe(stats.budget_utilization)
+
+    def request(self) -> "RequestMetrics":
+        return RequestMetrics(self)
+
+    def _load(self) -> tuple[int, int]:
+        """(running, waiting): active requests with and without KV blocks; queued ones wait too."""
+        executor = self._executor
+        active = list(executor.active_requests)  # a copy: the executor thread replaces the list
+        running = sum(executor.kv_cache_manager.is_allocated(request) for request in active)
+        return running, len(active) - running + executor.health()["queued_requests"]
+
+
+class RequestMetrics:
+    """One request's timing, from when the server received it; event loop only."""
+
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self._m = metrics
+        self._start = self._last = time.monotonic()
+        self._first = True
+        self._done = False
+
+    def tokens(self, count: int, prompt_tokens: int) -> None:
+        """``count`` new tokens were delivered now."""
+        if count <= 0:
+            return
+        now = time.monotonic()
+        m = self._m
+        if self._first:
+            self._first = False
+            m.ttft.observe(now - self._start)
+            m.prompt_tokens.inc(prompt_tokens)
+        else:
+            gap = (now - self._last) / count
+            for _ in range(count):
+                m.itl.observe(gap)
+        m.generation_tokens.inc(count)
+        self._last = now
+
+    def finished(self, reason: str) -> None:
+        if self._done:
+            return
+        self._done = True
+        self._m.request_success.labels(reason).inc()
+        self._m.e2e.observe(time.monotonic() - self._start)
+
+
+class _FaultCollector(Collector):
+    def __init__(self, engine: FaultInjectingEngine) -> None:
+        self._engine = engine
+
+    def collect(self):
+        family = CounterMetricFamily("trtllm_faults_injected", "Faults injected into forwards (chaos testing)",
+                                     labels=["kind"])
+        for kind in FAULT_KINDS:
+            family.add_metric([kind], self._engine.faults_injected[kind])
+        yield family

@@ -1,0 +1,313 @@
+"""``OpenAIServer``: the FastAPI app of DESIGN.md §6 over one :class:`~tensorrt_llm.LLM`.
+
+Request path::
+
+    RequestGuard (401 / 413, before any parsing) -> FastAPI (pydantic: 400 on bad fields)
+      -> handler: model check (404), prompt -> token ids (text through the tokenizer, on a
+         worker thread), sampling params, LLM.generate_async (executor validation: 400;
+         dead or shut down executor: 503)
+      -> Generation.deltas() on the event loop -> one JSON response, or SSE chunks ending
+         in ``data: [DONE]``
+
+Nothing on the event loop waits on the executor thread: responses cross with
+``call_soon_threadsafe`` (see ``RequestOutputHandle``). A client that disconnects has its
+request cancelled in the executor, which frees its KV blocks. A request the executor fails
+ends with HTTP 500 (503 when the executor shut down or died), or, streamed, with a final
+``data: {"error": ...}`` event before ``[DONE]``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib.metadata
+import json
+import logging
+import re
+import time
+from typing import AsyncIterator, Callable
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from tensorrt_llm._torch.pyexecutor.errors import ExecutorShutdown
+from tensorrt_llm.llmapi import LLM, SamplingParams
+from tensorrt_llm.serve.errors import OpenAIError, bad_request, error_body
+from tensorrt_llm.serve.generation import Delta, Generation, GenerationFailed
+from tensorrt_llm.serve.metrics import ServerMetrics
+from tensorrt_llm.serve.middleware import MAX_BODY_BYTES, RequestGuard
+from tensorrt_llm.serve.openai_protocol import (
+    ChatCompletionChoice,
+    ChatCompletionMessage,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionStreamChoice,
+    ChatCompletionStreamResponse,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionStreamResponse,
+    DeltaMessage,
+    ModelCard,
+    ModelList,
+    UsageInfo,
+    chat_completion_id,
+    completion_id,
+)
+
+logger = logging.getLogger(__name__)
+
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+_REQUEST_PREFIX = re.compile(r"^request \d+: ")  # the executor's internal id means nothing to a client
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("tensorrt-llm-budget")
+    except importlib.metadata.PackageNotFoundError:  # running from a source tree that was not installed
+        return "unknown"
+
+
+class OpenAIServer:
+    """Build with an LLM; serve ``server.app`` with any ASGI server. The app owns the LLM: it
+    shuts it down when the app shuts down."""
+
+    def __init__(self, llm: LLM, *, api_key: str | None = None, max_body_bytes: int = MAX_BODY_BYTES) -> None:
+        self.llm = llm
+        self.executor = llm.executor
+        self.model_id: str = llm.model_id
+        self.tokenizer = llm.tokenizer
+        self.metrics = ServerMetrics(self.executor)
+        self.created = int(time.time())
+        self.version = _version()
+        self.fastapi = app = FastAPI(title="trtllm-serve", version=self.version, lifespan=self._lifespan)
+        app.add_exception_handler(OpenAIError, self._on_openai_error)
+        app.add_exception_handler(RequestValidationError, self._on_validation_error)
+        app.add_exception_handler(StarletteHTTPException, self._on_http_error)
+        app.add_exception_handler(Exception, self._on_unexpected_error)
+        app.get("/v1/models")(self.list_models)
+        app.post("/v1/completions")(self.completions)
+        app.post("/v1/chat/completions")(self.chat_completions)
+        app.get("/health")(self.health)
+        app.get("/metrics")(self.iteration_metrics)
+        app.get("/prometheus/metrics")(self.prometheus_metrics)
+        app.get("/version")(self.get_version)
+        self.app = RequestGuard(app, api_key=api_key, max_body_bytes=max_body_bytes)
+
+    @contextlib.asynccontextmanager
+    async def _lifespan(self, app: FastAPI):
+        yield
+        await asyncio.to_thread(self.llm.shutdown)  # joins the executor thread: not on the loop
+
+    # ------------------------------------------------------------------------------ open endpoints
+    async def health(self) -> JSONResponse:
+        report = self.executor.health()
+        healthy = report.pop("healthy")
+        if healthy:
+            report.pop("reason")
+            return JSONResponse({"status": "ok", **report})
+        return JSONResponse({"status": "unhealthy", **report}, status_code=503)
+
+    async def iteration_metrics(self) -> JSONResponse:
+        """The most recent iteration statistics (the executor keeps a bounded ring of them)."""
+        return JSONResponse([stats.to_dict() for stats in list(self.executor.iteration_stats)])
+
+    async def prometheus_metrics(self) -> Response:
+        return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    async def get_version(self) -> dict:
+        return {"version": self.version}
+
+    # ------------------------------------------------------------------------------ /v1
+    async def list_models(self) -> ModelList:
+        card = ModelCard(id=self.model_id, created=self.created, max_model_len=self.llm.config.max_seq_len,
+                         vocab_size=self.executor.model_engine.vocab_size)
+        return ModelList(data=[card])
+
+    async def completions(self, body: CompletionRequest, raw: Request):
+        self._check_model(body.model)
+        prompt_ids = await self._encode_prompt(body.prompt)
+        generation = self._submit(body, prompt_ids, body.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS)
+        request_id = completion_id()
+
+        def chunk(delta: Delta) -> CompletionStreamResponse:
+            choice = CompletionChoice(text=delta.text, token_ids=delta.token_ids, finish_reason=delta.finish_reason)
+            return CompletionStreamResponse(id=request_id, model=self.model_id, choices=[choice])
+
+        def usage_chunk(usage: UsageInfo) -> CompletionStreamResponse:
+            return CompletionStreamResponse(id=request_id, model=self.model_id, choices=[], usage=usage)
+
+        if body.stream:
+            return self._stream(generation, raw, [], chunk, usage_chunk if body.include_usage else None)
+        token_ids, text, finish_reason = await self._collect(generation, raw)
+        choice = CompletionChoice(text=text, token_ids=token_ids, finish_reason=finish_reason)
+        return CompletionResponse(id=request_id, model=self.model_id, choices=[choice], usage=self._usage(generation))
+
+    async def chat_completions(self, body: ChatCompletionRequest, raw: Request):
+        self._check_model(body.model)
+        prompt_ids = await self._render_chat(body)
+        max_tokens = body.max_new_tokens or max(1, self.llm.config.max_seq_len - len(prompt_ids))
+        generation = self._submit(body, prompt_ids, max_tokens)
+        request_id = chat_completion_id()
+
+        def chunk(delta: Delta) -> ChatCompletionStreamResponse:
+            content = DeltaMessage(content=delta.text) if delta.text or not delta.finish_reason else DeltaMessage()
+            choice = ChatCompletionStreamChoice(delta=content, token_ids=delta.token_ids,
+                                                finish_reason=delta.finish_reason)
+            return ChatCompletionStreamResponse(id=request_id, model=self.model_id, choices=[choice])
+
+        def usage_chunk(usage: UsageInfo) -> ChatCompletionStreamResponse:
+            return ChatCompletionStreamResponse(id=request_id, model=self.model_id, choices=[], usage=usage)
+
+        if body.stream:
+            role = ChatCompletionStreamChoice(delta=DeltaMessage(role="assistant", content=""))
+            first = ChatCompletionStreamResponse(id=request_id, model=self.model_id, choices=[role])
+            return self._stream(generation, raw, [first], chunk, usage_chunk if body.include_usage else None)
+        token_ids, text, finish_reason = await self._collect(generation, raw)
+        choice = ChatCompletionChoice(message=ChatCompletionMessage(content=text), token_ids=token_ids,
+                                      finish_reason=finish_reason)
+        return ChatCompletionResponse(id=request_id, model=self.model_id, choices=[choice],
+                                      usage=self._usage(generation))
+
+    # ------------------------------------------------------------------------------ request parts
+    def _check_model(self, model: str) -> None:
+        if model != self.model_id:
+            raise OpenAIError(404, f"the model {model!r} does not exist; this server serves {self.model_id!r}", "model")
+
+    async def _encode_prompt(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, list):
+            if not prompt:
+                raise bad_request("the prompt is empty", "prompt")
+            return prompt  # range-checked against the vocabulary by the executor's validation
+        if self.tokenizer is None:
+            raise bad_request(f"model {self.model_id!r} has no tokenizer: send the prompt as a list of token ids",
+                              "prompt")
+        if not prompt:
+            raise bad_request("the prompt is empty", "prompt")
+        token_ids = await asyncio.to_thread(self.tokenizer.encode, prompt)  # long texts take a while
+        if not token_ids:
+            raise bad_request("the prompt encodes to no tokens", "prompt")
+        return token_ids
+
+    async def _render_chat(self, body: ChatCompletionRequest) -> list[int]:
+        if self.tokenizer is None or not self.tokenizer.chat_template:
+            raise bad_request(f"model {self.model_id!r} has no chat template: use /v1/completions"
+                              + (" with token ids" if self.tokenizer is None else ""), "messages")
+        messages = [{"role": m.role, "content": m.content} for m in body.messages]
+        try:
+            text = await asyncio.to_thread(self.tokenizer.apply_chat_template, messages, add_generation_prompt=True)
+        except ValueError as error:  # the template's own raise_exception (e.g. roles out of order)
+            raise bad_request(f"the chat template refused the messages: {error}", "messages") from None
+        return await self._encode_prompt(text)
+
+    def _submit(self, body: CompletionRequest | ChatCompletionRequest, prompt_ids: list[int],
+                max_tokens: int) -> Generation:
+        if body.stop_strings and self.tokenizer is None:
+            raise bad_request(f"stop sequences need a tokenizer and model {self.model_id!r} has none", "stop")
+        params = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            seed=body.seed,
+        )
+        metrics = self.metrics.request()
+        try:
+            handle = self.llm.generate_async(prompt_ids, params)
+        except ExecutorShutdown as error:
+            raise OpenAIError(503, f"the server cannot take requests: {error}") from None
+        except ValueError as error:  # InvalidRequestError included: the executor could never serve it
+            raise bad_request(_REQUEST_PREFIX.sub("", str(error))) from None
+        return Generation(handle, has_text=self.tokenizer is not None, stop_strings=body.stop_strings,
+                          metrics=metrics)
+
+    @staticmethod
+    def _usage(generation: Generation) -> UsageInfo:
+        return UsageInfo.of(generation.prompt_tokens, generation.completion_tokens)
+
+    async def _collect(self, generation: Generation, raw: Request) -> tuple[list[int], str, str | None]:
+        token_ids, text, finish_reason = [], [], None
+        watcher = asyncio.create_task(_abort_on_disconnect(raw, generation))
+        try:
+            async for delta in generation.deltas():
+                token_ids += delta.token_ids
+                text.append(delta.text)
+                finish_reason = delta.finish_reason
+        except GenerationFailed as error:
+            raise OpenAIError(error.status, error.message) from None
+        finally:
+            watcher.cancel()
+        return token_ids, "".join(text), finish_reason
+
+    def _stream(self, generation: Generation, raw: Request, preamble: list, chunk: Callable,
+                usage_chunk: Callable | None) -> StreamingResponse:
+        async def events() -> AsyncIterator[str]:
+            watcher = asyncio.create_task(_abort_on_disconnect(raw, generation))
+            try:
+                for first in preamble:
+                    yield _sse(first.model_dump_json())
+                async for delta in generation.deltas():
+                    yield _sse(chunk(delta).model_dump_json())
+                if usage_chunk is not None:
+                    yield _sse(usage_chunk(self._usage(generation)).model_dump_json())
+            except GenerationFailed as error:
+                yield _sse(json.dumps(error_body(error.status, error.message)))
+            finally:
+                watcher.cancel()
+            yield _sse("[DONE]")
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    # ------------------------------------------------------------------------------ errors
+    async def _on_openai_error(self, request: Request, error: OpenAIError) -> JSONResponse:
+        return error.response()
+
+    async def _on_validation_error(self, request: Request, error: RequestValidationError) -> JSONResponse:
+        message, param = _describe_validation_error(error.errors())
+        return JSONResponse(error_body(400, message, param), status_code=400)
+
+    async def _on_http_error(self, request: Request, error: StarletteHTTPException) -> JSONResponse:
+        return JSONResponse(error_body(error.status_code, str(error.detail)), status_code=error.status_code)
+
+    async def _on_unexpected_error(self, request: Request, error: Exception) -> JSONResponse:
+        logger.exception("unhandled error serving %s %s", request.method, request.url.path)
+        return JSONResponse(error_body(500, f"internal error: {type(error).__name__}: {error}"), status_code=500)
+
+
+def _sse(data: str) -> str:
+    return f"data: {data}\n\n"
+
+
+async def _abort_on_disconnect(raw: Request, generation: Generation) -> None:
+    """Cancel the request when the client goes away (the body has been read: only
+    ``http.disconnect`` can arrive now)."""
+    while True:
+        message = await raw.receive()
+        if message["type"] == "http.disconnect":
+            if not generation.finished:
+                logger.info("client disconnected: cancelling request %d", generation.handle.request_id)
+            generation.abort()
+            return
+
+
+def _describe_validation_error(errors) -> tuple[str, str | None]:
+    """OpenAI-style message and param for the first pydantic error of a request body."""
+    first = errors[0]
+    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    param = ".".join(loc) or None
+    kind, msg = first.get("type", ""), first.get("msg", "invalid request")
+    if kind == "json_invalid":
+        detail = first.get("ctx", {}).get("error", msg)
+        return f"malformed JSON body: {detail}", None
+    if kind == "extra_forbidden":
+        return f"unrecognized request argument {param!r}: this server does not support it", param
+    if kind == "missing":
+        return f"{param} is required", param
+    if kind == "value_error":
+        msg = msg.removeprefix("Value error, ")
+        return msg, param
+    if param is None:
+        return f"invalid request body: {msg}", None
+    return f"{param}: {msg} (got {first.get('input')!r:.100})", param
