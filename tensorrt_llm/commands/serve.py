@@ -3,16 +3,14 @@
     trtllm-serve [MODEL] [--host 127.0.0.1] [--port 8000] [--max_batch_size N] [--max_num_tokens N]
                  [--max_seq_len N] [--extra_llm_api_options FILE.yaml] [--api_key KEY] [--log_level info]
 
-Options from the YAML file are ``LLM(...)`` keywords and override the flags. Without a KV
-pool size (``kv_cache_config.max_tokens`` / ``num_blocks``) the server sizes it at
-``DEFAULT_KV_CACHE_TOKENS``; statistics are kept for the last ``DEFAULT_ITER_STATS`` iterations.
+Options from the YAML file are ``LLM(...)`` keywords and override the flags. Statistics are
+kept for the last ``DEFAULT_ITER_STATS`` iterations (``/metrics``).
 ``--port 0`` takes a free port; the log line "serving ... at http://HOST:PORT" gives it.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import ipaddress
 import logging
 import os
@@ -22,13 +20,11 @@ from typing import Sequence
 
 import uvicorn
 
-from tensorrt_llm._torch.pyexecutor.config import KvCacheConfig
 from tensorrt_llm.serve.llm_options import LlmOptionsError, load_llm_options
 
 logger = logging.getLogger("trtllm-serve")
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
-DEFAULT_KV_CACHE_TOKENS = 32768  # SmolLM2-135M in float32: 1.4 GiB of KV
 DEFAULT_ITER_STATS = 1000
 API_KEY_ENV = "TRTLLM_API_KEY"
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
@@ -57,9 +53,6 @@ def llm_kwargs(args: argparse.Namespace) -> dict:
     kwargs["iter_stats_max_iterations"] = DEFAULT_ITER_STATS
     if args.extra_llm_api_options:
         kwargs.update(load_llm_options(args.extra_llm_api_options))
-    kv = kwargs.get("kv_cache_config", KvCacheConfig())
-    if kv.max_tokens is None and kv.num_blocks is None:
-        kwargs["kv_cache_config"] = dataclasses.replace(kv, max_tokens=DEFAULT_KV_CACHE_TOKENS)
     return kwargs
 
 

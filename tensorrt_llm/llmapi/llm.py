@@ -1,4 +1,4 @@
-"""``LLM``: a torch model served by a background :class:`PyExecutor`, driven with token ids."""
+"""``LLM``: a torch model served by a background :class:`PyExecutor`, driven with text or token ids."""
 
 from __future__ import annotations
 
@@ -8,12 +8,14 @@ import queue
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Iterator, Sequence
 
-from tensorrt_llm._torch.models.modeling_llama import MODEL_PRESETS, LlamaConfig, LlamaForCausalLM
+from tensorrt_llm._torch.models.modeling_llama import LlamaConfig
 from tensorrt_llm._torch.pyexecutor.config import ExecutorConfig, KvCacheConfig
 from tensorrt_llm._torch.pyexecutor.errors import RequestError
 from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequest, SamplingConfig
 from tensorrt_llm._torch.pyexecutor.py_executor import PyExecutor, Response
 from tensorrt_llm._torch.pyexecutor.py_executor_creator import create_py_executor
+from tensorrt_llm.llmapi.llm_utils import load_model
+from tensorrt_llm.llmapi.tokenizer import IncrementalDetokenizer, Tokenizer
 
 _EXECUTOR_FIELDS = {f.name for f in dataclasses.fields(ExecutorConfig)}
 
@@ -27,8 +29,9 @@ class SamplingParams:
     top_k: int = 0
     top_p: float = 1.0
     seed: int | None = None
-    end_id: int | None = None
-    stop_token_ids: Sequence[int] = ()
+    end_id: int | None = None  # default: the tokenizer's eos id
+    stop_token_ids: Sequence[int] = ()  # added to the tokenizer's end-of-generation ids
+    ignore_eos: bool = False  # generate max_tokens whatever the model says (only stop_token_ids stop it)
     beam_width: int = 1
 
     def sampling_config(self) -> SamplingConfig:
@@ -40,6 +43,10 @@ class CompletionOutput:
     index: int
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None  # "length" | "stop" | "cancelled" | "error"
+    # With a tokenizer: the text of token_ids so far (control tokens left out; a character whose
+    # bytes have not all arrived is held back until they do), and what the last step added to it.
+    text: str | None = None
+    text_diff: str = ""
 
 
 @dataclass(slots=True)
@@ -49,6 +56,12 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = False
     error: str | None = None
+    prompt: str | None = None  # the prompt text, when the prompt was text
+
+    @property
+    def text(self) -> str | None:
+        """The generated text (None for a model without a tokenizer)."""
+        return self.outputs[0].text
 
 
 class RequestOutputHandle:
@@ -60,7 +73,7 @@ class RequestOutputHandle:
     handle is consumed with ``for`` and ``result()``.
     """
 
-    def __init__(self, llm: "LLM", request: LlmRequest) -> None:
+    def __init__(self, llm: "LLM", request: LlmRequest, prompt: str | None = None) -> None:
         self._llm = llm
         self._request = request
         try:
@@ -69,7 +82,13 @@ class RequestOutputHandle:
             self._loop = None
         self._events: queue.Queue[Response] | None = None if self._loop else queue.Queue()
         self._aevents: asyncio.Queue[Response] | None = asyncio.Queue() if self._loop else None
-        self.output = RequestOutput(request.request_id, list(request.input_token_ids), [CompletionOutput(0)])
+        self.output = RequestOutput(
+            request.request_id, list(request.input_token_ids), [CompletionOutput(0)], prompt=prompt
+        )
+        tokenizer = llm.tokenizer
+        self._detokenizer = None if tokenizer is None else IncrementalDetokenizer(tokenizer)
+        if tokenizer is not None:
+            self.output.outputs[0].text = ""
 
     @property
     def request_id(self) -> int:
@@ -88,6 +107,11 @@ class RequestOutputHandle:
     def _apply(self, response: Response) -> None:
         completion = self.output.outputs[0]
         completion.token_ids.extend(response.new_token_ids)
+        if self._detokenizer is not None:
+            completion.text_diff = self._detokenizer.step(response.new_token_ids)
+            if response.finished:
+                completion.text_diff += self._detokenizer.flush()
+            completion.text += completion.text_diff
         if response.finished:
             self.output.finished = True
             self.output.error = response.error
@@ -142,11 +166,18 @@ class RequestOutputHandle:
         self._llm._executor.cancel_request(self.request_id)
 
 
-class LLM:
-    """Serve a random-weight Llama model (``"tiny-random"``, ``"small-random"``) on the CPU.
+Prompt = str | Sequence[int]
 
-    Every :class:`ExecutorConfig` field is accepted as a keyword (``max_num_tokens``,
-    ``enable_chunked_prefill``, ``token_budget_policy``, ``kv_cache_config``, ...).
+
+class LLM:
+    """Serve a Llama model on the CPU: a real checkpoint (``"smollm2-135m-instruct"``, a path to a
+    llama-architecture ``.gguf`` file) with its tokenizer, or a random-weight preset
+    (``"tiny-random"``, ``"small-random"``) that takes token ids only (``llm_utils.load_model``).
+
+    Prompts are text (encoded with ``tokenizer``) or token ids. With a tokenizer, generation stops
+    at the model's end-of-generation ids by default (``SamplingParams.ignore_eos`` turns that off)
+    and outputs carry ``text``. Every :class:`ExecutorConfig` field is accepted as a keyword
+    (``max_num_tokens``, ``enable_chunked_prefill``, ``token_budget_policy``, ``kv_cache_config``, ...).
     """
 
     def __init__(self, model: str | LlamaConfig = "tiny-random", *, dtype: str | None = None, seed: int | None = None,
@@ -154,35 +185,31 @@ class LLM:
         unknown = set(executor_options) - _EXECUTOR_FIELDS
         if unknown:
             raise TypeError(f"LLM got unknown options {sorted(unknown)}; accepted: {sorted(_EXECUTOR_FIELDS)}")
-        self.model_id = model if isinstance(model, str) else "custom"
-        self.tokenizer = None  # random-weight models take token ids only
-        if isinstance(model, str):
-            if model not in MODEL_PRESETS:
-                raise ValueError(f"unknown model {model!r}; available: {sorted(MODEL_PRESETS)}")
-            model = MODEL_PRESETS[model]
-        overrides = {k: v for k, v in (("dtype", dtype), ("seed", seed)) if v is not None}
-        self.model_config = dataclasses.replace(model, **overrides)
         self.config = ExecutorConfig(**executor_options)
-        self._executor: PyExecutor = create_py_executor(self.config, model=LlamaForCausalLM(self.model_config))
+        loaded = load_model(model, dtype=dtype, seed=seed)
+        self.model_id: str = loaded.model_id  #: the served name: the preset's, or the .gguf file's stem
+        self.tokenizer: Tokenizer | None = loaded.tokenizer  #: None for random-weight models
+        self.model_config = loaded.model.config
+        self._executor: PyExecutor = create_py_executor(self.config, model=loaded.model)
         self._executor.start()
 
-    def generate_async(self, prompt: Sequence[int], sampling_params: SamplingParams | None = None) -> RequestOutputHandle:
+    def generate_async(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> RequestOutputHandle:
         request = self._make_request(prompt, sampling_params or SamplingParams())
         self._executor.validate(request)
-        return self._submit(request)
+        return self._submit(request, prompt)
 
     def generate(
-        self, prompts: Sequence[int] | Sequence[Sequence[int]], sampling_params: SamplingParams | None = None
+        self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | None = None
     ) -> RequestOutput | list[RequestOutput]:
-        """Generate for one prompt or a list of prompts (token ids); raises ValueError before
-        queueing anything if any prompt is invalid, RequestError if one fails while running."""
-        single = bool(prompts) and isinstance(prompts[0], int)
+        """Generate for one prompt or a list of prompts (each text or token ids); raises ValueError
+        before queueing anything if any prompt is invalid, RequestError if one fails while running."""
+        single = isinstance(prompts, str) or (bool(prompts) and isinstance(prompts[0], int))
         batch = [prompts] if single else list(prompts)
         params = sampling_params or SamplingParams()
         requests = [self._make_request(prompt, params) for prompt in batch]
         for request in requests:
             self._executor.validate(request)
-        handles = [self._submit(request) for request in requests]
+        handles = [self._submit(request, prompt) for request, prompt in zip(requests, batch)]
         outputs, first_error = [], None
         for handle in handles:
             try:
@@ -214,26 +241,36 @@ class LLM:
     def __exit__(self, *exc) -> None:
         self.shutdown()
 
-    def _submit(self, request: LlmRequest) -> RequestOutputHandle:
-        handle = RequestOutputHandle(self, request)
+    def _submit(self, request: LlmRequest, prompt: Prompt) -> RequestOutputHandle:
+        handle = RequestOutputHandle(self, request, prompt if isinstance(prompt, str) else None)
         self._executor.enqueue_request(request, handle._on_response)
         return handle
 
-    @staticmethod
-    def _make_request(prompt: Sequence[int], params: SamplingParams) -> LlmRequest:
+    def _make_request(self, prompt: Prompt, params: SamplingParams) -> LlmRequest:
         if isinstance(prompt, str):
-            raise ValueError("text prompts need a tokenizer, which this engine does not have: pass token ids")
+            if self.tokenizer is None:
+                raise ValueError(f"model {self.model_id!r} has no tokenizer, so text prompts are refused: pass token ids")
+            prompt = self.tokenizer.encode(prompt)
         try:
             token_ids = [int(t) if not isinstance(t, bool) else None for t in prompt]
         except (TypeError, ValueError):
             raise ValueError(f"a prompt must be a sequence of token ids, got {prompt!r:.80}") from None
         if any(t is None or t != raw for t, raw in zip(token_ids, prompt)):
             raise ValueError(f"a prompt must hold integer token ids, got {prompt!r:.80}")
+        end_id, stop_token_ids = self._stop_ids(params)
         return LlmRequest(
             input_token_ids=token_ids,
             max_new_tokens=params.max_tokens,
             beam_width=params.beam_width,
-            end_id=params.end_id,
-            stop_token_ids=tuple(params.stop_token_ids),
+            end_id=end_id,
+            stop_token_ids=stop_token_ids,
             sampling_config=params.sampling_config(),
         )
+
+    def _stop_ids(self, params: SamplingParams) -> tuple[int | None, tuple[int, ...]]:
+        """The ids that end a request: the caller's, plus the model's unless ``ignore_eos``."""
+        stop = tuple(params.stop_token_ids)
+        if params.ignore_eos or self.tokenizer is None:
+            return (None if params.ignore_eos else params.end_id), stop
+        end_id = self.tokenizer.eos_token_id if params.end_id is None else params.end_id
+        return end_id, stop + tuple(t for t in self.tokenizer.stop_token_ids if t not in stop)

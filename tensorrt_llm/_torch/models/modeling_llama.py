@@ -1,8 +1,9 @@
-"""A Llama-style decoder with random weights, run by the executor on a paged KV cache.
+"""A Llama-style decoder run by the executor on a paged KV cache.
 
-The model is small and deterministic: every weight comes from a local ``torch.Generator``
-seeded by ``LlamaConfig.seed``, so two engines built from the same config compute the same
-tokens bit for bit, and greedy outputs can be compared across scheduling policies.
+Weights are either given (a real checkpoint: ``checkpoints/gguf_loader.py``) or drawn from a
+local ``torch.Generator`` seeded by ``LlamaConfig.seed``, so two engines built from the same
+config compute the same tokens bit for bit, and greedy outputs can be compared across
+scheduling policies.
 
 Two forward paths share all weights:
 
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass
+from typing import Mapping
 
 import torch
 import torch.nn.functional as F
@@ -51,7 +53,7 @@ def _is_int(value: object) -> bool:
 
 @dataclass(frozen=True, slots=True)
 class LlamaConfig:
-    """Sizes and seed of a random-weight Llama decoder."""
+    """Sizes of a Llama decoder, and the seed of its weights when none are given."""
 
     vocab_size: int = 512
     hidden_size: int = 64
@@ -65,6 +67,7 @@ class LlamaConfig:
     max_position_embeddings: int = 8192
     dtype: str = "float32"  # "float32" | "float64"
     seed: int = 0
+    tie_word_embeddings: bool = False  # the LM head is the embedding matrix (SmolLM2 and most small models)
 
     def __post_init__(self) -> None:
         for name in (
@@ -98,6 +101,8 @@ class LlamaConfig:
             )
         if not _is_int(self.seed):
             raise ValueError(f"LlamaConfig.seed must be an int, got {self.seed!r}")
+        if not isinstance(self.tie_word_embeddings, bool):
+            raise ValueError(f"LlamaConfig.tie_word_embeddings must be a bool, got {self.tie_word_embeddings!r}")
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -444,20 +449,45 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """Random-weight Llama decoder with an untied LM head, run on a paged KV cache.
+    """Llama decoder run on a paged KV cache.
 
-    Weights never require grad: the model only serves. Both forwards work with or without
-    ``torch.inference_mode()``; the KV pools must then be ordinary tensors, or inference
-    tensors written under inference mode.
+    ``weights`` maps every parameter name (``named_parameters()``: a tied LM head appears only
+    as ``model.embed_tokens.weight``) to a tensor of its shape; one already of the config's dtype
+    (and contiguous) becomes the parameter itself, without a copy (a checkpoint's weights are not
+    duplicated), others are converted. Without ``weights`` they are drawn from ``config.seed``. Weights never require grad: the model
+    only serves. Both forwards work with or without ``torch.inference_mode()``; the KV pools must
+    then be ordinary tensors, or inference tensors written under inference mode.
     """
 
-    def __init__(self, config: LlamaConfig) -> None:
+    def __init__(self, config: LlamaConfig, weights: Mapping[str, torch.Tensor] | None = None) -> None:
         super().__init__()
         self.config = config
         self.model = LlamaModel(config)
         self.lm_head = _linear(config.hidden_size, config.vocab_size, config.torch_dtype)
-        self._init_weights()
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        if weights is None:
+            self._init_weights()
+        else:
+            self._load_weights(weights)
         self.requires_grad_(False)
+
+    @torch.no_grad()
+    def _load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
+        params = dict(self.named_parameters())
+        missing, unexpected = sorted(params.keys() - weights.keys()), sorted(weights.keys() - params.keys())
+        if missing or unexpected:
+            raise ValueError(f"weights do not match the model: missing {missing}, unexpected {unexpected}")
+        for name, param in params.items():
+            if tuple(weights[name].shape) != tuple(param.shape):
+                raise ValueError(
+                    f"weight {name} has shape {tuple(weights[name].shape)}, the model needs {tuple(param.shape)}"
+                )
+            tensor = weights[name]
+            if tensor.dtype == param.dtype and tensor.is_contiguous():
+                param.data = tensor
+            else:
+                param.copy_(tensor)
 
     @torch.no_grad()
     def _init_weights(self) -> None:

@@ -21,10 +21,17 @@ from tensorrt_llm._torch.pyexecutor.token_budget import TokenBudgetPolicy, make_
 EngineFactory = Callable[[KVCacheManager, TokenBudgetPolicy], ModelEngine]
 
 
-def default_num_blocks(config: ExecutorConfig) -> int:
-    """Without a pool size, room for a full batch of full-length sequences."""
+#: Memory a KV pool of real tensors gets when its size is not given (upstream sizes it from free
+#: GPU memory; on the CPU a full batch of full-length sequences of a real model would be tens of GB).
+DEFAULT_KV_CACHE_BYTES = 1 << 30
+
+
+def default_num_blocks(config: ExecutorConfig, bytes_per_block: int = 0) -> int:
+    """Without a pool size, room for a full batch of full-length sequences, capped at
+    ``DEFAULT_KV_CACHE_BYTES`` of tensors when blocks have a size in bytes."""
     tokens_per_block = config.kv_cache_config.tokens_per_block
-    return config.max_batch_size * -(-config.max_seq_len // tokens_per_block)
+    full_batch = config.max_batch_size * -(-config.max_seq_len // tokens_per_block)
+    return min(full_batch, max(1, DEFAULT_KV_CACHE_BYTES // bytes_per_block)) if bytes_per_block else full_batch
 
 
 def create_kv_cache_manager(
@@ -38,16 +45,17 @@ def create_kv_cache_manager(
     """With ``model``: real K/V tensors shaped for it. Without: bookkeeping only, and
     ``kv_bytes_per_token`` sizes the host tier from ``host_cache_size`` bytes."""
     kv_config = config.kv_cache_config
-    num_blocks = kv_config.resolve_num_blocks(default_num_blocks(config))
     storage = None
     if model is not None:
         block_shape = model.kv_cache_shape(1, kv_config.tokens_per_block)[1:]
         dtype = model.config.torch_dtype
         bytes_per_block = KVCacheStorage.bytes_per_block(model.config.num_layers, block_shape, dtype)
+        num_blocks = kv_config.resolve_num_blocks(default_num_blocks(config, bytes_per_block))
     elif kv_config.host_cache_size and not kv_bytes_per_token:
         raise ValueError("host_cache_size needs the model's KV bytes per token to size the host tier")
     else:
         bytes_per_block = (kv_bytes_per_token or 0) * kv_config.tokens_per_block
+        num_blocks = kv_config.resolve_num_blocks(default_num_blocks(config))
     num_host_blocks = kv_config.host_cache_size // bytes_per_block if kv_config.host_cache_size else 0
     if model is not None:
         storage = KVCacheStorage(

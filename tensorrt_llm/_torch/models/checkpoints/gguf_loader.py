@@ -1,0 +1,266 @@
+"""Llama checkpoints in GGUF files (llama.cpp's format) -> :class:`LlamaForCausalLM`.
+
+A GGUF file holds key/value metadata (architecture sizes, tokenizer, chat template) and named
+tensors, most of them block-quantised (Q4_1, Q8_0, ...). Reading it has two costs of a few
+seconds each: the ``gguf`` package's reader parses the metadata (the tokenizer's ~100k strings
+dominate), and ``gguf.quants.dequantize`` expands the tensors to float32. Both are paid once per
+file and process: :func:`open_gguf` caches the parsed file, and its ``tensors`` are dequantised
+on first use and kept (float32, about 4 bytes per parameter; :func:`open_gguf.cache_clear`
+drops them).
+
+Two layout facts differ from the Hugging Face checkpoints our model follows:
+
+* llama.cpp's converter permutes the rows of every head of ``attn_q`` / ``attn_k`` so that
+  RoPE rotates *adjacent* channel pairs (2i, 2i+1) (GPT-J style); our model rotates
+  (i, i + head_dim/2) (rotate-half, Hugging Face style). :func:`unpermute_qk` undoes it::
+
+      GGUF row of a head   2i + j       (i < head_dim/2, j in {0, 1})
+      HF row of the head   j * head_dim/2 + i
+
+  Left undone, the model still writes fluent short text, but its perplexity is several-fold
+  worse: the tests and ``benchmarks/decode_speed.py`` measure exactly that.
+* without an ``output.weight`` tensor the LM head is tied to the token embedding.
+
+Tensor names map to our parameters as ``token_embd`` -> ``model.embed_tokens``, ``blk.N.attn_q``
+-> ``model.layers.N.self_attn.q_proj`` and so on (:data:`_LAYER_TENSORS`). Anything else in the
+file (biases, ``rope_freqs``, experts) is a feature our model lacks, so the file is refused with
+a :class:`CheckpointError` that names it rather than served wrong.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+import torch
+
+from tensorrt_llm._torch.models.modeling_llama import LlamaConfig, LlamaForCausalLM
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_ARCHITECTURES = ("llama",)
+
+# GGUF tensor name inside block N -> our parameter name inside model.layers.N
+_LAYER_TENSORS = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GLOBAL_TENSORS = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that is missing, unreadable, or describes a model we cannot run."""
+
+
+class GGUFCheckpoint:
+    """One GGUF file: its metadata (decoded to Python values) and, on first use, its tensors
+    dequantised to float32 in PyTorch's (rows, columns) order. Treat them as read-only: they are
+    shared by every model built from the file (each model copies them into its parameters)."""
+
+    def __init__(self, path: Path) -> None:
+        from gguf import GGUFReader  # heavy import, only where a GGUF file is read
+
+        self.path = path
+        try:
+            self._reader = GGUFReader(path)
+        except (ValueError, OSError, KeyError) as error:
+            raise CheckpointError(f"{path}: not a readable GGUF file ({error})") from error
+        self.metadata: Mapping[str, Any] = {
+            name: field.contents() for name, field in self._reader.fields.items() if not name.startswith("GGUF.")
+        }
+        self._tensors: dict[str, torch.Tensor] | None = None
+
+    @property
+    def architecture(self) -> str:
+        return str(self.metadata.get("general.architecture", "<missing>"))
+
+    @property
+    def tensors(self) -> Mapping[str, torch.Tensor]:
+        if self._tensors is None:
+            self._tensors = self._dequantize_all()
+        return self._tensors
+
+    def _dequantize_all(self) -> dict[str, torch.Tensor]:
+        from gguf.quants import dequantize
+
+        tensors = {}
+        for tensor in self._reader.tensors:
+            try:
+                array = dequantize(tensor.data, tensor.tensor_type)
+            except NotImplementedError as error:
+                raise CheckpointError(
+                    f"{self.path}: tensor {tensor.name} is stored as {tensor.tensor_type.name}, which the gguf"
+                    f" package cannot dequantise ({error})"
+                ) from error
+            array = np.asarray(array, dtype=np.float32)
+            if not (array.flags.writeable and array.flags.c_contiguous):  # F32 tensors are views of the file
+                array = array.copy()
+            tensors[tensor.name] = torch.from_numpy(array)
+        logger.info("dequantised %d tensors of %s", len(tensors), self.path.name)
+        return tensors
+
+
+def open_gguf(path: str | os.PathLike[str]) -> GGUFCheckpoint:
+    """The parsed GGUF file at ``path``, cached per process (a changed file is read again)."""
+    path = Path(path).expanduser().resolve()
+    try:
+        stat = path.stat()
+    except OSError as error:
+        raise CheckpointError(f"cannot read GGUF file {path}: {error.strerror}") from error
+    if not path.is_file():
+        raise CheckpointError(f"{path} is not a file")
+    return _open_gguf(path, stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=2)
+def _open_gguf(path: Path, mtime_ns: int, size: int) -> GGUFCheckpoint:
+    logger.info("reading %s (%.0f MB)", path, size / 1e6)
+    return GGUFCheckpoint(path)
+
+
+open_gguf.cache_clear = _open_gguf.cache_clear  # type: ignore[attr-defined]
+
+
+# --------------------------------------------------------------------------- config
+
+
+def llama_config_from_gguf(checkpoint: GGUFCheckpoint, *, dtype: str = "float32") -> LlamaConfig:
+    """The model's sizes from the ``llama.*`` metadata; refuses other architectures and llama
+    variants our model does not implement (partial rotary, RoPE scaling, mixture of experts)."""
+    arch = checkpoint.architecture
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise CheckpointError(
+            f"{checkpoint.path.name}: architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+        )
+    meta = checkpoint.metadata
+
+    def get(key: str, default: Any = None) -> Any:
+        value = meta.get(f"{arch}.{key}", default)
+        if value is None:
+            raise CheckpointError(f"{checkpoint.path.name}: metadata {arch}.{key} is missing")
+        if isinstance(value, list):
+            raise CheckpointError(f"{checkpoint.path.name}: per-layer {arch}.{key} is not supported")
+        return value
+
+    hidden = int(get("embedding_length"))
+    heads = int(get("attention.head_count"))
+    head_dim = int(get("attention.key_length", hidden // heads))
+    if int(get("attention.value_length", head_dim)) != head_dim:
+        raise CheckpointError(f"{checkpoint.path.name}: value heads of another width than key heads are not supported")
+    if int(get("rope.dimension_count", head_dim)) != head_dim:
+        raise CheckpointError(f"{checkpoint.path.name}: partial rotary embeddings are not supported")
+    scaling = str(meta.get(f"{arch}.rope.scaling.type", "none"))
+    if scaling != "none":
+        raise CheckpointError(f"{checkpoint.path.name}: RoPE scaling {scaling!r} is not supported")
+    if int(meta.get(f"{arch}.expert_count", 0) or 0):
+        raise CheckpointError(f"{checkpoint.path.name}: mixture-of-experts models are not supported")
+    embedding = _tensor_shape(checkpoint, "token_embd.weight")
+    vocab = int(meta.get(f"{arch}.vocab_size") or embedding[0])
+    if embedding != (vocab, hidden):
+        raise CheckpointError(
+            f"{checkpoint.path.name}: token_embd.weight has shape {embedding}, the metadata says ({vocab}, {hidden})"
+        )
+    try:
+        return LlamaConfig(
+            vocab_size=vocab,
+            hidden_size=hidden,
+            num_layers=int(get("block_count")),
+            num_heads=heads,
+            num_kv_heads=int(get("attention.head_count_kv", heads)),
+            head_dim=head_dim,
+            intermediate_size=int(get("feed_forward_length")),
+            rope_theta=float(get("rope.freq_base", 10000.0)),
+            rms_norm_eps=float(get("attention.layer_norm_rms_epsilon")),
+            max_position_embeddings=int(get("context_length")),
+            dtype=dtype,
+            tie_word_embeddings="output.weight" not in _tensor_names(checkpoint),
+        )
+    except ValueError as error:
+        raise CheckpointError(f"{checkpoint.path.name}: {error}") from error
+
+
+def _tensor_names(checkpoint: GGUFCheckpoint) -> set[str]:
+    return {tensor.name for tensor in checkpoint._reader.tensors}
+
+
+def _tensor_shape(checkpoint: GGUFCheckpoint, name: str) -> tuple[int, ...]:
+    for tensor in checkpoint._reader.tensors:
+        if tensor.name == name:
+            return tuple(int(n) for n in reversed(tensor.shape))  # GGUF lists the fastest dimension first
+    raise CheckpointError(f"{checkpoint.path.name}: tensor {name} is missing")
+
+
+# --------------------------------------------------------------------------- weights
+
+
+def unpermute_qk(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Rows of a GGUF q/k projection (adjacent RoPE pairs) -> rotate-half order, per head."""
+    rows, cols = weight.shape
+    head_dim = rows // num_heads
+    pairs = weight.reshape(num_heads, head_dim // 2, 2, cols)  # (head, i, j, in): row 2i + j
+    return pairs.transpose(1, 2).reshape(rows, cols)  # (head, j, i, in): row j * head_dim/2 + i
+
+
+def llama_weights_from_gguf(
+    checkpoint: GGUFCheckpoint, config: LlamaConfig, *, undo_qk_permutation: bool = True
+) -> dict[str, torch.Tensor]:
+    """Parameter name -> float32 tensor, ready for ``LlamaForCausalLM(config, weights)``.
+
+    ``undo_qk_permutation=False`` keeps llama.cpp's q/k row order: a deliberately wrong model,
+    for measuring what the permutation is worth (perplexity), never for serving.
+    """
+    weights: dict[str, torch.Tensor] = {}
+    unknown = []
+    for name, tensor in checkpoint.tensors.items():
+        target = _parameter_name(name, config.num_layers)
+        if target is None:
+            unknown.append(name)
+            continue
+        if undo_qk_permutation and name.endswith(("attn_q.weight", "attn_k.weight")):
+            heads = config.num_heads if name.endswith("attn_q.weight") else config.num_kv_heads
+            tensor = unpermute_qk(tensor, heads)
+        weights[target] = tensor
+    if unknown:
+        raise CheckpointError(
+            f"{checkpoint.path.name}: tensors our Llama model has no place for: {', '.join(sorted(unknown)[:8])}"
+            + (" ..." if len(unknown) > 8 else "")
+        )
+    return weights
+
+
+def _parameter_name(gguf_name: str, num_layers: int) -> str | None:
+    if gguf_name in _GLOBAL_TENSORS:
+        return _GLOBAL_TENSORS[gguf_name]
+    block, _, rest = gguf_name.partition(".")
+    index, _, tail = rest.partition(".")
+    if block == "blk" and index.isdigit() and int(index) < num_layers and tail in _LAYER_TENSORS:
+        return f"model.layers.{int(index)}.{_LAYER_TENSORS[tail]}"
+    return None
+
+
+def load_llama_from_gguf(
+    path: str | os.PathLike[str], *, dtype: str = "float32", undo_qk_permutation: bool = True
+) -> LlamaForCausalLM:
+    """A :class:`LlamaForCausalLM` holding the GGUF file's weights (dequantised, in ``dtype``)."""
+    checkpoint = open_gguf(path)
+    config = llama_config_from_gguf(checkpoint, dtype=dtype)
+    weights = llama_weights_from_gguf(checkpoint, config, undo_qk_permutation=undo_qk_permutation)
+    try:
+        return LlamaForCausalLM(config, weights)
+    except ValueError as error:  # a tensor of the wrong shape, or a missing one
+        raise CheckpointError(f"{checkpoint.path.name}: {error}") from error
