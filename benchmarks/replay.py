@@ -176,12 +176,17 @@ class TraceSpec:
     system_prompt_len: int = 0  # azure only
 
     def load(self, settings: ReplaySettings) -> Trace:
-        vocab = settings.vocab_size
+        return self.load_for(vocab_size=settings.vocab_size, tokens_per_block=settings.tokens_per_block)
+
+    def load_for(self, *, vocab_size: int, tokens_per_block: int) -> Trace:
+        """The trace with token ids in ``[1, vocab_size)``; the default scenario block-aligns its
+        regenerated prompts to ``tokens_per_block``."""
+        vocab = vocab_size
         if self.path is None:
             trace = default_scenario(ScenarioConfig(
                 num_requests=self.num_requests or DEFAULT_SCENARIO_REQUESTS,
                 seed=self.seed,
-                tokens_per_block=settings.tokens_per_block,
+                tokens_per_block=tokens_per_block,
                 vocab_size=vocab,
             ))
         else:

@@ -334,8 +334,8 @@ class _PolicyReplay:
             "deferrals": o.deferrals,
             "max_consecutive_deferrals": o.max_consecutive_deferrals,
             "budget_utilization": forward_sum / busy / self.settings.max_num_tokens if busy else 0.0,
-            "ttft_ms": _percentiles(ttft),
-            "tpot_ms": _percentiles(tpot),
+            "ttft_ms": percentiles(ttft),
+            "tpot_ms": percentiles(tpot),
             "output_tokens_per_s": o.output_tokens / makespan if makespan > 0 else 0.0,
             "wall_s": time.perf_counter() - self.wall_t0,
             # Extras beyond DESIGN.md §5.
@@ -350,7 +350,7 @@ class _PolicyReplay:
         return run
 
 
-def _percentiles(values: Sequence[float]) -> dict:
+def percentiles(values: Sequence[float]) -> dict:
     """p50 and p99 (linear interpolation); 0.0 with ``n == 0`` when there is nothing to measure."""
     if not values:
         return {"p50": 0.0, "p99": 0.0, "n": 0}

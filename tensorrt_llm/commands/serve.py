@@ -79,7 +79,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         logger.warning("listening on %s without an API key: anyone who can reach it can use it", args.host)
 
     from tensorrt_llm.llmapi import LLM  # torch and the model load only once the arguments are good
-    from tensorrt_llm.serve import OpenAIServer
+    from tensorrt_llm.serve.openai_server import OpenAIServer
 
     try:
         llm = LLM(args.model, **kwargs)

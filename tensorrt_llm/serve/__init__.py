@@ -4,9 +4,6 @@
 response models, ``generation`` turns an executor request into text deltas (detokenization,
 stop strings, timing), ``metrics`` the Prometheus registry, ``middleware`` the API key and
 body-size guards, ``llm_options`` the ``--extra_llm_api_options`` YAML, ``errors`` the error
-format.
+format. Import ``OpenAIServer`` from ``tensorrt_llm.serve.openai_server``: this package does
+not import it, so that checking the options file needs neither torch nor the model.
 """
-
-from tensorrt_llm.serve.openai_server import OpenAIServer
-
-__all__ = ["OpenAIServer"]

@@ -42,6 +42,7 @@ class _SamplingRequest(_Request):
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
     user: str | None = None  # an end-user id for the operator's logs; does not change the output
+    ignore_eos: bool = False  # extension (as vLLM): generate max_tokens whatever end-of-generation tokens come
 
     @field_validator("n")
     @classmethod

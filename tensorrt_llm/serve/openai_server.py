@@ -212,6 +212,7 @@ class OpenAIServer:
             temperature=1.0 if body.temperature is None else body.temperature,
             top_p=1.0 if body.top_p is None else body.top_p,
             seed=body.seed,
+            ignore_eos=body.ignore_eos,
         )
         metrics = self.metrics.request()
         try:

@@ -15,7 +15,7 @@ import openai
 import uvicorn
 
 from tensorrt_llm.llmapi import LLM
-from tensorrt_llm.serve import OpenAIServer
+from tensorrt_llm.serve.openai_server import OpenAIServer
 
 API_KEY = "test-key"
 
