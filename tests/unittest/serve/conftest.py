@@ -27,3 +27,15 @@ def tiny_server(few_torch_threads):
     server = RunningServer(llm)
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def smollm2_server():
+    """SmolLM2-135M-Instruct (float32) with its tokenizer and chat template. Block reuse is off and
+    the tests send one request at a time, so equal requests run the same arithmetic (a reused
+    prefix would change the shapes, and float32 rounding with them)."""
+    llm = LLM("smollm2-135m-instruct", max_seq_len=1024, max_num_tokens=512,
+              kv_cache_config=KvCacheConfig(tokens_per_block=16, num_blocks=128, enable_block_reuse=False))
+    server = RunningServer(llm)
+    yield server
+    server.stop()

@@ -1,0 +1,48 @@
+"""StopStringMatcher: however the text is split into deltas, the emitted text is the text cut
+at the earliest stop string (or all of it)."""
+
+from __future__ import annotations
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from tensorrt_llm.serve.generation import StopStringMatcher
+
+ALPHABET = "abc é"
+
+
+def split(text: str, cuts: list[int]) -> list[str]:
+    points = sorted({min(c, len(text)) for c in cuts})
+    bounds = [0, *points, len(text)]
+    return [text[a:b] for a, b in zip(bounds, bounds[1:])]
+
+
+def expected(text: str, stops: tuple[str, ...]) -> tuple[str, bool]:
+    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
+    return (text[: min(hits)], True) if hits else (text, False)
+
+
+@given(
+    text=st.text(ALPHABET, max_size=40),
+    stops=st.lists(st.text(ALPHABET, min_size=1, max_size=4), max_size=4).map(tuple),
+    cuts=st.lists(st.integers(0, 40), max_size=12),
+)
+def test_streamed_text_is_cut_at_the_earliest_stop(text, stops, cuts):
+    matcher = StopStringMatcher(stops)
+    emitted, stopped = [], False
+    for delta in split(text, cuts):
+        out, stopped = matcher.push(delta)
+        emitted.append(out)
+        if stopped:
+            break
+    if not stopped:
+        emitted.append(matcher.flush())
+    assert ("".join(emitted), stopped) == expected(text, stops)
+
+
+def test_a_possible_stop_prefix_is_held_back_until_it_is_decided():
+    matcher = StopStringMatcher(("</end>",))
+    assert matcher.push("text </e") == ("text ", False)
+    assert matcher.push("x") == ("</ex", False)
+    assert matcher.push(" more </en") == (" more ", False)
+    assert matcher.push("d> tail") == ("", True)
