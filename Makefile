@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 HYPOTHESIS_PROFILE ?= ci
 SMOLLM2_VERSION := 0.1.2
 
-.PHONY: test replay thorough overhead clean
+.PHONY: test replay thorough overhead serve clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -26,6 +26,9 @@ thorough: $(STAMP)
 
 replay: $(STAMP)
 	$(PY) -m benchmarks.replay --json replay.json --plot replay.png
+
+serve: $(STAMP)
+	$(VENV)/bin/trtllm-serve
 
 overhead: $(STAMP)
 	$(PY) -m benchmarks.overhead --json overhead.json

@@ -18,6 +18,7 @@ import socket
 import sys
 from typing import Sequence
 
+import prometheus_client
 import uvicorn
 
 from tensorrt_llm.serve.llm_options import LlmOptionsError, load_llm_options
@@ -78,6 +79,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not api_key and not _is_loopback(args.host):
         logger.warning("listening on %s without an API key: anyone who can reach it can use it", args.host)
 
+    prometheus_client.disable_created_metrics()  # no *_created series: this process serves one app
     from tensorrt_llm.llmapi import LLM  # torch and the model load only once the arguments are good
     from tensorrt_llm.serve.openai_server import OpenAIServer
 

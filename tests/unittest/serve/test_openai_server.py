@@ -185,6 +185,19 @@ def test_client_disconnect_mid_stream_cancels_and_frees_its_blocks(tiny_server):
     assert after["trtllm_generation_tokens_total"] - before["trtllm_generation_tokens_total"] < 220
 
 
+def test_client_that_gives_up_on_a_non_streamed_request_cancels_it(tiny_server):
+    before = metric_values(tiny_server)
+    body = {"model": "tiny-random", "prompt": prompt_of(30, seed=12), "max_tokens": 220, "temperature": 0}
+    with pytest.raises(httpx.ReadTimeout):  # 220 decode steps take far longer than 0.15 s
+        tiny_server.http().post("/v1/completions", json=body, timeout=httpx.Timeout(30, read=0.15))
+    tiny_server.wait_idle()
+    key = "trtllm_request_success_total{finished_reason=cancelled}"
+    assert metric_values(tiny_server)[key] == before[key] + 1
+    kv = tiny_server.executor.kv_cache_manager
+    kv.check_integrity()
+    assert kv.pool.num_free + kv.pool.num_cached == kv.pool.num_blocks
+
+
 REQUIRED_METRICS = {
     "trtllm_num_requests_running": "gauge",
     "trtllm_num_requests_waiting": "gauge",
