@@ -18,8 +18,30 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 MAX_STOP_STRINGS = 4  # OpenAI's limit
 
 
+#: Arguments accepted only at a neutral value: name -> (the values accepted, why no other is).
+_ONLY_NEUTRAL: dict[str, tuple[tuple, str]] = {
+    "n": ((1,), "this server returns exactly one choice per request (n must be 1)"),
+    "best_of": ((None, 1), "this server generates one sequence per request"),
+    "echo": ((False,), "this server does not echo the prompt"),
+    "logprobs": ((None, False), "this server does not compute log-probabilities"),
+    "top_logprobs": ((None,), "this server does not compute log-probabilities"),
+    "suffix": ((None, ""), "this server does not insert text"),
+    "presence_penalty": ((0, 0.0), "this server applies no penalties"),
+    "frequency_penalty": ((0, 0.0), "this server applies no penalties"),
+    "logit_bias": ((None, {}), "this server applies no logit bias"),
+}
+
+
 class _Request(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+    @field_validator("*")
+    @classmethod
+    def _only_neutral(cls, value: Any, info) -> Any:
+        accepted, why = _ONLY_NEUTRAL.get(info.field_name, (None, None))
+        if accepted is not None and value not in accepted:
+            raise ValueError(f"{info.field_name}={value!r} is not supported: {why}")
+        return value
 
 
 class StreamOptions(_Request):
@@ -43,27 +65,6 @@ class _SamplingRequest(_Request):
     logit_bias: dict[str, float] | None = None
     user: str | None = None  # an end-user id for the operator's logs; does not change the output
     ignore_eos: bool = False  # extension (as vLLM): generate max_tokens whatever end-of-generation tokens come
-
-    @field_validator("n")
-    @classmethod
-    def _one_choice(cls, n: int) -> int:
-        if n != 1:
-            raise ValueError(f"n={n} is not supported: this server returns exactly one choice per request (n must be 1)")
-        return n
-
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _no_penalty(cls, value: float, info) -> float:
-        if value != 0.0:
-            raise ValueError(f"{info.field_name} is not supported by this server (it must be 0)")
-        return value
-
-    @field_validator("logit_bias")
-    @classmethod
-    def _no_logit_bias(cls, value: dict | None) -> dict | None:
-        if value:
-            raise ValueError("logit_bias is not supported by this server")
-        return value
 
     @field_validator("stop")
     @classmethod
@@ -113,34 +114,6 @@ class CompletionRequest(_SamplingRequest):
                 raise ValueError(f"a batch of {len(prompt)} prompts is not supported: send one prompt per request")
         raise ValueError("prompt must be a string or a list of integer token ids")
 
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, echo: bool) -> bool:
-        if echo:
-            raise ValueError("echo is not supported by this server")
-        return echo
-
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, logprobs: int | None) -> int | None:
-        if logprobs is not None:
-            raise ValueError("logprobs are not supported by this server")
-        return logprobs
-
-    @field_validator("best_of")
-    @classmethod
-    def _no_best_of(cls, best_of: int | None) -> int | None:
-        if best_of not in (None, 1):
-            raise ValueError(f"best_of={best_of} is not supported: this server generates one sequence per request")
-        return best_of
-
-    @field_validator("suffix")
-    @classmethod
-    def _no_suffix(cls, suffix: str | None) -> str | None:
-        if suffix:
-            raise ValueError("suffix (insertion) is not supported by this server")
-        return suffix
-
 
 class TextContentPart(_Request):
     type: Literal["text"]
@@ -173,20 +146,6 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = None
     response_format: dict[str, Any] | None = None
-
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, logprobs: bool) -> bool:
-        if logprobs:
-            raise ValueError("logprobs are not supported by this server")
-        return logprobs
-
-    @field_validator("top_logprobs")
-    @classmethod
-    def _no_top_logprobs(cls, value: int | None) -> int | None:
-        if value is not None:
-            raise ValueError("top_logprobs is not supported by this server")
-        return value
 
     @field_validator("response_format")
     @classmethod

@@ -199,8 +199,8 @@ class OpenAIServer:
         messages = [{"role": m.role, "content": m.content} for m in body.messages]
         try:
             text = await asyncio.to_thread(self.tokenizer.apply_chat_template, messages, add_generation_prompt=True)
-        except ValueError as error:  # the template's own raise_exception (e.g. roles out of order)
-            raise bad_request(f"the chat template refused the messages: {error}", "messages") from None
+        except ValueError as error:  # a conversation the template refuses (e.g. roles out of order)
+            raise bad_request(str(error), "messages") from None
         return await self._encode_prompt(text)
 
     def _submit(self, body: CompletionRequest | ChatCompletionRequest, prompt_ids: list[int],

@@ -127,7 +127,7 @@ BIG = 16 * 1024 * 1024
         ({"prompt": [[1, 2], [3, 4]]}, 400, "a batch of 2 prompts is not supported", "prompt"),
         ({"prompt": "hello"}, 400, "has no tokenizer", "prompt"),
         ({"prompt": PROMPT, "stop": ["x"]}, 400, "stop sequences need a tokenizer", "stop"),
-        ({"prompt": PROMPT, "logprobs": 2}, 400, "logprobs are not supported", "logprobs"),
+        ({"prompt": PROMPT, "logprobs": 2}, 400, "logprobs=2 is not supported", "logprobs"),
         ({"prompt": PROMPT, "frobnicate": 1}, 400, "unrecognized request argument 'frobnicate'", "frobnicate"),
         ({"prompt": PROMPT, "model": "gpt-4"}, 404, "the model 'gpt-4' does not exist", "model"),
         ({}, 400, "prompt is required", "prompt"),
