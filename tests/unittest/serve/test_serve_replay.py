@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import json
+import random
+
+import pytest
+from server_harness import RunningServer
 
 from benchmarks import serve_replay
+from tensorrt_llm.llmapi import LLM, KvCacheConfig
 
 
 def test_serve_replay_over_a_mooncake_trace_completes_every_request(tiny_server, tmp_path, capsys):
@@ -29,3 +34,42 @@ def test_serve_replay_over_a_mooncake_trace_completes_every_request(tiny_server,
     assert result["server"]["prefix_cache_hit_tokens"] > 0  # the shared hash ids reached the server as shared tokens
     assert document["config"]["model"] == "tiny-random" and document["config"]["vocab_size"] == 512
     assert "serve_replay:" in capsys.readouterr().out
+
+
+def whole_prompt_hit_trace(path, num_requests: int = 60) -> None:
+    """Block-aligned prompts (8 blocks of 32) sent again and again, between unrelated prompts:
+    without partial reuse a fully cached repeat is charged 1 token and recomputes its last block."""
+    rng = random.Random(0)
+    repeated = [[1 + rng.randrange(500) for _ in range(256)] for _ in range(6)]
+    rows = []
+    for i in range(num_requests):
+        ids = [1 + rng.randrange(500) for _ in range(rng.randrange(150, 600))] if i % 3 == 0 else rng.choice(repeated)
+        rows.append({"task_id": i, "input_ids": ids, "output_tokens": 8})
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+
+
+@pytest.mark.parametrize("policy", ["none", "recheck"])
+def test_over_http_none_overshoots_and_recheck_defers(policy, tmp_path, few_torch_threads):
+    """The bug and the fix as a client sees them: under ``none`` forwards overshoot
+    max_num_tokens and their batches fail (the server keeps serving: it is not upstream's
+    dead thread); under ``recheck`` the same traffic is deferred a little and all of it is served."""
+    llm = LLM("tiny-random", max_num_tokens=256, max_seq_len=1024, enable_chunked_prefill=True,
+              token_budget_policy=policy,
+              kv_cache_config=KvCacheConfig(tokens_per_block=32, num_blocks=512, enable_partial_reuse=False))
+    server = RunningServer(llm, api_key=None)
+    try:
+        whole_prompt_hit_trace(tmp_path / "trace.jsonl")
+        out = tmp_path / "replay.json"
+        assert serve_replay.main(["--url", server.url, "--trace", str(tmp_path / "trace.jsonl"), "--json", str(out)]) == 0
+        result = json.loads(out.read_text())["result"]
+        counters = result["server"]
+        print(f"\n{policy}: {result['completed']}/{result['requests']} completed, server {counters}")
+        if policy == "none":
+            assert counters["budget_overshoots"] > 0 and counters["failed_batches"] == counters["budget_overshoots"]
+            assert result["errored"] > 0 and all("TokenBudgetExceeded" in e for e in result["errors"])
+        else:
+            assert counters["budget_overshoots"] == counters["failed_batches"] == 0 and counters["budget_deferrals"] > 0
+            assert result["completed"] == result["requests"]
+        assert server.executor.health()["healthy"]
+    finally:
+        server.stop()
