@@ -191,19 +191,27 @@ def chat_completion_id() -> str:
     return f"chatcmpl-{uuid.uuid4().hex}"
 
 
-class CompletionChoice(BaseModel):
-    index: int = 0
-    text: str
-    logprobs: None = None
-    finish_reason: str | None = None
-    token_ids: list[int]
-
-
-class CompletionResponse(BaseModel):
+class _Response(BaseModel):
     id: str
-    object: Literal["text_completion"] = "text_completion"
     created: int = Field(default_factory=_now)
     model: str
+
+
+class _Choice(BaseModel):
+    index: int = 0
+    logprobs: None = None
+    finish_reason: str | None = None
+    token_ids: list[int] = Field(default_factory=list)  # what this choice (or chunk) generated
+
+
+class CompletionChoice(_Choice):
+    text: str
+
+
+class CompletionResponse(_Response):
+    """A whole completion, or one streamed chunk of it (``usage`` only on the last chunk, if asked)."""
+
+    object: Literal["text_completion"] = "text_completion"
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
 
@@ -213,19 +221,12 @@ class ChatCompletionMessage(BaseModel):
     content: str
 
 
-class ChatCompletionChoice(BaseModel):
-    index: int = 0
+class ChatCompletionChoice(_Choice):
     message: ChatCompletionMessage
-    logprobs: None = None
-    finish_reason: str | None = None
-    token_ids: list[int]
 
 
-class ChatCompletionResponse(BaseModel):
-    id: str
+class ChatCompletionResponse(_Response):
     object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=_now)
-    model: str
     choices: list[ChatCompletionChoice]
     usage: UsageInfo
 
@@ -235,29 +236,13 @@ class DeltaMessage(BaseModel):
     content: str | None = None
 
 
-class ChatCompletionStreamChoice(BaseModel):
-    index: int = 0
+class ChatCompletionStreamChoice(_Choice):
     delta: DeltaMessage
-    logprobs: None = None
-    finish_reason: str | None = None
-    token_ids: list[int] = Field(default_factory=list)
 
 
-class ChatCompletionStreamResponse(BaseModel):
-    id: str
+class ChatCompletionStreamResponse(_Response):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int = Field(default_factory=_now)
-    model: str
     choices: list[ChatCompletionStreamChoice]
-    usage: UsageInfo | None = None
-
-
-class CompletionStreamResponse(BaseModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=_now)
-    model: str
-    choices: list[CompletionChoice]
     usage: UsageInfo | None = None
 
 

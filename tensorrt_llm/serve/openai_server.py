@@ -49,7 +49,6 @@ from tensorrt_llm.serve.openai_protocol import (
     CompletionChoice,
     CompletionRequest,
     CompletionResponse,
-    CompletionStreamResponse,
     DeltaMessage,
     ModelCard,
     ModelList,
@@ -133,12 +132,12 @@ class OpenAIServer:
         generation = self._submit(body, prompt_ids, body.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS)
         request_id = completion_id()
 
-        def chunk(delta: Delta) -> CompletionStreamResponse:
+        def chunk(delta: Delta) -> CompletionResponse:
             choice = CompletionChoice(text=delta.text, token_ids=delta.token_ids, finish_reason=delta.finish_reason)
-            return CompletionStreamResponse(id=request_id, model=self.model_id, choices=[choice])
+            return CompletionResponse(id=request_id, model=self.model_id, choices=[choice])
 
-        def usage_chunk(usage: UsageInfo) -> CompletionStreamResponse:
-            return CompletionStreamResponse(id=request_id, model=self.model_id, choices=[], usage=usage)
+        def usage_chunk(usage: UsageInfo) -> CompletionResponse:
+            return CompletionResponse(id=request_id, model=self.model_id, choices=[], usage=usage)
 
         if body.stream:
             return self._stream(generation, raw, [], chunk, usage_chunk if body.include_usage else None)
