@@ -121,7 +121,8 @@ def main(argv: list[str] | None = None) -> int:
         ppl = measure_perplexity()
         print(f"\nperplexity on {len(PARAGRAPHS)} paragraphs ({ppl['tokens']} predicted tokens)")
         print(f"  ours, float32        {ppl['float32']:.4f}")
-        print(f"  reference, float64   {ppl['float64_reference']:.4f}   (relative difference {ppl['relative_difference_float32_vs_float64']:.1e})")
+        difference = ppl["relative_difference_float32_vs_float64"]
+        print(f"  reference, float64   {ppl['float64_reference']:.4f}   (relative difference {difference:.1e})")
         print(f"  q/k left permuted    {ppl['wrong_qk_float32']:.4f}   ({ppl['wrong_qk_float32'] / ppl['float32']:.1f}x)")
 
     if args.json:

@@ -138,9 +138,8 @@ class Tokenizer:
         tokenizer.decoder = decoders.ByteLevel()
         control = [i for i, kind in enumerate(types) if kind == _CONTROL]
         tokenizer.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False) for i in control])
-        tokenizer.add_tokens(
-            [AddedToken(tokens[i], special=False, normalized=False) for i, kind in enumerate(types) if kind == _USER_DEFINED]
-        )
+        user_defined = [i for i, kind in enumerate(types) if kind == _USER_DEFINED]
+        tokenizer.add_tokens([AddedToken(tokens[i], special=False, normalized=False) for i in user_defined])
 
         def token_id(key: str) -> int | None:
             value = metadata.get(f"tokenizer.ggml.{key}")
@@ -237,7 +236,9 @@ def _chat_message(index: int, message: Any) -> dict[str, Any]:
         texts = []
         for part in content:
             if not isinstance(part, Mapping) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise ValueError(f"messages[{index}].content: only text parts ({{'type': 'text', 'text': ...}}) are supported")
+                raise ValueError(
+                    f"messages[{index}].content: only text parts ({{'type': 'text', 'text': ...}}) are supported"
+                )
             texts.append(part["text"])
         content = "".join(texts)
     elif not isinstance(content, str):

@@ -144,9 +144,8 @@ def llama_config_from_gguf(checkpoint: GGUFCheckpoint, *, dtype: str = "float32"
     variants our model does not implement (partial rotary, RoPE scaling, mixture of experts)."""
     arch = checkpoint.architecture
     if arch not in SUPPORTED_ARCHITECTURES:
-        raise CheckpointError(
-            f"{checkpoint.path.name}: architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
-        )
+        supported = ", ".join(SUPPORTED_ARCHITECTURES)
+        raise CheckpointError(f"{checkpoint.path.name}: architecture {arch!r} is not supported (supported: {supported})")
     meta = checkpoint.metadata
 
     def get(key: str, default: Any = None) -> Any:
