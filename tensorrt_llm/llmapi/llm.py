@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 import queue
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Iterator, Sequence
@@ -180,8 +181,14 @@ class LLM:
     (``max_num_tokens``, ``enable_chunked_prefill``, ``token_budget_policy``, ``kv_cache_config``, ...).
     """
 
-    def __init__(self, model: str | LlamaConfig = "tiny-random", *, dtype: str | None = None, seed: int | None = None,
-                 **executor_options) -> None:
+    def __init__(
+        self,
+        model: str | os.PathLike[str] | LlamaConfig = "tiny-random",
+        *,
+        dtype: str | None = None,
+        seed: int | None = None,
+        **executor_options,
+    ) -> None:
         unknown = set(executor_options) - _EXECUTOR_FIELDS
         if unknown:
             raise TypeError(f"LLM got unknown options {sorted(unknown)}; accepted: {sorted(_EXECUTOR_FIELDS)}")
@@ -249,7 +256,9 @@ class LLM:
     def _make_request(self, prompt: Prompt, params: SamplingParams) -> LlmRequest:
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError(f"model {self.model_id!r} has no tokenizer, so text prompts are refused: pass token ids")
+                raise ValueError(
+                    f"model {self.model_id!r} has no tokenizer, so text prompts are refused: pass token ids"
+                )
             prompt = self.tokenizer.encode(prompt)
         try:
             token_ids = [int(t) if not isinstance(t, bool) else None for t in prompt]

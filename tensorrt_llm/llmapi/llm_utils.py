@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,14 +42,16 @@ class LoadedModel:
     tokenizer: Tokenizer | None  # None: the model takes token ids only
 
 
-def load_model(model: str | Path | LlamaConfig, *, dtype: str | None = None, seed: int | None = None) -> LoadedModel:
+def load_model(
+    model: str | os.PathLike[str] | LlamaConfig, *, dtype: str | None = None, seed: int | None = None
+) -> LoadedModel:
     """Build the model ``model`` names. Raises ValueError (CheckpointError for a bad file) naming
     what is wrong: an unknown name, a missing file, an architecture we do not run."""
     if isinstance(model, LlamaConfig):
         return LoadedModel("llama-random", LlamaForCausalLM(_override(model, dtype, seed)), None)
-    if not isinstance(model, (str, Path)):
+    if not isinstance(model, (str, os.PathLike)):
         raise ValueError(f"model must be a name, a .gguf path or a LlamaConfig, got {type(model).__name__}")
-    name = str(model)
+    name = os.fspath(model)
     if name in MODEL_PRESETS:
         return LoadedModel(name, LlamaForCausalLM(_override(MODEL_PRESETS[name], dtype, seed)), None)
     if name in PACKAGED_CHECKPOINTS:

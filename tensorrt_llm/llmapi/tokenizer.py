@@ -138,9 +138,8 @@ class Tokenizer:
         tokenizer.decoder = decoders.ByteLevel()
         control = [i for i, kind in enumerate(types) if kind == _CONTROL]
         tokenizer.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False) for i in control])
-        tokenizer.add_tokens(
-            [AddedToken(tokens[i], special=False, normalized=False) for i, kind in enumerate(types) if kind == _USER_DEFINED]
-        )
+        user_defined = [i for i, kind in enumerate(types) if kind == _USER_DEFINED]
+        tokenizer.add_tokens([AddedToken(tokens[i], special=False, normalized=False) for i in user_defined])
 
         def token_id(key: str) -> int | None:
             value = metadata.get(f"tokenizer.ggml.{key}")
@@ -163,7 +162,10 @@ class Tokenizer:
         """Token ids of ``text``; with ``add_special_tokens`` a BOS id is prepended if the model wants one."""
         if not isinstance(text, str):
             raise ValueError(f"encode needs a str, got {type(text).__name__}")
-        ids = self._tokenizer.encode(text, add_special_tokens=False).ids
+        try:
+            ids = self._tokenizer.encode(text, add_special_tokens=False).ids
+        except TypeError:  # a lone surrogate (JSON allows "\ud800"), which UTF-8 cannot encode
+            raise ValueError("text is not valid Unicode: it contains a lone surrogate code point") from None
         if add_special_tokens and self.add_bos_token:
             ids.insert(0, self.bos_token_id)
         return ids
@@ -234,7 +236,9 @@ def _chat_message(index: int, message: Any) -> dict[str, Any]:
         texts = []
         for part in content:
             if not isinstance(part, Mapping) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise ValueError(f"messages[{index}].content: only text parts ({{'type': 'text', 'text': ...}}) are supported")
+                raise ValueError(
+                    f"messages[{index}].content: only text parts ({{'type': 'text', 'text': ...}}) are supported"
+                )
             texts.append(part["text"])
         content = "".join(texts)
     elif not isinstance(content, str):
@@ -270,40 +274,41 @@ class IncrementalDetokenizer:
     """Text deltas for a growing sequence of ids, never ending inside a UTF-8 character.
 
     Byte-level BPE splits a multi-byte character (an emoji, a CJK character) over several
-    tokens; decoding a prefix that stops inside one yields U+FFFD. ``step`` therefore decodes a
-    short window of ids and holds text back while it ends in U+FFFD; ``flush`` (at the end of
-    the stream) releases whatever is held, as ``decode`` would. Concatenated, the deltas of
-    every ``step`` and the final ``flush`` equal ``tokenizer.decode(all ids)``.
+    tokens; decoding ids that stop inside one yields a trailing U+FFFD. ``step`` holds such a
+    tail back until the rest of its bytes arrive; ``flush`` (at the end of the stream) releases
+    whatever is held, exactly as ``decode`` renders it. Concatenated, the deltas of every
+    ``step`` and the final ``flush`` equal ``tokenizer.decode(all ids)``.
 
-    The window starts at the last boundary where text was emitted (a character boundary, so
-    decoding from it is exact) and reaches back one step further, so tokenizers whose decoding
-    of a token depends on its predecessor stay right. Work per step is bounded by the tokens
-    since that boundary.
+    Byte-level decoding is a concatenation of bytes, so text after a character boundary does
+    not depend on the ids before it: only the ids since the last boundary are kept and decoded,
+    and a step costs O(ids since then), not O(all ids).
     """
 
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
         self._tokenizer = tokenizer
         self._skip = skip_special_tokens
-        self._ids: list[int] = []
-        self._prefix = 0  # window start: ids[_prefix:_read] decode to text already emitted
-        self._read = 0  # ids before this have all been emitted as text
+        self._pending: list[int] = []  # ids since the last character boundary
+        self._emitted = 0  # characters of decode(_pending) already returned
 
     def step(self, new_ids: Sequence[int]) -> str:
         """Append ``new_ids``; return the text they complete (possibly empty)."""
-        self._ids.extend(new_ids)
-        emitted, text = self._window()
-        if len(text) <= len(emitted) or text.endswith("\ufffd"):
-            return ""  # nothing new, or the window ends inside a character: wait for more ids
-        self._prefix, self._read = self._read, len(self._ids)
-        return text[len(emitted) :]
+        self._pending.extend(new_ids)
+        text = self._tokenizer.decode(self._pending, skip_special_tokens=self._skip)
+        # A trailing U+FFFD may be a character whose last bytes are still to come; everything
+        # before the last complete character is final.
+        stable = text.rstrip("\ufffd")
+        delta = stable[self._emitted :]
+        if len(stable) == len(text):  # ends on a character boundary: start afresh from here
+            self._pending.clear()
+            self._emitted = 0
+        else:
+            self._emitted = max(self._emitted, len(stable))
+        return delta
 
     def flush(self) -> str:
         """The text still held back (an unfinished character decodes to U+FFFD); call once, at the end."""
-        emitted, text = self._window()
-        self._prefix = self._read = len(self._ids)
-        return text[len(emitted) :]
-
-    def _window(self) -> tuple[str, str]:
-        decode = self._tokenizer.decode
-        emitted = decode(self._ids[self._prefix : self._read], skip_special_tokens=self._skip)
-        return emitted, decode(self._ids[self._prefix :], skip_special_tokens=self._skip)
+        text = self._tokenizer.decode(self._pending, skip_special_tokens=self._skip)
+        delta = text[self._emitted :]
+        self._pending.clear()
+        self._emitted = 0
+        return delta

@@ -454,9 +454,11 @@ class LlamaForCausalLM(nn.Module):
     ``weights`` maps every parameter name (``named_parameters()``: a tied LM head appears only
     as ``model.embed_tokens.weight``) to a tensor of its shape; one already of the config's dtype
     (and contiguous) becomes the parameter itself, without a copy (a checkpoint's weights are not
-    duplicated), others are converted. Without ``weights`` they are drawn from ``config.seed``. Weights never require grad: the model
-    only serves. Both forwards work with or without ``torch.inference_mode()``; the KV pools must
-    then be ordinary tensors, or inference tensors written under inference mode.
+    duplicated), others are converted. Without ``weights`` they are drawn from ``config.seed``.
+
+    Weights never require grad: the model only serves. Both forwards work with or without
+    ``torch.inference_mode()``; the KV pools must then be ordinary tensors, or inference tensors
+    written under inference mode.
     """
 
     def __init__(self, config: LlamaConfig, weights: Mapping[str, torch.Tensor] | None = None) -> None:

@@ -1,25 +1,15 @@
-"""Session fixtures: one real server per configuration (see ``server_harness``)."""
+"""Fixtures: one real server per configuration and module (see ``server_harness``)."""
 
 from __future__ import annotations
 
 import pytest
-import torch
 from server_harness import RunningServer
 
 from tensorrt_llm.llmapi import LLM, KvCacheConfig
 
 
-@pytest.fixture(scope="session")
-def few_torch_threads():
-    """The tiny models' matmuls are too small for intra-op threads on a busy 2-core machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="session")
-def tiny_server(few_torch_threads):
+@pytest.fixture(scope="module")
+def tiny_server(one_torch_thread):
     """tiny-random, float64 (greedy outputs do not depend on the batch), chunked prefill, block reuse."""
     llm = LLM("tiny-random", dtype="float64", max_seq_len=256, max_num_tokens=128, max_batch_size=16,
               enable_chunked_prefill=True, iter_stats_max_iterations=64,

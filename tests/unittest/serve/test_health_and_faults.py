@@ -29,7 +29,7 @@ def prompt_of(length: int, seed: int) -> list[int]:
     return [1 + (seed * 97 + i * 41) % 500 for i in range(length)]
 
 
-def test_dead_executor_loop_is_unhealthy_and_fails_in_flight_requests(few_torch_threads):
+def test_dead_executor_loop_is_unhealthy_and_fails_in_flight_requests(one_torch_thread):
     # Slow forwards keep the requests in flight when the loop dies.
     llm = LLM("tiny-random", max_seq_len=512, fault_injection=FaultInjectionConfig(slow_forward_every=1, slow_forward_s=0.02))
     server = RunningServer(llm, api_key=None)
@@ -65,7 +65,7 @@ def test_dead_executor_loop_is_unhealthy_and_fails_in_flight_requests(few_torch_
         server.stop()
 
 
-def test_fault_injection_every_request_ends_and_health_tells_the_truth(few_torch_threads):
+def test_fault_injection_every_request_ends_and_health_tells_the_truth(one_torch_thread):
     faults = FaultInjectionConfig(forward_error_every=23, nan_logits_every=6, slow_forward_every=10, slow_forward_s=0.5,
                                   seed=3)
     llm = LLM("tiny-random", max_seq_len=256, max_batch_size=4, max_num_tokens=64, enable_chunked_prefill=True,

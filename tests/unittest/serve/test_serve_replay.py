@@ -49,7 +49,7 @@ def whole_prompt_hit_trace(path, num_requests: int = 60) -> None:
 
 
 @pytest.mark.parametrize("policy", ["none", "recheck"])
-def test_over_http_none_overshoots_and_recheck_defers(policy, tmp_path, few_torch_threads):
+def test_over_http_none_overshoots_and_recheck_defers(policy, tmp_path, one_torch_thread):
     """The bug and the fix as a client sees them: under ``none`` forwards overshoot
     max_num_tokens and their batches fail (the server keeps serving: it is not upstream's
     dead thread); under ``recheck`` the same traffic is deferred a little and all of it is served."""

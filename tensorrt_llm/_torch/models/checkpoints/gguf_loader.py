@@ -144,9 +144,8 @@ def llama_config_from_gguf(checkpoint: GGUFCheckpoint, *, dtype: str = "float32"
     variants our model does not implement (partial rotary, RoPE scaling, mixture of experts)."""
     arch = checkpoint.architecture
     if arch not in SUPPORTED_ARCHITECTURES:
-        raise CheckpointError(
-            f"{checkpoint.path.name}: architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
-        )
+        supported = ", ".join(SUPPORTED_ARCHITECTURES)
+        raise CheckpointError(f"{checkpoint.path.name}: architecture {arch!r} is not supported (supported: {supported})")
     meta = checkpoint.metadata
 
     def get(key: str, default: Any = None) -> Any:
@@ -184,14 +183,19 @@ def llama_config_from_gguf(checkpoint: GGUFCheckpoint, *, dtype: str = "float32"
             num_kv_heads=int(get("attention.head_count_kv", heads)),
             head_dim=head_dim,
             intermediate_size=int(get("feed_forward_length")),
-            rope_theta=float(get("rope.freq_base", 10000.0)),
-            rms_norm_eps=float(get("attention.layer_norm_rms_epsilon")),
+            rope_theta=_decimal(get("rope.freq_base", 10000.0)),
+            rms_norm_eps=_decimal(get("attention.layer_norm_rms_epsilon")),
             max_position_embeddings=int(get("context_length")),
             dtype=dtype,
             tie_word_embeddings="output.weight" not in _tensor_names(checkpoint),
         )
     except ValueError as error:
         raise CheckpointError(f"{checkpoint.path.name}: {error}") from error
+
+
+def _decimal(value: float) -> float:
+    """A float32 metadata value as the decimal it was written from (1e-5, not 9.99999974738e-06)."""
+    return float(str(np.float32(value)))
 
 
 def _tensor_names(checkpoint: GGUFCheckpoint) -> set[str]:
