@@ -474,9 +474,10 @@ class LlamaModel(nn.Module):
 
     def __init__(self, config: LlamaConfig, mapping: Mapping) -> None:
         super().__init__()
-        self.embed_tokens = nn.utils.skip_init(
-            nn.Embedding, config.vocab_size, config.hidden_size, dtype=config.torch_dtype
-        )
+        # An uninitialised weight: skip_init's meta-device init loads torch's reference
+        # decompositions, several seconds in every process (each rank is one).
+        weight = torch.empty(config.vocab_size, config.hidden_size, dtype=config.torch_dtype)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=weight)
         self.rotary_emb = RotaryEmbedding(config)
         self.layers = nn.ModuleList(DecoderLayer(config, mapping) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.torch_dtype)
