@@ -4,6 +4,8 @@ import os
 import sys
 from pathlib import Path
 
+import pytest
+import torch
 from hypothesis import HealthCheck, settings
 
 # Test helper modules (factories, invariant checker) import by plain name.
@@ -17,3 +19,14 @@ _COMMON = dict(
 settings.register_profile("ci", max_examples=150, **_COMMON)
 settings.register_profile("thorough", max_examples=5000, **_COMMON)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """The tiny model's matmuls are far too small for intra-op threads: on a busy 2-core
+    machine, OpenMP spin-waiting made each forward about 20 times slower (and starves the
+    rank processes the multi-rank tests run beside this one)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -35,7 +35,7 @@ POOL_ID = -1  # the request-id slot of a pool record
 
 class RecordKind(enum.IntEnum):
     CONTEXT = 1  # (kind, id, prompt_len, position, chunk, prepopulated, *block_table)
-    GENERATION = 2  # (kind, id, num_tokens, beam_width, num_drafts, first_draft, *block_table)
+    GENERATION = 2  # (kind, id, num_tokens, newest_token, beam_width, num_drafts, first_draft, *block_table)
     DEFERRED = 3  # (kind, id, reason: 1 budget, 2 capacity)
     PAUSED = 4  # (kind, id)
     POOL = 5  # (kind, POOL_ID, free, cached, host_cached, evictions)
@@ -57,8 +57,8 @@ def decision_records(scheduled: "ScheduledRequests", kv: "KVCacheManager") -> li
         records.append((RecordKind.CONTEXT, r.request_id, r.prompt_len, r.context_current_position,
                         r.context_chunk_size, r.prepopulated_prompt_len, *kv.block_table(r)))
     for r in scheduled.generation_requests:
-        records.append((RecordKind.GENERATION, r.request_id, len(r.tokens), r.beam_width, r.num_draft_tokens,
-                        int(r.is_first_draft), *kv.block_table(r)))
+        records.append((RecordKind.GENERATION, r.request_id, len(r.tokens), r.tokens[-1], r.beam_width,
+                        r.num_draft_tokens, int(r.is_first_draft), *kv.block_table(r)))
     for r, reason in scheduled.deferred_requests:
         records.append((RecordKind.DEFERRED, r.request_id, _REASONS[reason]))
     for r in scheduled.paused_requests:
@@ -98,8 +98,9 @@ def describe(record: Record | None) -> str:
         return (f"context chunk [{position}, {position + chunk}) of a {prompt_len}-token prompt"
                 f" (reused {prepopulated}), blocks {table}")
     if kind == RecordKind.GENERATION:
-        num_tokens, beams, drafts, first_draft, *table = rest
-        return f"generation step at length {num_tokens} (beams {beams}, drafts {drafts}, first draft {bool(first_draft)}), blocks {table}"
+        num_tokens, newest, beams, drafts, first_draft, *table = rest
+        return (f"generation step at length {num_tokens} from token {newest} (beams {beams}, drafts {drafts},"
+                f" first draft {bool(first_draft)}), blocks {table}")
     if kind == RecordKind.DEFERRED:
         return f"deferred ({'budget' if rest[0] == 1 else 'capacity'})"
     if kind == RecordKind.PAUSED:
@@ -117,7 +118,7 @@ def first_difference(records_by_rank: Sequence[Sequence[Record]]) -> tuple[int |
     """The first request whose records differ between ranks, and what each rank has for it.
 
     Scans in batch order; the first position where any rank differs from rank 0 names the
-    request there (rank 0's, or the other rank's if rank 0 has none). Each rank's own record
+    request there (rank 0's, or the first other rank's if rank 0 has its pool record there). Each rank's own record
     for that request id is then shown, so a reordered batch reads as such. Returns
     ``(None, detail)`` when only the pool counters differ.
     """
@@ -127,8 +128,10 @@ def first_difference(records_by_rank: Sequence[Sequence[Record]]) -> tuple[int |
         at_i = [records[i] if i < len(records) else None for records in records_by_rank]
         if all(record == at_i[0] for record in at_i):
             continue
-        named = next(record for record in at_i if record is not None)
-        request_id = named[1] if named[1] != POOL_ID else None
+        # prefer a record that names a request (a rank may have its pool record where another
+        # has one more request)
+        named = next((r for r in at_i if r is not None and r[1] != POOL_ID), None)
+        request_id = None if named is None else named[1]
         if request_id is None:
             parts = [f"rank {rank}: {describe(record)}" for rank, record in enumerate(at_i)]
             return None, f"batch position {i}: " + "; ".join(parts)

@@ -244,7 +244,7 @@ class RankGroup:
         return got
 
     # ---- lifetime -------------------------------------------------------------------
-    def close(self, *, kill: bool = False, timeout_s: float = 10.0) -> None:
+    def close(self, *, kill: bool = False, timeout_s: float = 5.0) -> None:
         if self.closed:
             return
         self.closed = True

@@ -173,12 +173,13 @@ class RankExecutor:
     # ---- the lock-step iteration: every rank ---------------------------------------------
     def step(self) -> GroupStep:
         """One group iteration (collective: every rank calls it the same number of times)."""
+        iteration = self.iteration
         try:
             return self._step()
         except DistributedError:
             raise  # every rank raises it together, or the group is already torn down
         except Exception as error:  # this rank cannot go on: stop the others at once
-            self.comm.abort(f"{type(error).__name__}: {error}", self.iteration)
+            self.comm.abort(f"{type(error).__name__}: {error}", iteration)
             raise
 
     def _step(self) -> GroupStep:

@@ -11,16 +11,18 @@ same loop: at iteration ``i`` the arrivals of ``i`` are submitted and the cancel
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 
-from factories import VOCAB
+from factories import KV_BYTES_PER_TOKEN, VOCAB
 
 from tensorrt_llm._torch.distributed.digest import decision_records, digest
 from tensorrt_llm._torch.distributed.launcher import RankContext
 from tensorrt_llm._torch.distributed.rank_executor import RankExecutor
 from tensorrt_llm._torch.models.modeling_llama import LlamaConfig, LlamaForCausalLM
 from tensorrt_llm._torch.pyexecutor.config import ExecutorConfig
+from tensorrt_llm._torch.pyexecutor.kv_storage import KVCacheStorage
 from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequest
 from tensorrt_llm._torch.pyexecutor.py_executor import PyExecutor, Response
 from tensorrt_llm._torch.pyexecutor.py_executor_creator import create_py_executor
@@ -28,6 +30,10 @@ from tensorrt_llm._torch.pyexecutor.simulated_engine import SimulatedModelEngine
 from tensorrt_llm.mapping import Mapping
 
 MAX_ITERATIONS = 3000  # far beyond any scenario here: a run that needs more is stuck
+#: Every collective (control exchanges and the model's) fails after this long instead of hanging.
+COLLECTIVE_TIMEOUT_S = 30.0
+#: A job (one example on every rank) that takes longer kills the group.
+JOB_TIMEOUT_S = 120.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,9 +47,10 @@ class Arrival:
 
 @dataclass(frozen=True, slots=True)
 class Scenario:
-    config: ExecutorConfig
+    config: ExecutorConfig  # its host_cache_size is ignored: see host_blocks
     arrivals: tuple[Arrival, ...]
     model: LlamaConfig | None = None  # None: the simulated engine (synthetic tokens)
+    host_blocks: int = 0  # host tier in blocks, whatever a block's bytes on a rank (a TP shard's are fewer)
 
     @property
     def last_event(self) -> int:
@@ -64,6 +71,10 @@ class Outcome:
     busy_iterations: int = 0
     forward_tokens: int = 0
     deferrals: int = 0
+    capacity_deferrals: int = 0
+    reused_tokens: int = 0
+    # reference only: (request id, still in context) of every active request before each step
+    active_before_step: list[tuple[tuple[int, bool], ...]] = field(default_factory=list)
     agreement_cost: dict | None = None
     wall_s: float = 0.0
 
@@ -87,18 +98,35 @@ class Outcome:
         self.busy_iterations += stats.forward_tokens > 0
         self.forward_tokens += stats.forward_tokens
         self.deferrals += stats.num_budget_deferrals
+        self.capacity_deferrals += stats.num_capacity_deferrals
+        self.reused_tokens += stats.reuse_claimed_tokens
+
+
+def _with_host_bytes(config: ExecutorConfig, host_blocks: int, bytes_per_block: int) -> ExecutorConfig:
+    kv = dataclasses.replace(config.kv_cache_config, host_cache_size=host_blocks * bytes_per_block)
+    return dataclasses.replace(config, kv_cache_config=kv)
 
 
 def build_executor(scenario: Scenario, mapping: Mapping | None = None) -> PyExecutor:
-    """The executor one rank (or the reference) runs: the sharded model under TP."""
+    """The executor one rank (or the reference) runs: the sharded model under TP.
+
+    The host tier holds ``scenario.host_blocks`` blocks on every rank and in the reference, so
+    that the ranks' KV decisions can be compared with the single rank's one for one."""
     config = scenario.config
+    tpb = config.kv_cache_config.tokens_per_block
     if scenario.model is not None:
-        return create_py_executor(config, model=LlamaForCausalLM(scenario.model, mapping))
+        model = LlamaForCausalLM(scenario.model, mapping)
+        block = KVCacheStorage.bytes_per_block(scenario.model.num_layers, model.kv_cache_shape(1, tpb)[1:],
+                                               scenario.model.torch_dtype)
+        return create_py_executor(_with_host_bytes(config, scenario.host_blocks, block), model=model)
+    config = _with_host_bytes(config, scenario.host_blocks, tpb * KV_BYTES_PER_TOKEN)
 
     def engine(kv, policy):
         return SimulatedModelEngine(config.max_num_tokens, kv, policy, vocab_size=VOCAB)
 
-    return create_py_executor(config, engine_factory=engine, sampler=SyntheticSampler(VOCAB), kv_bytes_per_token=64)
+    return create_py_executor(
+        config, engine_factory=engine, sampler=SyntheticSampler(VOCAB), kv_bytes_per_token=KV_BYTES_PER_TOKEN
+    )
 
 
 class DecisionLog:
@@ -146,6 +174,8 @@ def run_reference(scenario: Scenario) -> Outcome:
             executor.enqueue_request(_request(a), outcome.record)
         for request_id in cancels.get(iteration, ()):
             executor.cancel_request(request_id)
+        # what a plant hook on a rank sees: requests admitted before this iteration
+        outcome.active_before_step.append(tuple((r.request_id, r.is_context_init_state) for r in executor.active_requests))
         outcome.add(executor.step())
     else:
         raise AssertionError(f"reference still busy after {MAX_ITERATIONS} iterations")
@@ -196,6 +226,7 @@ def run_scenario(ctx: RankContext, scenario: Scenario, attention_dp: bool = Fals
     outcome.max_forward_tokens, outcome.overshoots = local.max_forward_tokens, local.overshoots
     outcome.iterations, outcome.busy_iterations = local.iterations, local.busy_iterations
     outcome.forward_tokens, outcome.deferrals = local.forward_tokens, local.deferrals
+    outcome.capacity_deferrals, outcome.reused_tokens = local.capacity_deferrals, local.reused_tokens
     outcome.agreement_cost = rank_executor.agreement.cost.per_iteration_us() if rank_executor.agreement else None
     outcome.wall_s = time.perf_counter() - started
     outcome.local = local.outputs
@@ -210,3 +241,73 @@ def _check_rank_step(executor: PyExecutor, stats, config: ExecutorConfig) -> Non
         assert stats.forward_tokens <= config.max_num_tokens and not stats.overshoot, (
             f"iteration {stats.iteration}: {stats.forward_tokens} forward tokens > {config.max_num_tokens}"
         )
+
+
+# ---- planted faults (test-only hooks, run on one rank right before a step) --------------
+
+
+@dataclass(frozen=True, slots=True)
+class ReverseActiveRequests:
+    """Set-order nondeterminism: this rank sees its active requests in another order."""
+
+    at: int
+
+    def __call__(self, executor: PyExecutor, iteration: int) -> None:
+        if iteration == self.at:
+            executor.active_requests.reverse()
+
+
+@dataclass(frozen=True, slots=True)
+class ShrinkRecheckBudget:
+    """Rank-local config drift: this rank's re-check defers what the others admit."""
+
+    at: int
+
+    def __call__(self, executor: PyExecutor, iteration: int) -> None:
+        if iteration == self.at:
+            executor.kv_cache_manager.token_budget.max_num_tokens = 1
+
+
+@dataclass(frozen=True, slots=True)
+class CorruptNewestToken:
+    """A sampling divergence: this rank's newest token of a generating request differs."""
+
+    at: int
+
+    def __call__(self, executor: PyExecutor, iteration: int) -> None:
+        if iteration == self.at:
+            request = next(r for r in executor.active_requests if not r.is_context_init_state)
+            request.tokens[-1] = (request.tokens[-1] + 1) % 512
+
+
+@dataclass(frozen=True, slots=True)
+class RaiseInForward:
+    """This rank's last MLP raises mid-forward, while its peers wait in that MLP's all-reduce."""
+
+    at: int
+
+    def __call__(self, executor: PyExecutor, iteration: int) -> None:
+        if iteration == self.at:
+            def fail(*args, **kwargs):
+                raise RuntimeError(f"planted failure in the forward of iteration {iteration}")
+
+            executor.model_engine.model.model.layers[-1].mlp.forward = fail
+
+
+@dataclass(frozen=True, slots=True)
+class RaiseBeforeStep:
+    """This rank raises between two exchanges, outside the executor."""
+
+    at: int
+
+    def __call__(self, executor: PyExecutor, iteration: int) -> None:
+        if iteration == self.at:
+            raise ValueError(f"planted failure before the step of iteration {iteration}")
+
+
+def tp_logits(ctx: RankContext, model: LlamaConfig, prompt: tuple[int, ...]):
+    """Rank job: full-sequence logits of the sharded model (every rank gets all of them)."""
+    import torch
+
+    with torch.inference_mode():
+        return LlamaForCausalLM(model, ctx.mapping()).forward_full(torch.tensor(prompt))
