@@ -7,6 +7,7 @@ import queue
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
+from tensorrt_llm._torch.distributed.proxy import MultiRankExecutor
 from tensorrt_llm._torch.models.modeling_llama import MODEL_PRESETS, LlamaConfig, LlamaForCausalLM
 from tensorrt_llm._torch.pyexecutor.config import ExecutorConfig, KvCacheConfig
 from tensorrt_llm._torch.pyexecutor.errors import RequestError
@@ -104,10 +105,16 @@ class LLM:
 
     Every :class:`ExecutorConfig` field is accepted as a keyword (``max_num_tokens``,
     ``enable_chunked_prefill``, ``token_budget_policy``, ``kv_cache_config``, ...).
+
+    ``tensor_parallel_size=N`` (> 1) starts N rank processes (gloo on loopback) that shard the
+    model, with rank 0 taking the requests; with ``enable_attention_dp`` each rank serves its
+    own share of the requests on a full replica instead. ``generate`` works the same either
+    way. The ranks are spawned: a script that builds such an LLM needs the usual
+    ``if __name__ == "__main__":`` guard.
     """
 
     def __init__(self, model: str | LlamaConfig = "tiny-random", *, dtype: str | None = None, seed: int | None = None,
-                 **executor_options) -> None:
+                 tensor_parallel_size: int = 1, enable_attention_dp: bool = False, **executor_options) -> None:
         unknown = set(executor_options) - _EXECUTOR_FIELDS
         if unknown:
             raise TypeError(f"LLM got unknown options {sorted(unknown)}; accepted: {sorted(_EXECUTOR_FIELDS)}")
@@ -118,7 +125,16 @@ class LLM:
         overrides = {k: v for k, v in (("dtype", dtype), ("seed", seed)) if v is not None}
         self.model_config = dataclasses.replace(model, **overrides)
         self.config = ExecutorConfig(**executor_options)
-        self._executor: PyExecutor = create_py_executor(self.config, model=LlamaForCausalLM(self.model_config))
+        if isinstance(tensor_parallel_size, bool) or not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be a positive integer, got {tensor_parallel_size!r}")
+        self._executor: PyExecutor | MultiRankExecutor
+        if tensor_parallel_size > 1:
+            self._executor = MultiRankExecutor(
+                self.model_config, self.config, tensor_parallel_size=tensor_parallel_size,
+                enable_attention_dp=enable_attention_dp,
+            )
+        else:
+            self._executor = create_py_executor(self.config, model=LlamaForCausalLM(self.model_config))
         self._executor.start()
 
     def generate_async(self, prompt: Sequence[int], sampling_params: SamplingParams | None = None) -> RequestOutputHandle:

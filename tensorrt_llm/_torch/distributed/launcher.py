@@ -24,6 +24,7 @@ import logging
 import os
 import queue
 import socket
+import threading
 import time
 import traceback
 from dataclasses import dataclass
@@ -57,14 +58,31 @@ class LaunchOptions:
 
 @dataclass(frozen=True, slots=True)
 class RankContext:
-    """What a job gets on its rank."""
+    """What a job gets on its rank. A long-running job (a serving loop) talks to the launching
+    process through :meth:`receive` (messages :meth:`RankGroup.send` sent to this rank) and
+    :meth:`post` (read there from :attr:`RankGroup.posts`)."""
 
     rank: int
     world_size: int
     comm: Communicator
+    inbox: Any = None
+    outbox: Any = None
 
     def mapping(self, *, enable_attention_dp: bool = False) -> Mapping:
         return Mapping(self.world_size, self.rank, self.world_size, enable_attention_dp)
+
+    def receive(self, timeout_s: float | None) -> Any:
+        """The next message sent to this rank; raises ``queue.Empty`` after ``timeout_s`` (0: don't wait)."""
+        while True:
+            item = self.inbox.get(timeout=timeout_s) if timeout_s else self.inbox.get_nowait()
+            if item is None:
+                raise EOFError("the rank group is closing")
+            kind, _, body, _ = item
+            if kind == "message":
+                return body
+
+    def post(self, message: Any) -> None:
+        self.outbox.put(("post", self.rank, message))
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,17 +156,23 @@ def _rank_main(rank: int, world_size: int, port: int, inbox, outbox, options: La
             generation += 1
             comm = Communicator(store, rank, world_size, timeout_s=options.collective_timeout_s, generation=generation)
             outbox.put(("reset", rank, job_id))
-            continue
-        context = RankContext(rank, world_size, comm)
-        result = _result(rank, lambda: fn(context, *args))
-        if not result.ok:  # peers may be waiting in a collective for this rank: stop them now
-            comm.abort(f"{result.error_type}: {result.error}")
-        outbox.put(("result", rank, (job_id, result)))
+        elif kind == "job":
+            context = RankContext(rank, world_size, comm, inbox, outbox)
+            result = _result(rank, lambda: fn(context, *args))
+            if not result.ok:  # peers may be waiting in a collective for this rank: stop them now
+                comm.abort(f"{result.error_type}: {result.error}")
+            outbox.put(("result", rank, (job_id, result)))
+        # a "message" outside a job is stale (its job ended): dropped
     comm.close()
 
 
 class RankGroup:
-    """``world_size`` live rank processes that run jobs sent to them, one job at a time."""
+    """``world_size`` live rank processes that run jobs sent to them, one job at a time.
+
+    A reader thread routes what the ranks send back: job results, control acknowledgements,
+    and posts (messages a running job sends, see :class:`RankContext`), which it queues on
+    :attr:`posts` as ``(rank, message)``.
+    """
 
     def __init__(self, world_size: int, options: LaunchOptions = LaunchOptions()) -> None:
         if world_size < 1:
@@ -163,6 +187,9 @@ class RankGroup:
         self._jobs = itertools.count()
         self._needs_reset = False
         self.closed = False
+        self.posts: queue.Queue = queue.Queue()
+        self._arrived = threading.Condition()
+        self._messages: dict[tuple[str, int | None], dict[int, Any]] = {}  # (kind, job) -> rank -> body
         self.processes = []
         saved_seed = os.environ.get("PYTHONHASHSEED")
         try:
@@ -182,13 +209,32 @@ class RankGroup:
                 os.environ.pop("PYTHONHASHSEED", None)
             else:
                 os.environ["PYTHONHASHSEED"] = saved_seed
+        self._reader = threading.Thread(target=self._read, name="RankGroup-reader", daemon=True)
+        self._reader.start()
         self._collect("ready", None, options.start_timeout_s)
 
+    def _read(self) -> None:
+        while not self.closed:
+            try:
+                kind, rank, body = self._outbox.get(timeout=0.2)
+            except queue.Empty:
+                with self._arrived:
+                    self._arrived.notify_all()  # waiters re-check the ranks' liveness
+                continue
+            except (EOFError, OSError):
+                return
+            if kind == "post":
+                self.posts.put((rank, body))
+                continue
+            job = body[0] if kind == "result" else body if kind == "reset" else None
+            value = body[1] if kind == "result" else body
+            with self._arrived:
+                self._messages.setdefault((kind, job), {})[rank] = value
+                self._arrived.notify_all()
+
     # ---- jobs -----------------------------------------------------------------------
-    def run(self, fn: Callable[..., Any], *args: Any, timeout_s: float = 120.0,
-            rank_args: Sequence[tuple] | None = None) -> list[RankResult]:
-        """Run ``fn(ctx, *args)`` (or ``fn(ctx, *args, *rank_args[rank])``) on every rank; every
-        rank's result, errors included. Raises TimeoutError (and kills the group) past ``timeout_s``."""
+    def start(self, fn: Callable[..., Any], *args: Any, rank_args: Sequence[tuple] | None = None) -> int:
+        """Start ``fn(ctx, *args)`` (or ``fn(ctx, *args, *rank_args[rank])``) on every rank; its job id."""
         if self.closed:
             raise RuntimeError("the rank group is closed")
         if self._needs_reset:
@@ -197,9 +243,25 @@ class RankGroup:
         for rank, inbox in enumerate(self._inboxes):
             extra = tuple(rank_args[rank]) if rank_args is not None else ()
             inbox.put(("job", job_id, fn, (*args, *extra)))
+        return job_id
+
+    def wait(self, job_id: int, timeout_s: float) -> list[RankResult]:
+        """Every rank's result of job ``job_id``. TimeoutError (the group is killed) past ``timeout_s``."""
         results = [result for _, result in sorted(self._collect("result", job_id, timeout_s).items())]
         self._needs_reset = not all(result.ok for result in results)
         return results
+
+    def poll(self, job_id: int) -> list[RankResult] | None:
+        """Job ``job_id``'s results if every rank has reported, else None (never waits)."""
+        with self._arrived:
+            if len(self._messages.get(("result", job_id), {})) < self.world_size:
+                return None
+        return self.wait(job_id, timeout_s=1.0)
+
+    def run(self, fn: Callable[..., Any], *args: Any, timeout_s: float = 120.0,
+            rank_args: Sequence[tuple] | None = None) -> list[RankResult]:
+        """Run ``fn`` on every rank and wait: every rank's result, errors included."""
+        return self.wait(self.start(fn, *args, rank_args=rank_args), timeout_s)
 
     def run_ok(self, fn: Callable[..., Any], *args: Any, timeout_s: float = 120.0,
                rank_args: Sequence[tuple] | None = None) -> list[Any]:
@@ -208,6 +270,13 @@ class RankGroup:
         if not all(result.ok for result in results):
             raise RankJobError(results)
         return [result.value for result in results]
+
+    def send(self, rank: int, message: Any) -> None:
+        """A message for the job running on ``rank`` (it reads it with ``ctx.receive``)."""
+        self._inboxes[rank].put(("message", None, message, ()))
+
+    def dead_ranks(self) -> list[int]:
+        return [rank for rank, process in enumerate(self.processes) if process.exitcode is not None]
 
     def _reset(self) -> None:
         job_id = next(self._jobs)
@@ -219,29 +288,22 @@ class RankGroup:
     def _collect(self, kind: str, job_id: int | None, timeout_s: float) -> dict[int, Any]:
         """One message of ``kind`` from every rank, or TimeoutError / a dead rank's error."""
         deadline = time.monotonic() + timeout_s
-        got: dict[int, Any] = {}
-        while len(got) < self.world_size:
-            try:
-                what, rank, body = self._outbox.get(timeout=0.2)
-            except queue.Empty:
-                dead = [p for p in self.processes if p.exitcode is not None]
+        key = (kind, job_id)
+        with self._arrived:
+            while len(self._messages.get(key, {})) < self.world_size:
+                dead = self.dead_ranks()
                 if dead or time.monotonic() > deadline:
-                    self.close(kill=True)
-                    reason = (f"rank process {dead[0].name} exited with code {dead[0].exitcode}" if dead
-                              else f"no {kind} from ranks {sorted(set(range(self.world_size)) - set(got))} within {timeout_s} s")
+                    missing = sorted(set(range(self.world_size)) - set(self._messages.get(key, {})))
+                    reason = (f"rank {dead[0]} exited with code {self.processes[dead[0]].exitcode}" if dead
+                              else f"no {kind} from ranks {missing} within {timeout_s} s")
+                    self._arrived.release()
+                    try:
+                        self.close(kill=True)
+                    finally:
+                        self._arrived.acquire()
                     raise TimeoutError(f"rank group ({self.world_size} ranks): {reason}; the group was killed")
-                continue
-            if what != kind:
-                continue
-            if kind == "result":
-                body_job, result = body
-                if body_job == job_id:
-                    got[rank] = result
-            elif kind == "reset" and body != job_id:
-                continue
-            else:
-                got[rank] = body
-        return got
+                self._arrived.wait(timeout=0.5)
+            return self._messages.pop(key)
 
     # ---- lifetime -------------------------------------------------------------------
     def close(self, *, kill: bool = False, timeout_s: float = 5.0) -> None:
