@@ -60,8 +60,8 @@ def test_two_ranks_real_model(rank_group, scenario):
     check_attention_dp(rank_group(2), scenario)
 
 
-@settings(max_examples=examples(0.04, 5))
-@given(scenario=scenarios(model=None, max_requests=16))
+@settings(max_examples=examples(0.03, 4))
+@given(scenario=scenarios(model=None, max_requests=12))
 def test_four_ranks_simulated_engine(rank_group, scenario):
     check_attention_dp(rank_group(4), scenario)
 
