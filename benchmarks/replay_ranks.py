@@ -374,7 +374,9 @@ def plot(result: RanksResult, path: Path) -> None:
         right.set_yscale("log")
         right.set_ylabel("TTFT (ms)")
         right.legend(fontsize=8)
-    fig.suptitle(f"{result.config['trace']['name']}: {result.config['ranks']}")
+    ranks = result.config["ranks"]
+    layout = f"{'attention DP' if ranks['attention_dp'] else 'TP'} {ranks['size']}"
+    fig.suptitle(f"{result.config['trace']['name']}: {layout}, {ranks['kv_blocks_per_rank']} KV blocks per rank")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -18,7 +18,6 @@ A job is a picklable module-level function ``fn(ctx, *args)`` with ``ctx`` a :cl
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import os
@@ -334,5 +333,5 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, options: LaunchO
 
     Raises :class:`RankJobError` naming every failed rank's error if any rank failed.
     """
-    with RankGroup(world_size, dataclasses.replace(options)) as group:
+    with RankGroup(world_size, options) as group:
         return group.run_ok(fn, *args, timeout_s=timeout_s)
