@@ -113,7 +113,7 @@ class RankExecutor:
         self.plant = plant
         self.iteration = 0
         self.tokens_per_block = executor.kv_cache_manager.tokens_per_block
-        self._submissions = threading.Condition()
+        self._submissions = threading.Lock()
         self._pending: list[RequestSpec] = []
         self._pending_cancels: list[int] = []
         self._stop = False
@@ -137,28 +137,18 @@ class RankExecutor:
             spec = RequestSpec.of(request, arrival_time=self.executor.clock())
             self._callbacks[request.request_id] = (request, on_response)
             self._pending.append(spec)
-            self._submissions.notify_all()
         return request.request_id
 
     def cancel(self, request_id: int) -> None:
         self._require_rank0("cancel")
         with self._submissions:
             self._pending_cancels.append(request_id)
-            self._submissions.notify_all()
 
     def request_stop(self) -> None:
         """Stop every rank at the next iteration (rank 0 only); unfinished requests stay unfinished."""
         self._require_rank0("request_stop")
         with self._submissions:
             self._stop = True
-            self._submissions.notify_all()
-
-    def wait_for_submissions(self, timeout_s: float) -> bool:
-        """Rank 0, while the group is idle: block until something is submitted or ``timeout_s``."""
-        with self._submissions:
-            return self._submissions.wait_for(
-                lambda: self._pending or self._pending_cancels or self._stop, timeout=timeout_s
-            )
 
     def _require_rank0(self, what: str) -> None:
         if self.rank != 0:
