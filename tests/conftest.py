@@ -24,7 +24,8 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 @pytest.fixture(scope="module")
 def one_torch_thread():
     """Small models' matmuls gain little from intra-op threads: on a busy 2-core machine,
-    OpenMP spin-waiting made each forward of the tiny model about 20 times slower."""
+    OpenMP spin-waiting made each forward of the tiny model about 20 times slower (and
+    starves the rank processes the multi-rank tests run beside this one)."""
     import torch
 
     before = torch.get_num_threads()

@@ -9,6 +9,7 @@ import queue
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Iterator, Sequence
 
+from tensorrt_llm._torch.distributed.proxy import MultiRankExecutor
 from tensorrt_llm._torch.models.modeling_llama import LlamaConfig
 from tensorrt_llm._torch.pyexecutor.config import ExecutorConfig, KvCacheConfig
 from tensorrt_llm._torch.pyexecutor.errors import RequestError
@@ -179,6 +180,13 @@ class LLM:
     at the model's end-of-generation ids by default (``SamplingParams.ignore_eos`` turns that off)
     and outputs carry ``text``. Every :class:`ExecutorConfig` field is accepted as a keyword
     (``max_num_tokens``, ``enable_chunked_prefill``, ``token_budget_policy``, ``kv_cache_config``, ...).
+
+    ``tensor_parallel_size=N`` (> 1) starts N rank processes (gloo on loopback) that shard the
+    model, with rank 0 taking the requests; with ``enable_attention_dp`` each rank serves its
+    own share of the requests on a full replica instead. ``generate`` works the same either
+    way. The ranks are spawned: a script that builds such an LLM needs the usual
+    ``if __name__ == "__main__":`` guard. Several ranks run random-weight models (each rank
+    draws the weights from the seed and keeps its shard); a checkpoint is refused there.
     """
 
     def __init__(
@@ -187,17 +195,33 @@ class LLM:
         *,
         dtype: str | None = None,
         seed: int | None = None,
+        tensor_parallel_size: int = 1,
+        enable_attention_dp: bool = False,
         **executor_options,
     ) -> None:
         unknown = set(executor_options) - _EXECUTOR_FIELDS
         if unknown:
             raise TypeError(f"LLM got unknown options {sorted(unknown)}; accepted: {sorted(_EXECUTOR_FIELDS)}")
         self.config = ExecutorConfig(**executor_options)
+        if isinstance(tensor_parallel_size, bool) or not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be a positive integer, got {tensor_parallel_size!r}")
         loaded = load_model(model, dtype=dtype, seed=seed)
         self.model_id: str = loaded.model_id  #: the served name: the preset's, or the .gguf file's stem
         self.tokenizer: Tokenizer | None = loaded.tokenizer  #: None for random-weight models
         self.model_config = loaded.model.config
-        self._executor: PyExecutor = create_py_executor(self.config, model=loaded.model)
+        self._executor: PyExecutor | MultiRankExecutor
+        if tensor_parallel_size > 1:
+            if not loaded.from_seed:
+                raise ValueError(
+                    f"tensor_parallel_size={tensor_parallel_size} runs random-weight models only (each rank draws"
+                    f" its shard from the seed); sharding the checkpoint {loaded.model_id!r} is not implemented"
+                )
+            self._executor = MultiRankExecutor(
+                self.model_config, self.config, tensor_parallel_size=tensor_parallel_size,
+                enable_attention_dp=enable_attention_dp,
+            )
+        else:
+            self._executor = create_py_executor(self.config, model=loaded.model)
         self._executor.start()
 
     def generate_async(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> RequestOutputHandle:

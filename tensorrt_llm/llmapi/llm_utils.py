@@ -40,6 +40,7 @@ class LoadedModel:
     model_id: str
     model: LlamaForCausalLM
     tokenizer: Tokenizer | None  # None: the model takes token ids only
+    from_seed: bool = False  # random weights drawn from the config's seed (any rank can redraw them)
 
 
 def load_model(
@@ -48,12 +49,12 @@ def load_model(
     """Build the model ``model`` names. Raises ValueError (CheckpointError for a bad file) naming
     what is wrong: an unknown name, a missing file, an architecture we do not run."""
     if isinstance(model, LlamaConfig):
-        return LoadedModel("llama-random", LlamaForCausalLM(_override(model, dtype, seed)), None)
+        return LoadedModel("llama-random", LlamaForCausalLM(_override(model, dtype, seed)), None, from_seed=True)
     if not isinstance(model, (str, os.PathLike)):
         raise ValueError(f"model must be a name, a .gguf path or a LlamaConfig, got {type(model).__name__}")
     name = os.fspath(model)
     if name in MODEL_PRESETS:
-        return LoadedModel(name, LlamaForCausalLM(_override(MODEL_PRESETS[name], dtype, seed)), None)
+        return LoadedModel(name, LlamaForCausalLM(_override(MODEL_PRESETS[name], dtype, seed)), None, from_seed=True)
     if name in PACKAGED_CHECKPOINTS:
         return _load_gguf(packaged_checkpoint_path(name), name, dtype, seed)
     if name.endswith(".gguf") or Path(name).is_file():

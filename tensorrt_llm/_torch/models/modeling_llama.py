@@ -13,6 +13,14 @@ Two forward paths share all weights:
 * ``LlamaForCausalLM.forward_full`` -- the reference. One whole sequence, no cache, plain
   causal attention. The tests hold the paged path to it.
 
+Tensor parallelism (``mapping.tp_size`` ranks, Megatron's split): each rank holds a slice
+of the query heads and their KV heads (a KV head is replicated when there are more ranks
+than KV heads), a slice of the MLP's columns, and a slice of the LM head's vocabulary.
+``o_proj`` and ``down_proj`` are row-parallel, each followed by an all-reduce; the LM head
+gathers its logits. The embedding and the norms are replicated. Every rank draws the full
+weights from the same seed and keeps its slice, so a sharded model computes what the
+single-rank model computes, up to the order of the all-reduce's additions.
+
 Paged KV layout (one pool per layer for K, one for V; the KV manager owns them)::
 
     pool: (num_blocks, tokens_per_block, num_kv_heads, head_dim)
@@ -35,11 +43,16 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Mapping as WeightMapping
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from tensorrt_llm._torch.modules.linear import Linear, TensorParallelMode
+from tensorrt_llm.mapping import Mapping
+
+WeightMap = WeightMapping[str, torch.Tensor]
 
 _DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float64": torch.float64}
 
@@ -312,20 +325,59 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)  # (T, n_head, head_dim)
 
 
-class Attention(nn.Module):
-    """Grouped-query attention: n_head query heads share n_kv_head K/V heads."""
+@dataclass(frozen=True, slots=True)
+class HeadShard:
+    """The attention heads one rank computes: ``[start, stop)`` ranges of query and KV heads."""
 
-    def __init__(self, config: LlamaConfig) -> None:
+    q_heads: tuple[int, int]
+    kv_heads: tuple[int, int]
+
+    @staticmethod
+    def of(config: LlamaConfig, tp_size: int, tp_rank: int) -> HeadShard:
+        """Query heads split evenly; KV heads split with them, or replicated when ranks outnumber
+        them (each rank then holds the one KV head its query heads share)."""
+        n_head, n_kv = config.num_heads, config.num_kv_heads
+        if n_head % tp_size:
+            raise ValueError(f"num_heads ({n_head}) must be a multiple of the tensor-parallel size ({tp_size})")
+        if n_kv % tp_size and tp_size % n_kv:
+            raise ValueError(
+                f"num_kv_heads ({n_kv}) and the tensor-parallel size ({tp_size}) must divide one another"
+            )
+        per_rank = n_head // tp_size
+        q_start = tp_rank * per_rank
+        if tp_size <= n_kv:
+            kv_per_rank = n_kv // tp_size
+            kv_start = tp_rank * kv_per_rank
+            return HeadShard((q_start, q_start + per_rank), (kv_start, kv_start + kv_per_rank))
+        kv_head = q_start // (n_head // n_kv)  # all of this rank's query heads share it
+        return HeadShard((q_start, q_start + per_rank), (kv_head, kv_head + 1))
+
+
+class Attention(nn.Module):
+    """Grouped-query attention: n_head query heads share n_kv_head K/V heads.
+
+    Under tensor parallelism ``n_head`` and ``n_kv_head`` count this rank's heads only.
+    """
+
+    def __init__(self, config: LlamaConfig, mapping: Mapping) -> None:
         super().__init__()
-        self.n_head = config.num_heads
-        self.n_kv_head = config.num_kv_heads
-        self.head_dim = config.head_dim
+        tp_size, tp_rank = mapping.attn_tp_size, mapping.attn_tp_rank
+        shard = HeadShard.of(config, tp_size, tp_rank)
+        self.n_head = shard.q_heads[1] - shard.q_heads[0]
+        self.n_kv_head = shard.kv_heads[1] - shard.kv_heads[0]
+        self.head_dim = hd = config.head_dim
         self.scale = config.head_dim**-0.5
         dtype, hidden = config.torch_dtype, config.hidden_size
-        self.q_proj = _linear(hidden, self.n_head * self.head_dim, dtype)
-        self.k_proj = _linear(hidden, self.n_kv_head * self.head_dim, dtype)
-        self.v_proj = _linear(hidden, self.n_kv_head * self.head_dim, dtype)
-        self.o_proj = _linear(self.n_head * self.head_dim, hidden, dtype)
+        column = dict(dtype=dtype, tp_size=tp_size, tp_rank=tp_rank, tensor_parallel_mode=TensorParallelMode.COLUMN)
+        q_rows = (shard.q_heads[0] * hd, shard.q_heads[1] * hd)
+        kv_rows = (shard.kv_heads[0] * hd, shard.kv_heads[1] * hd)
+        self.q_proj = Linear(hidden, config.num_heads * hd, shard=q_rows, **column)
+        self.k_proj = Linear(hidden, config.num_kv_heads * hd, shard=kv_rows, **column)
+        self.v_proj = Linear(hidden, config.num_kv_heads * hd, shard=kv_rows, **column)
+        self.o_proj = Linear(
+            config.num_heads * hd, hidden, dtype=dtype, tp_size=tp_size, tp_rank=tp_rank,
+            tensor_parallel_mode=TensorParallelMode.ROW, shard=q_rows,
+        )
 
     def forward(
         self,
@@ -348,7 +400,7 @@ class Attention(nn.Module):
         else:
             y = self._attend_paged(q, k, v, position_ids, paged)  # (T, n_head, head_dim)
         y = y.reshape(T, self.n_head * self.head_dim)  # (T, n_head * head_dim)
-        return self.o_proj(y)  # (T, hidden)
+        return self.o_proj(y)  # (T, hidden), summed over the ranks' heads
 
     def _attend_paged(
         self,
@@ -389,27 +441,28 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
+    """SwiGLU: down(silu(gate(x)) * up(x)); gate/up column-parallel, down row-parallel."""
 
-    def __init__(self, config: LlamaConfig) -> None:
+    def __init__(self, config: LlamaConfig, mapping: Mapping) -> None:
         super().__init__()
-        dtype = config.torch_dtype
-        self.gate_proj = _linear(config.hidden_size, config.intermediate_size, dtype)
-        self.up_proj = _linear(config.hidden_size, config.intermediate_size, dtype)
-        self.down_proj = _linear(config.intermediate_size, config.hidden_size, dtype)
+        hidden, inner = config.hidden_size, config.intermediate_size
+        tp = dict(dtype=config.torch_dtype, tp_size=mapping.mlp_tp_size, tp_rank=mapping.mlp_tp_rank)
+        self.gate_proj = Linear(hidden, inner, tensor_parallel_mode=TensorParallelMode.COLUMN, **tp)
+        self.up_proj = Linear(hidden, inner, tensor_parallel_mode=TensorParallelMode.COLUMN, **tp)
+        self.down_proj = Linear(inner, hidden, tensor_parallel_mode=TensorParallelMode.ROW, **tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: LlamaConfig) -> None:
+    def __init__(self, config: LlamaConfig, mapping: Mapping) -> None:
         super().__init__()
         dtype = config.torch_dtype
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.self_attn = Attention(config)
+        self.self_attn = Attention(config, mapping)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.mlp = MLP(config)
+        self.mlp = MLP(config, mapping)
 
     def forward(
         self,
@@ -426,13 +479,14 @@ class DecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     """Embedding, decoder layers and final norm: token ids -> normalised hidden states."""
 
-    def __init__(self, config: LlamaConfig) -> None:
+    def __init__(self, config: LlamaConfig, mapping: Mapping) -> None:
         super().__init__()
-        self.embed_tokens = nn.utils.skip_init(
-            nn.Embedding, config.vocab_size, config.hidden_size, dtype=config.torch_dtype
-        )
+        # An uninitialised weight: skip_init's meta-device init loads torch's reference
+        # decompositions, several seconds in every process (each rank is one).
+        weight = torch.empty(config.vocab_size, config.hidden_size, dtype=config.torch_dtype)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=weight)
         self.rotary_emb = RotaryEmbedding(config)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, mapping) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.torch_dtype)
 
     def forward(
@@ -457,15 +511,32 @@ class LlamaForCausalLM(nn.Module):
     duplicated), others are converted. Without ``weights`` they are drawn from ``config.seed``.
 
     Weights never require grad: the model only serves. Both forwards work with or without
-    ``torch.inference_mode()``; the KV pools must then be ordinary tensors, or inference tensors
-    written under inference mode.
+    ``torch.inference_mode()``; the KV pools must then be ordinary tensors, or inference
+    tensors written under inference mode.
+
+    With a ``mapping`` of several ranks this is one rank's shard: every rank must run the same
+    forwards in the same order (their all-reduces pair up), and its KV pools hold only its
+    own KV heads (:meth:`kv_cache_shape`). ``weights`` are always full (unsharded) tensors;
+    each rank keeps its slice.
     """
 
-    def __init__(self, config: LlamaConfig, weights: Mapping[str, torch.Tensor] | None = None) -> None:
+    def __init__(
+        self,
+        config: LlamaConfig,
+        mapping: Mapping | None = None,
+        weights: WeightMap | None = None,
+    ) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config)
-        self.lm_head = _linear(config.hidden_size, config.vocab_size, config.torch_dtype)
+        self.mapping = mapping = mapping or Mapping()
+        if config.tie_word_embeddings and mapping.mlp_tp_size > 1:
+            raise ValueError("a tied LM head cannot be sharded across ranks (the embedding is replicated)")
+        self.model = LlamaModel(config, mapping)
+        self.num_local_kv_heads = self.model.layers[0].self_attn.n_kv_head if config.num_layers else 0
+        self.lm_head = Linear(
+            config.hidden_size, config.vocab_size, dtype=config.torch_dtype, tp_size=mapping.mlp_tp_size,
+            tp_rank=mapping.mlp_tp_rank, tensor_parallel_mode=TensorParallelMode.COLUMN, gather_output=True,
+        )
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         if weights is None:
@@ -475,17 +546,18 @@ class LlamaForCausalLM(nn.Module):
         self.requires_grad_(False)
 
     @torch.no_grad()
-    def _load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
+    def _load_weights(self, weights: WeightMap) -> None:
         params = dict(self.named_parameters())
+        modules = dict(self.named_modules())
         missing, unexpected = sorted(params.keys() - weights.keys()), sorted(weights.keys() - params.keys())
         if missing or unexpected:
             raise ValueError(f"weights do not match the model: missing {missing}, unexpected {unexpected}")
         for name, param in params.items():
-            if tuple(weights[name].shape) != tuple(param.shape):
-                raise ValueError(
-                    f"weight {name} has shape {tuple(weights[name].shape)}, the model needs {tuple(param.shape)}"
-                )
-            tensor = weights[name]
+            owner = modules[name.rpartition(".")[0]]
+            full = owner.full_shape if isinstance(owner, Linear) else tuple(param.shape)
+            if tuple(weights[name].shape) != tuple(full):
+                raise ValueError(f"weight {name} has shape {tuple(weights[name].shape)}, the model needs {tuple(full)}")
+            tensor = owner.shard_weight(weights[name]) if isinstance(owner, Linear) else weights[name]
             if tensor.dtype == param.dtype and tensor.is_contiguous():
                 param.data = tensor
             else:
@@ -495,21 +567,26 @@ class LlamaForCausalLM(nn.Module):
     def _init_weights(self) -> None:
         # Draw in float64 from a local generator, in registration order: the global RNG is
         # untouched, and float32 and float64 models of one seed hold the same weights rounded.
+        # Full shapes are drawn on every rank and each keeps its shard, so a sharded model
+        # holds exactly the slices of the single-rank model's weights.
         gen = torch.Generator().manual_seed(self.config.seed)
+        modules = dict(self.named_modules())
         for name, param in self.named_parameters():
-            noise = torch.randn(param.shape, generator=gen, dtype=torch.float64)
+            owner = modules[name.rpartition(".")[0]]
+            shape = owner.full_shape if isinstance(owner, Linear) else tuple(param.shape)
+            noise = torch.randn(shape, generator=gen, dtype=torch.float64)
             if name.endswith("norm.weight"):
                 value = 1.0 + 0.1 * noise  # near 1, but not exactly, so the norms are exercised
             elif name == "model.embed_tokens.weight":
                 value = noise
             else:
-                value = noise * param.shape[1] ** -0.5  # keeps activations O(1) for any width
-            param.copy_(value)
+                value = noise * shape[1] ** -0.5  # keeps activations O(1) for any width
+            param.copy_(owner.shard_weight(value) if isinstance(owner, Linear) else value)
 
     def kv_cache_shape(self, num_blocks: int, tokens_per_block: int) -> tuple[int, ...]:
-        """Shape of ONE layer's K (or V) pool:
-        (num_blocks, tokens_per_block, num_kv_heads, head_dim)."""
-        return (num_blocks, tokens_per_block, self.config.num_kv_heads, self.config.head_dim)
+        """Shape of ONE layer's K (or V) pool on this rank:
+        (num_blocks, tokens_per_block, num_local_kv_heads, head_dim)."""
+        return (num_blocks, tokens_per_block, self.num_local_kv_heads, self.config.head_dim)
 
     def forward(
         self,
@@ -531,7 +608,7 @@ class LlamaForCausalLM(nn.Module):
         num_blocks = k_cache[0].shape[0]
         layout = _PagedLayout.build(attn_metadata, num_blocks)
         num_slots = num_blocks * attn_metadata.tokens_per_block
-        flat = (num_slots, self.config.num_kv_heads, self.config.head_dim)
+        flat = (num_slots, self.num_local_kv_heads, self.config.head_dim)
         paged = [
             _PagedKV(layout, k.view(flat), v.view(flat))  # (num_slots, n_kv_head, head_dim)
             for k, v in zip(k_cache, v_cache)
@@ -584,8 +661,3 @@ class LlamaForCausalLM(nn.Module):
                 )
             if not pool.is_contiguous():
                 raise ValueError(f"{which} must be contiguous (slots are addressed flat)")
-
-
-def _linear(in_features: int, out_features: int, dtype: torch.dtype) -> nn.Linear:
-    # skip_init builds on the meta device: no default init, so the global RNG is untouched.
-    return nn.utils.skip_init(nn.Linear, in_features, out_features, bias=False, dtype=dtype)

@@ -1,0 +1,1 @@
+"""Building blocks of the torch models."""

@@ -1,0 +1,113 @@
+"""``Linear``: a bias-free projection, optionally one rank's shard of a tensor-parallel layer.
+
+Upstream's two modes (Megatron's column / row split), for ``y = x @ W.T`` with ``W`` of
+shape ``(out_features, in_features)``::
+
+    COLUMN  rank r holds rows [a_r, b_r) of W      -> y[:, a_r:b_r], a slice of the outputs
+            (gather_output: every rank then holds all of y, by an all-gather)
+    ROW     rank r holds columns [a_r, b_r) of W   -> a partial sum of all of y from the
+            inputs x[:, a_r:b_r]; the all-reduce adds the ranks' partial sums
+
+A column layer followed by a row layer needs one collective for the pair: the column
+layer's output slice is exactly the row layer's input slice.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tensorrt_llm._torch.distributed import ops
+
+
+class TensorParallelMode(str, enum.Enum):
+    COLUMN = "column"
+    ROW = "row"
+
+
+def split_sizes(total: int, parts: int) -> list[int]:
+    """``total`` split in ``parts`` near-equal sizes, the larger ones first."""
+    base, extra = divmod(total, parts)
+    return [base + (i < extra) for i in range(parts)]
+
+
+def split_range(total: int, parts: int, index: int) -> tuple[int, int]:
+    """The ``[start, stop)`` of part ``index`` of :func:`split_sizes`."""
+    sizes = split_sizes(total, parts)
+    start = sum(sizes[:index])
+    return start, start + sizes[index]
+
+
+class Linear(nn.Module):
+    """``y = x @ W.T`` where ``weight`` is this rank's shard of ``W`` (all of it when unsplit).
+
+    ``shard`` overrides the even split with an explicit ``[start, stop)`` range of the split
+    dimension: replicated KV heads need it, when there are more ranks than KV heads and two
+    ranks hold the same head. Weights start uninitialised; :meth:`shard_weight` cuts this
+    rank's part out of a full weight.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        dtype: torch.dtype,
+        tp_size: int = 1,
+        tp_rank: int = 0,
+        tensor_parallel_mode: TensorParallelMode | None = None,
+        gather_output: bool = False,
+        shard: tuple[int, int] | None = None,
+    ) -> None:
+        super().__init__()
+        if gather_output and tensor_parallel_mode is not TensorParallelMode.COLUMN:
+            raise ValueError("gather_output applies to a COLUMN layer only")
+        if gather_output and shard is not None:
+            raise ValueError("a gathered COLUMN layer must use the even split")
+        self.in_features, self.out_features = in_features, out_features
+        mode = tensor_parallel_mode if tp_size > 1 else None
+        self.tensor_parallel_mode, self.tp_size = mode, tp_size if mode is not None else 1
+        self.gather_output = gather_output and mode is not None
+        split = out_features if mode is TensorParallelMode.COLUMN else in_features
+        self.start, self.stop = 0, split
+        if mode is not None:
+            self.start, self.stop = shard if shard is not None else split_range(split, tp_size, tp_rank)
+        if not 0 <= self.start < self.stop <= split:
+            raise ValueError(f"Linear: shard [{self.start}, {self.stop}) is not inside [0, {split})")
+        self._gather_sizes = split_sizes(out_features, tp_size) if self.gather_output else []
+        local = self.stop - self.start
+        shape = {
+            None: (out_features, in_features),
+            TensorParallelMode.COLUMN: (local, in_features),
+            TensorParallelMode.ROW: (out_features, local),
+        }[mode]
+        self.weight = nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
+
+    @property
+    def full_shape(self) -> tuple[int, int]:
+        return self.out_features, self.in_features
+
+    def shard_weight(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's part of a full ``(out_features, in_features)`` weight."""
+        if tuple(full.shape) != self.full_shape:
+            raise ValueError(f"expected a weight of shape {self.full_shape}, got {tuple(full.shape)}")
+        if self.tensor_parallel_mode is TensorParallelMode.COLUMN:
+            return full[self.start : self.stop]
+        if self.tensor_parallel_mode is TensorParallelMode.ROW:
+            return full[:, self.start : self.stop]
+        return full
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)  # (T, local out) or (T, out) partial sum
+        if self.tensor_parallel_mode is TensorParallelMode.ROW:
+            return ops.allreduce(y)  # (T, out)
+        if self.gather_output:
+            return ops.allgather(y, self._gather_sizes)  # (T, out)
+        return y
+
+    def extra_repr(self) -> str:
+        mode = "" if self.tensor_parallel_mode is None else f", {self.tensor_parallel_mode.value}[{self.start}:{self.stop}]"
+        return f"in_features={self.in_features}, out_features={self.out_features}{mode}"

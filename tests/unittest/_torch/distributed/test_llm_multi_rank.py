@@ -1,0 +1,64 @@
+"""``LLM(tensor_parallel_size=2)`` and ``LLM(..., enable_attention_dp=True)``: ranks it starts itself.
+
+The same prompts (shared prefixes, a prompt longer than the budget, an invalid one) give the
+same greedy float64 tokens as the single-rank LLM; a cancelled request ends as cancelled; a
+rank process that dies ends every request in flight with an error (nothing hangs) and the
+health check says so; later submissions are refused.
+"""
+
+import os
+import signal
+
+import pytest
+from scenarios import prompt
+
+from tensorrt_llm import LLM, SamplingParams
+from tensorrt_llm.llmapi import KvCacheConfig, RequestError
+from tensorrt_llm._torch.pyexecutor.errors import ExecutorShutdown
+
+pytestmark = [pytest.mark.timeout(240), pytest.mark.usefixtures("one_torch_thread")]
+
+OPTIONS = dict(
+    dtype="float64", max_num_tokens=24, enable_chunked_prefill=True, max_seq_len=128,
+    kv_cache_config=KvCacheConfig(tokens_per_block=4, num_blocks=48),
+)
+PROMPTS = [list(prompt(0, 20 + 4 * i, i, 3)) for i in range(5)] + [list(prompt(1, 40, 0, 5))]
+
+
+@pytest.fixture(scope="module")
+def single_rank_outputs():
+    with LLM("tiny-random", **OPTIONS) as llm:
+        return [out.outputs[0].token_ids for out in llm.generate(PROMPTS, SamplingParams(max_tokens=5))]
+
+
+@pytest.mark.parametrize("attention_dp", [False, True], ids=["tensor parallel", "attention DP"])
+def test_llm_on_two_ranks_generates_what_one_rank_does(single_rank_outputs, attention_dp):
+    llm = LLM("tiny-random", tensor_parallel_size=2, enable_attention_dp=attention_dp, **OPTIONS)
+    try:
+        outputs = llm.generate(PROMPTS, SamplingParams(max_tokens=5))
+        assert [out.outputs[0].token_ids for out in outputs] == single_rank_outputs
+        assert all(out.outputs[0].finish_reason == "length" for out in outputs)
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            llm.generate([1, 2, 9999])
+        streamed = list(llm.generate_async(PROMPTS[0], SamplingParams(max_tokens=5)))
+        assert streamed[-1].outputs[0].token_ids == single_rank_outputs[0]
+        cancelled = llm.generate_async(PROMPTS[1], SamplingParams(max_tokens=80))
+        cancelled.abort()
+        assert cancelled.result(timeout=60).outputs[0].finish_reason == "cancelled"
+        health = llm.health()
+        assert health["alive"] and health["ranks"] == 2 and health["iterations"] > 0, health
+        assert llm.iteration_stats and all(s.forward_tokens <= OPTIONS["max_num_tokens"] for s in llm.iteration_stats)
+
+        # A rank process dies mid-generation: the request in flight ends with an error.
+        in_flight = [llm.generate_async(p, SamplingParams(max_tokens=80)) for p in PROMPTS[:2]]
+        next(iter(in_flight[0]))  # running
+        os.kill(llm._executor._group.processes[1].pid, signal.SIGKILL)
+        for handle in in_flight:
+            with pytest.raises(RequestError):
+                handle.result(timeout=60)
+        health = llm.health()
+        assert not health["alive"] and health["last_error"], health
+        with pytest.raises(ExecutorShutdown):
+            llm.generate_async(PROMPTS[0])
+    finally:
+        llm.shutdown()
