@@ -39,7 +39,7 @@ from typing import Sequence
 
 from benchmarks.cost_model import ModelShape, default_cost_model
 from benchmarks.replay import ReplaySettings, TraceSpec, build_parser, replay_trace, settings_from_args
-from benchmarks.replay_loop import _percentiles
+from benchmarks.replay_loop import percentiles
 from benchmarks.replay_report import RESULT_SCHEMA
 from benchmarks.sim_engine import Engine, build_sim_engine
 from benchmarks.tp_cost_model import TensorParallelCostModel
@@ -249,8 +249,8 @@ def _metrics(runs: Sequence[RankRun], max_num_tokens: int, num_requests: int, fi
         # the share of all group iterations a rank's budget was used: an idle rank waits at 0
         "budget_utilization_all_iterations": forward / (group_iterations * len(runs)) / max_num_tokens
         if group_iterations else 0.0,
-        "ttft_ms": _percentiles(ttft),
-        "tpot_ms": _percentiles(tpot),
+        "ttft_ms": percentiles(ttft),
+        "tpot_ms": percentiles(tpot),
         "output_tokens_per_s": output_tokens / makespan if makespan > 0 else 0.0,
         "wall_s": max(run.wall_s for run in runs),
         "unserved": num_requests - completed - errored,

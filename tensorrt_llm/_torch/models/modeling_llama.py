@@ -524,6 +524,7 @@ class LlamaForCausalLM(nn.Module):
         self,
         config: LlamaConfig,
         mapping: Mapping | None = None,
+        *,
         weights: WeightMap | None = None,
     ) -> None:
         super().__init__()

@@ -223,7 +223,7 @@ def unpermute_qk(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
 def llama_weights_from_gguf(
     checkpoint: GGUFCheckpoint, config: LlamaConfig, *, undo_qk_permutation: bool = True
 ) -> dict[str, torch.Tensor]:
-    """Parameter name -> float32 tensor, ready for ``LlamaForCausalLM(config, weights)``.
+    """Parameter name -> float32 tensor, ready for ``LlamaForCausalLM(config, weights=weights)``.
 
     ``undo_qk_permutation=False`` keeps llama.cpp's q/k row order: a deliberately wrong model,
     for measuring what the permutation is worth (perplexity), never for serving.
@@ -265,6 +265,6 @@ def load_llama_from_gguf(
     config = llama_config_from_gguf(checkpoint, dtype=dtype)
     weights = llama_weights_from_gguf(checkpoint, config, undo_qk_permutation=undo_qk_permutation)
     try:
-        return LlamaForCausalLM(config, weights)
+        return LlamaForCausalLM(config, weights=weights)
     except ValueError as error:  # a tensor of the wrong shape, or a missing one
         raise CheckpointError(f"{checkpoint.path.name}: {error}") from error
