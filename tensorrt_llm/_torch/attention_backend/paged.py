@@ -41,7 +41,7 @@ import torch
 
 from tensorrt_llm._torch.attention_backend.kernels import context_attention, decode_attention
 
-__all__ = ["ContextBatch", "DecodeBatch", "PagedAttentionPlan", "PagedLayerKV", "build_plan", "num_sms"]
+__all__ = ["ContextBatch", "DecodeBatch", "PagedAttentionPlan", "PagedLayerKV", "build_plan", "host_to_device", "num_sms"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,7 +159,7 @@ def decode_num_splits(num_seqs: int, num_kv_heads: int, device: torch.device, ma
     return splits
 
 
-def _device_tensor(array: np.ndarray, device: torch.device) -> torch.Tensor:
+def host_to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
     """Host array -> device tensor without blocking the host (through pinned memory on CUDA)."""
     tensor = torch.from_numpy(array)
     if device.type == "cuda":
@@ -232,12 +232,12 @@ def build_plan(
     if is_dec.any():
         dec = np.flatnonzero(is_dec)
         decode = DecodeBatch(
-            rows=_device_tensor(starts[dec], device),
-            block_tables=_device_tensor(np.ascontiguousarray(tables[dec]), device),
-            seq_lens=_device_tensor((cached[dec] + 1).astype(np.int32), device),
+            rows=host_to_device(starts[dec], device),
+            block_tables=host_to_device(np.ascontiguousarray(tables[dec]), device),
+            seq_lens=host_to_device((cached[dec] + 1).astype(np.int32), device),
             num_splits=decode_num_splits(len(dec), num_kv_heads, device),
         )
-    return PagedAttentionPlan(tpb, total, _device_tensor(new_slots, device), context, decode)
+    return PagedAttentionPlan(tpb, total, host_to_device(new_slots, device), context, decode)
 
 
 def _context_batch(
@@ -256,12 +256,12 @@ def _context_batch(
         owner = np.repeat(np.arange(ctx.size), k_lens)  # (sum k_lens,)
         k_starts = np.concatenate(([0], np.cumsum(k_lens)))
         position = np.arange(int(k_starts[-1])) - k_starts[owner]
-        kv_slots = _device_tensor(tables[ctx[owner], position // tpb].astype(np.int64) * tpb + position % tpb, device)
+        kv_slots = host_to_device(tables[ctx[owner], position // tpb].astype(np.int64) * tpb + position % tpb, device)
     return ContextBatch(
-        rows=None if in_order else _device_tensor(rows, device),
+        rows=None if in_order else host_to_device(rows, device),
         num_tokens=num_tokens,
-        cu_seqlens_q=_device_tensor(np.concatenate(([0], np.cumsum(q_lens))).astype(np.int32), device),
-        cu_seqlens_k=_device_tensor(np.concatenate(([0], np.cumsum(k_lens))).astype(np.int32), device),
+        cu_seqlens_q=host_to_device(np.concatenate(([0], np.cumsum(q_lens))).astype(np.int32), device),
+        cu_seqlens_k=host_to_device(np.concatenate(([0], np.cumsum(k_lens))).astype(np.int32), device),
         q_lens=tuple(int(x) for x in q_lens),
         k_lens=tuple(int(x) for x in k_lens),
         kv_slots=kv_slots,

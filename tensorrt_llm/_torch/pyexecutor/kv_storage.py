@@ -1,8 +1,17 @@
-"""Real K/V tensors in a paged layout, with a host tier for offloading.
+"""Real K/V tensors in a paged layout, on the model's device, with a host tier for offloading.
 
-Per layer, K and V are each one pool tensor ``(num_blocks, tokens_per_block, num_kv_heads, head_dim)``;
-a block id indexes dim 0 of every layer's pools. The host tier has the same layout with
-``num_host_blocks`` rows on the CPU.
+Per layer, K and V are each one pool ``(num_blocks, tokens_per_block, num_kv_heads, head_dim)``;
+a block id indexes dim 0 of every layer's pools. All pools are views of ONE tensor::
+
+    pools: (2, num_layers, num_blocks + num_scratch_blocks, tokens_per_block, num_kv_heads, head_dim)
+            K/V
+
+so that moving a block (copy, offload, onboard) is one copy across every layer instead of one per
+layer and pool. The host tier has the same layout with ``num_host_blocks`` rows, on the CPU
+(pinned when the pools are on CUDA, so its copies are plain DMA).
+
+Scratch blocks follow the ``num_blocks`` blocks the KV manager hands out: never allocated to a
+request, they absorb the writes of the padding rows of a CUDA-graph batch.
 """
 
 from __future__ import annotations
@@ -22,11 +31,24 @@ class KVCacheStorage:
         block_shape: tuple[int, int, int],  # (tokens_per_block, num_kv_heads, head_dim)
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
+        num_scratch_blocks: int = 0,
     ) -> None:
-        self.k_cache = [torch.zeros((num_blocks, *block_shape), dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v_cache = [torch.zeros((num_blocks, *block_shape), dtype=dtype, device=device) for _ in range(num_layers)]
-        self.k_host = [torch.zeros((num_host_blocks, *block_shape), dtype=dtype) for _ in range(num_layers)]
-        self.v_host = [torch.zeros((num_host_blocks, *block_shape), dtype=dtype) for _ in range(num_layers)]
+        self.device = torch.device(device)
+        self.num_blocks = num_blocks
+        self.num_scratch_blocks = num_scratch_blocks
+        rows = num_blocks + num_scratch_blocks
+        self._pools = torch.zeros((2, num_layers, rows, *block_shape), dtype=dtype, device=self.device)
+        pin = self.device.type == "cuda"
+        self._host = torch.zeros((2, num_layers, num_host_blocks, *block_shape), dtype=dtype, pin_memory=pin)
+        self.k_cache = list(self._pools[0])  # (rows, tokens_per_block, num_kv_heads, head_dim) per layer
+        self.v_cache = list(self._pools[1])
+        self.k_host = list(self._host[0])
+        self.v_host = list(self._host[1])
+
+    @property
+    def scratch_block_ids(self) -> range:
+        """Block ids no request ever holds (see the module docstring)."""
+        return range(self.num_blocks, self.num_blocks + self.num_scratch_blocks)
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_shape: tuple[int, int, int], dtype: torch.dtype) -> int:
@@ -34,13 +56,10 @@ class KVCacheStorage:
         return 2 * num_layers * tokens_per_block * num_kv_heads * head_dim * dtype.itemsize
 
     def copy_block(self, src_block_id: int, dst_block_id: int) -> None:
-        for pool in (*self.k_cache, *self.v_cache):
-            pool[dst_block_id].copy_(pool[src_block_id])
+        self._pools[:, :, dst_block_id].copy_(self._pools[:, :, src_block_id])
 
     def offload(self, block_id: int, host_id: int) -> None:
-        for host, pool in zip((*self.k_host, *self.v_host), (*self.k_cache, *self.v_cache)):
-            host[host_id].copy_(pool[block_id])
+        self._host[:, :, host_id].copy_(self._pools[:, :, block_id])
 
     def onboard(self, host_id: int, block_id: int) -> None:
-        for host, pool in zip((*self.k_host, *self.v_host), (*self.k_cache, *self.v_cache)):
-            pool[block_id].copy_(host[host_id])
+        self._pools[:, :, block_id].copy_(self._host[:, :, host_id])
