@@ -7,6 +7,8 @@ import queue
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
+import torch
+
 from tensorrt_llm._torch.models.modeling_llama import MODEL_PRESETS, LlamaConfig, LlamaForCausalLM
 from tensorrt_llm._torch.pyexecutor.config import ExecutorConfig, KvCacheConfig
 from tensorrt_llm._torch.pyexecutor.errors import RequestError
@@ -100,14 +102,16 @@ class RequestOutputHandle:
 
 
 class LLM:
-    """Serve a random-weight Llama model (``"tiny-random"``, ``"small-random"``) on the CPU.
+    """Serve a random-weight Llama model (``"tiny-random"``, ``"small-random"``,
+    ``"mistral-nemo-12b-random"``) on the CPU (default) or a GPU (``device="cuda"``).
 
     Every :class:`ExecutorConfig` field is accepted as a keyword (``max_num_tokens``,
-    ``enable_chunked_prefill``, ``token_budget_policy``, ``kv_cache_config``, ...).
+    ``enable_chunked_prefill``, ``token_budget_policy``, ``kv_cache_config``, ...). On CUDA the
+    model runs in ``bfloat16`` unless ``dtype`` says otherwise (DESIGN.md §7).
     """
 
     def __init__(self, model: str | LlamaConfig = "tiny-random", *, dtype: str | None = None, seed: int | None = None,
-                 **executor_options) -> None:
+                 device: str = "cpu", **executor_options) -> None:
         unknown = set(executor_options) - _EXECUTOR_FIELDS
         if unknown:
             raise TypeError(f"LLM got unknown options {sorted(unknown)}; accepted: {sorted(_EXECUTOR_FIELDS)}")
@@ -115,10 +119,18 @@ class LLM:
             if model not in MODEL_PRESETS:
                 raise ValueError(f"unknown model {model!r}; available: {sorted(MODEL_PRESETS)}")
             model = MODEL_PRESETS[model]
+        device = torch.device(device)
+        if device.type not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda', got {str(device)!r}")
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device='cuda' needs a CUDA GPU, and torch sees none")
+        if dtype is None and device.type == "cuda":
+            dtype = "bfloat16"
         overrides = {k: v for k, v in (("dtype", dtype), ("seed", seed)) if v is not None}
         self.model_config = dataclasses.replace(model, **overrides)
         self.config = ExecutorConfig(**executor_options)
-        self._executor: PyExecutor = create_py_executor(self.config, model=LlamaForCausalLM(self.model_config))
+        model = LlamaForCausalLM(self.model_config, device=device)
+        self._executor: PyExecutor = create_py_executor(self.config, model=model)
         self._executor.start()
 
     def generate_async(self, prompt: Sequence[int], sampling_params: SamplingParams | None = None) -> RequestOutputHandle:

@@ -16,8 +16,9 @@ B`` requests is padded: rows ``n..B-1`` decode token 0 at position 0 into the st
 block, which no request holds, so padding never touches real KV; their outputs are dropped.
 The attention plan's split count depends on ``B`` only, so the graph is valid for any lengths.
 
-Graphs are captured the first time a size is needed, after a warm-up run on a side stream
-(Triton compiles, cuBLAS chooses its kernels); all graphs share one memory pool.
+Graphs are captured by :meth:`CudaGraphRunner.capture_all` (the engine's warm-up) or the first
+time a size is needed, each after a warm-up run on a side stream (Triton compiles, cuBLAS
+chooses its kernels); all graphs share one memory pool.
 """
 
 from __future__ import annotations
@@ -122,6 +123,12 @@ class CudaGraphRunner:
         return g.logits[:n], g.tokens[:n]
 
     # ---- capture ---------------------------------------------------------------------------
+    def capture_all(self) -> None:
+        """Capture every size now (largest first, so smaller graphs reuse its pool memory)."""
+        for size in reversed(self.batch_sizes):
+            if size not in self._graphs:
+                self._capture(size)
+
     def _forward(self, g: _DecodeGraph) -> tuple[torch.Tensor, torch.Tensor]:
         hidden = self.model.forward_with_plan(
             g.longs[0], g.longs[1], g.plan, self.storage.k_cache, self.storage.v_cache

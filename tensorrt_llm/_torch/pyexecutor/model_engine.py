@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from tensorrt_llm._torch.attention_backend.paged import build_plan, host_to_device
+from tensorrt_llm._torch.attention_backend.paged import PagedAttentionPlan, build_plan, host_to_device
 from tensorrt_llm._torch.models.modeling_llama import AttentionMetadata, LlamaForCausalLM
 from tensorrt_llm._torch.pyexecutor.config import CudaGraphConfig
 from tensorrt_llm._torch.pyexecutor.cuda_graph_runner import CudaGraphRunner
@@ -133,7 +133,13 @@ class TorchModelEngine(ModelEngine):
     returns a :class:`PendingForward` without waiting for the GPU; ``result()`` waits for that
     copy alone. A decode batch (every request computes one token) replays a CUDA graph when
     ``cuda_graph_config`` allows (see ``cuda_graph_runner``).
+
+    ``time_forwards``: on CUDA, each ``PendingForward`` also carries the device time of its
+    forward (from its first kernel, after the host has prepared the inputs, to the greedy pick):
+    what a cost model predicts, without the host's share of the iteration.
     """
+
+    time_forwards: bool = False
 
     def __init__(
         self,
@@ -168,6 +174,12 @@ class TorchModelEngine(ModelEngine):
     @property
     def vocab_size(self) -> int:
         return self.model.config.vocab_size
+
+    def warmup(self) -> None:
+        """Capture the decode graphs of every batch size now rather than at first use (also
+        compiles the decode kernel for every split count). Nothing to do on the CPU."""
+        if self.graph_runner is not None:
+            self.graph_runner.capture_all()
 
     def _run(self, inputs: TpInputs) -> ForwardOutput:
         if self.device.type == "cpu":
@@ -227,16 +239,21 @@ class TorchModelEngine(ModelEngine):
         size = None
         if self.graph_runner is not None and all(inputs.samples):
             size = self.graph_runner.graph_size(inputs.num_new_tokens, inputs.num_cached_tokens)
+        start = None
         if size is not None:
             # A decode batch: every request samples, its one row in order.
+            if self.time_forwards:
+                start = _record_event()
             logits, tokens = self.graph_runner.run(size, inputs.input_ids, inputs.num_cached_tokens, inputs.block_tables)
         else:
-            logits, tokens = self._forward_eager(inputs, ids, positions, rows)
-        return PendingForward.launch(sampling, logits, tokens)
+            plan = self._plan(inputs)
+            if self.time_forwards:
+                start = _record_event()
+            logits, tokens = self._forward_eager(plan, ids, positions, rows)
+        return PendingForward.launch(sampling, logits, tokens, start)
 
-    def _forward_eager(self, inputs: TpInputs, ids: np.ndarray, positions: np.ndarray, rows: list[int]):
-        storage = self.kv_cache_manager.storage
-        plan = build_plan(
+    def _plan(self, inputs: TpInputs) -> PagedAttentionPlan:
+        return build_plan(
             inputs.num_new_tokens,
             inputs.num_cached_tokens,
             inputs.block_tables,
@@ -245,6 +262,9 @@ class TorchModelEngine(ModelEngine):
             num_kv_heads=self.model.config.num_kv_heads,
             device=self.device,
         )
+
+    def _forward_eager(self, plan: PagedAttentionPlan, ids: np.ndarray, positions: np.ndarray, rows: list[int]):
+        storage = self.kv_cache_manager.storage
         hidden = self.model.forward_with_plan(
             host_to_device(ids, self.device), host_to_device(positions, self.device), plan, storage.k_cache, storage.v_cache
         )  # (T, hidden)
@@ -266,11 +286,12 @@ class PendingForward:
     the same graph size (they may live in a CUDA graph's static output).
     """
 
-    __slots__ = ("_output", "_event", "_tokens_host", "_request_ids", "_logits")
+    __slots__ = ("_output", "_event", "_start", "_tokens_host", "_request_ids", "_logits")
 
     def __init__(self) -> None:
         self._output: ForwardOutput | None = None
         self._event = None
+        self._start = None
         self._tokens_host = None
         self._request_ids: list[int] = []
         self._logits = None
@@ -282,20 +303,29 @@ class PendingForward:
         return pending
 
     @classmethod
-    def launch(cls, request_ids: list[int], logits: torch.Tensor, tokens: torch.Tensor) -> "PendingForward":
-        """Enqueue the copy of ``tokens`` (device) to pinned host memory and an event after it."""
+    def launch(
+        cls, request_ids: list[int], logits: torch.Tensor, tokens: torch.Tensor, start: torch.cuda.Event | None = None
+    ) -> "PendingForward":
+        """Enqueue the copy of ``tokens`` (device) to pinned host memory and an event after it;
+        ``start``: an event recorded before the forward's first kernel (timing)."""
         pending = cls()
+        pending._start = start
         pending._request_ids = request_ids
         pending._logits = logits
         pending._tokens_host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
         pending._tokens_host.copy_(tokens, non_blocking=True)
-        pending._event = torch.cuda.Event()
-        pending._event.record()
+        pending._event = _record_event()
         return pending
 
     def done(self) -> bool:
         """True once the result can be had without waiting."""
         return self._output is not None or self._event.query()
+
+    def device_time_ms(self) -> float | None:
+        """The forward's device time (engines with ``time_forwards``), once ``result()`` returned."""
+        if self._start is None or self._output is None:
+            return None
+        return self._start.elapsed_time(self._event)
 
     def result(self) -> ForwardOutput:
         if self._output is None:
@@ -306,3 +336,9 @@ class PendingForward:
                 greedy_tokens=dict(zip(self._request_ids, tokens)),
             )
         return self._output
+
+
+def _record_event() -> torch.cuda.Event:
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event

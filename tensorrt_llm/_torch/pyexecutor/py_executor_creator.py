@@ -128,6 +128,7 @@ def create_py_executor(
             max_batch_size=config.max_batch_size,
             max_seq_len=config.max_seq_len,
         )
+        engine.warmup()
         sampler = sampler or TorchSampler()
     else:
         engine = engine_factory(kv, token_budget)
