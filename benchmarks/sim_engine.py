@@ -161,7 +161,7 @@ def build_sim_engine(
 def torch_kv_bytes_per_token(model_name: str) -> int:
     """Bytes of K and V one token occupies in ``model_name``'s paged cache, all layers."""
     config = MODEL_PRESETS[model_name]
-    element = 8 if config.dtype == "float64" else 4
+    element = config.torch_dtype.itemsize
     return 2 * config.num_layers * config.num_kv_heads * config.head_dim * element
 
 

@@ -38,6 +38,17 @@ from tensorrt_llm._torch.pyexecutor.kv_storage import KVCacheStorage
 logger = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True, slots=True)
+class _Step:
+    """One decode step's values for the static buffers, padded to ``size`` rows."""
+
+    size: int
+    num_requests: int
+    longs: np.ndarray  # (3, size) int64
+    seq_lens: np.ndarray  # (size,) int32
+    tables: np.ndarray  # (size, used columns) int32
+
+
 @dataclass(slots=True)
 class _DecodeGraph:
     """Static buffers, plan and outputs of the graph of one batch size."""
@@ -94,12 +105,10 @@ class CudaGraphRunner:
         return size
 
     # ---- replay ----------------------------------------------------------------------------
-    def run(
+    def prepare(
         self, size: int, input_ids: Sequence[int], num_cached_tokens: Sequence[int], block_tables: Sequence[Sequence[int]]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Replay the graph of ``size`` for these decodes; returns device views (logits (n, vocab),
-        tokens (n,)) valid until the next replay of that size."""
-        g = self._graphs.get(size) or self._capture(size)
+    ) -> "_Step":
+        """The host side of a replay: this step's values for the static buffers of ``size``."""
         n = len(input_ids)
         tpb = self.tokens_per_block
         cached = np.asarray(num_cached_tokens, dtype=np.int64)
@@ -115,12 +124,19 @@ class CudaGraphRunner:
             tables[i, : min(used, len(table))] = table[:used]
         longs[2, :n] = tables[np.arange(n), cached // tpb].astype(np.int64) * tpb + cached % tpb
         longs[2, n:] = self.scratch_block * tpb
-        g.longs.copy_(torch.from_numpy(longs).pin_memory(), non_blocking=True)
-        g.seq_lens.copy_(torch.from_numpy(seq_lens).pin_memory(), non_blocking=True)
-        g.tables[:, :used].copy_(torch.from_numpy(tables).pin_memory(), non_blocking=True)
+        return _Step(size, n, longs, seq_lens, tables)
+
+    def replay(self, step: "_Step") -> tuple[torch.Tensor, torch.Tensor]:
+        """Copy the step in and replay (capturing the size first if needed); returns device views
+        (logits (n, vocab), tokens (n,)) valid until the next replay of that size."""
+        g = self._graphs.get(step.size) or self._capture(step.size)
+        used = step.tables.shape[1]
+        g.longs.copy_(torch.from_numpy(step.longs).pin_memory(), non_blocking=True)
+        g.seq_lens.copy_(torch.from_numpy(step.seq_lens).pin_memory(), non_blocking=True)
+        g.tables[:, :used].copy_(torch.from_numpy(step.tables).pin_memory(), non_blocking=True)
         g.graph.replay()
         self.num_replays += 1
-        return g.logits[:n], g.tokens[:n]
+        return g.logits[: step.num_requests], g.tokens[: step.num_requests]
 
     # ---- capture ---------------------------------------------------------------------------
     def capture_all(self) -> None:

