@@ -149,8 +149,10 @@ def summary(result: dict) -> str:
     for key in ("prefill", "chunk_after_prefix"):
         if key in att:
             c = att[key]
+            flash = c.get("flash_varlen", {}).get("tflops", float("nan"))
             lines.append(f"attention {key}: engine layer {c['engine_layer']['ms']:.3f} ms "
-                         f"({c['engine_layer']['tflops']:.0f} TFLOP/s), flash {c['flash_varlen']['tflops']:.0f}, "
+                         f"({c['engine_layer']['tflops']:.0f} TFLOP/s), its kernel ({c.get('single_chunk_mode')}) "
+                         f"{c['context_kernel']['tflops']:.0f}, flash varlen {flash:.0f}, "
                          f"SDPA contiguous {c['sdpa_contiguous']['tflops']:.0f}")
     for key, c in att.items():
         if key.startswith("decode_") and isinstance(c, dict) and "engine_layer" in c:

@@ -21,14 +21,14 @@ import torch.nn.functional as F
 
 from benchmarks.gpu_common import BlockAllocator, time_ms
 from tensorrt_llm._torch.attention_backend import build_plan
-from tensorrt_llm._torch.attention_backend.kernels import context_attention
+from tensorrt_llm._torch.attention_backend.kernels import context_attention, cudnn_chunk_mode, flash_varlen
 
 logger = logging.getLogger(__name__)
 
 # (positions per tile, warps, pipeline stages); the first is the kernel's default. Each variant
 # is a Triton compile (~1 s), so the sweep is short: tiles at the automatic split count, then
 # split counts at the default tile.
-DECODE_CONFIGS = ((64, 4, 2), (32, 4, 2), (128, 4, 2), (64, 4, 3), (128, 8, 3))
+DECODE_CONFIGS = ((64, 4, 3), (64, 4, 2), (32, 4, 3), (128, 4, 3), (128, 8, 3))
 
 
 def attention_benchmarks(device: torch.device, *, hq=32, hkv=8, d=128, tpb=32, quick=False) -> dict:
@@ -70,6 +70,11 @@ def attention_benchmarks(device: torch.device, *, hq=32, hkv=8, d=128, tpb=32, q
         ctx = plan.context
         kernel = time_ms(lambda: context_attention(q, kc, vc, ctx.cu_seqlens_q, ctx.cu_seqlens_k, ctx.q_lens,
                                                    ctx.k_lens, scale), device, repeats=repeats)
+        if device.type == "cuda":
+            case["single_chunk_mode"] = cudnn_chunk_mode(q, kc) or "flash"
+            flash = time_ms(lambda: flash_varlen(q, kc, vc, ctx.cu_seqlens_q, ctx.cu_seqlens_k, ctx.q_lens,
+                                                 ctx.k_lens, scale), device, repeats=repeats)
+            case["flash_varlen"] = {**flash, "tflops": flops / (flash["ms"] * 1e-3) / 1e12}
         qt, kt, vt = q.transpose(0, 1)[None], kc.transpose(0, 1)[None], vc.transpose(0, 1)[None]
         if p == 0:
             baseline = time_ms(lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale,
@@ -80,7 +85,7 @@ def attention_benchmarks(device: torch.device, *, hq=32, hkv=8, d=128, tpb=32, q
             bias = causal_lower_right(n, n + p)
             baseline = time_ms(lambda: F.scaled_dot_product_attention(qt, kt, vt, attn_mask=bias, scale=scale,
                                                                       enable_gqa=True), device, repeats=repeats)
-        for label, t in (("engine_layer", engine), ("flash_varlen", kernel), ("sdpa_contiguous", baseline)):
+        for label, t in (("engine_layer", engine), ("context_kernel", kernel), ("sdpa_contiguous", baseline)):
             case[label] = {**t, "tflops": flops / (t["ms"] * 1e-3) / 1e12}
         out[name] = case
 

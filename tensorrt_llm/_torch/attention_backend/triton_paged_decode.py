@@ -41,7 +41,7 @@ class DecodeConfig:
 
     __slots__ = ("block_n", "num_warps", "num_stages")
 
-    def __init__(self, block_n: int = 64, num_warps: int = 4, num_stages: int = 2) -> None:
+    def __init__(self, block_n: int = 64, num_warps: int = 4, num_stages: int = 3) -> None:
         self.block_n, self.num_warps, self.num_stages = block_n, num_warps, num_stages
 
     def __repr__(self) -> str:

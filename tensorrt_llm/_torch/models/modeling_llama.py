@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tensorrt_llm._torch.attention_backend.kernels import fused_rope_applies, rotate_qk_
 from tensorrt_llm._torch.attention_backend.paged import PagedAttentionPlan, PagedLayerKV, build_plan
 
 _DTYPES: dict[str, torch.dtype] = {
@@ -295,10 +296,9 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype in (torch.bfloat16, torch.float16):
-            # Half precision: the mean of squares in float32, as every Llama implementation does.
-            x32 = x.float()
-            rms = torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + self.eps)  # (T, 1)
-            return (x32 * rms).to(x.dtype) * self.weight
+            # Half precision: torch's fused kernel, which accumulates in float32 (one launch
+            # instead of eight; what every Llama implementation computes).
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         rms = torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + self.eps)  # (T, 1)
         return x * rms * self.weight
 
@@ -364,7 +364,10 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(T, self.n_head, self.head_dim)  # (T, n_head, head_dim)
         k = self.k_proj(x).view(T, self.n_kv_head, self.head_dim)  # (T, n_kv_head, head_dim)
         v = self.v_proj(x).view(T, self.n_kv_head, self.head_dim)  # (T, n_kv_head, head_dim)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if fused_rope_applies(q):
+            rotate_qk_(q, k, cos, sin)  # one kernel for both, in place (attention_backend)
+        else:
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
         if paged is None:
             # One sequence, no cache: key j is visible to query i iff j <= i.

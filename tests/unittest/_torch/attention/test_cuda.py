@@ -145,3 +145,44 @@ def test_weights_drawn_on_the_device_are_reproducible() -> None:
     b = LlamaForCausalLM(config, device=CUDA).state_dict()
     assert all(t.is_cuda for t in a.values())
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("prefix", [0, 1000])
+def test_single_chunk_matches_float64_reference(prefix: int) -> None:
+    """A forward of one chunk takes the cuDNN path (when it passed its check): bf16 vs float64."""
+    from tensorrt_llm._torch.attention_backend.kernels import cudnn_chunk_mode
+
+    hq, hkv, d, tpb, new = 32, 8, 128, 32, 700
+    num_blocks = 64
+    tables = [list(range(num_blocks))[::-1][: -(-(prefix + new) // tpb)]]
+    gen = torch.Generator().manual_seed(prefix)
+    q = torch.randn(new, hq, d, generator=gen, dtype=torch.float64)
+    k = torch.randn(new, hkv, d, generator=gen, dtype=torch.float64)
+    v = torch.randn(new, hkv, d, generator=gen, dtype=torch.float64)
+    k_pool = torch.randn(num_blocks, tpb, hkv, d, generator=gen, dtype=torch.float64)
+    v_pool = torch.randn(num_blocks, tpb, hkv, d, generator=gen, dtype=torch.float64)
+
+    def run(device, dt):
+        plan = build_plan([new], [prefix], tables, tokens_per_block=tpb, num_blocks=num_blocks, num_kv_heads=hkv,
+                          device=device)
+        layer = plan.layer(k_pool.to(device, dt), v_pool.to(device, dt))
+        return layer.attend(q.to(device, dt), k.to(device, dt), v.to(device, dt), d**-0.5)
+
+    err = rel_err(run(CUDA, torch.bfloat16), run("cpu", torch.float64))
+    mode = cudnn_chunk_mode(q.to(CUDA, torch.bfloat16), k.to(CUDA, torch.bfloat16))
+    assert err < 2e-2, f"{mode}: rel err {err:.2e}"
+
+
+def test_host_tier_round_trip_on_cuda() -> None:
+    from tensorrt_llm._torch.pyexecutor.kv_storage import KVCacheStorage
+
+    storage = KVCacheStorage(num_layers=3, num_blocks=6, num_host_blocks=4, block_shape=(8, 2, 16),
+                             dtype=torch.bfloat16, device=CUDA)
+    storage.pools.normal_()
+    before = storage.pools[:, :, 2].clone()
+    storage.offload(2, 3)  # asynchronous
+    storage.pools[:, :, 2].zero_()  # ordered after the copy on the stream
+    storage.onboard(3, 5)
+    storage.copy_block(5, 1)
+    assert torch.equal(storage.pools[:, :, 5], before) and torch.equal(storage.pools[:, :, 1], before)
+    assert torch.equal(storage.k_host[1][3].to(CUDA), before[0, 1])

@@ -1,8 +1,8 @@
-"""Run the Triton paged-decode kernel under TRITON_INTERPRET=1 against the torch reference.
+"""Run the Triton kernels under TRITON_INTERPRET=1 against their torch references.
 
 Called by ``test_paged_attention`` in a fresh process (the interpreter must be on before Triton
-is imported); prints one JSON line: per case, the largest error and whether rows without a
-decode were left untouched.
+is imported); prints one JSON line: per case, the kernel, the largest error and whether rows
+the kernel must not write were left untouched.
 """
 
 from __future__ import annotations
@@ -52,11 +52,28 @@ def run_case(num_splits: int, hq: int, hkv: int) -> dict:
         q, k_pool, v_pool, got, rows, tables, seq_lens, tokens_per_block=tpb, scale=0.25, num_splits=num_splits
     )
     return {
+        "kernel": "paged_decode",
         "num_splits": num_splits,
         "heads": [hq, hkv],
         "untouched_rows_nan": bool(torch.isnan(got[[2, 5, 7]]).all()),
         "max_abs_err": float((got[rows] - expected[rows]).abs().max()),
     }
+
+
+def run_rope_case(hq: int, hkv: int, head_dim: int) -> dict:
+    from tensorrt_llm._torch.attention_backend.triton_rope import rotate_qk_
+    from tensorrt_llm._torch.models.modeling_llama import apply_rotary
+
+    gen = torch.Generator().manual_seed(hq * head_dim)
+    tokens = 5
+    q = torch.randn(tokens, hq, head_dim, generator=gen)
+    k = torch.randn(tokens, hkv, head_dim, generator=gen)
+    angles = torch.rand(tokens, head_dim // 2, generator=gen) * 6.0
+    cos, sin = angles.cos(), angles.sin()
+    expected_q, expected_k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+    rotate_qk_(q, k, cos, sin)
+    err = max(float((q - expected_q).abs().max()), float((k - expected_k).abs().max()))
+    return {"kernel": "rope", "heads": [hq, hkv], "untouched_rows_nan": True, "max_abs_err": err}
 
 
 def main() -> int:
@@ -65,6 +82,7 @@ def main() -> int:
         return 2
     _fix_interpreter_for_numpy_2_4()
     results = [run_case(s, hq, hkv) for s in (1, 2, 4) for hq, hkv in ((4, 2), (8, 1))]
+    results += [run_rope_case(hq, hkv, d) for hq, hkv, d in ((4, 2, 16), (3, 1, 8))]
     print(json.dumps(results))
     return 0
 
