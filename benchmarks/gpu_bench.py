@@ -116,12 +116,12 @@ def run(args: argparse.Namespace) -> dict:
     section("forward", forward_section)
     section("executor", lambda: gpu_sim_check.sim_vs_engine(model, args.model, num_requests=args.requests))
     forward, executor = result["sections"].get("forward", {}), result["sections"].get("executor", {})
-    if forward.get("calibration_rows") and executor.get("per_iteration"):
+    if executor.get("per_iteration"):
         try:
-            executor["refit_on_engine_table"] = gpu_sim_check.refit_check(
-                forward["calibration_rows"], executor["per_iteration"])
+            executor["refit"] = gpu_sim_check.refit_check(forward.get("calibration_rows", []),
+                                                          executor["per_iteration"])
         except Exception as error:
-            executor["refit_on_engine_table"] = {"error": repr(error)}
+            executor["refit"] = {"error": repr(error)}
     result["total_seconds"] = time.perf_counter() - t0
     return result
 
@@ -149,11 +149,12 @@ def summary(result: dict) -> str:
     for key in ("prefill", "chunk_after_prefix"):
         if key in att:
             c = att[key]
-            flash = c.get("flash_varlen", {}).get("tflops", float("nan"))
+            cudnn = c.get("cudnn_split", {})
             lines.append(f"attention {key}: engine layer {c['engine_layer']['ms']:.3f} ms "
-                         f"({c['engine_layer']['tflops']:.0f} TFLOP/s), its kernel ({c.get('single_chunk_mode')}) "
-                         f"{c['context_kernel']['tflops']:.0f}, flash varlen {flash:.0f}, "
-                         f"SDPA contiguous {c['sdpa_contiguous']['tflops']:.0f}")
+                         f"({c['engine_layer']['tflops']:.0f} TFLOP/s), flash varlen {c['context_kernel']['tflops']:.0f}, "
+                         f"SDPA contiguous {c['sdpa_contiguous']['tflops']:.0f}, cuDNN "
+                         f"{cudnn.get('tflops', float('nan')):.0f} (first call of a shape "
+                         f"{cudnn.get('first_call_ms', float('nan')):.0f} ms)")
     for key, c in att.items():
         if key.startswith("decode_") and isinstance(c, dict) and "engine_layer" in c:
             best = c.get("triton_best", {})
@@ -187,10 +188,11 @@ def summary(result: dict) -> str:
                      f"TPOT p50 {g['tpot_ms']['p50']:.1f} ms, {g['output_tokens_per_s']:.0f} tok/s | sim TTFT p50 "
                      f"{s['ttft_ms']['p50']:.0f} ms, TPOT p50 {s['tpot_ms']['p50']:.1f} ms, "
                      f"{s['output_tokens_per_s']:.0f} tok/s")
-    if ex.get("refit_on_engine_table", {}).get("vs_device_time"):
-        e = ex["refit_on_engine_table"]["vs_device_time"]
-        lines.append(f"cost model refitted to the engine's table: median {e['median_rel_err']:.1%}, "
-                     f"p90 {e['p90_rel_err']:.1%}")
+    for name, refit in ex.get("refit", {}).items():
+        e = refit.get("vs_device_time", {}) if isinstance(refit, dict) else {}
+        if e.get("n"):
+            lines.append(f"cost model refitted {name} (checked on executor iterations): median "
+                         f"{e['median_rel_err']:.1%}, p90 {e['p90_rel_err']:.1%} over {e['n']}")
     for name, sec in result["sections"].items():
         if isinstance(sec, dict) and ("error" in sec or "skipped" in sec):
             lines.append(f"section {name}: {sec.get('error') or sec.get('skipped')}")

@@ -6,7 +6,10 @@ blocks in shuffled order):
 * prefill 4096 with no prefix, and a 4096-token chunk after a 16k cached prefix: the engine's
   layer call (KV write, gather when there is a prefix, flash varlen) and the flash call alone;
   baseline SDPA on contiguous K/V (``is_causal``; lower-right ``CausalBias`` for the chunk).
-  TFLOP/s counts 4 * head_dim * heads per (query, key) pair, causal pairs only.
+  TFLOP/s counts 4 * head_dim * heads per (query, key) pair, causal pairs only. Beside them,
+  the road not taken: cuDNN (a chunk over a prefix as two calls merged by log-sum-exp, since
+  cuDNN's causal mask is top-left), timed on its first call of a new shape (the plan build a
+  server would pay for every new chunk length) and after.
 * decode 64 x 8k and 256 x 2k: the Triton paged kernel under each tile configuration and split
   count, and the engine's layer call (KV write + kernel with its automatic split); baseline SDPA
   on contiguous K/V, and gather-then-SDPA. GB/s counts K and V read once.
@@ -15,13 +18,14 @@ blocks in shuffled order):
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 import torch.nn.functional as F
 
 from benchmarks.gpu_common import BlockAllocator, time_ms
 from tensorrt_llm._torch.attention_backend import build_plan
-from tensorrt_llm._torch.attention_backend.kernels import context_attention, cudnn_chunk_mode, flash_varlen
+from tensorrt_llm._torch.attention_backend.kernels import context_attention, flash_varlen
 
 logger = logging.getLogger(__name__)
 
@@ -71,10 +75,7 @@ def attention_benchmarks(device: torch.device, *, hq=32, hkv=8, d=128, tpb=32, q
         kernel = time_ms(lambda: context_attention(q, kc, vc, ctx.cu_seqlens_q, ctx.cu_seqlens_k, ctx.q_lens,
                                                    ctx.k_lens, scale), device, repeats=repeats)
         if device.type == "cuda":
-            case["single_chunk_mode"] = cudnn_chunk_mode(q, kc) or "flash"
-            flash = time_ms(lambda: flash_varlen(q, kc, vc, ctx.cu_seqlens_q, ctx.cu_seqlens_k, ctx.q_lens,
-                                                 ctx.k_lens, scale), device, repeats=repeats)
-            case["flash_varlen"] = {**flash, "tflops": flops / (flash["ms"] * 1e-3) / 1e12}
+            case["cudnn_split"] = cudnn_variant(q, kc, vc, n, n + p, scale, flops, repeats, ctx)
         qt, kt, vt = q.transpose(0, 1)[None], kc.transpose(0, 1)[None], vc.transpose(0, 1)[None]
         if p == 0:
             baseline = time_ms(lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale,
@@ -149,3 +150,44 @@ def attention_benchmarks(device: torch.device, *, hq=32, hkv=8, d=128, tpb=32, q
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return out
+
+
+def _cudnn(q4, k4, v4, causal: bool, scale: float):
+    """cuDNN attention on (1, H, L, D) views: (output, log-sum-exp (H, Lq), natural log)."""
+    out = torch.ops.aten._scaled_dot_product_cudnn_attention(q4, k4, v4, None, True, 0.0, causal, False, scale=scale)
+    return out[0], out[1].reshape(q4.shape[1], q4.shape[2]).float()
+
+
+def single_chunk_cudnn(q, k, v, new: int, total: int, scale: float):
+    """One chunk of ``new`` queries over ``total`` keys (prefix, then itself) on cuDNN: the queries
+    over their own keys (causal) and over the prefix (no mask), merged by log-sum-exp."""
+    prefix = total - new
+    q4 = q.transpose(0, 1)[None]  # (1, Hq, new, D)
+    k4, v4 = k.transpose(0, 1)[None], v.transpose(0, 1)[None]  # (1, Hkv, total, D)
+    own, own_lse = _cudnn(q4, k4[:, :, prefix:], v4[:, :, prefix:], True, scale)
+    if prefix == 0:
+        return own[0].transpose(0, 1)
+    past, past_lse = _cudnn(q4, k4[:, :, :prefix], v4[:, :, :prefix], False, scale)
+    top = torch.maximum(own_lse, past_lse)  # (Hq, new)
+    w_own = torch.exp(own_lse - top)[..., None]
+    w_past = torch.exp(past_lse - top)[..., None]
+    merged = (own[0].float() * w_own + past[0].float() * w_past) / (w_own + w_past)  # (Hq, new, D)
+    return merged.to(q.dtype).transpose(0, 1)  # (new, Hq, D)
+
+
+def cudnn_variant(q, k, v, new: int, total: int, scale: float, flops: float, repeats: int, ctx) -> dict:
+    """cuDNN on this chunk: error against flash, first call (plan build) and steady time."""
+    device = q.device
+    try:
+        reference = flash_varlen(q, k, v, ctx.cu_seqlens_q, ctx.cu_seqlens_k, ctx.q_lens, ctx.k_lens, scale).float()
+        torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        out = single_chunk_cudnn(q, k, v, new, total, scale)
+        torch.cuda.synchronize(device)
+        first_ms = (time.perf_counter() - t0) * 1e3
+        err = float((out.float() - reference).norm() / reference.norm())
+        steady = time_ms(lambda: single_chunk_cudnn(q, k, v, new, total, scale), device, repeats=repeats)
+    except Exception as error:  # private ops: may refuse these shapes on another torch
+        return {"error": repr(error)[:300]}
+    return {**steady, "tflops": flops / (steady["ms"] * 1e-3) / 1e12, "first_call_ms": first_ms,
+            "rel_err_vs_flash": err}

@@ -5,10 +5,13 @@
 causal with the diagonal at the bottom right: query ``j`` sees keys ``[0, k_lens[i] - q_lens[i]
 + j]``. On CUDA in bf16/fp16 this is torch's bundled FlashAttention-2 varlen kernel
 (``aten::_flash_attention_forward`` with cumulative lengths, native GQA, bottom-right causal),
-which packs the chunks without padding; a forward with a single chunk (most prefill steps)
-goes to cuDNN instead, which runs Hopper's own kernels at nearly twice flash-2's rate (checked
-once against flash at first use). Elsewhere (float32, CPU tests) a per-chunk SDPA with an
+which packs the chunks without padding. Elsewhere (float32, CPU tests) a per-chunk SDPA with an
 explicit mask computes the same function.
+
+Why not cuDNN, which runs Hopper's own kernels at nearly twice flash-2's rate on a fixed shape
+(``benchmarks/gpu_kernels.py`` measures it)? cuDNN builds an execution plan for every new
+shape, and serving rarely repeats one: on the H200 a replay paid ~85 ms per new chunk shape,
+more than any forward gains (``benchmarks/results/h200/README.md``).
 
 ``decode_attention``: one query per sequence over its paged K/V, read in place by the Triton
 kernel (``triton_paged_decode``) on CUDA; a gather-and-mask reference in torch elsewhere.
@@ -20,15 +23,12 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import logging
 
 import torch
 import torch.nn.functional as F
 
-logger = logging.getLogger(__name__)
-
-__all__ = ["context_attention", "decode_attention", "has_triton", "flash_varlen_available", "rotate_qk_",
-           "fused_rope_applies"]
+__all__ = ["context_attention", "decode_attention", "flash_varlen", "flash_varlen_available", "fused_rope_applies",
+           "has_triton", "rotate_qk_"]
 
 
 @functools.cache
@@ -54,14 +54,8 @@ def context_attention(
     """q (Tq, Hq, D) packed chunk queries; k, v (Tk, Hkv, D) packed chunk keys -> (Tq, Hq, D).
 
     cu_seqlens_q/k: (N+1,) int32 on q's device; q_lens/k_lens: the same lengths on the host.
-    A forward with ONE chunk (the usual prefill) goes to cuDNN where it is faster than flash
-    (see :func:`single_chunk_cudnn`); several chunks share one flash varlen call.
     """
     if flash_varlen_available(q):
-        if len(q_lens) == 1:
-            mode = cudnn_chunk_mode(q, k)
-            if mode is not None:
-                return single_chunk_cudnn(q, k, v, q_lens[0], k_lens[0], scale, repeat_kv=mode == "repeat")
         return flash_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, q_lens, k_lens, scale)
     return reference_context_attention(q, k, v, q_lens, k_lens, scale)
 
@@ -75,79 +69,6 @@ def flash_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, q_lens, k_lens, scale) -> 
         False,  # return_debug_mask
         scale=scale,
     )[0]
-
-
-def _cudnn(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, causal: bool, scale: float):
-    """cuDNN attention on (1, H, L, D) views: (output, log-sum-exp (H, Lq) in natural log)."""
-    out = torch.ops.aten._scaled_dot_product_cudnn_attention(q4, k4, v4, None, True, 0.0, causal, False, scale=scale)
-    return out[0], out[1].reshape(q4.shape[1], q4.shape[2]).float()
-
-
-def single_chunk_cudnn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, new: int, total: int,
-                       scale: float, *, repeat_kv: bool = False) -> torch.Tensor:
-    """One chunk of ``new`` queries over ``total`` keys (its cached prefix, then itself) on cuDNN.
-
-    cuDNN's mask is causal from the top left, which is the chunk's own bottom-right mask only
-    when there is no prefix; with a prefix the chunk is two calls, merged by their log-sum-exp:
-    all queries over the prefix keys (no mask) and the queries over their own keys (causal).
-    ``repeat_kv``: give cuDNN one K/V head per query head (where its GQA is unavailable).
-    """
-    prefix = total - new
-    q4 = q.transpose(0, 1)[None]  # (1, Hq, new, D)
-    k4, v4 = k.transpose(0, 1)[None], v.transpose(0, 1)[None]  # (1, Hkv, total, D)
-    if repeat_kv:
-        group = q.shape[1] // k.shape[1]
-        k4, v4 = k4.repeat_interleave(group, dim=1), v4.repeat_interleave(group, dim=1)  # (1, Hq, total, D)
-    own, own_lse = _cudnn(q4, k4[:, :, prefix:], v4[:, :, prefix:], True, scale)  # (1, Hq, new, D)
-    if prefix == 0:
-        return own[0].transpose(0, 1)  # (new, Hq, D)
-    past, past_lse = _cudnn(q4, k4[:, :, :prefix], v4[:, :, :prefix], False, scale)
-    top = torch.maximum(own_lse, past_lse)  # (Hq, new)
-    w_own = torch.exp(own_lse - top)[..., None]  # (Hq, new, 1)
-    w_past = torch.exp(past_lse - top)[..., None]
-    merged = (own[0].float() * w_own + past[0].float() * w_past) / (w_own + w_past)  # (Hq, new, D)
-    return merged.to(q.dtype).transpose(0, 1)  # (new, Hq, D)
-
-
-_CUDNN_CHECKED: dict[tuple, str | None] = {}
-
-
-def cudnn_chunk_mode(q: torch.Tensor, k: torch.Tensor) -> str | None:
-    """How :func:`single_chunk_cudnn` runs here: "native" (cuDNN's own GQA), "repeat" (K/V heads
-    repeated), or None (it does not, or disagrees with flash: use flash). Checked once per
-    (device, dtype, heads, head dim) on a small random chunk, with and without a prefix, since
-    it relies on private torch ops whose behaviour (GQA, log-sum-exp units) may change."""
-    key = (q.device, q.dtype, q.shape[1], k.shape[1], q.shape[2])
-    if key not in _CUDNN_CHECKED:
-        _CUDNN_CHECKED[key] = next((m for m in ("native", "repeat") if _check_cudnn_chunk(*key, m)), None)
-        logger.info("context attention of a single chunk on %s: %s", key, _CUDNN_CHECKED[key] or "flash")
-    return _CUDNN_CHECKED[key]
-
-
-def _check_cudnn_chunk(device, dtype, hq: int, hkv: int, d: int, mode: str) -> bool:
-    if not hasattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention"):
-        return False
-    gen = torch.Generator(device).manual_seed(0)
-    new, prefix = 96, 160
-    q = torch.randn(new, hq, d, device=device, dtype=dtype, generator=gen)
-    k = torch.randn(new + prefix, hkv, d, device=device, dtype=dtype, generator=gen)
-    v = torch.randn(new + prefix, hkv, d, device=device, dtype=dtype, generator=gen)
-    cu_q = torch.tensor([0, new], dtype=torch.int32, device=device)
-    cu_k = torch.tensor([0, new + prefix], dtype=torch.int32, device=device)
-    try:
-        reference = flash_varlen(q, k, v, cu_q, cu_k, (new,), (new + prefix,), d**-0.5).float()
-        for p in (prefix, 0):  # with a prefix, and a fresh chunk
-            ref = reference if p else flash_varlen(q, k[prefix:], v[prefix:], cu_q, cu_q, (new,), (new,), d**-0.5)
-            out = single_chunk_cudnn(q, k[prefix - p :], v[prefix - p :], new, new + p, d**-0.5,
-                                     repeat_kv=mode == "repeat").float()
-            err = float((out - ref.float()).norm() / ref.float().norm())
-            if not err < 1e-2:
-                logger.warning("cuDNN chunk attention (%s) disagrees with flash (rel err %.2e)", mode, err)
-                return False
-    except Exception as error:  # a private op missing or refusing these shapes: flash serves
-        logger.warning("cuDNN chunk attention (%s) unavailable: %r", mode, error)
-        return False
-    return True
 
 
 def reference_context_attention(
