@@ -48,6 +48,7 @@ class _GpuSettings(ReplaySettings):
         config = self.executor_config(policy, max_seq_len=max_seq_len, kv_bytes_per_token=kv_bytes)
         clock = SkippingWallClock()
         executor = create_py_executor(config, model=self.gpu_model, clock=clock)
+        clock.restart()  # the engine's warm-up (graph capture) is not serving time
         engine = executor.model_engine
         engine.time_forwards = self.gpu_model.device.type == "cuda"
         recorder = self.recorder

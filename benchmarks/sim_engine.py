@@ -59,6 +59,11 @@ class SkippingWallClock:
         if when > now:
             self._skipped += when - now
 
+    def restart(self) -> None:
+        """Read 0 again (after set-up that must not count as serving time, e.g. graph capture)."""
+        self._t0 = time.perf_counter()
+        self._skipped = 0.0
+
 
 def forward_shape(inputs: TpInputs) -> ForwardShape:
     """The cost model's view of one flat forward.
