@@ -48,33 +48,37 @@ def _random_batch(rng: random.Random, num_blocks: int, tpb: int, max_ctx: int):
     return requests, tables
 
 
+def _layer_error(new, cached, tables, heads, num_blocks, tpb, dtype, seed) -> float:
+    """One attention layer on CUDA in ``dtype`` (fast kernels) against the CPU in float64
+    (reference kernels), on fresh random q, k, v and pools: the relative error."""
+    hq, hkv, d = heads
+    gen = torch.Generator().manual_seed(seed)
+    t = sum(new)
+    q = torch.randn(t, hq, d, generator=gen, dtype=torch.float64)
+    k = torch.randn(t, hkv, d, generator=gen, dtype=torch.float64)
+    v = torch.randn(t, hkv, d, generator=gen, dtype=torch.float64)
+    k_pool = torch.randn(num_blocks, tpb, hkv, d, generator=gen, dtype=torch.float64)
+    v_pool = torch.randn(num_blocks, tpb, hkv, d, generator=gen, dtype=torch.float64)
+
+    def run(device, dt):
+        plan = build_plan(new, cached, tables, tokens_per_block=tpb, num_blocks=num_blocks, num_kv_heads=hkv,
+                          device=device)
+        layer = plan.layer(k_pool.to(device, dt), v_pool.to(device, dt))
+        return layer.attend(q.to(device, dt), k.to(device, dt), v.to(device, dt), d**-0.5)
+
+    return rel_err(run(CUDA, dtype), run("cpu", torch.float64))
+
+
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("heads", [(32, 8, 128), (4, 2, 16)])
 def test_layer_attention_matches_float64_reference(dtype, tol, heads) -> None:
-    hq, hkv, d = heads
+    """Mixed batches (flash varlen + Triton decode; float32: SDPA + Triton in IEEE)."""
     tpb, num_blocks = 32, 600
-    rng = random.Random(hq + d)
+    rng = random.Random(heads[0] + heads[2])
     for trial in range(6):
         requests, tables = _random_batch(rng, num_blocks, tpb, max_ctx=3000)
-        new = [n for _, n in requests]
-        cached = [c for c, _ in requests]
-        t = sum(new)
-        gen = torch.Generator().manual_seed(trial)
-        q = torch.randn(t, hq, d, generator=gen, dtype=torch.float64)
-        k = torch.randn(t, hkv, d, generator=gen, dtype=torch.float64)
-        v = torch.randn(t, hkv, d, generator=gen, dtype=torch.float64)
-        k_pool = torch.randn(num_blocks, tpb, hkv, d, generator=gen, dtype=torch.float64)
-        v_pool = torch.randn(num_blocks, tpb, hkv, d, generator=gen, dtype=torch.float64)
-
-        def run(device, dt):
-            plan = build_plan(new, cached, tables, tokens_per_block=tpb, num_blocks=num_blocks,
-                              num_kv_heads=hkv, device=device)
-            layer = plan.layer(k_pool.to(device, dt), v_pool.to(device, dt))
-            return layer.attend(q.to(device, dt), k.to(device, dt), v.to(device, dt), d**-0.5)
-
-        ref = run("cpu", torch.float64)  # reference kernels, float64
-        out = run(CUDA, dtype)  # flash varlen + Triton decode (float32: SDPA + Triton in IEEE)
-        err = rel_err(out, ref)
+        new, cached = [n for _, n in requests], [c for c, _ in requests]
+        err = _layer_error(new, cached, tables, heads, num_blocks, tpb, dtype, seed=trial)
         assert err < tol, f"trial {trial}: {requests} rel err {err:.2e}"
 
 
@@ -150,23 +154,9 @@ def test_weights_drawn_on_the_device_are_reproducible() -> None:
 @pytest.mark.parametrize("prefix", [0, 1000])
 def test_single_chunk_matches_float64_reference(prefix: int) -> None:
     """One long chunk, fresh or over a prefix (blocks in reverse order): bf16 vs float64."""
-    hq, hkv, d, tpb, new = 32, 8, 128, 32, 700
-    num_blocks = 64
+    tpb, new, num_blocks = 32, 700, 64
     tables = [list(range(num_blocks))[::-1][: -(-(prefix + new) // tpb)]]
-    gen = torch.Generator().manual_seed(prefix)
-    q = torch.randn(new, hq, d, generator=gen, dtype=torch.float64)
-    k = torch.randn(new, hkv, d, generator=gen, dtype=torch.float64)
-    v = torch.randn(new, hkv, d, generator=gen, dtype=torch.float64)
-    k_pool = torch.randn(num_blocks, tpb, hkv, d, generator=gen, dtype=torch.float64)
-    v_pool = torch.randn(num_blocks, tpb, hkv, d, generator=gen, dtype=torch.float64)
-
-    def run(device, dt):
-        plan = build_plan([new], [prefix], tables, tokens_per_block=tpb, num_blocks=num_blocks, num_kv_heads=hkv,
-                          device=device)
-        layer = plan.layer(k_pool.to(device, dt), v_pool.to(device, dt))
-        return layer.attend(q.to(device, dt), k.to(device, dt), v.to(device, dt), d**-0.5)
-
-    err = rel_err(run(CUDA, torch.bfloat16), run("cpu", torch.float64))
+    err = _layer_error([new], [prefix], tables, (32, 8, 128), num_blocks, tpb, torch.bfloat16, seed=prefix)
     assert err < 2e-2, f"rel err {err:.2e}"
 
 
