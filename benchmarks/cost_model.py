@@ -363,17 +363,23 @@ class FittedCostModel:
 
     @classmethod
     def from_table(cls, path, fallback: RooflineCostModel | None = None) -> "FittedCostModel":
-        import numpy as np
-
         table = _load_table(path)
         rows = table["rows"]
         if fallback is None:
             fallback = RooflineCostModel(_model_shape_from_table(table), GpuSpec())
-        shapes = [table_row_shape(r) for r in rows]
-        y = np.array([r["ms"] * 1e-3 for r in rows])
-        if (y <= 0).any():
+        times = [r["ms"] * 1e-3 for r in rows]
+        if any(t <= 0 for t in times):
             raise ValueError(f"{path}: every row needs ms > 0")
+        return cls.from_shapes([table_row_shape(r) for r in rows], times, fallback)
 
+    @classmethod
+    def from_shapes(cls, shapes: list[ForwardShape], times_s: list[float],
+                    fallback: RooflineCostModel) -> "FittedCostModel":
+        """Fit to measured forwards of any shapes (a calibration table's rows, or an engine's
+        own iterations); ``times_s`` all > 0."""
+        import numpy as np
+
+        y = np.array(times_s, dtype=float)
         best = None
         for g in _GEMM_KNEES:
             for a_knee in _ATTN_KNEES:
@@ -391,9 +397,9 @@ class FittedCostModel:
         ratios = sorted(float(t) / fallback.forward_time_s(s) for t, s in zip(y, shapes))
         table_range = _Range(
             tokens=max(s.num_tokens for s in shapes),
-            chunk_kv=max((r["ctx_tokens"] + r["prefix"]) for r in rows),
-            decodes=max(r["decode_batch"] for r in rows),
-            decode_ctx=max(r["decode_ctx"] for r in rows),
+            chunk_kv=max((max((n + p for n, p in s.contexts), default=0) for s in shapes), default=0),
+            decodes=max(len(s.decodes) for s in shapes),
+            decode_ctx=max((max((c for _, c in s.decodes), default=0) for s in shapes), default=0),
         )
         # No forward is faster than half the fastest one measured: a guard, the fit stays above it.
         floor_s = 0.5 * float(y.min())

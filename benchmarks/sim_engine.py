@@ -59,6 +59,11 @@ class SkippingWallClock:
         if when > now:
             self._skipped += when - now
 
+    def restart(self) -> None:
+        """Read 0 again (after set-up that must not count as serving time, e.g. graph capture)."""
+        self._t0 = time.perf_counter()
+        self._skipped = 0.0
+
 
 def forward_shape(inputs: TpInputs) -> ForwardShape:
     """The cost model's view of one flat forward.
@@ -161,7 +166,7 @@ def build_sim_engine(
 def torch_kv_bytes_per_token(model_name: str) -> int:
     """Bytes of K and V one token occupies in ``model_name``'s paged cache, all layers."""
     config = MODEL_PRESETS[model_name]
-    element = 8 if config.dtype == "float64" else 4
+    element = config.torch_dtype.itemsize
     return 2 * config.num_layers * config.num_kv_heads * config.head_dim * element
 
 

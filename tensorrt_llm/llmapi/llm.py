@@ -9,6 +9,8 @@ import queue
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Iterator, Sequence
 
+import torch
+
 from tensorrt_llm._torch.distributed.proxy import MultiRankExecutor
 from tensorrt_llm._torch.models.modeling_llama import LlamaConfig
 from tensorrt_llm._torch.pyexecutor.config import ExecutorConfig, KvCacheConfig
@@ -16,7 +18,7 @@ from tensorrt_llm._torch.pyexecutor.errors import RequestError
 from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequest, SamplingConfig
 from tensorrt_llm._torch.pyexecutor.py_executor import PyExecutor, Response
 from tensorrt_llm._torch.pyexecutor.py_executor_creator import create_py_executor
-from tensorrt_llm.llmapi.llm_utils import load_model
+from tensorrt_llm.llmapi.llm_utils import load_model, seeded_model
 from tensorrt_llm.llmapi.tokenizer import IncrementalDetokenizer, Tokenizer
 
 _EXECUTOR_FIELDS = {f.name for f in dataclasses.fields(ExecutorConfig)}
@@ -172,7 +174,8 @@ Prompt = str | Sequence[int]
 
 
 class LLM:
-    """Serve a Llama model on the CPU: a real checkpoint (``"smollm2-135m-instruct"``, a path to a
+    """Serve a Llama model on the CPU (default) or a GPU (``device="cuda"``, ``bfloat16`` unless
+    ``dtype`` says otherwise, DESIGN.md §7): a real checkpoint (``"smollm2-135m-instruct"``, a path to a
     llama-architecture ``.gguf`` file) with its tokenizer, or a random-weight preset
     (``"tiny-random"``, ``"small-random"``) that takes token ids only (``llm_utils.load_model``).
 
@@ -195,6 +198,7 @@ class LLM:
         *,
         dtype: str | None = None,
         seed: int | None = None,
+        device: str = "cpu",
         tensor_parallel_size: int = 1,
         enable_attention_dp: bool = False,
         **executor_options,
@@ -205,22 +209,28 @@ class LLM:
         self.config = ExecutorConfig(**executor_options)
         if isinstance(tensor_parallel_size, bool) or not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be a positive integer, got {tensor_parallel_size!r}")
-        loaded = load_model(model, dtype=dtype, seed=seed)
-        self.model_id: str = loaded.model_id  #: the served name: the preset's, or the .gguf file's stem
-        self.tokenizer: Tokenizer | None = loaded.tokenizer  #: None for random-weight models
-        self.model_config = loaded.model.config
+        device = _resolve_device(device)
+        if dtype is None and device.type == "cuda":
+            dtype = "bfloat16"  # DESIGN.md §7
         self._executor: PyExecutor | MultiRankExecutor
         if tensor_parallel_size > 1:
-            if not loaded.from_seed:
+            seeded = seeded_model(model, dtype=dtype, seed=seed)
+            if seeded is None or device.type != "cpu":
                 raise ValueError(
-                    f"tensor_parallel_size={tensor_parallel_size} runs random-weight models only (each rank draws"
-                    f" its shard from the seed); sharding the checkpoint {loaded.model_id!r} is not implemented"
+                    f"tensor_parallel_size={tensor_parallel_size} runs random-weight models on the CPU only (each rank"
+                    f" draws its shard from the seed); {model!r} on {device.type} is not supported there"
                 )
+            self.model_id, self.model_config = seeded
+            self.tokenizer = None
             self._executor = MultiRankExecutor(
                 self.model_config, self.config, tensor_parallel_size=tensor_parallel_size,
                 enable_attention_dp=enable_attention_dp,
             )
         else:
+            loaded = load_model(model, dtype=dtype, seed=seed, device=device)
+            self.model_id = loaded.model_id  # the served name: the preset's, or the .gguf file's stem
+            self.tokenizer = loaded.tokenizer  # None for random-weight models
+            self.model_config = loaded.model.config
             self._executor = create_py_executor(self.config, model=loaded.model)
         self._executor.start()
 
@@ -307,3 +317,12 @@ class LLM:
             return (None if params.ignore_eos else params.end_id), stop
         end_id = self.tokenizer.eos_token_id if params.end_id is None else params.end_id
         return end_id, stop + tuple(t for t in self.tokenizer.stop_token_ids if t not in stop)
+
+
+def _resolve_device(device: str | torch.device) -> torch.device:
+    device = torch.device(device)
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu' or 'cuda', got {str(device)!r}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' needs a CUDA GPU, and torch sees none")
+    return device

@@ -20,6 +20,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from tensorrt_llm._torch.models.checkpoints import (
     PACKAGED_CHECKPOINTS,
     CheckpointError,
@@ -43,23 +45,44 @@ class LoadedModel:
     from_seed: bool = False  # random weights drawn from the config's seed (any rank can redraw them)
 
 
-def load_model(
+def seeded_model(
     model: str | os.PathLike[str] | LlamaConfig, *, dtype: str | None = None, seed: int | None = None
-) -> LoadedModel:
-    """Build the model ``model`` names. Raises ValueError (CheckpointError for a bad file) naming
-    what is wrong: an unknown name, a missing file, an architecture we do not run."""
+) -> tuple[str, LlamaConfig] | None:
+    """``(model_id, config)`` when ``model`` names random weights drawn from a seed (a preset or a
+    ``LlamaConfig``), None otherwise: such a model can be rebuilt anywhere (another rank, another
+    device) from its config alone."""
     if isinstance(model, LlamaConfig):
-        return LoadedModel("llama-random", LlamaForCausalLM(_override(model, dtype, seed)), None, from_seed=True)
+        return "llama-random", _override(model, dtype, seed)
+    if isinstance(model, (str, os.PathLike)) and os.fspath(model) in MODEL_PRESETS:
+        return os.fspath(model), _override(MODEL_PRESETS[os.fspath(model)], dtype, seed)
+    return None
+
+
+def load_model(
+    model: str | os.PathLike[str] | LlamaConfig,
+    *,
+    dtype: str | None = None,
+    seed: int | None = None,
+    device: torch.device | str = "cpu",
+) -> LoadedModel:
+    """Build the model ``model`` names, on ``device``. Raises ValueError (CheckpointError for a bad
+    file) naming what is wrong: an unknown name, a missing file, an architecture we do not run."""
+    seeded = seeded_model(model, dtype=dtype, seed=seed)
+    if seeded is not None:
+        model_id, config = seeded
+        return LoadedModel(model_id, LlamaForCausalLM(config, device=device), None, from_seed=True)
     if not isinstance(model, (str, os.PathLike)):
         raise ValueError(f"model must be a name, a .gguf path or a LlamaConfig, got {type(model).__name__}")
     name = os.fspath(model)
-    if name in MODEL_PRESETS:
-        return LoadedModel(name, LlamaForCausalLM(_override(MODEL_PRESETS[name], dtype, seed)), None, from_seed=True)
     if name in PACKAGED_CHECKPOINTS:
-        return _load_gguf(packaged_checkpoint_path(name), name, dtype, seed)
-    if name.endswith(".gguf") or Path(name).is_file():
-        return _load_gguf(Path(name), Path(name).stem, dtype, seed)
-    raise ValueError(f"unknown model {name!r}; available: {', '.join(MODEL_NAMES)}, or a path to a .gguf file")
+        loaded = _load_gguf(packaged_checkpoint_path(name), name, dtype, seed)
+    elif name.endswith(".gguf") or Path(name).is_file():
+        loaded = _load_gguf(Path(name), Path(name).stem, dtype, seed)
+    else:
+        raise ValueError(f"unknown model {name!r}; available: {', '.join(MODEL_NAMES)}, or a path to a .gguf file")
+    if torch.device(device).type != "cpu":
+        loaded.model.to(device)  # dequantised on the CPU, then moved (RoPE frequencies keep their dtype)
+    return loaded
 
 
 def _override(config: LlamaConfig, dtype: str | None, seed: int | None) -> LlamaConfig:

@@ -49,12 +49,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tensorrt_llm._torch.attention_backend.kernels import fused_rope_applies, rotate_qk_
+from tensorrt_llm._torch.attention_backend.paged import PagedAttentionPlan, PagedLayerKV, build_plan
 from tensorrt_llm._torch.modules.linear import Linear, TensorParallelMode
 from tensorrt_llm.mapping import Mapping
 
 WeightMap = WeightMapping[str, torch.Tensor]
 
-_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float64": torch.float64}
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "bfloat16": torch.bfloat16,  # the default on CUDA (DESIGN.md §7)
+    "float16": torch.float16,
+}
 
 
 def _is_int(value: object) -> bool:
@@ -78,7 +85,7 @@ class LlamaConfig:
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-6
     max_position_embeddings: int = 8192
-    dtype: str = "float32"  # "float32" | "float64"
+    dtype: str = "float32"  # "float32" | "float64" | "bfloat16" | "float16"
     seed: int = 0
     tie_word_embeddings: bool = False  # the LM head is the embedding matrix (SmolLM2 and most small models)
 
@@ -132,6 +139,22 @@ MODEL_PRESETS: dict[str, LlamaConfig] = {
         num_kv_heads=4,
         head_dim=32,
         intermediate_size=512,
+    ),
+    # The shape of Mistral-NeMo-12B (the shared H200 calibration tables): 12.2B parameters,
+    # 24.5 GB in bf16, KV 160 KiB a token. Random weights; build it on a GPU (``device="cuda"``),
+    # where they are drawn in milliseconds.
+    "mistral-nemo-12b-random": LlamaConfig(
+        vocab_size=131072,
+        hidden_size=5120,
+        num_layers=40,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        intermediate_size=14336,
+        rope_theta=1_000_000.0,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=131072,
+        dtype="bfloat16",
     ),
 }
 
@@ -289,6 +312,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(hidden_size, dtype=dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype in (torch.bfloat16, torch.float16):
+            # Half precision: torch's fused kernel, which accumulates in float32 (one launch
+            # instead of eight; what every Llama implementation computes).
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         rms = torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + self.eps)  # (T, 1)
         return x * rms * self.weight
 
@@ -306,7 +333,9 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def forward(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if position_ids.numel() and (
+        # Checked on the CPU only: on an accelerator the check would wait for the device (the
+        # engine validates positions on the host before they travel).
+        if position_ids.device.type == "cpu" and position_ids.numel() and (
             int(position_ids.min()) < 0 or int(position_ids.max()) >= self.max_positions
         ):
             raise ValueError(
@@ -385,20 +414,25 @@ class Attention(nn.Module):
         position_ids: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        paged: _PagedKV | None,
+        paged: _PagedKV | PagedLayerKV | None,
     ) -> torch.Tensor:
         T = x.shape[0]
         q = self.q_proj(x).view(T, self.n_head, self.head_dim)  # (T, n_head, head_dim)
         k = self.k_proj(x).view(T, self.n_kv_head, self.head_dim)  # (T, n_kv_head, head_dim)
         v = self.v_proj(x).view(T, self.n_kv_head, self.head_dim)  # (T, n_kv_head, head_dim)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if fused_rope_applies(q):
+            rotate_qk_(q, k, cos, sin)  # one kernel for both, in place (attention_backend)
+        else:
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
         if paged is None:
             # One sequence, no cache: key j is visible to query i iff j <= i.
-            mask = torch.ones(T, T, dtype=torch.bool).tril()  # (T, T)
+            mask = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()  # (T, T)
             y = self._attend(q, k, v, mask)  # (T, n_head, head_dim)
-        else:
+        elif isinstance(paged, _PagedKV):
             y = self._attend_paged(q, k, v, position_ids, paged)  # (T, n_head, head_dim)
+        else:  # an accelerator: the paged attention backend, no host synchronisation
+            y = paged.attend(q, k, v, self.scale)  # (T, n_head, head_dim)
         y = y.reshape(T, self.n_head * self.head_dim)  # (T, n_head * head_dim)
         return self.o_proj(y)  # (T, hidden), summed over the ranks' heads
 
@@ -470,7 +504,7 @@ class DecoderLayer(nn.Module):
         position_ids: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        paged: _PagedKV | None,
+        paged: _PagedKV | PagedLayerKV | None,
     ) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), position_ids, cos, sin, paged)
         return x + self.mlp(self.post_attention_layernorm(x))
@@ -493,7 +527,7 @@ class LlamaModel(nn.Module):
         self,
         input_ids: torch.Tensor,
         position_ids: torch.Tensor,
-        paged: list[_PagedKV] | None,
+        paged: list[_PagedKV] | list[PagedLayerKV] | None,
     ) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # (T, hidden)
         cos, sin = self.rotary_emb(position_ids)  # (T, head_dim/2) each
@@ -518,6 +552,12 @@ class LlamaForCausalLM(nn.Module):
     forwards in the same order (their all-reduces pair up), and its KV pools hold only its
     own KV heads (:meth:`kv_cache_shape`). ``weights`` are always full (unsharded) tensors;
     each rank keeps its slice.
+
+    ``device``: where the weights are drawn and live (default the CPU). The weights depend on
+    the seed and on the device type: on the CPU they are drawn in float64, on an accelerator in
+    float32 by that device's generator (a 12B model in milliseconds instead of minutes). To run
+    CPU weights on a GPU, build on the CPU and move the model with ``.to(device)`` (not with a
+    dtype: the RoPE frequencies stay float64).
     """
 
     def __init__(
@@ -526,6 +566,7 @@ class LlamaForCausalLM(nn.Module):
         mapping: Mapping | None = None,
         *,
         weights: WeightMap | None = None,
+        device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
         self.config = config
@@ -540,11 +581,21 @@ class LlamaForCausalLM(nn.Module):
         )
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        if device is not None and torch.device(device).type != "cpu":
+            # The CPU tensors skip_init made are untouched (no page is written), so moving them
+            # empty costs nothing; only the RoPE frequencies carry values.
+            inv_freq = self.model.rotary_emb.inv_freq
+            self.to_empty(device=device)
+            self.model.rotary_emb.inv_freq = inv_freq.to(device)
         if weights is None:
             self._init_weights()
         else:
             self._load_weights(weights)
         self.requires_grad_(False)
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
 
     @torch.no_grad()
     def _load_weights(self, weights: WeightMap) -> None:
@@ -566,16 +617,19 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.no_grad()
     def _init_weights(self) -> None:
-        # Draw in float64 from a local generator, in registration order: the global RNG is
-        # untouched, and float32 and float64 models of one seed hold the same weights rounded.
+        # Draw from a local generator, in registration order: the global RNG is untouched. On
+        # the CPU in float64, so float32 and float64 models of one seed hold the same weights
+        # rounded; on an accelerator in float32 (likewise for bf16 and fp32 models there).
         # Full shapes are drawn on every rank and each keeps its shard, so a sharded model
         # holds exactly the slices of the single-rank model's weights.
-        gen = torch.Generator().manual_seed(self.config.seed)
+        device = self.device
+        noise_dtype = torch.float64 if device.type == "cpu" else torch.float32
+        gen = torch.Generator(device).manual_seed(self.config.seed)
         modules = dict(self.named_modules())
         for name, param in self.named_parameters():
             owner = modules[name.rpartition(".")[0]]
             shape = owner.full_shape if isinstance(owner, Linear) else tuple(param.shape)
-            noise = torch.randn(shape, generator=gen, dtype=torch.float64)
+            noise = torch.randn(shape, generator=gen, dtype=noise_dtype, device=device)
             if name.endswith("norm.weight"):
                 value = 1.0 + 0.1 * noise  # near 1, but not exactly, so the norms are exercised
             elif name == "model.embed_tokens.weight":
@@ -607,6 +661,17 @@ class LlamaForCausalLM(nn.Module):
         self._check_ids(position_ids, "position_ids", T)
         self._check_pools(k_cache, v_cache, attn_metadata.tokens_per_block)
         num_blocks = k_cache[0].shape[0]
+        if k_cache[0].device.type != "cpu":
+            plan = build_plan(
+                attn_metadata.num_new_tokens,
+                attn_metadata.num_cached_tokens,
+                attn_metadata.block_tables,
+                tokens_per_block=attn_metadata.tokens_per_block,
+                num_blocks=num_blocks,
+                num_kv_heads=self.num_local_kv_heads,
+                device=k_cache[0].device,
+            )
+            return self.forward_with_plan(input_ids, position_ids, plan, k_cache, v_cache)
         layout = _PagedLayout.build(attn_metadata, num_blocks)
         num_slots = num_blocks * attn_metadata.tokens_per_block
         flat = (num_slots, self.num_local_kv_heads, self.config.head_dim)
@@ -614,6 +679,20 @@ class LlamaForCausalLM(nn.Module):
             _PagedKV(layout, k.view(flat), v.view(flat))  # (num_slots, n_kv_head, head_dim)
             for k, v in zip(k_cache, v_cache)
         ]
+        return self.model(input_ids, position_ids, paged)
+
+    def forward_with_plan(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        plan: PagedAttentionPlan,
+        k_cache: list[torch.Tensor],
+        v_cache: list[torch.Tensor],
+    ) -> torch.Tensor:
+        """The accelerator forward: as :meth:`forward`, with the attention plan built beforehand
+        (``attention_backend.build_plan``). Nothing in it waits for the device, so an engine can
+        enqueue it ahead of the GPU or capture it in a CUDA graph. Returns (T, hidden)."""
+        paged = [plan.layer(k, v) for k, v in zip(k_cache, v_cache)]
         return self.model(input_ids, position_ids, paged)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -625,7 +704,7 @@ class LlamaForCausalLM(nn.Module):
         plain causal attention."""
         L = input_ids.shape[0] if input_ids.dim() == 1 else -1
         self._check_ids(input_ids, "input_ids", L)
-        position_ids = torch.arange(L, dtype=torch.int64)  # (L,)
+        position_ids = torch.arange(L, dtype=torch.int64, device=input_ids.device)  # (L,)
         return self.compute_logits(self.model(input_ids, position_ids, None))  # (L, vocab)
 
     # ----------------------------------------------------------------------- checks
@@ -637,7 +716,7 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(
                 f"{name} has {ids.shape[0]} tokens, attn_metadata.num_new_tokens sum to {length}"
             )
-        if name == "input_ids" and ids.numel() and (
+        if name == "input_ids" and ids.device.type == "cpu" and ids.numel() and (
             int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab_size
         ):
             raise ValueError(f"input_ids must lie in [0, {self.config.vocab_size})")

@@ -52,6 +52,10 @@ class KvCacheConfig:
     The pool is ``num_blocks`` blocks of ``tokens_per_block`` tokens, or enough blocks for
     ``max_tokens`` tokens. ``host_cache_size`` is the host (offload) tier in bytes, as
     upstream; 0 disables the tier.
+
+    On a GPU, with neither size given, the pool takes ``free_gpu_memory_fraction`` of the device
+    memory still free once the weights are loaded (upstream's default 0.9); the rest is left to
+    activations, CUDA graphs and the allocator. On the CPU the fraction is not used.
     """
 
     tokens_per_block: int = 32
@@ -60,9 +64,13 @@ class KvCacheConfig:
     enable_block_reuse: bool = True
     enable_partial_reuse: bool = True
     host_cache_size: int = 0
+    free_gpu_memory_fraction: float = 0.9
 
     def __post_init__(self) -> None:
         _positive("KvCacheConfig.tokens_per_block", self.tokens_per_block)
+        fraction = self.free_gpu_memory_fraction
+        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
+            raise ValueError(f"KvCacheConfig.free_gpu_memory_fraction must be in (0, 1], got {fraction!r}")
         if self.max_tokens is not None and self.num_blocks is not None:
             raise ValueError("KvCacheConfig: give max_tokens or num_blocks, not both")
         if self.max_tokens is not None:
@@ -71,6 +79,11 @@ class KvCacheConfig:
             _positive("KvCacheConfig.num_blocks", self.num_blocks)
         if not isinstance(self.host_cache_size, int) or isinstance(self.host_cache_size, bool) or self.host_cache_size < 0:
             raise ValueError(f"KvCacheConfig.host_cache_size must be >= 0 bytes, got {self.host_cache_size!r}")
+
+    @property
+    def is_sized(self) -> bool:
+        """True when the pool's size is given (``num_blocks`` or ``max_tokens``)."""
+        return self.num_blocks is not None or self.max_tokens is not None
 
     def resolve_num_blocks(self, default_blocks: int) -> int:
         if self.num_blocks is not None:
@@ -119,6 +132,41 @@ class FaultInjectionConfig:
 
 
 @dataclass(slots=True)
+class CudaGraphConfig:
+    """Decode steps replayed from CUDA graphs, one graph per batch size (upstream's names).
+
+    A forward whose requests all compute one token (a decode batch) and whose size has a graph
+    (or, with ``enable_padding``, is at most the largest one: padded up to the next) replays
+    its graph instead of launching some 600 kernels from Python. ``batch_sizes`` default: 1, 2,
+    4, 8, then every multiple of 8, the powers of two, and ``max_batch_size`` itself (0: the
+    executor's). Padding is on by default here (upstream: off), because decode batch sizes
+    change every few iterations in serving. Graphs are captured when a size is first used.
+    Ignored on the CPU.
+    """
+
+    batch_sizes: list[int] | None = None
+    max_batch_size: int = 0
+    enable_padding: bool = True
+
+    def __post_init__(self) -> None:
+        if self.batch_sizes is not None:
+            if not self.batch_sizes:
+                raise ValueError("CudaGraphConfig.batch_sizes must not be empty (use cuda_graph_config=None)")
+            for size in self.batch_sizes:
+                _positive("CudaGraphConfig.batch_sizes[]", size)
+            self.batch_sizes = sorted(set(self.batch_sizes))
+        if isinstance(self.max_batch_size, bool) or not isinstance(self.max_batch_size, int) or self.max_batch_size < 0:
+            raise ValueError(f"CudaGraphConfig.max_batch_size must be an int >= 0, got {self.max_batch_size!r}")
+
+    def resolve_batch_sizes(self, executor_max_batch_size: int) -> list[int]:
+        if self.batch_sizes is not None:
+            return list(self.batch_sizes)
+        limit = self.max_batch_size or executor_max_batch_size
+        sizes = {1, 2, 4, limit} | set(range(8, limit + 1, 8)) | {1 << i for i in range(limit.bit_length())}
+        return sorted(s for s in sizes if s <= limit) or [1]
+
+
+@dataclass(slots=True)
 class ExecutorConfig:
     """Scheduling and budget settings of one executor."""
 
@@ -136,6 +184,7 @@ class ExecutorConfig:
     # Iteration statistics kept (a ring, oldest dropped); None keeps all (replays read the whole record).
     iter_stats_max_iterations: int | None = None
     fault_injection: FaultInjectionConfig | None = None
+    cuda_graph_config: CudaGraphConfig | None = field(default_factory=CudaGraphConfig)  # None: no graphs
 
     def __post_init__(self) -> None:
         for name in ("max_batch_size", "max_num_tokens", "max_seq_len"):
@@ -150,6 +199,10 @@ class ExecutorConfig:
             CapacitySchedulerPolicy, self.capacity_scheduler_policy, "capacity_scheduler_policy"
         )
         self.token_budget_policy = _enum(TokenBudgetPolicyName, self.token_budget_policy, "token_budget_policy")
+        if self.cuda_graph_config is not None and not isinstance(self.cuda_graph_config, CudaGraphConfig):
+            raise ValueError(
+                f"cuda_graph_config must be a CudaGraphConfig or None, got {type(self.cuda_graph_config).__name__}"
+            )
         if not isinstance(self.kv_cache_config, KvCacheConfig):
             raise ValueError(f"kv_cache_config must be a KvCacheConfig, got {type(self.kv_cache_config).__name__}")
         tokens_per_block = self.kv_cache_config.tokens_per_block

@@ -14,9 +14,13 @@ from __future__ import annotations
 import abc
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
+from tensorrt_llm._torch.attention_backend.paged import PagedAttentionPlan, build_plan, host_to_device
 from tensorrt_llm._torch.models.modeling_llama import AttentionMetadata, LlamaForCausalLM
+from tensorrt_llm._torch.pyexecutor.config import CudaGraphConfig
+from tensorrt_llm._torch.pyexecutor.cuda_graph_runner import CudaGraphRunner
 from tensorrt_llm._torch.pyexecutor.errors import TokenBudgetExceeded
 from tensorrt_llm._torch.pyexecutor.forward_cost import forward_cost
 from tensorrt_llm._torch.pyexecutor.kv_cache_manager import KVCacheManager
@@ -58,10 +62,12 @@ class TpInputs:
 
 @dataclass(slots=True)
 class ForwardOutput:
-    """Per request that samples: the logits row of its last position (None for simulated engines)."""
+    """Per request that samples: the logits row of its last position (None for simulated engines),
+    and, from engines that pick on the device, the greedy token (the argmax of that row)."""
 
     logits: dict[int, torch.Tensor | None]
     num_tokens: int = 0  # positions in the forward
+    greedy_tokens: dict[int, int] | None = None
 
 
 class ModelEngine(abc.ABC):
@@ -119,7 +125,21 @@ class ModelEngine(abc.ABC):
 
 
 class TorchModelEngine(ModelEngine):
-    """Runs a real torch model over the paged KV tensors of the KV manager."""
+    """Runs a real torch model over the paged KV tensors of the KV manager.
+
+    The model and the KV pools live on one device. On the CPU a forward runs to completion in
+    :meth:`_run`. On CUDA, :meth:`launch` enqueues the whole forward, the LM head on the sampled
+    rows and their greedy pick, then a copy of the picked tokens to pinned host memory, and
+    returns a :class:`PendingForward` without waiting for the GPU; ``result()`` waits for that
+    copy alone. A decode batch (every request computes one token) replays a CUDA graph when
+    ``cuda_graph_config`` allows (see ``cuda_graph_runner``).
+
+    ``time_forwards``: on CUDA, each ``PendingForward`` also carries the device time of its
+    forward (from its first kernel, after the host has prepared the inputs, to the greedy pick):
+    what a cost model predicts, without the host's share of the iteration.
+    """
+
+    time_forwards: bool = False
 
     def __init__(
         self,
@@ -127,18 +147,47 @@ class TorchModelEngine(ModelEngine):
         max_num_tokens: int,
         kv_cache_manager: KVCacheManager,
         token_budget: TokenBudgetPolicy,
+        *,
+        cuda_graph_config: CudaGraphConfig | None = None,
+        max_batch_size: int = 0,
+        max_seq_len: int | None = None,
     ) -> None:
         super().__init__(max_num_tokens, kv_cache_manager, token_budget)
-        if kv_cache_manager.storage is None:
+        storage = kv_cache_manager.storage
+        if storage is None:
             raise ValueError("TorchModelEngine needs a KV cache manager with tensor storage")
         self.model = model.eval()
+        self.device = model.device
+        if storage.device != self.device:
+            raise ValueError(f"the KV pools are on {storage.device}, the model on {self.device}")
+        self.graph_runner: CudaGraphRunner | None = None
+        if self.device.type == "cuda" and cuda_graph_config is not None:
+            self.graph_runner = CudaGraphRunner(
+                model,
+                storage,
+                tokens_per_block=kv_cache_manager.tokens_per_block,
+                batch_sizes=cuda_graph_config.resolve_batch_sizes(max_batch_size or 1),
+                enable_padding=cuda_graph_config.enable_padding,
+                max_seq_len=max_seq_len or model.config.max_position_embeddings,
+            )
 
     @property
     def vocab_size(self) -> int:
         return self.model.config.vocab_size
 
-    @torch.inference_mode()
+    def warmup(self) -> None:
+        """Capture the decode graphs of every batch size now rather than at first use (also
+        compiles the decode kernel for every split count). Nothing to do on the CPU."""
+        if self.graph_runner is not None:
+            self.graph_runner.capture_all()
+
     def _run(self, inputs: TpInputs) -> ForwardOutput:
+        if self.device.type == "cpu":
+            return self._run_cpu(inputs)
+        return self.launch(inputs).result()
+
+    @torch.inference_mode()
+    def _run_cpu(self, inputs: TpInputs) -> ForwardOutput:
         storage = self.kv_cache_manager.storage
         metadata = AttentionMetadata(
             num_new_tokens=inputs.num_new_tokens,
@@ -162,3 +211,136 @@ class TorchModelEngine(ModelEngine):
                 sampling.append(request.request_id)
         logits = self.model.compute_logits(hidden[rows]) if rows else hidden.new_empty((0, self.vocab_size))
         return ForwardOutput(logits=dict(zip(sampling, logits)))
+
+    @torch.inference_mode()
+    def launch(self, inputs: TpInputs) -> "PendingForward":
+        """Enqueue one forward on the device and return at once (CUDA; on the CPU it is done).
+
+        Raises ValueError, before anything is enqueued, for token ids outside the vocabulary
+        or positions past the model's (the device forward does not check them).
+        """
+        if self.device.type == "cpu":
+            return PendingForward.ready(self._run_cpu(inputs))
+        ids = np.asarray(inputs.input_ids, dtype=np.int64)
+        positions = np.asarray(inputs.position_ids, dtype=np.int64)
+        config = self.model.config
+        if ids.size and (ids.min() < 0 or ids.max() >= config.vocab_size):
+            raise ValueError(f"input_ids must lie in [0, {config.vocab_size})")
+        if positions.size and (positions.min() < 0 or positions.max() >= config.max_position_embeddings):
+            raise ValueError(f"position_ids must lie in [0, {config.max_position_embeddings})")
+        rows, sampling = [], []
+        offset = 0
+        for request, n, samples in zip(inputs.requests, inputs.num_new_tokens, inputs.samples):
+            offset += n
+            if samples:
+                rows.append(offset - 1)
+                sampling.append(request.request_id)
+
+        size = None
+        if self.graph_runner is not None and all(inputs.samples):
+            size = self.graph_runner.graph_size(inputs.num_new_tokens, inputs.num_cached_tokens)
+        start = None
+        if size is not None:
+            # A decode batch: every request samples, its one row in order.
+            step = self.graph_runner.prepare(size, inputs.input_ids, inputs.num_cached_tokens, inputs.block_tables)
+            if self.time_forwards:
+                start = _record_event()
+            logits, tokens = self.graph_runner.replay(step)
+        else:
+            plan = self._plan(inputs)
+            if self.time_forwards:
+                start = _record_event()
+            logits, tokens = self._forward_eager(plan, ids, positions, rows)
+        return PendingForward.launch(sampling, logits, tokens, start)
+
+    def _plan(self, inputs: TpInputs) -> PagedAttentionPlan:
+        return build_plan(
+            inputs.num_new_tokens,
+            inputs.num_cached_tokens,
+            inputs.block_tables,
+            tokens_per_block=self.kv_cache_manager.tokens_per_block,
+            num_blocks=self.kv_cache_manager.num_blocks,
+            num_kv_heads=self.model.config.num_kv_heads,
+            device=self.device,
+        )
+
+    def _forward_eager(self, plan: PagedAttentionPlan, ids: np.ndarray, positions: np.ndarray, rows: list[int]):
+        storage = self.kv_cache_manager.storage
+        hidden = self.model.forward_with_plan(
+            host_to_device(ids, self.device), host_to_device(positions, self.device), plan, storage.k_cache, storage.v_cache
+        )  # (T, hidden)
+        if not rows:
+            return hidden.new_empty((0, self.vocab_size)), torch.empty(0, dtype=torch.int64, device=self.device)
+        if rows == list(range(len(rows))) and len(rows) == hidden.shape[0]:
+            sampled = hidden  # every row samples (a decode batch)
+        else:
+            sampled = hidden.index_select(0, host_to_device(np.asarray(rows, dtype=np.int64), self.device))
+        logits = self.model.compute_logits(sampled)  # (rows, vocab)
+        return logits, logits.argmax(dim=-1)
+
+
+class PendingForward:
+    """A forward in flight. ``result()`` waits for its greedy tokens to reach the host (not for
+    anything enqueued after it) and returns the :class:`ForwardOutput`.
+
+    The logits rows it hands out are device tensors, valid until the engine's next forward of
+    the same graph size (they may live in a CUDA graph's static output).
+    """
+
+    __slots__ = ("_output", "_event", "_start", "_tokens_host", "_request_ids", "_logits")
+
+    def __init__(self) -> None:
+        self._output: ForwardOutput | None = None
+        self._event = None
+        self._start = None
+        self._tokens_host = None
+        self._request_ids: list[int] = []
+        self._logits = None
+
+    @classmethod
+    def ready(cls, output: ForwardOutput) -> "PendingForward":
+        pending = cls()
+        pending._output = output
+        return pending
+
+    @classmethod
+    def launch(
+        cls, request_ids: list[int], logits: torch.Tensor, tokens: torch.Tensor, start: torch.cuda.Event | None = None
+    ) -> "PendingForward":
+        """Enqueue the copy of ``tokens`` (device) to pinned host memory and an event after it;
+        ``start``: an event recorded before the forward's first kernel (timing)."""
+        pending = cls()
+        pending._start = start
+        pending._request_ids = request_ids
+        pending._logits = logits
+        pending._tokens_host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=tokens.numel() > 0)
+        if tokens.numel():
+            pending._tokens_host.copy_(tokens, non_blocking=True)
+        pending._event = _record_event()
+        return pending
+
+    def done(self) -> bool:
+        """True once the result can be had without waiting."""
+        return self._output is not None or self._event.query()
+
+    def device_time_ms(self) -> float | None:
+        """The forward's device time (engines with ``time_forwards``), once ``result()`` returned."""
+        if self._start is None or self._output is None:
+            return None
+        return self._start.elapsed_time(self._event)
+
+    def result(self) -> ForwardOutput:
+        if self._output is None:
+            self._event.synchronize()
+            tokens = self._tokens_host.tolist()
+            self._output = ForwardOutput(
+                logits=dict(zip(self._request_ids, self._logits)),
+                greedy_tokens=dict(zip(self._request_ids, tokens)),
+            )
+        return self._output
+
+
+def _record_event() -> torch.cuda.Event:
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Callable
+
+import torch
 
 from tensorrt_llm._torch.models.modeling_llama import LlamaForCausalLM
 from tensorrt_llm._torch.pyexecutor.block_pool import BlockTokens
@@ -17,6 +20,8 @@ from tensorrt_llm._torch.pyexecutor.resource_manager import KV_CACHE_MANAGER, Re
 from tensorrt_llm._torch.pyexecutor.sampler import Sampler, TorchSampler
 from tensorrt_llm._torch.pyexecutor.scheduler import CapacityScheduler, MicroBatchScheduler, SimpleScheduler
 from tensorrt_llm._torch.pyexecutor.token_budget import TokenBudgetPolicy, make_token_budget_policy
+
+logger = logging.getLogger(__name__)
 
 EngineFactory = Callable[[KVCacheManager, TokenBudgetPolicy], ModelEngine]
 
@@ -34,6 +39,21 @@ def default_num_blocks(config: ExecutorConfig, bytes_per_block: int = 0) -> int:
     return min(full_batch, max(1, DEFAULT_KV_CACHE_BYTES // bytes_per_block)) if bytes_per_block else full_batch
 
 
+def gpu_num_blocks(device: torch.device, fraction: float, bytes_per_block: int) -> int:
+    """Blocks that ``fraction`` of the device memory free now holds (call it after the weights
+    are loaded: upstream's ``free_gpu_memory_fraction``)."""
+    free, _total = torch.cuda.mem_get_info(device)
+    num_blocks = int(free * fraction) // bytes_per_block
+    if num_blocks < 1:
+        raise ValueError(
+            f"free_gpu_memory_fraction {fraction} of the {free / 2**30:.2f} GiB free on {device} holds no KV block "
+            f"of {bytes_per_block} bytes"
+        )
+    logger.info("KV pool: %d blocks (%.2f GiB), %.0f%% of the %.2f GiB free on %s", num_blocks,
+                num_blocks * bytes_per_block / 2**30, 100 * fraction, free / 2**30, device)
+    return num_blocks
+
+
 def create_kv_cache_manager(
     config: ExecutorConfig,
     token_budget: TokenBudgetPolicy,
@@ -42,15 +62,24 @@ def create_kv_cache_manager(
     kv_bytes_per_token: int | None = None,
     block_hash: Callable[[BlockTokens], int] = hash,
 ) -> KVCacheManager:
-    """With ``model``: real K/V tensors shaped for it. Without: bookkeeping only, and
-    ``kv_bytes_per_token`` sizes the host tier from ``host_cache_size`` bytes."""
+    """With ``model``: real K/V tensors shaped for it, on its device. Without: bookkeeping only,
+    and ``kv_bytes_per_token`` sizes the host tier from ``host_cache_size`` bytes.
+
+    Pool size: ``num_blocks`` or ``max_tokens`` when given; otherwise, on a GPU,
+    ``free_gpu_memory_fraction`` of the free device memory, and on the CPU room for a full batch
+    of full-length sequences, capped at ``DEFAULT_KV_CACHE_BYTES``. On CUDA one scratch block beyond the pool takes the writes of
+    CUDA-graph padding rows."""
     kv_config = config.kv_cache_config
     storage = None
+    device = model.device if model is not None else torch.device("cpu")
     if model is not None:
         block_shape = model.kv_cache_shape(1, kv_config.tokens_per_block)[1:]
         dtype = model.config.torch_dtype
         bytes_per_block = KVCacheStorage.bytes_per_block(model.config.num_layers, block_shape, dtype)
-        num_blocks = kv_config.resolve_num_blocks(default_num_blocks(config, bytes_per_block))
+        if device.type == "cuda" and not kv_config.is_sized:
+            num_blocks = gpu_num_blocks(device, kv_config.free_gpu_memory_fraction, bytes_per_block) - 1
+        else:
+            num_blocks = kv_config.resolve_num_blocks(default_num_blocks(config, bytes_per_block))
     elif kv_config.host_cache_size and not kv_bytes_per_token:
         raise ValueError("host_cache_size needs the model's KV bytes per token to size the host tier")
     else:
@@ -64,6 +93,8 @@ def create_kv_cache_manager(
             num_host_blocks=num_host_blocks,
             block_shape=block_shape,
             dtype=dtype,
+            device=device,
+            num_scratch_blocks=1 if device.type == "cuda" else 0,
         )
     return KVCacheManager(
         kv_config,
@@ -98,7 +129,16 @@ def create_py_executor(
         config, token_budget, model=model, kv_bytes_per_token=kv_bytes_per_token, block_hash=block_hash
     )
     if model is not None:
-        engine: ModelEngine = TorchModelEngine(model, config.max_num_tokens, kv, token_budget)
+        engine: ModelEngine = TorchModelEngine(
+            model,
+            config.max_num_tokens,
+            kv,
+            token_budget,
+            cuda_graph_config=config.cuda_graph_config,
+            max_batch_size=config.max_batch_size,
+            max_seq_len=config.max_seq_len,
+        )
+        engine.warmup()
         sampler = sampler or TorchSampler()
     else:
         engine = engine_factory(kv, token_budget)

@@ -37,8 +37,10 @@ class TorchSampler(Sampler):
             raise NonFiniteLogitsError(request.request_id, len(request.tokens))
         config = request.sampling_config
         if config.is_greedy:
+            if output.greedy_tokens is not None:  # picked on the engine's device, for the whole batch
+                return [output.greedy_tokens[request.request_id]]
             return [int(torch.argmax(logits))]
-        probs = self._filtered_probs(logits.double(), config)  # (vocab,)
+        probs = self._filtered_probs(logits.to("cpu", torch.float64), config)  # (vocab,), the generator's device
         return [int(torch.multinomial(probs, 1, generator=self._generator(request)))]
 
     def release(self, request: LlmRequest) -> None:

@@ -94,7 +94,7 @@ def test_random_models_take_token_ids_only():
 
 
 def test_bad_model_names_are_refused_clearly(monkeypatch, smollm2_path):
-    with pytest.raises(ValueError, match="unknown model 'smollm3'; available: small-random, tiny-random, smollm2"):
+    with pytest.raises(ValueError, match="unknown model 'smollm3'; available: mistral-nemo-12b-random, small-random, tiny-random, smollm2"):
         LLM("smollm3")
     with pytest.raises(CheckpointError, match="cannot read GGUF file"):
         LLM("/nonexistent/model.gguf")

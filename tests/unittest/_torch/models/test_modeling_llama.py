@@ -134,8 +134,8 @@ def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
         ("num_layers", True),
         ("rope_theta", 0.0),
         ("rms_norm_eps", -1e-6),
-        ("dtype", "float16"),
-        ("dtype", "bfloat16"),
+        ("dtype", "int8"),
+        ("dtype", "half"),
         ("seed", "0"),
     ],
 )

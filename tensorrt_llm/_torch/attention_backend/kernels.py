@@ -1,0 +1,162 @@
+"""The two attention calls of a paged forward, each with a fast kernel and a torch reference.
+
+``context_attention``: every context chunk of the forward in ONE varlen call. Chunk ``i`` has
+``q_lens[i]`` queries, the last ones of its ``k_lens[i]`` keys (its cached prefix, then itself),
+causal with the diagonal at the bottom right: query ``j`` sees keys ``[0, k_lens[i] - q_lens[i]
++ j]``. On CUDA in bf16/fp16 this is torch's bundled FlashAttention-2 varlen kernel
+(``aten::_flash_attention_forward`` with cumulative lengths, native GQA, bottom-right causal),
+which packs the chunks without padding. Elsewhere (float32, CPU tests) a per-chunk SDPA with an
+explicit mask computes the same function.
+
+Why not cuDNN, which runs Hopper's own kernels at nearly twice flash-2's rate on a fixed shape
+(``benchmarks/gpu_kernels.py`` measures it)? cuDNN builds an execution plan for every new
+shape, and serving rarely repeats one: on the H200 a replay paid ~85 ms per new chunk shape,
+more than any forward gains (``benchmarks/results/h200/README.md``).
+
+``decode_attention``: one query per sequence over its paged K/V, read in place by the Triton
+kernel (``triton_paged_decode``) on CUDA; a gather-and-mask reference in torch elsewhere.
+
+Neither fast path synchronises with the host, so both can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["context_attention", "decode_attention", "flash_varlen", "flash_varlen_available", "fused_rope_applies",
+           "has_triton", "rotate_qk_"]
+
+
+@functools.cache
+def has_triton() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def flash_varlen_available(q: torch.Tensor) -> bool:
+    """True where the flash varlen kernel runs: CUDA, half precision, head dim a multiple of 8."""
+    return q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] % 8 == 0 and q.shape[-1] <= 256
+
+
+def context_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    q_lens: tuple[int, ...],
+    k_lens: tuple[int, ...],
+    scale: float,
+) -> torch.Tensor:
+    """q (Tq, Hq, D) packed chunk queries; k, v (Tk, Hkv, D) packed chunk keys -> (Tq, Hq, D).
+
+    cu_seqlens_q/k: (N+1,) int32 on q's device; q_lens/k_lens: the same lengths on the host.
+    """
+    if flash_varlen_available(q):
+        return flash_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, q_lens, k_lens, scale)
+    return reference_context_attention(q, k, v, q_lens, k_lens, scale)
+
+
+def flash_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, q_lens, k_lens, scale) -> torch.Tensor:
+    """torch's bundled FlashAttention-2, varlen, bottom-right causal, native GQA."""
+    return torch.ops.aten._flash_attention_forward(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max(q_lens), max(k_lens),
+        0.0,  # dropout
+        True,  # causal, bottom-right aligned when a chunk has fewer queries than keys
+        False,  # return_debug_mask
+        scale=scale,
+    )[0]
+
+
+def reference_context_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_lens: tuple[int, ...], k_lens: tuple[int, ...], scale: float
+) -> torch.Tensor:
+    """The varlen call chunk by chunk through SDPA with an explicit bottom-right causal mask."""
+    group = q.shape[1] // k.shape[1]
+    out = torch.empty_like(q)
+    q0 = k0 = 0
+    for nq, nk in zip(q_lens, k_lens):
+        qi = q[q0 : q0 + nq].transpose(0, 1)  # (Hq, nq, D)
+        ki = k[k0 : k0 + nk].repeat_interleave(group, dim=1).transpose(0, 1)  # (Hq, nk, D)
+        vi = v[k0 : k0 + nk].repeat_interleave(group, dim=1).transpose(0, 1)  # (Hq, nk, D)
+        visible = torch.ones(nq, nk, dtype=torch.bool, device=q.device).tril(nk - nq)  # (nq, nk)
+        yi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=visible, scale=scale)  # (Hq, nq, D)
+        out[q0 : q0 + nq] = yi.transpose(0, 1)
+        q0, k0 = q0 + nq, k0 + nk
+    return out
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    out: torch.Tensor,
+    rows: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    tokens_per_block: int,
+    scale: float,
+    num_splits: int,
+) -> None:
+    """``out[rows[b]]`` = attention of ``q[rows[b]]`` over positions ``[0, seq_lens[b])`` of
+    sequence ``b``, whose K/V live in the flat pools (num_slots, Hkv, D) at the slots
+    ``block_tables[b]`` gives. Triton on CUDA, the torch reference elsewhere."""
+    head_dim = q.shape[-1]
+    if q.is_cuda and has_triton() and head_dim & (head_dim - 1) == 0 and head_dim >= 16:
+        from tensorrt_llm._torch.attention_backend.triton_paged_decode import paged_decode_attention
+
+        paged_decode_attention(
+            q, k_pool, v_pool, out, rows, block_tables, seq_lens,
+            tokens_per_block=tokens_per_block, scale=scale, num_splits=num_splits,
+        )
+        return
+    reference_decode_attention(
+        q, k_pool, v_pool, out, rows, block_tables, seq_lens, tokens_per_block=tokens_per_block, scale=scale
+    )
+
+
+def reference_decode_attention(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    out: torch.Tensor,
+    rows: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    tokens_per_block: int,
+    scale: float,
+) -> None:
+    """Gather every sequence's positions (padded to the table width) and attend with a mask."""
+    if rows.numel() == 0:
+        return
+    num_seqs, width = block_tables.shape
+    group = q.shape[1] // k_pool.shape[1]
+    positions = torch.arange(width * tokens_per_block, device=q.device)  # (L,)
+    blocks = block_tables.long()[:, positions // tokens_per_block]  # (B, L)
+    slots = blocks * tokens_per_block + positions % tokens_per_block  # (B, L)
+    visible = positions[None, :] < seq_lens.long()[:, None]  # (B, L)
+    slots = torch.where(visible, slots, 0)
+    keys = k_pool[slots].repeat_interleave(group, dim=2).permute(0, 2, 1, 3)  # (B, Hq, L, D)
+    values = v_pool[slots].repeat_interleave(group, dim=2).permute(0, 2, 1, 3)  # (B, Hq, L, D)
+    query = q[rows].unsqueeze(2)  # (B, Hq, 1, D)
+    y = F.scaled_dot_product_attention(query, keys, values, attn_mask=visible[:, None, None, :], scale=scale)
+    out[rows] = y.squeeze(2).to(out.dtype)  # (B, Hq, D)
+
+
+def fused_rope_applies(q: torch.Tensor) -> bool:
+    """True where :func:`rotate_qk_` runs as one Triton kernel: CUDA, half head dim a power of two."""
+    half = q.shape[-1] // 2
+    return q.is_cuda and has_triton() and half & (half - 1) == 0 and half >= 1
+
+
+def rotate_qk_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """RoPE of q (T, Hq, D) and k (T, Hkv, D), in place, in one kernel (``triton_rope``); only
+    where :func:`fused_rope_applies`."""
+    from tensorrt_llm._torch.attention_backend.triton_rope import rotate_qk_ as triton_rotate_qk_
+
+    triton_rotate_qk_(q, k, cos, sin)

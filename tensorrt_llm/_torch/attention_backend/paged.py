@@ -1,0 +1,268 @@
+"""Paged attention for accelerators: a per-forward plan built once on the host, read by every layer.
+
+The CPU path of the model (``modeling_llama``) builds slot indices per request and loops over
+requests in every layer. On a GPU that loop, and any read of a device value on the host, would
+stall the device, so this backend moves all of it into :func:`build_plan`, which runs once per
+forward on the host from plain ints, ships a handful of index tensors to the device, and decides
+which kernel serves which request:
+
+    flat forward:  [ chunk A (5 tokens) | chunk B (3) | dec C | dec D ]   (rows of q, k, v)
+                     context: one varlen call        decode: one paged kernel
+    request:       num_cached  num_new   ->  served by
+      A            0           5             context (its K/V are the new tokens' own)
+      B            8           3             context (K/V gathered from the pool: 8 cached + 3 new)
+      C, D         any         1             decode  (reads its blocks in place)
+
+A request with one new token is a decode whatever its state: attending to all of its positions
+is exactly what a one-token chunk does. Every layer then (``PagedLayerKV.attend``):
+
+1. writes the new tokens' K/V into their slots (``index_copy_``, one call per pool);
+2. runs the context chunks, if any, through one varlen causal call over packed K/V (gathered from
+   the pool only when some chunk has a cached prefix);
+3. runs the decodes, if any, through the paged decode kernel straight into the output.
+
+Masking follows the CPU path's rule, key ``p`` visible to a query at position ``x`` iff
+``p <= x``, for queries at consecutive positions from ``num_cached`` (what the engine builds);
+the positions tensor itself is only used for RoPE.
+
+A plan holds no host state a layer would need to read back, so a forward built from it can be
+captured in a CUDA graph: ``cuda_graph_runner`` keeps one static plan per batch size and copies
+each step's indices into it.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from tensorrt_llm._torch.attention_backend.kernels import context_attention, decode_attention
+
+__all__ = ["ContextBatch", "DecodeBatch", "PagedAttentionPlan", "PagedLayerKV", "build_plan", "host_to_device", "num_sms"]
+
+
+@dataclass(frozen=True, slots=True)
+class ContextBatch:
+    """The forward's context chunks (requests with 2+ new tokens), packed for one varlen call."""
+
+    rows: torch.Tensor | None  # (Tc,) int64 rows of q holding chunk tokens; None: rows [0, Tc)
+    num_tokens: int  # Tc
+    cu_seqlens_q: torch.Tensor  # (N+1,) int32
+    cu_seqlens_k: torch.Tensor  # (N+1,) int32
+    q_lens: tuple[int, ...]  # new tokens per chunk (host copy: the varlen call needs the maximum)
+    k_lens: tuple[int, ...]  # cached + new per chunk
+    kv_slots: torch.Tensor | None  # (sum k_lens,) int64 slots of every chunk's positions;
+    #                                None: no chunk has a cached prefix, its K/V are its own rows
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeBatch:
+    """The forward's one-token requests, for the paged decode kernel."""
+
+    rows: torch.Tensor  # (B,) int64 rows of q
+    block_tables: torch.Tensor  # (B, W) int32 block ids, position order
+    seq_lens: torch.Tensor  # (B,) int32 positions attended: cached + 1
+    num_splits: int  # flash-decoding splits per sequence (from B alone)
+
+
+@dataclass(frozen=True, slots=True)
+class PagedAttentionPlan:
+    """Everything the layers of one flat forward need besides their pools; device tensors only."""
+
+    tokens_per_block: int
+    num_tokens: int  # T, rows of the flat forward
+    new_slots: torch.Tensor  # (T,) int64 slot each new token's K/V is written to
+    context: ContextBatch | None
+    decode: DecodeBatch | None
+
+    def layer(self, k_pool: torch.Tensor, v_pool: torch.Tensor) -> "PagedLayerKV":
+        """Bind one layer's pools (num_blocks, tokens_per_block, Hkv, D)."""
+        num_slots = k_pool.shape[0] * k_pool.shape[1]
+        flat = (num_slots, *k_pool.shape[2:])
+        return PagedLayerKV(self, k_pool.view(flat), v_pool.view(flat))  # (num_slots, Hkv, D)
+
+
+@dataclass(frozen=True, slots=True)
+class PagedLayerKV:
+    """One layer's view of a plan: what ``Attention`` calls on an accelerator."""
+
+    plan: PagedAttentionPlan
+    k_pool: torch.Tensor  # (num_slots, Hkv, D), a view of the layer's pool
+    v_pool: torch.Tensor  # (num_slots, Hkv, D)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        """q (T, Hq, D), k/v (T, Hkv, D) of the new tokens -> attention output (T, Hq, D)."""
+        plan = self.plan
+        # Write first, so that chunks and decodes read their own new tokens from the pool.
+        self.k_pool.index_copy_(0, plan.new_slots, k)
+        self.v_pool.index_copy_(0, plan.new_slots, v)
+        ctx, dec = plan.context, plan.decode
+        if ctx is not None:
+            y_ctx = self._context(ctx, q, k, v, scale)  # (Tc, Hq, D)
+            if dec is None and ctx.rows is None:
+                return y_ctx  # the whole forward is context chunks, in order
+        y = torch.empty_like(q)  # (T, Hq, D)
+        if ctx is not None:
+            if ctx.rows is None:
+                y[: ctx.num_tokens] = y_ctx
+            else:
+                y.index_copy_(0, ctx.rows, y_ctx)
+        if dec is not None:
+            decode_attention(
+                q, self.k_pool, self.v_pool, y, dec.rows, dec.block_tables, dec.seq_lens,
+                tokens_per_block=plan.tokens_per_block, scale=scale, num_splits=dec.num_splits,
+            )
+        return y
+
+    def _context(self, ctx: ContextBatch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
+        if ctx.rows is None:
+            qc = q[: ctx.num_tokens]  # (Tc, Hq, D)
+        else:
+            qc = q.index_select(0, ctx.rows)
+        if ctx.kv_slots is None:  # no cached prefix anywhere: the keys are the chunks' own tokens
+            kc = k[: ctx.num_tokens] if ctx.rows is None else k.index_select(0, ctx.rows)
+            vc = v[: ctx.num_tokens] if ctx.rows is None else v.index_select(0, ctx.rows)
+        else:
+            kc = self.k_pool.index_select(0, ctx.kv_slots)  # (sum k_lens, Hkv, D)
+            vc = self.v_pool.index_select(0, ctx.kv_slots)
+        return context_attention(qc, kc, vc, ctx.cu_seqlens_q, ctx.cu_seqlens_k, ctx.q_lens, ctx.k_lens, scale)
+
+
+# --------------------------------------------------------------------------------------------
+# Building a plan on the host
+# --------------------------------------------------------------------------------------------
+
+
+_SMS: dict[torch.device, int] = {}
+
+
+def num_sms(device: torch.device) -> int:
+    """Multiprocessors of a CUDA device (a nominal 132, an H200's, elsewhere)."""
+    if device.type != "cuda":
+        return 132
+    if device not in _SMS:
+        _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return _SMS[device]
+
+
+def decode_num_splits(num_seqs: int, num_kv_heads: int, device: torch.device, max_splits: int = 16) -> int:
+    """Flash-decoding splits so that about two programs per multiprocessor run: a power of two,
+    from the batch shape alone (a graph captured for a batch size keeps it for any lengths)."""
+    programs = max(1, num_seqs * num_kv_heads)
+    target = 2 * num_sms(device)
+    splits = 1
+    while splits < max_splits and programs * splits < target:
+        splits *= 2
+    return splits
+
+
+def host_to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """Host array -> device tensor without blocking the host (through pinned memory on CUDA)."""
+    tensor = torch.from_numpy(array)
+    if device.type == "cuda":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
+
+
+def decode_tables(block_tables: Sequence[Sequence[int]], width: int | None = None) -> np.ndarray:
+    """(B, W) int32 matrix of the tables, zero-padded; W = the longest table unless given."""
+    lens = np.fromiter((len(t) for t in block_tables), dtype=np.int64, count=len(block_tables))
+    width = int(lens.max(initial=1)) if width is None else width
+    flat = np.fromiter(itertools.chain.from_iterable(block_tables), dtype=np.int32, count=int(lens.sum()))
+    matrix = np.zeros((len(block_tables), max(width, 1)), dtype=np.int32)
+    matrix[np.arange(matrix.shape[1]) < lens[:, None]] = flat
+    return matrix
+
+
+def build_plan(
+    num_new_tokens: Sequence[int],
+    num_cached_tokens: Sequence[int],
+    block_tables: Sequence[Sequence[int]],
+    *,
+    tokens_per_block: int,
+    num_blocks: int,
+    num_kv_heads: int,
+    device: torch.device | str,
+) -> PagedAttentionPlan:
+    """The plan of one flat forward (request ``r`` owns the next ``num_new_tokens[r]`` rows).
+
+    Checks what a wrong table would silently corrupt on a GPU: every table covers its
+    positions, names blocks in ``[0, num_blocks)``, and no two new tokens share a slot.
+    Raises ValueError naming the request otherwise.
+    """
+    device = torch.device(device)
+    tpb = tokens_per_block
+    new = np.asarray(num_new_tokens, dtype=np.int64)
+    cached = np.asarray(num_cached_tokens, dtype=np.int64)
+    n = len(new)
+    if len(cached) != n or len(block_tables) != n:
+        raise ValueError("num_new_tokens, num_cached_tokens and block_tables need one entry per request")
+    if n and (new.min() < 0 or cached.min() < 0):
+        raise ValueError("token counts must be >= 0")
+    table_lens = np.fromiter((len(t) for t in block_tables), dtype=np.int64, count=n)
+    needed = -(-(cached + new) // tpb)
+    short = np.flatnonzero(table_lens < needed)
+    if short.size:
+        r = int(short[0])
+        raise ValueError(f"block_tables[{r}] has {table_lens[r]} blocks, {cached[r]} cached + {new[r]} new tokens "
+                         f"need {needed[r]} blocks of {tpb} tokens")
+    tables = decode_tables(block_tables)  # (n, W) int32
+    used = np.arange(tables.shape[1]) < needed[:, None]  # (n, W)
+    bad = used & ((tables < 0) | (tables >= num_blocks))
+    if bad.any():
+        r = int(np.flatnonzero(bad.any(axis=1))[0])
+        raise ValueError(f"block_tables[{r}] names a block outside [0, {num_blocks}): {list(block_tables[r])}")
+
+    starts = np.concatenate(([0], np.cumsum(new)))  # (n+1,) first row of each request
+    total = int(starts[-1])
+    # Slot of every new token: request r's position cached[r] + j lives in block table[r][pos // tpb].
+    owner = np.repeat(np.arange(n), new)  # (T,)
+    position = cached[owner] + (np.arange(total) - starts[owner])  # (T,)
+    new_slots = tables[owner, position // tpb].astype(np.int64) * tpb + position % tpb  # (T,)
+    if np.unique(new_slots).size != total:
+        raise ValueError("two new tokens of this forward map to the same KV slot (a block being written is shared)")
+
+    is_ctx = new >= 2
+    is_dec = new == 1
+    context = _context_batch(np.flatnonzero(is_ctx), new, cached, starts, tables, tpb, device)
+    decode = None
+    if is_dec.any():
+        dec = np.flatnonzero(is_dec)
+        decode = DecodeBatch(
+            rows=host_to_device(starts[dec], device),
+            block_tables=host_to_device(np.ascontiguousarray(tables[dec]), device),
+            seq_lens=host_to_device((cached[dec] + 1).astype(np.int32), device),
+            num_splits=decode_num_splits(len(dec), num_kv_heads, device),
+        )
+    return PagedAttentionPlan(tpb, total, host_to_device(new_slots, device), context, decode)
+
+
+def _context_batch(
+    ctx: np.ndarray, new: np.ndarray, cached: np.ndarray, starts: np.ndarray, tables: np.ndarray, tpb: int,
+    device: torch.device,
+) -> ContextBatch | None:
+    if ctx.size == 0:
+        return None
+    q_lens = new[ctx]
+    k_lens = cached[ctx] + new[ctx]
+    num_tokens = int(q_lens.sum())
+    rows = np.concatenate([np.arange(starts[r], starts[r + 1]) for r in ctx])  # (Tc,)
+    in_order = bool(rows[0] == 0 and rows[-1] == num_tokens - 1)  # contiguous from row 0
+    kv_slots = None
+    if cached[ctx].any():
+        owner = np.repeat(np.arange(ctx.size), k_lens)  # (sum k_lens,)
+        k_starts = np.concatenate(([0], np.cumsum(k_lens)))
+        position = np.arange(int(k_starts[-1])) - k_starts[owner]
+        kv_slots = host_to_device(tables[ctx[owner], position // tpb].astype(np.int64) * tpb + position % tpb, device)
+    return ContextBatch(
+        rows=None if in_order else host_to_device(rows, device),
+        num_tokens=num_tokens,
+        cu_seqlens_q=host_to_device(np.concatenate(([0], np.cumsum(q_lens))).astype(np.int32), device),
+        cu_seqlens_k=host_to_device(np.concatenate(([0], np.cumsum(k_lens))).astype(np.int32), device),
+        q_lens=tuple(int(x) for x in q_lens),
+        k_lens=tuple(int(x) for x in k_lens),
+        kv_slots=kv_slots,
+    )

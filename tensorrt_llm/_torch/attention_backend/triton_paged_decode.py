@@ -1,0 +1,200 @@
+"""Paged decode attention in Triton: one query token per sequence, K/V read in place from the pool.
+
+Why a kernel of our own: torch's kernels cannot read a paged pool of 32-token blocks. Gathering
+each sequence's blocks into a contiguous copy first and running SDPA costs about 3.4x the bytes
+of reading them once (``../shared/calibration/attention_h200.md``), and the flash kernel bundled
+with torch only pages blocks of a multiple of 256 tokens. Decode is bound by the bytes of K/V it
+reads, so this kernel reads every cached K/V row exactly once, straight from its slot.
+
+Layout (see ``PagedAttentionPlan``)::
+
+    q        (T, Hq, D)                the flat forward's queries; row rows[b] is sequence b's
+    k_pool   (num_slots, Hkv, D)       a layer's pool viewed flat: slot = block * tpb + offset
+    tables   (B, W) int32              block ids of each sequence, in position order
+    seq_lens (B,) int32                positions each sequence attends to (cached + itself)
+
+One program handles one (sequence, KV head, split): the G = Hq / Hkv query heads that share the KV
+head are the rows of one ``tl.dot`` (padded to 16), so each K/V row is loaded once for the whole
+group. A tile of ``BLOCK_N`` positions may span several blocks: each position finds its slot
+through the table. With ``num_splits`` > 1 (flash-decoding) the positions are split into
+contiguous ranges whose partial softmax states are combined by a second kernel, so that few
+sequences still fill the GPU. The number of splits depends only on the batch size, never on the
+context lengths, so a CUDA graph captured for a batch size stays valid for any lengths.
+
+Importing this module needs Triton (it is guarded by the caller); running it needs a GPU, or
+``TRITON_INTERPRET=1`` set before the import (the CPU tests).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["paged_decode_attention", "DecodeConfig"]
+
+_LOG2E = 1.4426950408889634
+
+
+class DecodeConfig:
+    """Tile shape of the decode kernel: positions per tile, warps, pipeline depth."""
+
+    __slots__ = ("block_n", "num_warps", "num_stages")
+
+    def __init__(self, block_n: int = 64, num_warps: int = 4, num_stages: int = 3) -> None:
+        self.block_n, self.num_warps, self.num_stages = block_n, num_warps, num_stages
+
+    def __repr__(self) -> str:
+        return f"DecodeConfig(block_n={self.block_n}, num_warps={self.num_warps}, num_stages={self.num_stages})"
+
+
+DEFAULT_CONFIG = DecodeConfig()
+
+
+@triton.jit
+def _decode_kernel(
+    Q, K, V, Out, Acc, ML,
+    rows, tables, seq_lens,
+    stride_qt, stride_qh,
+    stride_ks, stride_kh,
+    stride_vs, stride_vh,
+    stride_ot, stride_oh,
+    stride_tb,
+    sm_scale_log2,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+    TOKENS_PER_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    NUM_Q_HEADS: tl.constexpr, IEEE: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    seq_len = tl.load(seq_lens + seq)
+    per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * per_split
+    end = tl.minimum(start + per_split, seq_len)
+
+    offs_g = tl.arange(0, GROUP_PAD)
+    offs_d = tl.arange(0, HEAD_DIM)
+    head = kv_head * GROUP + offs_g  # (GP,) query heads of this KV head
+    row = tl.load(rows + seq)
+    q_ptrs = Q + row * stride_qt + head[:, None] * stride_qh + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=offs_g[:, None] < GROUP, other=0.0)  # (GP, D)
+
+    m = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
+    l = tl.zeros([GROUP_PAD], dtype=tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
+    table = tables + seq * stride_tb
+    for n0 in tl.range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)  # (BN,) positions
+        valid = offs_n < end
+        block = tl.load(table + offs_n // TOKENS_PER_BLOCK, mask=valid, other=0)
+        slot = block.to(tl.int64) * TOKENS_PER_BLOCK + offs_n % TOKENS_PER_BLOCK  # (BN,)
+        k = tl.load(K + slot[:, None] * stride_ks + kv_head * stride_kh + offs_d[None, :],
+                    mask=valid[:, None], other=0.0)  # (BN, D)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = tl.where(valid[None, :], s * sm_scale_log2, float("-inf"))  # (GP, BN), log2 units
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l = l * alpha + tl.sum(p, axis=1)
+        v = tl.load(V + slot[:, None] * stride_vs + kv_head * stride_vh + offs_d[None, :],
+                    mask=valid[:, None], other=0.0)  # (BN, D)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m = m_new
+
+    head_ok = offs_g < GROUP
+    if NUM_SPLITS == 1:
+        out = acc / l[:, None]
+        o_ptrs = Out + row * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
+        tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=head_ok[:, None])
+    else:
+        # Partial state of this split: unnormalised acc, running max m and sum l (log2 units).
+        base = (seq * NUM_Q_HEADS + head) * NUM_SPLITS + split  # (GP,)
+        tl.store(Acc + base[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=head_ok[:, None])
+        tl.store(ML + base * 2, m, mask=head_ok)
+        tl.store(ML + base * 2 + 1, l, mask=head_ok)
+
+
+@triton.jit
+def _combine_kernel(
+    Out, Acc, ML, rows,
+    stride_ot, stride_oh,
+    HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, NUM_Q_HEADS: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, NUM_SPLITS)
+    offs_d = tl.arange(0, HEAD_DIM)
+    base = (seq * NUM_Q_HEADS + head) * NUM_SPLITS + offs_s  # (S,)
+    m = tl.load(ML + base * 2)
+    l = tl.load(ML + base * 2 + 1)
+    m_max = tl.max(m, axis=0)  # split 0 always holds a position, so this is finite
+    w = tl.exp2(m - m_max)  # empty splits: exp2(-inf) = 0
+    acc = tl.load(Acc + base[:, None] * HEAD_DIM + offs_d[None, :])  # (S, D)
+    out = tl.sum(acc * w[:, None], axis=0) / tl.sum(l * w, axis=0)
+    row = tl.load(rows + seq)
+    tl.store(Out + row * stride_ot + head * stride_oh + offs_d, out.to(Out.dtype.element_ty))
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    out: torch.Tensor,
+    rows: torch.Tensor,
+    tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    tokens_per_block: int,
+    scale: float,
+    num_splits: int = 1,
+    config: DecodeConfig = DEFAULT_CONFIG,
+) -> None:
+    """Write ``out[rows[b]]`` = attention of query ``q[rows[b]]`` over positions
+    ``[0, seq_lens[b])`` of sequence ``b``, read through ``tables[b]`` from the flat pools.
+
+    q, out: (T, Hq, D); k_pool, v_pool: (num_slots, Hkv, D) with unit stride on D; rows: (B,)
+    int64; tables: (B, W) int32; seq_lens: (B,) int32, each >= 1. ``num_splits`` a power of two.
+    No host synchronisation: safe to capture in a CUDA graph.
+    """
+    num_seqs = rows.shape[0]
+    if num_seqs == 0:
+        return
+    num_q_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = k_pool.shape[1]
+    group = num_q_heads // num_kv_heads
+    group_pad = max(16, triton.next_power_of_2(group))
+    ieee = q.dtype == torch.float32
+    if num_splits > 1:
+        acc = torch.empty((num_seqs * num_q_heads * num_splits, head_dim), dtype=torch.float32, device=q.device)
+        ml = torch.empty((num_seqs * num_q_heads * num_splits, 2), dtype=torch.float32, device=q.device)
+    else:
+        acc = ml = out  # unused
+    _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
+        q, k_pool, v_pool, out, acc, ml,
+        rows, tables, seq_lens,
+        q.stride(0), q.stride(1),
+        k_pool.stride(0), k_pool.stride(1),
+        v_pool.stride(0), v_pool.stride(1),
+        out.stride(0), out.stride(1),
+        tables.stride(0),
+        scale * _LOG2E,
+        GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim,
+        TOKENS_PER_BLOCK=tokens_per_block, BLOCK_N=config.block_n, NUM_SPLITS=num_splits,
+        NUM_Q_HEADS=num_q_heads, IEEE=ieee,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    if num_splits > 1:
+        _combine_kernel[(num_seqs, num_q_heads)](
+            out, acc, ml, rows,
+            out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, NUM_SPLITS=num_splits, NUM_Q_HEADS=num_q_heads,
+            num_warps=4,
+        )

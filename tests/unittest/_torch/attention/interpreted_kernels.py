@@ -1,0 +1,91 @@
+"""Run the Triton kernels under TRITON_INTERPRET=1 against their torch references.
+
+Called by ``test_paged_attention`` in a fresh process (the interpreter must be on before Triton
+is imported); prints one JSON line: per case, the kernel, the largest error and whether rows
+the kernel must not write were left untouched.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+
+
+def _fix_interpreter_for_numpy_2_4() -> None:
+    # Triton's interpreter turns a loaded scalar (a 1-element array) into a loop bound with
+    # int(array), which NumPy >= 2.4 refuses; read the element instead.
+    import triton.runtime.interpreter as interpreter
+
+    original = interpreter._patch_lang_tensor
+
+    def patched(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    interpreter._patch_lang_tensor = patched
+
+
+def run_case(num_splits: int, hq: int, hkv: int) -> dict:
+    from tensorrt_llm._torch.attention_backend.kernels import reference_decode_attention
+    from tensorrt_llm._torch.attention_backend.triton_paged_decode import paged_decode_attention
+
+    head_dim, tpb, num_blocks = 16, 4, 40
+    gen = torch.Generator().manual_seed(10 * num_splits + hq)
+    k_pool = torch.randn(num_blocks * tpb, hkv, head_dim, generator=gen)
+    v_pool = torch.randn(num_blocks * tpb, hkv, head_dim, generator=gen)
+    lens = [1, 5, 17, 30, 64]
+    free = torch.randperm(num_blocks, generator=gen).tolist()
+    tables = torch.zeros(len(lens), 16, dtype=torch.int32)
+    for i, n in enumerate(lens):
+        for j in range(-(-n // tpb)):
+            tables[i, j] = free.pop()
+    rows = torch.tensor([6, 0, 3, 4, 1])
+    q = torch.randn(8, hq, head_dim, generator=gen)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    expected = torch.full_like(q, float("nan"))
+    got = torch.full_like(q, float("nan"))
+    reference_decode_attention(q, k_pool, v_pool, expected, rows, tables, seq_lens, tokens_per_block=tpb, scale=0.25)
+    paged_decode_attention(
+        q, k_pool, v_pool, got, rows, tables, seq_lens, tokens_per_block=tpb, scale=0.25, num_splits=num_splits
+    )
+    return {
+        "kernel": "paged_decode",
+        "num_splits": num_splits,
+        "heads": [hq, hkv],
+        "untouched_rows_nan": bool(torch.isnan(got[[2, 5, 7]]).all()),
+        "max_abs_err": float((got[rows] - expected[rows]).abs().max()),
+    }
+
+
+def run_rope_case(hq: int, hkv: int, head_dim: int) -> dict:
+    from tensorrt_llm._torch.attention_backend.triton_rope import rotate_qk_
+    from tensorrt_llm._torch.models.modeling_llama import apply_rotary
+
+    gen = torch.Generator().manual_seed(hq * head_dim)
+    tokens = 5
+    q = torch.randn(tokens, hq, head_dim, generator=gen)
+    k = torch.randn(tokens, hkv, head_dim, generator=gen)
+    angles = torch.rand(tokens, head_dim // 2, generator=gen) * 6.0
+    cos, sin = angles.cos(), angles.sin()
+    expected_q, expected_k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+    rotate_qk_(q, k, cos, sin)
+    err = max(float((q - expected_q).abs().max()), float((k - expected_k).abs().max()))
+    return {"kernel": "rope", "heads": [hq, hkv], "untouched_rows_nan": True, "max_abs_err": err}
+
+
+def main() -> int:
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        print("set TRITON_INTERPRET=1", file=sys.stderr)
+        return 2
+    _fix_interpreter_for_numpy_2_4()
+    results = [run_case(s, hq, hkv) for s in (1, 2, 4) for hq, hkv in ((4, 2), (8, 1))]
+    results += [run_rope_case(hq, hkv, d) for hq, hkv, d in ((4, 2, 16), (3, 1, 8))]
+    print(json.dumps(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
