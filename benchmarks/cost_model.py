@@ -278,22 +278,46 @@ _NUM_FEATURES = 7
 _EXTRAPOLATION_FACTOR = 2.0
 
 
-def _features(contexts, decodes, gemm_knee: float, attn_knee: float) -> list[float]:
-    tokens = 0
-    rows = 0
+@dataclass(frozen=True, slots=True)
+class _ShapeSums:
+    """The per-forward sums the fit's features and the trust region are made of (one pass)."""
+
+    contexts: tuple[tuple[int, int], ...]
+    tokens: int
+    rows: int
+    prefix_sum: int
+    dec_kv: int
+    num_decodes: int
+    max_chunk_kv: int  # the largest prefix + new tokens of one chunk
+    max_decode_ctx: int
+
+    @classmethod
+    def of(cls, shape: ForwardShape) -> "_ShapeSums":
+        tokens = rows = prefix_sum = max_chunk_kv = 0
+        for n, p in shape.contexts:
+            tokens += n
+            rows += 1
+            prefix_sum += p
+            if n + p > max_chunk_kv:
+                max_chunk_kv = n + p
+        dec_kv = max_ctx = 0
+        for n, c in shape.decodes:
+            tokens += n
+            rows += n
+            dec_kv += c + n
+            if c > max_ctx:
+                max_ctx = c
+        return cls(shape.contexts, tokens, rows, prefix_sum, dec_kv, len(shape.decodes), max_chunk_kv, max_ctx)
+
+
+def _features(sums: _ShapeSums, gemm_knee: float, attn_knee: float) -> tuple[float, ...]:
+    """The fit's features; the fit and every prediction compute them here, and only here."""
     attn = 0.0
-    prefix_sum = 0
-    for n, p in contexts:
-        tokens += n
-        rows += 1
+    for n, p in sums.contexts:
         attn += (n if n > attn_knee else attn_knee) * (p + 0.5 * n)
-        prefix_sum += p
-    dec_kv = 0
-    for n, c in decodes:
-        tokens += n
-        rows += n
-        dec_kv += c + n
-    return [1.0, float(max(tokens, gemm_knee)), float(tokens), attn, float(prefix_sum), float(dec_kv), float(rows)]
+    tokens = sums.tokens
+    return (1.0, float(tokens if tokens > gemm_knee else gemm_knee), float(tokens), attn, float(sums.prefix_sum),
+            float(sums.dec_kv), float(sums.rows))
 
 
 def nnls(a, b, max_iter: int | None = None):
@@ -380,10 +404,11 @@ class FittedCostModel:
         import numpy as np
 
         y = np.array(times_s, dtype=float)
+        sums = [_ShapeSums.of(shape) for shape in shapes]
         best = None
         for g in _GEMM_KNEES:
             for a_knee in _ATTN_KNEES:
-                x = np.array([_features(s.contexts, s.decodes, g, a_knee) for s in shapes])
+                x = np.array([_features(row, g, a_knee) for row in sums])
                 # Relative-error weighting; columns scaled to unit max so NNLS is well conditioned.
                 xw = x / y[:, None]
                 scale = np.abs(xw).max(axis=0)
@@ -406,53 +431,23 @@ class FittedCostModel:
         return cls(coef, g, a_knee, fallback, ratios[len(ratios) // 2], table_range, floor_s)
 
     def in_range(self, shape: ForwardShape) -> bool:
-        r = self.range
-        f = _EXTRAPOLATION_FACTOR
-        if shape.num_tokens > f * r.tokens or len(shape.decodes) > f * r.decodes:
-            return False
-        for n, p in shape.contexts:
-            if n + p > f * r.chunk_kv:
-                return False
-        for _, c in shape.decodes:
-            if c > f * r.decode_ctx:
-                return False
-        return True
+        return self._in_range(_ShapeSums.of(shape))
+
+    def _in_range(self, sums: _ShapeSums) -> bool:
+        r, f = self.range, _EXTRAPOLATION_FACTOR
+        return (
+            sums.tokens <= f * r.tokens
+            and sums.num_decodes <= f * r.decodes
+            and sums.max_chunk_kv <= f * r.chunk_kv
+            and sums.max_decode_ctx <= f * r.decode_ctx
+        )
 
     def forward_time_s(self, shape: ForwardShape) -> float:
-        contexts = shape.contexts
-        decodes = shape.decodes
-        r = self.range
-        f = _EXTRAPOLATION_FACTOR
-        # One pass: the features and the trust-region test together (this runs ~10^5 times a replay).
-        g_knee = self.gemm_knee
-        a_knee = self.attn_knee
-        tokens = 0
-        rows = 0
-        attn = 0.0
-        prefix_sum = 0
-        inside = len(decodes) <= f * r.decodes
-        chunk_limit = f * r.chunk_kv
-        for n, p in contexts:
-            tokens += n
-            rows += 1
-            attn += (n if n > a_knee else a_knee) * (p + 0.5 * n)
-            prefix_sum += p
-            if n + p > chunk_limit:
-                inside = False
-        dec_kv = 0
-        max_ctx = 0
-        for n, c in decodes:
-            tokens += n
-            rows += n
-            dec_kv += c + n
-            if c > max_ctx:
-                max_ctx = c
-        if not inside or tokens > f * r.tokens or max_ctx > f * r.decode_ctx:
-            t = self.fallback_scale * self.fallback.forward_time_s(shape)
+        sums = _ShapeSums.of(shape)
+        if self._in_range(sums):
+            t = sum(c * x for c, x in zip(self.coef, _features(sums, self.gemm_knee, self.attn_knee)))
         else:
-            c0, c1, c2, c3, c4, c5, c6 = self.coef
-            t = (c0 + c1 * (tokens if tokens > g_knee else g_knee) + c2 * tokens + c3 * attn
-                 + c4 * prefix_sum + c5 * dec_kv + c6 * rows)
+            t = self.fallback_scale * self.fallback.forward_time_s(shape)
         return t if t > self._floor_s else self._floor_s
 
     def describe(self) -> dict:

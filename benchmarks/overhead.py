@@ -8,7 +8,7 @@ objects (no copy of the iteration):
 
 * ``schedule``  — ``SimpleScheduler.schedule_request`` (capacity + micro-batch),
 * ``prepare``   — ``ResourceManager.prepare_resources`` (re-check + allocation),
-* ``recheck``   — the re-check alone (``RecheckTokenBudget.before_allocation``), part of ``prepare``.
+* ``recheck``   — the re-check alone (the policy's ``before_allocation``), part of ``prepare``.
 
     python -m benchmarks.overhead [--active 16,64,256,1024] [--iterations 200] [--json OUT.json]
 """
@@ -65,8 +65,8 @@ def _executor(num_active: int) -> PyExecutor:
         ),
     )
 
-    def engine(kv, policy):
-        return SimulatedModelEngine(config.max_num_tokens, kv, policy, vocab_size=VOCAB)
+    def engine(kv):
+        return SimulatedModelEngine(config.max_num_tokens, kv, vocab_size=VOCAB)
 
     return create_py_executor(config, engine_factory=engine, sampler=SyntheticSampler(VOCAB))
 
@@ -81,7 +81,7 @@ def measure(num_active: int, iterations: int) -> dict:
     phases: dict[str, list[float]] = {"schedule": [], "prepare": [], "recheck": []}
     executor.scheduler.schedule_request = _timed(phases["schedule"], executor.scheduler.schedule_request)
     executor.resource_manager.prepare_resources = _timed(phases["prepare"], executor.resource_manager.prepare_resources)
-    policy = executor.kv_cache_manager.token_budget
+    policy = executor.resource_manager.token_budget
     policy.before_allocation = _timed(phases["recheck"], policy.before_allocation)
     next_index = num_active
     for _ in range(iterations):  # a steady stream of short requests that reuse the shared prefix

@@ -1,9 +1,9 @@
 """Which DESIGN.md §1 mechanism made a forward overshoot ``max_num_tokens``.
 
-Read right after the failing step: the batch's requests keep their chunk bookkeeping (the
-failure only sets their error), ``scheduled.charges`` holds what admission charged each,
-and the KV manager's ``last_claims`` says, for every first chunk it allocated, the reuse it
-was admitted with and the reuse it got.
+Everything it reads is a value the failing step returned (``PyExecutor.step`` ->
+``Iteration``): the batch as it ran (its chunks, moved onto reused prefixes), what admission
+charged each request (``ScheduledRequests.charges``), and, for every first chunk allocated,
+the reuse it was admitted with and the reuse it got (``PreparedBatch.claims``).
 """
 
 from __future__ import annotations
@@ -12,8 +12,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from tensorrt_llm._torch.pyexecutor.kv_cache_manager import ClaimRecord
-from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequest
-from tensorrt_llm._torch.pyexecutor.scheduled_requests import ScheduledRequests
+from tensorrt_llm._torch.pyexecutor.scheduled_requests import ContextChunk, ScheduledRequests
 
 MECHANISMS = ("whole_prompt_hit", "evicted_discount", "other")
 
@@ -68,35 +67,35 @@ def classify_claim(prompt_len: int, claim: ClaimRecord, tokens_per_block: int) -
 
 
 def diagnose_overshoot(
-    scheduled: ScheduledRequests, claims: Sequence[ClaimRecord], tokens_per_block: int, *, iteration: int,
-    time_s: float, forward_tokens: int, overshoot: int,
+    batch: ScheduledRequests, charges: dict[int, int], claims: Sequence[ClaimRecord], tokens_per_block: int, *,
+    iteration: int, time_s: float, forward_tokens: int, overshoot: int,
 ) -> Overshoot:
-    """Blame the request of the failing batch whose chunk ran furthest past its admission charge.
+    """Blame the context chunk of the failing batch that ran furthest past its admission charge.
 
-    Read right after the failing step: the batch's requests keep their chunk bookkeeping
-    (the failure only sets their error), and ``claims`` are the first chunks that batch
-    allocated, with the reuse each was admitted with and the reuse it got.
+    ``batch`` is the batch as it ran, ``charges`` what admission charged each request,
+    ``claims`` the first chunks that batch allocated, with the reuse each was admitted with
+    and the reuse it got.
     """
     by_id = {claim.request_id: claim for claim in claims}
-    worst: tuple[int, LlmRequest] | None = None
-    for request in scheduled.context_requests:
-        ran = min(request.context_chunk_size, request.prompt_len - request.context_current_position)
-        excess = ran - scheduled.charges.get(request.request_id, ran)
+    worst: tuple[int, ContextChunk] | None = None
+    for chunk in batch.context_chunks:
+        ran = chunk.cost()
+        excess = ran - charges.get(chunk.request.request_id, ran)
         if worst is None or excess > worst[0]:
-            worst = (excess, request)
+            worst = (excess, chunk)
     base = dict(iteration=iteration, time_s=time_s, forward_tokens=forward_tokens, overshoot=overshoot)
     if worst is None or worst[0] <= 0:
         return Overshoot(mechanism="other", **base)
-    excess, request = worst
+    excess, chunk = worst
+    request = chunk.request
     claim = by_id.get(request.request_id)
-    ran = min(request.context_chunk_size, request.prompt_len - request.context_current_position)
     mechanism = classify_claim(request.prompt_len, claim, tokens_per_block) if claim else "other"
     return Overshoot(
         mechanism=mechanism,
         request_id=request.request_id,
         prompt_len=request.prompt_len,
-        charged=scheduled.charges.get(request.request_id),
-        ran=ran,
+        charged=charges.get(request.request_id),
+        ran=chunk.cost(),
         estimated=claim.estimated_reusable_tokens if claim else None,
         claimed=claim.reused_tokens if claim else None,
         **base,

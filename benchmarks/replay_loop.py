@@ -17,25 +17,18 @@ import time
 from array import array
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import Callable, Sequence
 
 from benchmarks.replay_diagnosis import MECHANISMS, Overshoot, diagnose_overshoot
+from benchmarks.replay_settings import ReplaySettings
 from benchmarks.traces import Trace
 from tensorrt_llm._torch.pyexecutor.config import TokenBudgetPolicyName
 from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequest, LlmRequestState
-from tensorrt_llm._torch.pyexecutor.py_executor import Response
-
-if TYPE_CHECKING:
-    from benchmarks.replay import ReplaySettings
+from tensorrt_llm._torch.pyexecutor.py_executor import Iteration, Response
 
 # A replay whose executor runs this many iterations in a row without a forward and without
 # an arrival to wait for is stuck (a scheduling bug); fail loudly instead of spinning.
 _MAX_IDLE_STEPS = 10_000
-
-
-def max_seq_len_for(trace: Trace) -> int:
-    """Room for the longest prompt plus its whole output."""
-    return max((r.input_len + r.output_len for r in trace.requests), default=1)
 
 
 class Progress:
@@ -87,6 +80,16 @@ class PolicyRun:
     overshoot_time_s: array = field(default_factory=lambda: array("d"))
     overshoot_tokens: array = field(default_factory=lambda: array("i"))
     ttft_ms: list[float] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class ReplayResult:
+    config: dict
+    runs: dict[str, PolicyRun]
+    trace_notes: tuple[str, ...]
+
+    def to_json(self) -> dict:
+        return {"config": self.config, "results": {name: run.metrics for name, run in self.runs.items()}}
 
 
 class _Outcomes:
@@ -144,7 +147,7 @@ class _Outcomes:
 
 def replay_policy(
     trace: Trace,
-    settings: "ReplaySettings",
+    settings: ReplaySettings,
     policy: str,
     *,
     max_seq_len: int | None = None,
@@ -202,7 +205,7 @@ def _without_cyclic_gc():
 class _PolicyReplay:
     """The state of one policy's replay; :meth:`run` drives the executor, :meth:`result` sums up."""
 
-    def __init__(self, trace: Trace, settings: "ReplaySettings", policy: str, max_seq_len: int) -> None:
+    def __init__(self, trace: Trace, settings: ReplaySettings, policy: str, max_seq_len: int) -> None:
         self.wall_t0 = time.perf_counter()
         self.policy = policy
         self.settings = settings
@@ -229,11 +232,12 @@ class _PolicyReplay:
                     return
                 clock.advance_to(requests[self.next_arrival].arrival_s)
                 continue
-            stats = executor.step()
+            iteration = executor.step()
             bar.update(self.outcomes.completed + self.outcomes.errored)
-            if stats is None:
+            if iteration is None:
                 continue
-            if stats.overshoot > 0 and self._overshot(stats, stop_at_crash):
+            stats = iteration.stats
+            if stats.overshoot > 0 and self._overshot(iteration, stop_at_crash):
                 return
             if stats.forward_tokens and not stats.overshoot:
                 idle_steps = 0
@@ -262,11 +266,11 @@ class _PolicyReplay:
             outcomes.injected(slot)
             self.executor.enqueue_request(request, outcomes.on_response(slot))
 
-    def _overshot(self, stats, stop_at_crash: bool) -> bool:
+    def _overshot(self, iteration: Iteration, stop_at_crash: bool) -> bool:
         """Record an overshooting iteration; True when the replay stops here (``none``: upstream crashes)."""
-        executor = self.executor
+        executor, stats = self.executor, iteration.stats
         event = diagnose_overshoot(
-            executor.last_scheduled, executor.kv_cache_manager.last_claims, self.settings.tokens_per_block,
+            iteration.batch, iteration.scheduled.charges, iteration.prepared.claims, self.settings.tokens_per_block,
             iteration=stats.iteration, time_s=stats.start_time, forward_tokens=stats.forward_tokens,
             overshoot=stats.overshoot,
         )
@@ -276,7 +280,7 @@ class _PolicyReplay:
         self.crash, self.crash_message = event, stats.error
         # Upstream's assertion kills the executor thread: the failing batch gets no response
         # at all (here the loop failed it), so it is unserved, not errored.
-        for request in executor.last_scheduled.all_requests:
+        for request in iteration.batch.all_requests:
             self.outcomes.hang(request.request_id)
         # In-flight requests report what they had so far (their deferrals count too).
         for request in executor.active_requests:
@@ -290,8 +294,9 @@ class _PolicyReplay:
         """The §5 metrics (and extras) and the plot's series; drops the executor."""
         end_time = self.clock()
         run = PolicyRun(self.policy, {})
-        forward_sum = busy = max_forward = 0
+        forward_sum = busy = max_forward = bound_sum = bound = cuts = 0
         for stats in self.executor.iteration_stats:
+            cuts += stats.num_budget_cuts
             if stats.overshoot > 0:
                 run.overshoot_time_s.append(stats.start_time)
                 run.overshoot_tokens.append(stats.forward_tokens)
@@ -300,6 +305,9 @@ class _PolicyReplay:
                 forward_sum += stats.forward_tokens
                 run.iteration_time_s.append(stats.end_time)
                 run.iteration_tokens.append(stats.forward_tokens)
+                if stats.budget_bound:
+                    bound += 1
+                    bound_sum += stats.forward_tokens
             max_forward = max(max_forward, stats.forward_tokens)
         self.engine = self.executor = None  # the KV tree and every in-flight prompt go now
 
@@ -334,6 +342,10 @@ class _PolicyReplay:
             "deferrals": o.deferrals,
             "max_consecutive_deferrals": o.max_consecutive_deferrals,
             "budget_utilization": forward_sum / busy / self.settings.max_num_tokens if busy else 0.0,
+            # DESIGN.md §5: over the busy iterations after which some active request still had
+            # prompt tokens to compute (the budget, not the traffic, was the limit)
+            "budget_utilization_when_bound": bound_sum / bound / self.settings.max_num_tokens if bound else 0.0,
+            "iterations": busy,
             "ttft_ms": percentiles(ttft),
             "tpot_ms": percentiles(tpot),
             "output_tokens_per_s": o.output_tokens / makespan if makespan > 0 else 0.0,
@@ -343,9 +355,10 @@ class _PolicyReplay:
             "overshoot_mechanisms": mechanisms,
             "overshoot_events": [dataclasses.asdict(event) for event in self.overshoots[:20]],
             "capacity_deferrals": o.capacity_deferrals,
+            "budget_cuts": cuts,  # first chunks the re-check admitted smaller than scheduled
             "output_tokens": o.output_tokens,
             "makespan_s": makespan,
-            "iterations": busy,
+            "bound_iterations": bound,
         }
         return run
 

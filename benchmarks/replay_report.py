@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from benchmarks.replay import ReplayResult
+from benchmarks.replay_loop import ReplayResult
 
 # DESIGN.md §5: every key a result must carry, with its type. Extra keys are allowed.
 RESULT_SCHEMA: dict[str, type | tuple[type, ...]] = {
@@ -26,6 +23,9 @@ RESULT_SCHEMA: dict[str, type | tuple[type, ...]] = {
     "tpot_ms": dict,
     "output_tokens_per_s": float,
     "wall_s": float,
+    # added later (DESIGN.md §5, "further keys")
+    "budget_utilization_when_bound": float,
+    "iterations": int,
 }
 
 
@@ -61,7 +61,7 @@ def schema_errors(document: dict) -> list[str]:
     return errors
 
 
-def write_json(result: "ReplayResult", path: Path) -> None:
+def write_json(result: ReplayResult, path: Path) -> None:
     document = result.to_json()
     errors = schema_errors(document)
     if errors:  # a bug in the replay, not in the user's input
@@ -76,10 +76,10 @@ def _mechanisms(metrics: dict) -> str:
     return ", ".join(parts) if parts else "-"
 
 
-def format_table(result: "ReplayResult") -> str:
+def format_table(result: ReplayResult) -> str:
     header = (
-        "policy", "done/req", "err", "unserved", "crashed", "overshoots (mechanism)", "max fwd", "defer", "max consec",
-        "util", "TTFT p50/p99 ms", "TPOT p50/p99 ms", "out tok/s", "wall s",
+        "policy", "done/req", "err", "unserved", "crashed", "overshoots (mechanism)", "max fwd", "defer", "cut", "max consec",
+        "util/bound", "TTFT p50/p99 ms", "TPOT p50/p99 ms", "out tok/s", "wall s",
     )
     rows = [header]
     for policy, run in result.runs.items():
@@ -93,8 +93,9 @@ def format_table(result: "ReplayResult") -> str:
             f"{m['overshoots']} ({_mechanisms(m)})",
             str(m["max_forward_tokens"]),
             str(m["deferrals"]),
+            str(m.get("budget_cuts", 0)),
             str(m["max_consecutive_deferrals"]),
-            f"{m['budget_utilization']:.3f}",
+            f"{m['budget_utilization']:.3f}/{m['budget_utilization_when_bound']:.3f}",
             f"{m['ttft_ms']['p50']:.0f}/{m['ttft_ms']['p99']:.0f}",
             f"{m['tpot_ms']['p50']:.1f}/{m['tpot_ms']['p99']:.1f}",
             f"{m['output_tokens_per_s']:.0f}",
@@ -110,7 +111,7 @@ def _size(gib: float) -> str:
     return f"{gib:.1f} GiB" if gib >= 1 or gib == 0 else f"{gib * 1024:.1f} MiB"
 
 
-def format_report(result: "ReplayResult") -> str:
+def format_report(result: ReplayResult) -> str:
     config = result.config
     trace, kv, ex = config["trace"], config["kv_cache"], config["executor"]
     lines = [
@@ -143,7 +144,7 @@ def format_report(result: "ReplayResult") -> str:
 _COLORS = {"none": "tab:red", "trim": "tab:orange", "fit": "tab:blue", "recheck": "tab:green", "claim": "tab:purple"}
 
 
-def plot(result: "ReplayResult", path: Path) -> None:
+def plot(result: ReplayResult, path: Path) -> None:
     """Two panels: forward positions per iteration against ``max_num_tokens`` (x = simulated
     time; overshooting batches marked with x), and the TTFT CDF of each policy."""
     import matplotlib
@@ -190,6 +191,3 @@ def plot(result: "ReplayResult", path: Path) -> None:
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
-
-def is_finite_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)

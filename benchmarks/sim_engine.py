@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Protocol
 
 from benchmarks.cost_model import CostModel, ForwardShape, ModelShape, RooflineCostModel
 from tensorrt_llm._torch.models.modeling_llama import MODEL_PRESETS, LlamaForCausalLM
@@ -27,7 +27,6 @@ from tensorrt_llm._torch.pyexecutor.model_engine import TpInputs
 from tensorrt_llm._torch.pyexecutor.py_executor import PyExecutor
 from tensorrt_llm._torch.pyexecutor.py_executor_creator import create_py_executor
 from tensorrt_llm._torch.pyexecutor.simulated_engine import SimulatedModelEngine, SyntheticSampler, VirtualClock
-from tensorrt_llm._torch.pyexecutor.token_budget import TokenBudgetPolicy
 
 ENGINES = ("sim", "torch")
 
@@ -147,10 +146,8 @@ def build_sim_engine(
     timer = CostModelTimer(cost_model)
     kv_bytes_per_token = model_shape.kv_bytes_per_token()
 
-    def engine_factory(kv: KVCacheManager, policy: TokenBudgetPolicy) -> SimulatedModelEngine:
-        return SimulatedModelEngine(
-            config.max_num_tokens, kv, policy, vocab_size=vocab_size, clock=clock, forward_time_s=timer
-        )
+    def engine_factory(kv: KVCacheManager) -> SimulatedModelEngine:
+        return SimulatedModelEngine(config.max_num_tokens, kv, vocab_size=vocab_size, clock=clock, forward_time_s=timer)
 
     executor = create_py_executor(
         config,
@@ -194,5 +191,3 @@ def build_torch_engine(config: ExecutorConfig, *, model_name: str = "tiny-random
     }
     return Engine(executor, clock, model_config.vocab_size, torch_kv_bytes_per_token(model_name), description)
 
-
-EngineBuilder = Callable[[ExecutorConfig], Engine]

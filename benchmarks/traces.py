@@ -46,7 +46,6 @@ import datetime
 import io
 import json
 import math
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
@@ -480,33 +479,24 @@ def _load_mooncake(path: Path, text: str, *, vocab_size: int, limit: int | None,
     return Trace(path.stem, "mooncake", requests, notes)
 
 
-# "2023-11-16 18:17:03.9799600", also with "T", any number of fractional digits, and an
-# optional "Z" or "+hh:mm" offset.
-_AZURE_TS = re.compile(
-    r"\s*(\d{4})-(\d{1,2})-(\d{1,2})[ T](\d{1,2}):(\d{2}):(\d{2})(?:[.,](\d+))?\s*(Z|[+-]\d{2}:?\d{2})?\s*$"
-)
+_EPOCH = datetime.datetime(1, 1, 1, tzinfo=datetime.timezone.utc)
 
 
 def _parse_wall_clock(value: str) -> tuple[int, int, int]:
-    """(whole seconds since 0001-01-01 UTC, fraction numerator, fraction denominator)."""
-    m = _AZURE_TS.match(value)
-    if m is None:
-        raise ValueError(f"TIMESTAMP {value!r} is not 'YYYY-MM-DD HH:MM:SS[.fraction]'")
-    year, month, day, hour, minute, second = (int(g) for g in m.group(1, 2, 3, 4, 5, 6))
+    """(whole seconds since 0001-01-01 UTC, fraction numerator, fraction denominator).
+
+    ISO 8601 as ``datetime.fromisoformat`` reads it ("2023-11-16 18:17:03.9799600", "T" or a
+    space, an optional "Z" or offset; naive times are UTC). Fractions keep microseconds: the
+    Azure traces' seventh digit is always 0.
+    """
     try:
-        ordinal = datetime.date(year, month, day).toordinal()
+        moment = datetime.datetime.fromisoformat(value.strip())
     except ValueError as e:
-        raise ValueError(f"TIMESTAMP {value!r}: {e}") from None
-    if hour > 23 or minute > 59 or second > 60:
-        raise ValueError(f"TIMESTAMP {value!r}: time out of range")
-    whole = ordinal * 86400 + hour * 3600 + minute * 60 + second
-    tz = m.group(8)
-    if tz and tz != "Z":
-        sign = -1 if tz[0] == "-" else 1
-        digits = tz[1:].replace(":", "")
-        whole -= sign * (int(digits[:2]) * 3600 + int(digits[2:]) * 60)
-    frac = m.group(7) or "0"
-    return whole, int(frac), 10 ** len(frac)
+        raise ValueError(f"TIMESTAMP {value!r} is not 'YYYY-MM-DD HH:MM:SS[.fraction]': {e}") from None
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=datetime.timezone.utc)
+    since = moment - _EPOCH
+    return since.days * 86400 + since.seconds, since.microseconds, 1_000_000
 
 
 def _load_azure(path: Path, text: str, *, vocab_size: int, system_prompt_len: int, seed: int, limit: int | None, **_: Any) -> Trace:

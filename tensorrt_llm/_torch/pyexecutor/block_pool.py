@@ -40,16 +40,19 @@ class BlockStorage(Protocol):
 class KVBlock:
     """One block of KV content: a primary slot and/or a host slot, possibly a tree node."""
 
-    __slots__ = ("block_id", "host_id", "ref_count", "tokens", "hash", "parent", "children", "depth")
+    __slots__ = ("block_id", "host_id", "ref_count", "tokens", "hash", "parent", "children", "by_first", "depth")
 
-    def __init__(self, block_id: int | None) -> None:
+    def __init__(self, block_id: int | None, ref_count: int = 0) -> None:
         self.block_id = block_id
         self.host_id: int | None = None
-        self.ref_count = 0
+        self.ref_count = ref_count
         self.tokens: BlockTokens | None = None  # set when committed to the tree
         self.hash = 0
         self.parent: KVBlock | None = None
         self.children: dict[int, list[KVBlock]] | None = None
+        # the same children by their first token, in commit order: partial matching looks
+        # only at children that share at least the first token
+        self.by_first: dict[int, list[KVBlock]] | None = None
         self.depth = 0  # number of blocks before this one in its prefix
 
     @property
@@ -144,13 +147,17 @@ class BlockPool:
         return chain
 
     def match_partial(self, parent: KVBlock | None, tokens: BlockTokens) -> tuple[KVBlock | None, int]:
-        """The primary-resident child of ``parent`` sharing the longest token prefix with ``tokens``.
+        """The primary-resident child of ``parent`` sharing the longest token prefix with
+        ``tokens`` (the earliest committed among equals).
 
         Partial reuse copies from primary memory only: onboarding a whole host block to
         salvage part of it is not worth a free slot.
         """
+        by_first = (parent or self.root).by_first
+        if not tokens or not by_first:
+            return None, 0
         best, best_len = None, 0
-        for candidate in (parent or self.root).iter_children():
+        for candidate in by_first.get(tokens[0], ()):
             if candidate.block_id is None:
                 continue
             n = 0
@@ -184,14 +191,39 @@ class BlockPool:
         else:
             self._host_lru[block] = None
 
+    def release(self, blocks: list[KVBlock]) -> None:
+        """:meth:`decref` each of ``blocks``, last first (leaves first: they become the
+        oldest in LRU, so eviction takes a prefix's deepest blocks before its root)."""
+        lru, host_lru, free = self._lru, self._host_lru, self._free
+        for block in reversed(blocks):
+            if block.ref_count <= 0:
+                raise AssertionError(f"decref of unreferenced {block!r}")
+            block.ref_count -= 1
+            if block.ref_count:
+                continue
+            if block.tokens is None:  # not in the tree: a private block, its slot is free
+                free.append(block.block_id)
+                block.block_id = None
+            elif block.block_id is not None:
+                lru[block] = None  # most recently used end
+            else:
+                host_lru[block] = None
+
     # ---- allocation -----------------------------------------------------------------
     def allocate(self) -> KVBlock | None:
         """A fresh private block with ref_count 1, evicting the LRU cached block if needed."""
         if not self._free and not self._evict_one():
             return None
-        block = KVBlock(self._free.popleft())
-        block.ref_count = 1
-        return block
+        return KVBlock(self._free.popleft(), 1)
+
+    def allocate_many(self, count: int) -> list[KVBlock]:
+        """``count`` fresh blocks, as ``count`` calls of :meth:`allocate` would give them
+        (free slots first, then evicting one cached block at a time while short); fewer
+        only if the pool runs out."""
+        free = self._free
+        if len(free) < count:
+            self._evict_until(count)
+        return [KVBlock(free.popleft(), 1) for _ in range(min(count, len(free)))]
 
     def onboard(self, block: KVBlock) -> bool:
         """Bring a pinned host-only tree block back into a primary slot (may evict)."""
@@ -210,22 +242,33 @@ class BlockPool:
         if self.storage is not None:
             self.storage.copy_block(src.block_id, dst.block_id)
 
-    def commit(self, parent: KVBlock | None, block: KVBlock, tokens: BlockTokens) -> KVBlock:
+    def commit(
+        self, parent: KVBlock | None, block: KVBlock, tokens: BlockTokens, block_hash: int | None = None
+    ) -> KVBlock:
         """Put a computed, referenced block into the tree under ``parent``.
 
+        ``block_hash`` is ``self.block_hash(tokens)`` when the caller already has it.
         Returns the canonical block for this content: ``block`` itself, or an existing
         node with the same prefix (computed concurrently), which then takes over the
         reference and ``block`` is released. Callers must use the returned block.
         """
         parent = parent or self.root
-        block_hash = self.block_hash(tokens)
-        existing = parent.child(block_hash, tokens)
+        if block_hash is None:
+            block_hash = self.block_hash(tokens)
+        existing = None
+        children = parent.children
+        if children is not None:  # KVBlock.child inlined: every computed block is committed here
+            for candidate in children.get(block_hash, ()):
+                if candidate.tokens == tokens:  # verified: equal hash alone proves nothing
+                    existing = candidate
+                    break
         if existing is None:
             block.tokens, block.hash, block.parent = tokens, block_hash, parent
             block.depth = parent.depth + 1 if parent is not self.root else 0
             if parent.children is None:
-                parent.children = {}
+                parent.children, parent.by_first = {}, {}
             parent.children.setdefault(block_hash, []).append(block)
+            parent.by_first.setdefault(tokens[0], []).append(block)
             return block
         if existing.block_id is None:  # host-only: our fresh primary copy becomes its primary slot
             self._host_lru.pop(existing, None)
@@ -240,49 +283,77 @@ class BlockPool:
     # ---- eviction -------------------------------------------------------------------
     def _evict_one(self) -> bool:
         """Free one primary slot from the LRU cached block; offload it if the host tier can take it."""
-        if not self._lru:
-            return False
-        victim, _ = self._lru.popitem(last=False)
-        self.num_evictions += 1
-        if self.num_host_blocks and (self._free_host or self._evict_host_one()):
-            victim.host_id = self._free_host.popleft()
-            if self.storage is not None:
-                self.storage.offload(victim.block_id, victim.host_id)
-            self._free.append(victim.block_id)
-            victim.block_id = None
-            self._host_lru[victim] = None
-            self.num_offloads += 1
-        else:
-            self._drop_subtree(victim)
-        return True
+        return self._evict_until(len(self._free) + 1) > 0
 
-    def _evict_host_one(self) -> bool:
-        if not self._host_lru:
-            return False
-        victim, _ = self._host_lru.popitem(last=False)
-        self._drop_subtree(victim)
-        return True
+    def _evict_until(self, num_free: int) -> int:
+        """Evict LRU cached blocks, oldest first, until ``num_free`` slots are free or nothing
+        is left to evict; returns how many were evicted. An evicted block moves to the host
+        tier when it can (dropping the host's own LRU block when the tier is full);
+        otherwise it leaves the tree with its subtree."""
+        free, lru, free_host, host_lru = self._free, self._lru, self._free_host, self._host_lru
+        host_tier, storage = self.num_host_blocks > 0, self.storage
+        evicted = 0
+        while len(free) < num_free and lru:
+            victim, _ = lru.popitem(last=False)
+            evicted += 1
+            if host_tier and (free_host or host_lru):
+                if not free_host:
+                    dropped, _ = host_lru.popitem(last=False)
+                    self._drop_subtree(dropped)
+                victim.host_id = free_host.popleft()
+                if storage is not None:
+                    storage.offload(victim.block_id, victim.host_id)
+                free.append(victim.block_id)
+                victim.block_id = None
+                host_lru[victim] = None
+                self.num_offloads += 1
+            else:
+                self._drop_subtree(victim)
+        self.num_evictions += evicted
+        return evicted
 
     def _drop_subtree(self, block: KVBlock) -> None:
-        """Remove ``block`` and its descendants from the tree and free their slots."""
-        bucket = block.parent.children[block.hash]
-        bucket.remove(block)
-        if not bucket:
-            del block.parent.children[block.hash]
+        """Remove ``block`` (already out of its LRU list) and its descendants from the tree
+        and free their slots."""
+        if block.ref_count:
+            raise AssertionError(f"evicting referenced {block!r}")
+        parent, first = block.parent, block.tokens[0]
+        bucket = parent.children[block.hash]
+        if len(bucket) == 1:
+            del parent.children[block.hash]
+        else:
+            bucket.remove(block)
+        siblings = parent.by_first[first]
+        if len(siblings) == 1:
+            del parent.by_first[first]
+        else:
+            siblings.remove(block)
+        if not block.children:  # a leaf, the usual victim: LRU order takes leaves before their prefix
+            self._release_node(block)
+            return
         stack = [block]
         while stack:
             node = stack.pop()
             if node.ref_count:
                 raise AssertionError(f"evicting referenced {node!r}: a child is held without its parent")
-            stack.extend(node.iter_children())
-            self._lru.pop(node, None)
-            self._host_lru.pop(node, None)
-            if node.host_id is not None:
-                self._free_host.append(node.host_id)
-            node.tokens, node.parent, node.children = None, None, None
-            if node.block_id is not None:
-                self._free.append(node.block_id)
-                node.block_id = None
+            if node.children:
+                stack.extend(node.iter_children())
+            if node is not block:  # a descendant is still in its LRU list
+                if node.block_id is not None:
+                    self._lru.pop(node, None)
+                else:
+                    self._host_lru.pop(node, None)
+            self._release_node(node)
+
+    def _release_node(self, node: KVBlock) -> None:
+        """Give a dropped tree node's slots back; it is no longer in the tree."""
+        if node.host_id is not None:
+            self._free_host.append(node.host_id)
+            node.host_id = None
+        node.tokens = node.parent = node.children = node.by_first = None
+        if node.block_id is not None:
+            self._free.append(node.block_id)
+            node.block_id = None
 
     def _free_slot(self, block: KVBlock) -> None:
         self._free.append(block.block_id)

@@ -1,18 +1,24 @@
 """``KVCacheManager``: per-request block tables over a :class:`BlockPool`, with prefix reuse.
 
-Lifecycle per iteration (upstream's resource-manager protocol):
+The KV manager answers questions about memory and allocates; it knows nothing of token
+budgets. Lifecycle per iteration (upstream's resource-manager protocol):
 
-* ``prepare_resources(scheduled)``: first the token-budget policy's pre-allocation hook
-  (the remaining_budget re-check), then allocation, one request after another in batch
-  order, then the policy's post-allocation hook. A first chunk walks the prefix tree,
-  claims what matches (at most ``prompt_len - 1`` tokens: the last prompt token is always
-  computed, to get logits), copies a partly matching block (partial reuse), onboards host
-  blocks, and allocates fresh blocks for the whole prompt. Allocation is all-or-nothing
-  per request: if its blocks cannot be had, it is deferred and nothing stays claimed.
+* ``prepare_resources(scheduled)``: allocation, one request after another in batch order.
+  A first chunk walks the prefix tree, claims what matches (at most ``prompt_len - 1``
+  tokens: the last prompt token is always computed, to get logits), copies a partly
+  matching block (partial reuse), onboards host blocks, and allocates fresh blocks for the
+  whole prompt; its chunk window moves onto the reused prefix. Allocation is all-or-nothing
+  per request: if its blocks cannot be had, the request is returned as deferred and
+  nothing stays claimed. It returns a :class:`KVAllocation`: the batch as allocated, the
+  deferred requests and what each first chunk claimed.
 * ``update_resources(scheduled)``: after a forward, full blocks that now hold computed KV
   are committed to the prefix tree, so later requests can reuse them.
 * ``free_resources(request)``: blocks go back, leaves first, so that LRU eviction takes the
   deepest blocks of a prefix before its root.
+
+``claim_prefix`` / ``release_claim`` pin a first chunk's matched prefix ahead of its
+allocation (claim-then-charge); the claim is a value the caller hands back to
+``prepare_resources``.
 
 ``estimate_reusable_tokens`` is upstream's pre-allocation estimate: full prompt blocks that
 exactly match cached blocks (either tier), with no ``prompt_len - 1`` limit and no regard
@@ -25,23 +31,26 @@ import bisect
 import itertools
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
+from typing import Callable, Mapping, Sequence
 
 from tensorrt_llm._torch.pyexecutor.block_pool import BlockPool, BlockTokens, KVBlock
 from tensorrt_llm._torch.pyexecutor.config import KvCacheConfig
 from tensorrt_llm._torch.pyexecutor.forward_cost import forward_cost
 from tensorrt_llm._torch.pyexecutor.kv_storage import KVCacheStorage
-from tensorrt_llm._torch.pyexecutor.llm_request import DeferReason, LlmRequest, LlmRequestState
-
-if TYPE_CHECKING:
-    from tensorrt_llm._torch.pyexecutor.scheduler import ScheduledRequests
-    from tensorrt_llm._torch.pyexecutor.token_budget import TokenBudgetPolicy
+from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequest, LlmRequestState
+from tensorrt_llm._torch.pyexecutor.scheduled_requests import ContextChunk, ScheduledRequests
 
 logger = logging.getLogger(__name__)
+
+_CONTEXT_INIT = LlmRequestState.CONTEXT_INIT
 
 
 def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def _unreferenced(block: KVBlock) -> bool:
+    return block.ref_count == 0
 
 
 @dataclass(slots=True)
@@ -53,6 +62,9 @@ class _Sequence:
     num_computed: int  # tokens whose KV is written
     beam_blocks: list[KVBlock] = field(default_factory=list)  # private tails of beams 1..W-1
     stamp: int = 0  # allocation order
+    reserve: int = 0  # blocks it holds at completion (draft slots as at allocation)
+    plain: bool = False  # one beam and no draft slots: a generation step needs len(tokens) positions
+    capacity: int = 0  # positions ``blocks`` hold (len(blocks) * tokens_per_block)
     # block_id of each of ``blocks``, kept in step with it: a held block never changes slot,
     # so the table only changes where ``blocks`` does (append, commit to a canonical block).
     table: list[int] = field(init=False)
@@ -60,36 +72,57 @@ class _Sequence:
     def __post_init__(self) -> None:
         self.table = [block.block_id for block in self.blocks]
 
+    @property
+    def num_held(self) -> int:
+        return len(self.blocks) + len(self.beam_blocks)
+
 
 @dataclass(slots=True)
 class PrefixClaim:
     """A first chunk's pinned reusable prefix, between the claim and the allocation."""
 
-    saved: tuple[int, int, int]  # (context_current_position, context_chunk_size, prepopulated_prompt_len)
+    request_id: int
     chain: list[KVBlock] = field(default_factory=list)  # matched full blocks, either tier
     partial: KVBlock | None = None  # primary block to copy a partial match from
     partial_len: int = 0
-    reused: int = 0
+    reused: int = 0  # tokens the claim reuses: full blocks, then the partial match
 
     @property
     def pinned(self) -> list[KVBlock]:
         return self.chain + ([self.partial] if self.partial is not None else [])
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class ClaimRecord:
     """What allocation found for a first chunk: the estimate it was admitted with and the claim."""
 
-    request_id: int
+    request: LlmRequest
     estimated_reusable_tokens: int
     reused_tokens: int
+
+    @property
+    def request_id(self) -> int:
+        return self.request.request_id
+
+
+@dataclass(frozen=True, slots=True)
+class KVAllocation:
+    """What ``prepare_resources`` did: the batch as allocated (first chunks' windows moved
+    onto their reused prefixes), the requests whose blocks could not be had (untouched),
+    and, per first chunk allocated, its reuse estimate and claim."""
+
+    scheduled: ScheduledRequests
+    deferred: list[LlmRequest]
+    claims: list[ClaimRecord]
 
 
 class KVCacheManager:
     """Block tables, prefix reuse and the host tier; optionally backed by real K/V tensors.
 
     ``storage`` is None in bookkeeping-only mode (simulation): every decision is the same,
-    only no tensor moves.
+    only no tensor moves. ``block_hash`` keys the prefix tree; the default, ``hash`` of a
+    tuple of ints, is the same in every process (int hashing is not salted, unlike str),
+    which tensor-parallel ranks rely on to take identical decisions.
     """
 
     def __init__(
@@ -100,7 +133,6 @@ class KVCacheManager:
         num_host_blocks: int = 0,
         storage: KVCacheStorage | None = None,
         block_hash: Callable[[BlockTokens], int] = hash,
-        token_budget: "TokenBudgetPolicy | None" = None,
     ) -> None:
         self.config = config
         self.tokens_per_block = config.tokens_per_block
@@ -108,14 +140,13 @@ class KVCacheManager:
         self.enable_partial_reuse = config.enable_block_reuse and config.enable_partial_reuse
         self.storage = storage
         self.pool = BlockPool(num_blocks, num_host_blocks, storage=storage, block_hash=block_hash)
-        self.token_budget = token_budget
         self._sequences: dict[int, _Sequence] = {}
         self._keys: dict[int, tuple[int, list[tuple[int, BlockTokens]]]] = {}
         # Waiting requests' matched chains from the last admission walk, keyed like _keys.
         self._matches: dict[int, tuple[int, list[KVBlock]]] = {}
         self._stamps = itertools.count()
-        self._claims: dict[int, PrefixClaim] = {}
-        self.last_claims: list[ClaimRecord] = []  # first chunks allocated in the last prepare_resources
+        self._claims: dict[int, PrefixClaim] = {}  # outstanding claims (pinned, not yet allocated)
+        self._reserved = 0  # sum over sequences of the blocks they still need to completion
 
     # ---- queries --------------------------------------------------------------------
     @property
@@ -125,6 +156,14 @@ class KVCacheManager:
     def is_allocated(self, request: LlmRequest) -> bool:
         return request.request_id in self._sequences
 
+    def split_allocated(self, requests: Sequence[LlmRequest]) -> tuple[list[LlmRequest], list[LlmRequest]]:
+        """``requests`` that hold blocks and those that do not, each in the given order."""
+        sequences = self._sequences
+        allocated = [r for r in requests if r.request_id in sequences]
+        if len(allocated) == len(requests):
+            return allocated, []
+        return allocated, [r for r in requests if r.request_id not in sequences]
+
     def reuse_can_shift(self, request: LlmRequest) -> bool:
         """True while allocation may still move this request's chunk window (unclaimed first chunk, reuse on)."""
         rid = request.request_id
@@ -132,7 +171,7 @@ class KVCacheManager:
 
     def num_held_blocks(self, request: LlmRequest) -> int:
         seq = self._sequences.get(request.request_id)
-        return 0 if seq is None else len(seq.blocks) + len(seq.beam_blocks)
+        return 0 if seq is None else seq.num_held
 
     def block_table(self, request: LlmRequest) -> list[int]:
         return list(self._sequences[request.request_id].table)
@@ -153,38 +192,51 @@ class KVCacheManager:
         return request.max_total_len + max(request.max_draft_len, request.num_draft_tokens)
 
     def blocks_to_completion(self, request: LlmRequest) -> int:
-        return max(0, self.blocks_for_tokens(request, self.max_sequence_len(request)) - self.num_held_blocks(request))
+        seq = self._sequences.get(request.request_id)
+        if seq is None:
+            return self.blocks_for_tokens(request, self.max_sequence_len(request))
+        return max(0, seq.reserve - seq.num_held)
+
+    def blocks_reserved_to_completion(self, started: Sequence[LlmRequest]) -> int:
+        """``sum(blocks_to_completion(r) for r in started)`` for requests that hold blocks; O(1)
+        when ``started`` is every such request (kept as a running total)."""
+        if len(started) == len(self._sequences):  # distinct allocated requests: all of them
+            return self._reserved
+        return sum(map(self.blocks_to_completion, started))
 
     def blocks_for_next_step(self, request: LlmRequest) -> int:
-        """Blocks an allocated request still needs for its next forward."""
-        return max(0, self.blocks_for_tokens(request, self._step_len(request)) - self.num_held_blocks(request))
+        """Blocks an allocated request still needs for its next forward (a later chunk: its
+        whole remaining prompt, the most a chunk can be)."""
+        seq = self._sequences[request.request_id]
+        if request.state is _CONTEXT_INIT:
+            needed_len = request.prompt_len + request.num_draft_tokens
+        else:
+            needed_len = self._generation_len(request)
+        return max(0, self.blocks_for_tokens(request, needed_len) - seq.num_held)
 
     def allocation_stamp(self, request: LlmRequest) -> int:
         """Order in which allocated requests started (MAX_UTILIZATION pauses the latest)."""
         return self._sequences[request.request_id].stamp
 
     def estimate_reusable_tokens(self, request: LlmRequest) -> int:
-        """Upstream's admission estimate; also stored on the request."""
-        estimate = 0
-        if self.enable_block_reuse and request.request_id not in self._sequences:
-            estimate = len(self.pool.match(self._prompt_keys(request))) * self.tokens_per_block
-        request.estimated_reusable_tokens = estimate
-        return estimate
+        """Upstream's admission estimate (0 once the request holds blocks)."""
+        if not self.enable_block_reuse or request.request_id in self._sequences:
+            return 0
+        return len(self.pool.match(self._prompt_keys(request))) * self.tokens_per_block
 
-    def estimate_admission(self, request: LlmRequest) -> int:
-        """:meth:`estimate_reusable_tokens` (stored on the request) and :meth:`num_shared_blocks`
-        (returned) from one walk of the prefix tree: the capacity scheduler needs both for
-        every waiting request, every iteration."""
+    def estimate_admission(self, request: LlmRequest) -> tuple[int, int]:
+        """:meth:`estimate_reusable_tokens` and :meth:`num_shared_blocks` from one walk of the
+        prefix tree: the capacity scheduler needs both for every waiting request, every iteration."""
         if not self.enable_block_reuse or request.request_id in self._sequences:
             self._matches.pop(request.request_id, None)
-            request.estimated_reusable_tokens = 0
-            return 0
+            return 0, 0
         chain = self._match_prompt(request)
-        request.estimated_reusable_tokens = len(chain) * self.tokens_per_block
         # A claim matches at most prompt_len - 1 tokens; match() of a prefix of the keys is
-        # the same prefix of the chain.
-        claimable = chain[: (request.prompt_len - 1) // self.tokens_per_block]
-        return sum(1 for block in claimable if block.ref_count > 0)
+        # the same prefix of the chain. Whoever holds a block holds its ancestors, so the
+        # held blocks of a chain are a prefix of it: found by bisection.
+        claimable = min(len(chain), (request.prompt_len - 1) // self.tokens_per_block)
+        shared = bisect.bisect_left(chain, True, hi=claimable, key=_unreferenced)
+        return len(chain) * self.tokens_per_block, shared
 
     def _match_prompt(self, request: LlmRequest) -> list[KVBlock]:
         """``pool.match`` of the prompt's keys, resumed from the request's previous match.
@@ -214,45 +266,87 @@ class KVCacheManager:
         return sum(1 for block in self.pool.match(keys) if block.ref_count > 0)
 
     # ---- lifecycle ------------------------------------------------------------------
-    def prepare_resources(self, scheduled: "ScheduledRequests") -> None:
-        """Re-check the budget, then allocate the admitted requests one after another."""
-        if self.token_budget is not None:
-            self.token_budget.before_allocation(scheduled, self)
-        self.last_claims = []
-        for request in (*scheduled.context_requests, *scheduled.generation_requests):
-            if not self._allocate_step(request):
-                logger.debug("request %d deferred: KV blocks unavailable", request.request_id)
-                scheduled.defer(request, DeferReason.CAPACITY)
-        if self.token_budget is not None:
-            self.token_budget.after_allocation(scheduled, self)
+    def prepare_resources(
+        self, scheduled: ScheduledRequests, claims: Mapping[int, PrefixClaim] | None = None
+    ) -> KVAllocation:
+        """Allocate the batch's next positions, one request after another, all-or-nothing each.
 
-    def update_resources(self, scheduled: "ScheduledRequests") -> None:
-        """Record computed KV and commit newly full blocks to the prefix tree."""
-        for request in (*scheduled.context_requests, *scheduled.generation_requests):
-            seq = self._sequences.get(request.request_id)
-            if seq is None or request.state is LlmRequestState.ERROR:
+        ``claims`` are prefixes already pinned by :meth:`claim_prefix`, by request id; such
+        a first chunk's window must already start at its claim. Every claim handed in is
+        consumed: allocated, or released with its request deferred.
+        """
+        claims = claims or {}
+        sequences = self._sequences
+        chunks: list[ContextChunk] = []
+        deferred: list[LlmRequest] = []
+        records: list[ClaimRecord] = []
+        for chunk in scheduled.context_chunks:
+            request = chunk.request
+            seq = sequences.get(request.request_id)
+            if seq is None:
+                allocated = self._allocate_first_chunk(chunk, claims.get(request.request_id))
+                if allocated is not None:
+                    estimate = scheduled.estimated_reusable.get(request.request_id, 0)
+                    records.append(ClaimRecord(request, estimate, allocated.reused))
+            else:
+                allocated = chunk if self._grow(request, seq, chunk.start + chunk.cost()) else None
+            if allocated is None:
+                logger.debug("request %d deferred: KV blocks unavailable", request.request_id)
+                deferred.append(request)
+                continue
+            chunks.append(allocated)
+        generation = scheduled.generation_requests
+        # Most steps need no block: a plain sequence whose blocks already cover its next
+        # position. Only the others allocate, in batch order.
+        growing = [
+            r for r in generation
+            if not ((s := sequences[r.request_id]).plain and len(r.tokens) <= s.capacity and not r.py_draft_tokens)
+        ]
+        if growing:
+            short = set()
+            for request in growing:
+                if not self._grow(request, sequences[request.request_id], self._generation_len(request)):
+                    logger.debug("request %d deferred: KV blocks unavailable", request.request_id)
+                    deferred.append(request)
+                    short.add(request.request_id)
+            if short:
+                generation = [r for r in generation if r.request_id not in short]
+        return KVAllocation(scheduled.with_batch(chunks, list(generation)), deferred, records)
+
+    def update_resources(self, scheduled: ScheduledRequests) -> None:
+        """Record the KV the forward computed and commit newly full blocks to the prefix tree."""
+        sequences, reuse, tpb = self._sequences, self.enable_block_reuse, self.tokens_per_block
+        error = LlmRequestState.ERROR
+        for chunk in scheduled.context_chunks:
+            seq = sequences.get(chunk.request.request_id)
+            if seq is None or chunk.request.state is error:
                 continue  # a request that finished in this forward computed its KV: record it
-            if request.is_context_init_state:
-                seq.num_computed = request.context_current_position
-            else:  # the newest sampled token has no KV yet
-                seq.num_computed = len(request.tokens) - 1
-            if self.enable_block_reuse:
+            seq.num_computed = chunk.end
+            if reuse:
+                self._commit_full_blocks(chunk.request, seq)
+        for request in scheduled.generation_requests:
+            seq = sequences.get(request.request_id)
+            if seq is None or request.state is error:
+                continue
+            seq.num_computed = computed = len(request.tokens) - 1  # the newest sampled token has no KV yet
+            if reuse and computed // tpb > seq.num_committed:  # a block filled up
                 self._commit_full_blocks(request, seq)
 
     def free_resources(self, request: LlmRequest, *, store_for_reuse: bool = True) -> None:
         """Release every block ``request`` holds; computed full blocks stay cached for reuse."""
-        self.release_claim(request)
+        claim = self._claims.get(request.request_id)
+        if claim is not None:
+            self.release_claim(claim)
         seq = self._sequences.pop(request.request_id, None)
+        if seq is not None and store_for_reuse and self.enable_block_reuse:
+            self._commit_full_blocks(request, seq)
         self._keys.pop(request.request_id, None)
         self._matches.pop(request.request_id, None)
         if seq is None:
             return
-        if store_for_reuse and self.enable_block_reuse:
-            self._commit_full_blocks(request, seq)
-        for block in reversed(seq.beam_blocks):
-            self.pool.decref(block)
-        for block in reversed(seq.blocks):  # leaves first: they become the oldest in LRU
-            self.pool.decref(block)
+        self._reserved -= max(0, seq.reserve - seq.num_held)
+        self.pool.release(seq.beam_blocks)
+        self.pool.release(seq.blocks)  # leaves first: they become the oldest in LRU
 
     def check_integrity(self) -> None:
         """The leak oracle: free + cached + held partition the pool; no request holds a foreign block."""
@@ -261,62 +355,60 @@ class KVCacheManager:
         self.pool.check_integrity(held)
         for request_id, seq in self._sequences.items():
             assert seq.table == [b.block_id for b in seq.blocks], f"request {request_id}: stale block table"
+            assert seq.capacity == len(seq.blocks) * self.tokens_per_block, f"request {request_id}: stale capacity"
+        reserved = sum(max(0, seq.reserve - seq.num_held) for seq in self._sequences.values())
+        assert self._reserved == reserved, f"reserved-blocks total {self._reserved} != {reserved}"
 
     # ---- allocation -----------------------------------------------------------------
-    def _allocate_step(self, request: LlmRequest) -> bool:
-        """Blocks for this iteration's positions of ``request``; all-or-nothing."""
-        seq = self._sequences.get(request.request_id)
-        if seq is None:
-            return self._allocate_first_chunk(request)
-        return self._grow(request, seq, self._step_len(request))
-
     @staticmethod
-    def _step_len(request: LlmRequest) -> int:
-        """Positions the sequence must hold for the next forward of an allocated request."""
-        if request.is_context_init_state:
-            return request.context_current_position + forward_cost(request)
+    def _generation_len(request: LlmRequest) -> int:
+        """Positions the sequence must hold for a generation request's next forward."""
         if request.beam_width > 1:  # each beam writes one position
             return len(request.tokens)
         return len(request.tokens) - 1 + forward_cost(request)  # the last token plus any drafts
 
     def _grow(self, request: LlmRequest, seq: _Sequence, needed_len: int) -> bool:
-        shared = _ceil_div(needed_len, self.tokens_per_block) - len(seq.blocks)
-        beam_total = self.blocks_for_tokens(request, needed_len) - _ceil_div(needed_len, self.tokens_per_block)
-        beam = beam_total - len(seq.beam_blocks)
+        tpb = self.tokens_per_block
+        shared = _ceil_div(needed_len, tpb) - len(seq.blocks)
+        beam = self.blocks_for_tokens(request, needed_len) - _ceil_div(needed_len, tpb) - len(seq.beam_blocks)
         missing = max(shared, 0) + max(beam, 0)
         if missing == 0:
             return True
         if missing > self.pool.available:
             return False
-        for _ in range(max(shared, 0)):
-            block = self.pool.allocate()
-            seq.blocks.append(block)
-            seq.table.append(block.block_id)
-        for _ in range(max(beam, 0)):
-            seq.beam_blocks.append(self.pool.allocate())
+        before = max(0, seq.reserve - seq.num_held)
+        if shared > 0:
+            fresh = self.pool.allocate_many(shared)
+            seq.blocks += fresh
+            seq.table += [block.block_id for block in fresh]
+            seq.capacity = len(seq.blocks) * tpb
+        if beam > 0:
+            seq.beam_blocks += self.pool.allocate_many(beam)
+        self._reserved += max(0, seq.reserve - seq.num_held) - before
         return True
 
     # ---- prefix claims ---------------------------------------------------------------
     def claim_prefix(self, request: LlmRequest) -> PrefixClaim:
-        """Pin the reusable prefix of an unallocated first chunk and shift its window onto it.
+        """Pin the reusable prefix of an unallocated first chunk.
 
         The claim walks the prefix tree for at most ``prompt_len - 1`` tokens (the last
         prompt token is always computed, for its logits), pins the matched blocks so no
         allocation can evict them, and with partial reuse pins the primary block that
-        shares the longest prefix with the next block. ``forward_cost(request)`` is then
-        exact. Allocation consumes the claim; :meth:`release_claim` undoes it.
+        shares the longest prefix with the next block. The chunk's window, once moved onto
+        ``claim.reused`` (:meth:`ContextChunk.after_reuse`), has an exact forward cost.
+        :meth:`prepare_resources` consumes the claim; :meth:`release_claim` undoes it.
         """
-        assert request.request_id not in self._sequences, f"{request!r} is already allocated"
-        existing = self._claims.get(request.request_id)
+        rid = request.request_id
+        assert rid not in self._sequences, f"{request!r} is already allocated"
+        existing = self._claims.get(rid)
         if existing is not None:
             return existing
-        prompt_len, tpb = request.prompt_len, self.tokens_per_block
-        claim_limit = prompt_len - 1
-        claim = PrefixClaim(
-            saved=(request.context_current_position, request.context_chunk_size, request.prepopulated_prompt_len)
-        )
+        tpb = self.tokens_per_block
+        claim_limit = request.prompt_len - 1
+        claim = PrefixClaim(rid)
         if self.enable_block_reuse:
-            claim.chain = self.pool.match(self._prompt_keys(request)[: claim_limit // tpb])
+            # the admission walk's match, resumed (a prefix of the keys matches a prefix of the chain)
+            claim.chain = self._match_prompt(request)[: claim_limit // tpb]
             if self.enable_partial_reuse and request.beam_width == 1:
                 start = len(claim.chain) * tpb
                 want = tuple(request.tokens[start : min(start + tpb, claim_limit)])
@@ -326,30 +418,32 @@ class KVCacheManager:
         for block in claim.pinned:
             self.pool.incref(block)  # pinned: no allocation can evict them now
         claim.reused = len(claim.chain) * tpb + claim.partial_len
-        if claim.reused:
-            self._shift_chunk_window(request, claim.reused)
-        self._claims[request.request_id] = claim
+        self._claims[rid] = claim
         return claim
 
-    def release_claim(self, request: LlmRequest) -> None:
-        """Unpin a claim and restore the request's window: it is left exactly as before the claim."""
-        claim = self._claims.pop(request.request_id, None)
-        if claim is None:
+    def release_claim(self, claim: PrefixClaim) -> None:
+        """Unpin a claim: the pool is left exactly as before it."""
+        if self._claims.pop(claim.request_id, None) is None:
             return
         # Leaves first, as free_resources does: a root released after its leaves stays
         # younger in LRU, so one eviction cannot drop the whole cached prefix.
         for block in reversed(claim.pinned):
             self.pool.decref(block)
-        position, chunk, prepopulated = claim.saved
-        request.prepopulated_prompt_len = prepopulated
-        request.context_current_position = position
-        request.context_chunk_size = chunk
 
-    def _allocate_first_chunk(self, request: LlmRequest) -> bool:
-        """Claim the reusable prefix (unless already claimed), onboard it, allocate the rest of the prompt."""
-        claim = self.claim_prefix(request)
+    def _allocate_first_chunk(self, chunk: ContextChunk, claim: PrefixClaim | None) -> ContextChunk | None:
+        """Claim the reusable prefix (unless claimed), onboard it, allocate the rest of the prompt.
+
+        Returns the chunk moved onto the reused prefix, or None (nothing claimed) when the
+        blocks cannot be had.
+        """
+        request = chunk.request
+        if claim is None:
+            claim = self.claim_prefix(request)
+            chunk = chunk.after_reuse(claim.reused, self.tokens_per_block)
+        elif chunk.reused != claim.reused:
+            raise ValueError(f"{chunk!r} does not start at its claim of {claim.reused} tokens")
         chain, tpb = claim.chain, self.tokens_per_block
-        needed_len = max(request.prompt_len, request.context_current_position + forward_cost(request))
+        needed_len = max(request.prompt_len, chunk.start + chunk.cost())
         total = self.blocks_for_tokens(request, needed_len)
         to_onboard = sum(1 for block in chain if block.block_id is None)
         # A partial-match source pinned by this claim alone goes back to the cache once it is
@@ -357,8 +451,8 @@ class KVCacheManager:
         recycled = int(claim.partial is not None and claim.partial.ref_count == 1)
         needed = total - len(chain) + to_onboard
         if needed > self.pool.available + recycled or to_onboard + recycled > self.pool.available:
-            self.release_claim(request)
-            return False
+            self.release_claim(claim)
+            return None
         del self._claims[request.request_id]
         for block in chain:
             if block.block_id is None:
@@ -368,48 +462,50 @@ class KVCacheManager:
         if claim.partial is not None:
             self.pool.copy(claim.partial, fresh[0])
             self.pool.decref(claim.partial)
-        fresh += [self.pool.allocate() for _ in range(shared_total - len(chain) - len(fresh))]
-        beam_blocks = [self.pool.allocate() for _ in range(total - shared_total)]
-        self._sequences[request.request_id] = _Sequence(
+        fresh += self.pool.allocate_many(shared_total - len(chain) - len(fresh))
+        beam_blocks = self.pool.allocate_many(total - shared_total)
+        seq = _Sequence(
             blocks=chain + fresh,
             num_committed=len(chain),
             num_computed=claim.reused,
             beam_blocks=beam_blocks,
             stamp=next(self._stamps),
+            reserve=self.blocks_for_tokens(request, self.max_sequence_len(request)),
+            plain=request.beam_width == 1 and request.max_draft_len == 0,
+            capacity=len(chain + fresh) * tpb,
         )
-        self.last_claims.append(ClaimRecord(request.request_id, request.estimated_reusable_tokens, claim.reused))
-        return True
-
-    def _shift_chunk_window(self, request: LlmRequest, reused: int) -> None:
-        """Start the chunk at the reused prefix; a non-last chunk still ends on a block boundary."""
-        request.prepopulated_prompt_len = reused
-        end = reused + request.context_chunk_size
-        request.context_current_position = reused
-        if end < request.prompt_len:
-            floored = end // self.tokens_per_block * self.tokens_per_block
-            if floored > reused:  # chunks are whole blocks, so this holds unless a chunk is below one block
-                end = floored
-        request.context_chunk_size = end - reused
+        self._sequences[request.request_id] = seq
+        self._reserved += max(0, seq.reserve - seq.num_held)
+        return chunk
 
     def _commit_full_blocks(self, request: LlmRequest, seq: _Sequence) -> None:
+        tpb = self.tokens_per_block
         limit = seq.num_computed if request.beam_width == 1 else min(seq.num_computed, request.prompt_len)
-        full = min(limit // self.tokens_per_block, len(seq.blocks))
-        tokens, tpb = request.tokens, self.tokens_per_block
+        full = min(limit // tpb, len(seq.blocks))
+        if full <= seq.num_committed:
+            return
+        # Prompt blocks reuse the keys the admission walk computed; later blocks hold generated tokens.
+        keys = self._prompt_keys(request)
+        tokens, blocks, commit = request.tokens, seq.blocks, self.pool.commit
         for i in range(seq.num_committed, full):
-            parent = seq.blocks[i - 1] if i else None
-            block = seq.blocks[i] = self.pool.commit(parent, seq.blocks[i], tuple(tokens[i * tpb : (i + 1) * tpb]))
+            parent = blocks[i - 1] if i else None
+            if i < len(keys):
+                block_hash, block_tokens = keys[i]
+                block = commit(parent, blocks[i], block_tokens, block_hash)
+            else:
+                block = commit(parent, blocks[i], tuple(tokens[i * tpb : (i + 1) * tpb]))
+            blocks[i] = block
             seq.table[i] = block.block_id
-        seq.num_committed = max(seq.num_committed, full)
+        seq.num_committed = full
 
     def _prompt_keys(self, request: LlmRequest) -> list[tuple[int, BlockTokens]]:
         """(hash, tokens) of each full prompt block, cached per request while the prompt is unchanged."""
         cached = self._keys.get(request.request_id)
         if cached is not None and cached[0] == request.prompt_len:
             return cached[1]
-        tpb, tokens, block_hash = self.tokens_per_block, request.tokens, self.pool.block_hash
-        keys = []
-        for start in range(0, request.prompt_len - tpb + 1, tpb):
-            block = tuple(tokens[start : start + tpb])
-            keys.append((block_hash(block), block))
-        self._keys[request.request_id] = (request.prompt_len, keys)
+        tpb, prompt_len = self.tokens_per_block, request.prompt_len
+        prompt = tuple(request.tokens[:prompt_len])  # one copy; block slices of a tuple are tuples
+        blocks = [prompt[start : start + tpb] for start in range(0, prompt_len - tpb + 1, tpb)]
+        keys = list(zip(map(self.pool.block_hash, blocks), blocks))
+        self._keys[request.request_id] = (prompt_len, keys)
         return keys

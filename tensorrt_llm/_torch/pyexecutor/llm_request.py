@@ -1,17 +1,34 @@
-"""``LlmRequest``: one request's tokens, lifecycle state and context-chunk bookkeeping.
+"""``LlmRequest``: one request's tokens, lifecycle state and context progress.
 
 Context progress is two numbers::
 
-    prompt:  [0 ........ context_current_position ........ +context_chunk_size ........ prompt_len)
-              computed (or reused) KV                 this iteration's chunk        not yet scheduled
+    prompt:  [0 .... prepopulated_prompt_len .... context_current_position ........ prompt_len)
+              reused from the cache             computed by earlier chunks    not yet computed
 
-``prepopulated_prompt_len`` is the prefix whose KV was reused from the cache rather than
-computed; the KV manager sets it when it allocates the first chunk, and moves
-``context_current_position`` there (the chunk window shifts with it).
+A request does not hold its next chunk: how many prompt tokens one forward computes is a
+decision of that iteration, carried by the batch (:class:`ContextChunk` in
+``scheduled_requests``) from the scheduler through ``prepare_resources`` to the forward.
 
-Ownership: the scheduler writes ``context_chunk_size``; the KV manager writes
-``prepopulated_prompt_len``/``context_current_position`` at allocation; the executor
-moves to the next chunk and appends sampled tokens after a forward.
+Ownership: every mutable field has one writer; everyone else only reads it.
+
+=================================================  ==========================================
+field                                              written by
+=================================================  ==========================================
+``state``, ``tokens``, ``prompt_len``,             ``PyExecutor``: sampling, completion,
+``is_first_draft``, ``error``, ``is_cancelled``,   errors, cancellation, ``pause()`` (a
+``first_token_time``, ``finish_time``              MAX_UTILIZATION preemption)
+``context_current_position``,                      ``PyExecutor``, after a forward: the chunk
+``prepopulated_prompt_len``                        that ran, with the reuse its allocation found
+``py_budget_deferred`` and the deferral counters   ``PyExecutor``, from what ``prepare_resources``
+                                                   returned (:meth:`record_budget_deferral`,
+                                                   :meth:`record_capacity_deferral`,
+                                                   :meth:`record_forward`)
+``arrival_time``                                   the submitter, or ``PyExecutor`` when it is 0
+``py_draft_tokens``                                the submitter (a drafter, where there is one)
+=================================================  ==========================================
+
+The scheduler, the token-budget policy and the KV manager read requests and return
+decisions; none of them writes a request field.
 """
 
 from __future__ import annotations
@@ -93,10 +110,8 @@ class LlmRequest:
     orig_prompt_len: int = field(init=False)
     context_current_position: int = 0
     prepopulated_prompt_len: int = 0
-    estimated_reusable_tokens: int = 0
-    _context_chunk_size: int = 0
-    # Budget deferral: a deferred request is charged at full cost next time and goes
-    # first in the re-check, so it is never deferred twice in a row.
+    # Budget deferral: a deferred request owes its full cost. The scheduler charges it that
+    # and the re-check takes it first, so it is never deferred twice in a row.
     py_budget_deferred: bool = False
     consecutive_budget_deferrals: int = 0
     max_consecutive_budget_deferrals: int = 0
@@ -113,33 +128,47 @@ class LlmRequest:
         self.prompt_len = len(self.tokens)
         self.orig_prompt_len = self.prompt_len
 
-    # ---- context chunks -------------------------------------------------------------
+    # ---- context progress -----------------------------------------------------------
     @property
     def context_remaining_length(self) -> int:
         return self.prompt_len - self.context_current_position
-
-    @property
-    def context_chunk_size(self) -> int:
-        return self._context_chunk_size
-
-    @context_chunk_size.setter
-    def context_chunk_size(self, size: int) -> None:
-        if size < 0:
-            raise ValueError(f"request {self.request_id}: context_chunk_size must be >= 0, got {size}")
-        self._context_chunk_size = min(size, self.context_remaining_length)
 
     @property
     def is_first_context_chunk(self) -> bool:
         """No chunk has been computed yet (reused KV does not count as computed)."""
         return self.context_current_position == self.prepopulated_prompt_len
 
-    @property
-    def is_last_context_chunk(self) -> bool:
-        return self.context_current_position + self._context_chunk_size >= self.prompt_len
+    def reuse_prefix(self, length: int) -> None:
+        """The first ``length`` prompt tokens come from the KV cache (a first chunk's claim):
+        they count as computed, and the next chunk starts after them."""
+        if self.context_current_position or not 0 <= length < self.prompt_len:
+            raise ValueError(f"request {self.request_id}: cannot reuse a prefix of {length} tokens ({self!r})")
+        self.prepopulated_prompt_len = self.context_current_position = length
 
-    def move_to_next_context_chunk(self) -> None:
-        self.context_current_position += self._context_chunk_size
-        self._context_chunk_size = 0
+    def complete_context_chunk(self, end: int) -> None:
+        """The chunk of the prompt up to position ``end`` was computed."""
+        if not self.context_current_position <= end <= self.prompt_len:
+            raise ValueError(
+                f"request {self.request_id}: a chunk cannot end at {end}"
+                f" (position {self.context_current_position}, prompt {self.prompt_len})"
+            )
+        self.context_current_position = end
+
+    # ---- deferrals (PyExecutor records what prepare_resources returned) ---------------
+    def record_budget_deferral(self) -> None:
+        self.py_budget_deferred = True
+        self.num_budget_deferrals += 1
+        self.consecutive_budget_deferrals += 1
+        if self.consecutive_budget_deferrals > self.max_consecutive_budget_deferrals:
+            self.max_consecutive_budget_deferrals = self.consecutive_budget_deferrals
+
+    def record_capacity_deferral(self) -> None:
+        self.num_capacity_deferrals += 1
+
+    def record_forward(self) -> None:
+        """It ran in a forward: a budget deferral it owed is paid."""
+        self.py_budget_deferred = False
+        self.consecutive_budget_deferrals = 0
 
     # ---- state ----------------------------------------------------------------------
     @property
@@ -188,17 +217,12 @@ class LlmRequest:
         self.prompt_len = len(self.tokens)
         self.context_current_position = 0
         self.prepopulated_prompt_len = 0
-        self.estimated_reusable_tokens = 0
-        self._context_chunk_size = 0
         self.num_pauses += 1
 
     def __repr__(self) -> str:  # short: property-test counter-examples print lists of these
         if self.is_context_init_state:
             drafts = f" drafts={self.num_draft_tokens}" if self.py_draft_tokens else ""
-            return (
-                f"Ctx(id={self.request_id} prompt={self.prompt_len} pos={self.context_current_position}"
-                f" chunk={self._context_chunk_size} est_reuse={self.estimated_reusable_tokens}{drafts})"
-            )
+            return f"Ctx(id={self.request_id} prompt={self.prompt_len} pos={self.context_current_position}{drafts})"
         extra = f" beam={self.beam_width}" if self.beam_width > 1 else ""
         if self.is_first_draft:
             extra += f" first_draft(max_draft_len={self.max_draft_len})"

@@ -1,10 +1,10 @@
 """Model engines: ``_prepare_tp_inputs`` builds one flat forward; an engine runs it.
 
-``ModelEngine`` owns the input preparation, identical for every engine: it runs the
-token-budget policy's ``before_inputs`` hook, appends each request's positions (counted
-by :func:`forward_cost`, nothing else), and checks the total against ``max_num_tokens``
-the way upstream asserts it — except that here it raises :class:`TokenBudgetExceeded`,
-which fails the batch instead of killing the executor thread. Subclasses run the
+``ModelEngine`` owns the input preparation, identical for every engine: it appends each
+request's positions — a context request's chunk as the batch carries it, a generation
+request's next step — checks each count against :func:`forward_cost`, and checks the total
+against ``max_num_tokens`` the way upstream asserts it, except that here it raises
+:class:`TokenBudgetExceeded`, which fails the batch instead of killing the executor thread. Subclasses run the
 prepared inputs: :class:`TorchModelEngine` through a real torch model; the replay's
 simulated engine through a cost model.
 """
@@ -12,7 +12,7 @@ simulated engine through a cost model.
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -26,38 +26,113 @@ from tensorrt_llm._torch.pyexecutor.forward_cost import forward_cost
 from tensorrt_llm._torch.pyexecutor.kv_cache_manager import KVCacheManager
 from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequest
 from tensorrt_llm._torch.pyexecutor.scheduled_requests import ScheduledRequests
-from tensorrt_llm._torch.pyexecutor.token_budget import TokenBudgetPolicy
 
 PAD_TOKEN_ID = 0  # fills first-draft slots before the drafter has proposed anything
 
 
-@dataclass(slots=True)
 class TpInputs:
-    """One flat forward. Request ``i`` owns ``input_ids[offsets[i]:offsets[i] + num_new_tokens[i]]``."""
+    """One flat forward. Request ``i`` owns ``input_ids[offsets[i]:offsets[i] + num_new_tokens[i]]``.
 
-    requests: list[LlmRequest] = field(default_factory=list)
-    input_ids: list[int] = field(default_factory=list)
-    position_ids: list[int] = field(default_factory=list)
-    num_new_tokens: list[int] = field(default_factory=list)
-    num_cached_tokens: list[int] = field(default_factory=list)
-    block_tables: list[list[int]] = field(default_factory=list)
-    samples: list[bool] = field(default_factory=list)  # does request i produce a token this step
+    ``requests``, ``num_new_tokens``, ``num_cached_tokens`` and ``samples`` (does request
+    ``i`` produce a token this step) are filled as requests are added. The flat
+    ``input_ids`` and ``position_ids`` and the ``block_tables`` are built on first use — a
+    simulated engine never needs them, and a context chunk can be thousands of tokens — so
+    they must be read before the KV manager allocates again (in the same iteration).
+    """
 
-    @property
-    def total_num_tokens(self) -> int:
-        return len(self.input_ids)
+    __slots__ = (
+        "requests", "num_new_tokens", "num_cached_tokens", "samples", "total_num_tokens",
+        "_pieces", "_beams", "_tables", "_kv", "_input_ids", "_position_ids", "_block_tables",
+    )
+
+    def __init__(self, kv_cache_manager: KVCacheManager | None = None) -> None:
+        self.requests: list[LlmRequest] = []
+        self.num_new_tokens: list[int] = []
+        self.num_cached_tokens: list[int] = []
+        self.samples: list[bool] = []
+        self.total_num_tokens = 0
+        self._pieces: list[tuple[list[int], int, int, list[int]]] = []  # token source, start, stop, then extra
+        self._beams: list[int] = []
+        self._tables: list[list[int] | None] = []  # None: the request's table in the KV manager
+        self._kv = kv_cache_manager
+        self._input_ids: list[int] | None = None
+        self._position_ids: list[int] | None = None
+        self._block_tables: list[list[int]] | None = None
 
     def append(
-        self, request: LlmRequest, token_ids: list[int], start: int, block_table: list[int], samples: bool, beams: int = 1
+        self, request: LlmRequest, token_ids: list[int], start: int, block_table: list[int] | None, samples: bool,
+        beams: int = 1,
     ) -> None:
-        """Consecutive positions from ``start``; with ``beams`` > 1 every beam is at ``start``."""
+        """Consecutive positions from ``start``; with ``beams`` > 1 every beam is at ``start``.
+        ``block_table`` None: the request's table in the KV manager, read on first use."""
+        self._add(request, (token_ids, 0, len(token_ids), ()), len(token_ids), start, block_table, samples, beams)
+
+    def append_generation(self, requests: list[LlmRequest]) -> None:
+        """The next step of each generation request: its newest token (one per beam), then
+        its draft tokens, or first-draft padding up to ``max_draft_len``."""
+        count = 0
+        for request in requests:
+            tokens = request.tokens
+            beams = request.beam_width
+            if request.is_first_draft:
+                token_ids = [tokens[-1]] + [PAD_TOKEN_ID] * request.max_draft_len
+            elif request.py_draft_tokens:
+                token_ids = [tokens[-1], *request.py_draft_tokens]
+            else:  # one position per beam
+                token_ids = [tokens[-1]] * beams
+            self._pieces.append((token_ids, 0, len(token_ids), ()))
+            self.num_new_tokens.append(len(token_ids))
+            self.num_cached_tokens.append(len(tokens) - 1)
+            self._beams.append(beams)
+            count += len(token_ids)
+        self.requests += requests
+        self.samples += [True] * len(requests)
+        self._tables += [None] * len(requests)
+        self.total_num_tokens += count
+        self._input_ids = self._position_ids = self._block_tables = None
+
+    def append_chunk(self, request: LlmRequest, start: int, stop: int, extra: list[int], samples: bool) -> None:
+        """Prompt tokens ``[start, stop)`` of ``request`` followed by ``extra`` (draft tokens), not copied yet."""
+        self._add(request, (request.tokens, start, stop, extra), stop - start + len(extra), start, None, samples, 1)
+
+    def _add(self, request, piece, count, start, block_table, samples, beams) -> None:
         self.requests.append(request)
-        self.input_ids.extend(token_ids)
-        self.position_ids.extend([start] * beams if beams > 1 else range(start, start + len(token_ids)))
-        self.num_new_tokens.append(len(token_ids))
+        self.num_new_tokens.append(count)
         self.num_cached_tokens.append(start)
-        self.block_tables.append(block_table)
         self.samples.append(samples)
+        self._pieces.append(piece)
+        self._beams.append(beams)
+        self._tables.append(block_table)
+        self.total_num_tokens += count
+        self._input_ids = self._position_ids = self._block_tables = None
+
+    @property
+    def input_ids(self) -> list[int]:
+        if self._input_ids is None:
+            ids: list[int] = []
+            for source, start, stop, extra in self._pieces:
+                ids += source[start:stop]
+                ids += extra
+            self._input_ids = ids
+        return self._input_ids
+
+    @property
+    def position_ids(self) -> list[int]:
+        if self._position_ids is None:
+            positions: list[int] = []
+            for start, count, beams in zip(self.num_cached_tokens, self.num_new_tokens, self._beams):
+                positions += [start] * beams if beams > 1 else range(start, start + count)
+            self._position_ids = positions
+        return self._position_ids
+
+    @property
+    def block_tables(self) -> list[list[int]]:
+        if self._block_tables is None:
+            self._block_tables = [
+                table if table is not None else self._kv.block_table(request)
+                for request, table in zip(self.requests, self._tables)
+            ]
+        return self._block_tables
 
 
 @dataclass(slots=True)
@@ -77,10 +152,9 @@ class ModelEngine(abc.ABC):
     max_beam_width: int = 1
     supports_draft_tokens: bool = False
 
-    def __init__(self, max_num_tokens: int, kv_cache_manager: KVCacheManager, token_budget: TokenBudgetPolicy) -> None:
+    def __init__(self, max_num_tokens: int, kv_cache_manager: KVCacheManager) -> None:
         self.max_num_tokens = max_num_tokens
         self.kv_cache_manager = kv_cache_manager
-        self.token_budget = token_budget
 
     @property
     @abc.abstractmethod
@@ -94,28 +168,15 @@ class ModelEngine(abc.ABC):
 
     def _prepare_tp_inputs(self, scheduled: ScheduledRequests) -> TpInputs:
         """Flat inputs for the batch; raises TokenBudgetExceeded past ``max_num_tokens``."""
-        self.token_budget.before_inputs(scheduled)
-        inputs = TpInputs()
-        kv = self.kv_cache_manager
-        for request in scheduled.context_requests:
-            start = request.context_current_position
-            chunk = min(request.context_chunk_size, request.prompt_len - start)
-            last = request.is_last_context_chunk
-            token_ids = request.tokens[start : start + chunk]
-            if last:
-                token_ids += request.py_draft_tokens
-            inputs.append(request, token_ids, start, kv.block_table(request), samples=last)
-        for request in scheduled.generation_requests:
-            last_token = request.tokens[-1]
-            if request.is_first_draft:
-                token_ids = [last_token] + [PAD_TOKEN_ID] * request.max_draft_len
-            elif request.py_draft_tokens:
-                token_ids = [last_token, *request.py_draft_tokens]
-            else:  # one position per beam
-                token_ids = [last_token] * request.beam_width
-            start = len(request.tokens) - 1
-            inputs.append(request, token_ids, start, kv.block_table(request), samples=True, beams=request.beam_width)
-        assert all(n == forward_cost(r) for r, n in zip(inputs.requests, inputs.num_new_tokens)), "position count drift"
+        inputs = TpInputs(self.kv_cache_manager)
+        for chunk in scheduled.context_chunks:
+            request = chunk.request
+            last = chunk.is_last
+            inputs.append_chunk(request, chunk.start, chunk.end, request.py_draft_tokens if last else (), samples=last)
+        inputs.append_generation(scheduled.generation_requests)
+        costs = [chunk.cost() for chunk in scheduled.context_chunks]
+        costs += map(forward_cost, scheduled.generation_requests)
+        assert costs == inputs.num_new_tokens, "position count drift from forward_cost"
         if inputs.total_num_tokens > self.max_num_tokens:
             raise TokenBudgetExceeded(inputs.total_num_tokens, self.max_num_tokens)
         return inputs
@@ -146,13 +207,12 @@ class TorchModelEngine(ModelEngine):
         model: LlamaForCausalLM,
         max_num_tokens: int,
         kv_cache_manager: KVCacheManager,
-        token_budget: TokenBudgetPolicy,
         *,
         cuda_graph_config: CudaGraphConfig | None = None,
         max_batch_size: int = 0,
         max_seq_len: int | None = None,
     ) -> None:
-        super().__init__(max_num_tokens, kv_cache_manager, token_budget)
+        super().__init__(max_num_tokens, kv_cache_manager)
         storage = kv_cache_manager.storage
         if storage is None:
             raise ValueError("TorchModelEngine needs a KV cache manager with tensor storage")
@@ -260,7 +320,7 @@ class TorchModelEngine(ModelEngine):
             inputs.block_tables,
             tokens_per_block=self.kv_cache_manager.tokens_per_block,
             num_blocks=self.kv_cache_manager.num_blocks,
-            num_kv_heads=self.model.config.num_kv_heads,
+            num_kv_heads=self.model.num_local_kv_heads,
             device=self.device,
         )
 

@@ -1,14 +1,24 @@
 """``PyExecutor``: the serving loop.
 
-One iteration (:meth:`PyExecutor.step`) is upstream's: fetch new requests, schedule,
-``prepare_resources`` (where the remaining_budget re-check runs, before any allocation),
-forward, sample, update request states, send responses, free finished requests.
+One iteration (:meth:`PyExecutor.step`) is upstream's, as a chain of values::
 
-The loop never dies on a batch: whatever a batch raises — ``TokenBudgetExceeded`` from
-``_prepare_tp_inputs`` included — fails that batch's requests with the error, is counted
-in the iteration's statistics and in :meth:`health`, and the next iteration serves
-everyone else. A request whose logits are not finite fails alone. The background thread
-calls the same ``step`` that a replay with a virtual clock calls directly.
+    fetch + cancel ─► scheduler.schedule_request(active) ─► ScheduledRequests
+        ─► pause what the capacity stage preempts
+        ─► resource_manager.prepare_resources(scheduled) ─► PreparedBatch
+               (re-check ─► allocation ─► after-allocation fix-ups; see resource_manager)
+        ─► record deferrals and reuse on the requests
+        ─► model_engine.forward(batch) ─► ForwardOutput
+        ─► sample / update requests, respond ─► resource_manager.update_resources(batch)
+        ─► IterationStats ─► free finished requests
+    ─► Iteration(stats, scheduled, prepared)
+
+Each phase takes what the previous one returned; only the executor writes request state
+(see ``llm_request``). The loop never dies on a batch: whatever a batch raises —
+``TokenBudgetExceeded`` from ``_prepare_tp_inputs`` included — fails that batch's requests
+with the error, is counted in the iteration's statistics and in :meth:`health`, and the
+next iteration serves everyone else; a request whose logits are not finite fails alone.
+The background thread calls the same ``step`` that a replay with a virtual clock calls
+directly.
 
 Should the thread die all the same (upstream's failure mode; a test hook reproduces it),
 every request it held ends with an error, new ones are refused, and :meth:`health` says so.
@@ -21,7 +31,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, NamedTuple
 
 from tensorrt_llm._torch.pyexecutor.config import ExecutorConfig
 from tensorrt_llm._torch.pyexecutor.errors import (
@@ -31,12 +41,11 @@ from tensorrt_llm._torch.pyexecutor.errors import (
     NonFiniteLogitsError,
     TokenBudgetExceeded,
 )
-from tensorrt_llm._torch.pyexecutor.forward_cost import forward_cost
 from tensorrt_llm._torch.pyexecutor.kv_cache_manager import KVCacheManager
 from tensorrt_llm._torch.pyexecutor.llm_request import DeferReason, LlmRequest, LlmRequestState
-from tensorrt_llm._torch.pyexecutor.model_engine import ModelEngine
+from tensorrt_llm._torch.pyexecutor.model_engine import ForwardOutput, ModelEngine
 from tensorrt_llm._torch.pyexecutor.request_validation import RequestLimits, validate_request
-from tensorrt_llm._torch.pyexecutor.resource_manager import KV_CACHE_MANAGER, ResourceManager
+from tensorrt_llm._torch.pyexecutor.resource_manager import KV_CACHE_MANAGER, PreparedBatch, ResourceManager
 from tensorrt_llm._torch.pyexecutor.sampler import Sampler
 from tensorrt_llm._torch.pyexecutor.scheduled_requests import ScheduledRequests
 from tensorrt_llm._torch.pyexecutor.scheduler import SimpleScheduler
@@ -45,9 +54,12 @@ from tensorrt_llm._torch.pyexecutor.stats import IterationStats
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True, slots=True)
-class Response:
-    """What changed for one request: new tokens, and whether it is over (and how)."""
+class Response(NamedTuple):
+    """What changed for one request: new tokens, and whether it is over (and how).
+
+    A tuple: one is built per request per iteration, and a frozen dataclass costs several
+    times as much to build.
+    """
 
     request_id: int
     new_token_ids: list[int]
@@ -58,6 +70,25 @@ class Response:
 
 ResponseCallback = Callable[[LlmRequest, Response], None]
 IterationListener = Callable[[IterationStats], None]
+
+
+@dataclass(frozen=True, slots=True)
+class Iteration:
+    """What one :meth:`PyExecutor.step` did, as values.
+
+    ``scheduled`` is the batch as the scheduler built it (admission charges, reuse
+    estimates); ``prepared`` what ``prepare_resources`` made of it — the batch that ran,
+    the deferrals, the claims — or None when ``prepare_resources`` itself failed.
+    """
+
+    stats: IterationStats
+    scheduled: ScheduledRequests
+    prepared: PreparedBatch | None
+
+    @property
+    def batch(self) -> ScheduledRequests:
+        """The batch that ran (or would have run, for a batch that failed)."""
+        return self.prepared.scheduled if self.prepared is not None else self.scheduled
 
 
 class PyExecutor:
@@ -80,12 +111,13 @@ class PyExecutor:
         self.clock = clock
         self.limits = RequestLimits.of(config, self.kv_cache_manager, model_engine)
         self.active_requests: list[LlmRequest] = []
+        # A ring when iter_stats_max_iterations is set (a server); the whole record otherwise (a replay).
         self.iteration_stats: deque[IterationStats] = deque(maxlen=config.iter_stats_max_iterations)
-        self.last_scheduled: ScheduledRequests | None = None  # the latest iteration's batch, for inspection
         self.num_budget_violations = 0
         self.num_failed_batches = 0
         self.last_error: str | None = None
         self._callbacks: dict[int, ResponseCallback] = {}
+        self._finished: list[LlmRequest] = []  # finished since the last _free_finished
         self._new_requests: deque[LlmRequest] = deque()
         self._cancelled: set[int] = set()
         self._wakeup = threading.Condition()
@@ -129,34 +161,39 @@ class PyExecutor:
     def has_work(self) -> bool:
         return bool(self.active_requests or self._new_requests or self._cancelled)
 
-    def step(self) -> IterationStats | None:
-        """Run one iteration; None when there was nothing to do."""
+    def step(self) -> Iteration | None:
+        """Run one iteration; None when there was nothing to do.
+
+        The phases, in order (each takes what the one before returned): schedule,
+        prepare_resources, forward, sample/update, respond, free.
+        """
         self._fetch_new_requests()
         self._handle_cancellations()
         if not self.active_requests:
             return None
-        scheduled = self.last_scheduled = self.scheduler.schedule_request(self.active_requests)
-        self._pause(scheduled.paused_requests)
+        scheduled = self._schedule()
         stats = IterationStats(self._iteration, self.clock(), max_num_tokens=self.config.max_num_tokens)
         self._iteration += 1
-        batch = scheduled.all_requests
+        prepared = None
         try:
-            self.resource_manager.prepare_resources(scheduled)
-            if not scheduled.is_empty:
-                output = self.model_engine.forward(scheduled)
+            prepared = self._prepare_resources(scheduled, stats)
+            batch = prepared.scheduled
+            if not batch.is_empty:
+                output = self.model_engine.forward(batch)
                 stats.forward_tokens = output.num_tokens
-                self._update_requests(scheduled, output)
-                self.resource_manager.update_resources(scheduled)
+                self._update_requests(batch, output)
+                self.resource_manager.update_resources(batch)
         except TokenBudgetExceeded as error:
             self.num_budget_violations += 1
             stats.forward_tokens, stats.overshoot = error.total_num_tokens, error.overshoot
-            self._fail_batch(scheduled.all_requests, error, stats)
+            self._fail_batch(prepared.scheduled.all_requests, error, stats)
         except Exception as error:  # one bad batch must not take the server down
-            logger.exception("iteration %d failed; failing its %d requests", stats.iteration, len(batch))
-            self._fail_batch(scheduled.all_requests, error, stats)
-        self._record(stats, scheduled)
+            failed = (prepared.scheduled if prepared is not None else scheduled).all_requests
+            logger.exception("iteration %d failed; failing its %d requests", stats.iteration, len(failed))
+            self._fail_batch(failed, error, stats)
+        self._record(stats, scheduled, prepared)
         self._free_finished()
-        return stats
+        return Iteration(stats, scheduled, prepared)
 
     def run_until_idle(self, max_iterations: int = 1_000_000) -> None:
         """Step until every submitted request has finished (tests and replays)."""
@@ -196,8 +233,7 @@ class PyExecutor:
         Failed batches do not make it unhealthy: the loop goes on serving.
         """
         alive = self._thread is None or self._thread.is_alive()
-        has_work = self.has_work
-        stalled_s = time.monotonic() - self._heartbeat if has_work else 0.0
+        stalled_s = time.monotonic() - self._heartbeat if self.has_work else 0.0
         reason = None
         if self._loop_error is not None:
             reason = f"the executor loop died: {self._loop_error}"
@@ -291,11 +327,14 @@ class PyExecutor:
                 request.is_cancelled = True
                 request.state = LlmRequestState.GENERATION_COMPLETE
                 request.finish_time = self.clock()
+                self._finished.append(request)
                 self._respond(request, Response(request.request_id, [], finished=True, cancelled=True))
         self._free_finished()
 
-    def _pause(self, paused: list[LlmRequest]) -> None:
-        for request in paused:
+    def _schedule(self) -> ScheduledRequests:
+        """Schedule the active requests; free and restart the ones the capacity stage preempts."""
+        scheduled = self.scheduler.schedule_request(self.active_requests)
+        for request in scheduled.paused_requests:
             self.resource_manager.free_resources(request)
             request.pause()
             context = request.prompt_len + request.num_draft_tokens  # now with its generated tokens
@@ -307,44 +346,80 @@ class PyExecutor:
                     f" (prompt + generated) exceeds max_num_tokens {self.config.max_num_tokens} and chunked"
                     " prefill is off"
                 ))
+        return scheduled
 
-    def _update_requests(self, scheduled: ScheduledRequests, output) -> None:
-        for request in scheduled.context_requests:
-            samples = request.is_last_context_chunk
-            request.move_to_next_context_chunk()
-            if samples:
+    def _prepare_resources(self, scheduled: ScheduledRequests, stats: IterationStats) -> PreparedBatch:
+        """Re-check, allocate, fix up (``ResourceManager``); then record on the requests what
+        that decided: who was deferred, and the prefix each new allocation reused."""
+        prepared = self.resource_manager.prepare_resources(scheduled)
+        for deferral in prepared.deferred:
+            if deferral.reason is DeferReason.BUDGET:
+                deferral.request.record_budget_deferral()
+            else:
+                deferral.request.record_capacity_deferral()
+        for claim in prepared.claims:
+            if claim.reused_tokens:
+                claim.request.reuse_prefix(claim.reused_tokens)
+        # DESIGN.md §5: the budget, not the traffic, limited this iteration when some active
+        # request still has prompt tokens to compute after this batch.
+        finishing = {c.request.request_id for c in prepared.scheduled.context_chunks if c.is_last}
+        stats.budget_bound = any(
+            r.state is LlmRequestState.CONTEXT_INIT and r.request_id not in finishing for r in self.active_requests
+        )
+        return prepared
+
+    def _update_requests(self, batch: ScheduledRequests, output: ForwardOutput) -> None:
+        """Move each request past what the forward computed; sample and respond."""
+        now = self.clock()  # one instant for every token of this forward
+        sampling = []
+        for chunk in batch.context_chunks:
+            request = chunk.request
+            request.complete_context_chunk(chunk.end)
+            request.record_forward()
+            if chunk.is_last:
                 request.state = LlmRequestState.GENERATION_IN_PROGRESS
-                self._sample(request, output)
-        for request in scheduled.generation_requests:
-            self._sample(request, output)
-            request.is_first_draft = False
+                sampling.append(request)
+        generation = batch.generation_requests
+        for request in generation:
+            if request.consecutive_budget_deferrals:
+                request.record_forward()
+            if request.is_first_draft:
+                request.is_first_draft = False  # it ran its padded first draft step
+        sampling += generation
+        append = self._append
+        for request, tokens in zip(sampling, self.sampler.sample_batch(sampling, output)):
+            if isinstance(tokens, NonFiniteLogitsError):  # this request's numbers are broken, not the batch's
+                logger.error("%s", tokens)
+                self._fail(request, tokens)
+                continue
+            append(request, tokens, now)
 
-    def _sample(self, request: LlmRequest, output) -> None:
-        try:
-            tokens = self.sampler.sample(request, output)
-        except NonFiniteLogitsError as error:  # this request's numbers are broken, not the batch's
-            logger.error("%s", error)
-            self._fail(request, error)
-            return
-        self._append(request, tokens)
-
-    def _append(self, request: LlmRequest, tokens: list[int]) -> None:
-        new = []
-        for token in tokens:
-            request.add_new_token(token)
-            new.append(token)
-            stop = token == request.end_id or token in request.stop_token_ids
-            if stop or request.num_generated_tokens >= request.max_new_tokens:
-                request.state = LlmRequestState.GENERATION_TO_COMPLETE
-                break
-        now = self.clock()
+    def _append(self, request: LlmRequest, tokens: list[int], now: float) -> None:
+        """Append sampled tokens up to the first stop token or ``max_new_tokens``; respond."""
+        sequence = request.tokens
+        limit = request.orig_prompt_len + request.max_new_tokens
+        finished = False
+        if len(tokens) == 1 and request.end_id is None and not request.stop_token_ids:  # the usual step
+            sequence += tokens
+            finished = len(sequence) >= limit
+        else:
+            for index, token in enumerate(tokens):
+                sequence.append(token)
+                if token == request.end_id or token in request.stop_token_ids or len(sequence) >= limit:
+                    finished = True
+                    tokens = tokens[: index + 1]
+                    break
         if request.first_token_time is None:
             request.first_token_time = now
-        finished = request.state is LlmRequestState.GENERATION_TO_COMPLETE
         if finished:
             request.state = LlmRequestState.GENERATION_COMPLETE
             request.finish_time = now
-        self._respond(request, Response(request.request_id, new, finished=finished))
+            self._finished.append(request)
+            callback = self._callbacks.pop(request.request_id, None)
+        else:
+            callback = self._callbacks.get(request.request_id)
+        if callback is not None:
+            callback(request, Response(request.request_id, tokens, finished))
 
     def _fail_batch(self, requests: list[LlmRequest], error: Exception, stats: IterationStats) -> None:
         self.num_failed_batches += 1
@@ -359,18 +434,19 @@ class PyExecutor:
             return
         request.set_error(f"{type(error).__name__}: {error}")
         request.finish_time = self.clock()
+        self._finished.append(request)
         self._respond(request, Response(request.request_id, [], finished=True, error=request.error))
 
     def _free_finished(self) -> None:
-        still_active = []
-        for request in self.active_requests:
-            if not request.is_finished:
-                still_active.append(request)
-                continue
+        """Free what the requests finished since the last call held; drop them from the active list."""
+        if not self._finished:
+            return
+        finished, self._finished = self._finished, []
+        for request in finished:
             store = request.state is LlmRequestState.GENERATION_COMPLETE
             self.resource_manager.free_resources(request, store_for_reuse=store)
             self.sampler.release(request)
-        self.active_requests = still_active
+        self.active_requests = [r for r in self.active_requests if not r.is_finished]
 
     def _respond(self, request: LlmRequest, response: Response) -> None:
         callback = self._callbacks.get(request.request_id)
@@ -379,25 +455,32 @@ class PyExecutor:
         if callback is not None:
             callback(request, response)
 
-    def _record(self, stats: IterationStats, scheduled: ScheduledRequests) -> None:
-        kv = self.kv_cache_manager
+    def _record(self, stats: IterationStats, scheduled: ScheduledRequests, prepared: PreparedBatch | None) -> None:
+        batch = prepared.scheduled if prepared is not None else scheduled
         stats.end_time = self.clock()
         stats.num_active_requests = len(self.active_requests)
-        stats.num_context_requests = len(scheduled.context_requests)
-        stats.num_generation_requests = len(scheduled.generation_requests)
+        stats.num_context_requests = len(batch.context_chunks)
+        stats.num_generation_requests = len(batch.generation_requests)
         stats.num_paused_requests = len(scheduled.paused_requests)
         stats.scheduled_tokens = scheduled.scheduled_tokens
-        for request, reason in scheduled.deferred_requests:
-            if reason is DeferReason.BUDGET:
+        if prepared is None:
+            self._publish(stats)
+            return
+        for deferral in prepared.deferred:
+            if deferral.reason is DeferReason.BUDGET:
                 stats.num_budget_deferrals += 1
-                stats.budget_deferred_tokens += forward_cost(request, reuse_can_shift=kv.reuse_can_shift(request))
+                stats.budget_deferred_tokens += deferral.cost
             else:
                 stats.num_capacity_deferrals += 1
-        prompt_lens = {request.request_id: request.prompt_len for request in scheduled.context_requests}
-        for claim in kv.last_claims:
+        if prepared.budget is not None:
+            stats.num_budget_cuts = len(prepared.budget.cut)
+        for claim in prepared.claims:
             stats.reuse_estimated_tokens += claim.estimated_reusable_tokens
             stats.reuse_claimed_tokens += claim.reused_tokens
-            stats.reuse_query_tokens += prompt_lens.get(claim.request_id, 0)
+            stats.reuse_query_tokens += claim.request.prompt_len
+        self._publish(stats)
+
+    def _publish(self, stats: IterationStats) -> None:
         self.iteration_stats.append(stats)
         for listener in self._iteration_listeners:
             try:

@@ -19,11 +19,11 @@ from tensorrt_llm._torch.pyexecutor.py_executor import PyExecutor
 from tensorrt_llm._torch.pyexecutor.resource_manager import KV_CACHE_MANAGER, ResourceManager
 from tensorrt_llm._torch.pyexecutor.sampler import Sampler, TorchSampler
 from tensorrt_llm._torch.pyexecutor.scheduler import CapacityScheduler, MicroBatchScheduler, SimpleScheduler
-from tensorrt_llm._torch.pyexecutor.token_budget import TokenBudgetPolicy, make_token_budget_policy
+from tensorrt_llm._torch.pyexecutor.token_budget import token_budget_policy_for
 
 logger = logging.getLogger(__name__)
 
-EngineFactory = Callable[[KVCacheManager, TokenBudgetPolicy], ModelEngine]
+EngineFactory = Callable[[KVCacheManager], ModelEngine]
 
 
 #: Memory a KV pool of real tensors gets when its size is not given (upstream sizes it from free
@@ -56,7 +56,6 @@ def gpu_num_blocks(device: torch.device, fraction: float, bytes_per_block: int) 
 
 def create_kv_cache_manager(
     config: ExecutorConfig,
-    token_budget: TokenBudgetPolicy,
     *,
     model: LlamaForCausalLM | None = None,
     kv_bytes_per_token: int | None = None,
@@ -102,7 +101,6 @@ def create_kv_cache_manager(
         num_host_blocks=num_host_blocks,
         storage=storage,
         block_hash=block_hash,
-        token_budget=token_budget,
     )
 
 
@@ -119,21 +117,13 @@ def create_py_executor(
     """A torch executor (``model``) or one whose engine ``engine_factory`` builds (simulation)."""
     if (model is None) == (engine_factory is None):
         raise ValueError("give exactly one of model (torch engine) or engine_factory")
-    token_budget = make_token_budget_policy(
-        config.token_budget_policy,
-        config.max_num_tokens,
-        enable_chunked_prefill=config.enable_chunked_prefill,
-        tokens_per_block=config.kv_cache_config.tokens_per_block,
-    )
-    kv = create_kv_cache_manager(
-        config, token_budget, model=model, kv_bytes_per_token=kv_bytes_per_token, block_hash=block_hash
-    )
+    token_budget = token_budget_policy_for(config)
+    kv = create_kv_cache_manager(config, model=model, kv_bytes_per_token=kv_bytes_per_token, block_hash=block_hash)
     if model is not None:
         engine: ModelEngine = TorchModelEngine(
             model,
             config.max_num_tokens,
             kv,
-            token_budget,
             cuda_graph_config=config.cuda_graph_config,
             max_batch_size=config.max_batch_size,
             max_seq_len=config.max_seq_len,
@@ -141,19 +131,19 @@ def create_py_executor(
         engine.warmup()
         sampler = sampler or TorchSampler()
     else:
-        engine = engine_factory(kv, token_budget)
+        engine = engine_factory(kv)
         if sampler is None:
             raise ValueError("a simulated engine needs its sampler")
     if config.fault_injection is not None and config.fault_injection.enabled:
         engine = FaultInjectingEngine(engine, config.fault_injection)
     scheduler = SimpleScheduler(
         CapacityScheduler(config.capacity_scheduler_policy, kv),
-        MicroBatchScheduler(config, kv, token_budget),
+        MicroBatchScheduler(config, token_budget),
     )
     return PyExecutor(
         config=config,
         scheduler=scheduler,
-        resource_manager=ResourceManager({KV_CACHE_MANAGER: kv}),
+        resource_manager=ResourceManager({KV_CACHE_MANAGER: kv}, token_budget),
         model_engine=engine,
         sampler=sampler,
         clock=clock,

@@ -1,37 +1,114 @@
-"""``ResourceManager``: every per-request resource under one prepare / update / free lifecycle.
+"""``ResourceManager``: every per-request resource under one prepare / update / free lifecycle,
+and the place where the token budget meets KV allocation.
+
+``prepare_resources`` runs three steps, each a call that takes values and returns values::
+
+    ScheduledRequests ──► policy.before_allocation ──► BudgetDecision      (the re-check; cuts, defers)
+                          KVCacheManager.prepare_resources ──► KVAllocation (claims, allocates; defers)
+                          policy.after_allocation ──► batch + deferrals  (fit / trim fix-ups)
+                      ──► PreparedBatch: the batch that runs, who left it and why, what was claimed
+
+The KV manager answers questions and allocates; the token-budget policy decides; this
+module sequences them, so neither calls the other. Under claim-then-charge it first pins
+every first chunk's prefix (``KVCacheManager.claim_prefix``) and hands the claims to the
+re-check as shifted chunk windows, then to the allocation.
 
 Managers are prepared in registration order and freed in reverse order, as upstream does.
-The KV cache manager is the one resource here; the protocol is what the executor sees.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
-from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequest
-from tensorrt_llm._torch.pyexecutor.scheduled_requests import ScheduledRequests
+from tensorrt_llm._torch.pyexecutor.budget import BudgetDecision
+from tensorrt_llm._torch.pyexecutor.kv_cache_manager import ClaimRecord, KVCacheManager, PrefixClaim
+from tensorrt_llm._torch.pyexecutor.llm_request import DeferReason, LlmRequest
+from tensorrt_llm._torch.pyexecutor.scheduled_requests import ContextChunk, Deferral, ScheduledRequests
+from tensorrt_llm._torch.pyexecutor.token_budget import TokenBudgetPolicy
 
 KV_CACHE_MANAGER = "kv_cache_manager"
 
 
 class BaseResourceManager(Protocol):
-    def prepare_resources(self, scheduled: ScheduledRequests) -> None: ...
+    def prepare_resources(self, scheduled: ScheduledRequests) -> object: ...
 
     def update_resources(self, scheduled: ScheduledRequests) -> None: ...
 
     def free_resources(self, request: LlmRequest, *, store_for_reuse: bool = True) -> None: ...
 
 
+@dataclass(frozen=True, slots=True)
+class PreparedBatch:
+    """What ``prepare_resources`` returns.
+
+    ``scheduled`` is the batch that runs: chunks cut by the re-check and moved onto reused
+    prefixes by allocation, deferred requests out. ``deferred`` are the requests that left
+    it, untouched (unless a fix-up deferred them after allocation: ``trim``), in the order
+    they left. ``claims`` say, per first chunk allocated, the reuse it was admitted with and
+    the reuse it got. ``budget`` is the re-check (None under a policy without one).
+    """
+
+    scheduled: ScheduledRequests
+    deferred: list[Deferral]
+    claims: list[ClaimRecord]
+    budget: BudgetDecision | None = None
+
+
 class ResourceManager:
-    def __init__(self, managers: dict[str, BaseResourceManager]) -> None:
+    def __init__(self, managers: dict[str, BaseResourceManager], token_budget: TokenBudgetPolicy) -> None:
+        if not isinstance(managers.get(KV_CACHE_MANAGER), KVCacheManager):
+            raise ValueError(f"a ResourceManager needs a KVCacheManager under {KV_CACHE_MANAGER!r}")
         self.managers = dict(managers)
+        self.kv_cache_manager: KVCacheManager = managers[KV_CACHE_MANAGER]
+        self.token_budget = token_budget
 
     def get_resource_manager(self, name: str) -> BaseResourceManager:
         return self.managers[name]
 
-    def prepare_resources(self, scheduled: ScheduledRequests) -> None:
-        for manager in self.managers.values():
-            manager.prepare_resources(scheduled)
+    def prepare_resources(self, scheduled: ScheduledRequests) -> PreparedBatch:
+        """Re-check the budget, allocate what it admits, apply the fix-ups; see the module docstring."""
+        kv, policy = self.kv_cache_manager, self.token_budget
+        later: list[ContextChunk] = []
+        first: list[ContextChunk] = []
+        for chunk in scheduled.context_chunks:
+            (later if kv.is_allocated(chunk.request) else first).append(chunk)
+        claims: dict[int, PrefixClaim] = {}
+        if policy.claims_prefixes:
+            # Pin every prefix before anything allocates: from here on no allocation in this
+            # batch can evict what a later request claimed, so its post-reuse cost is exact.
+            for index, chunk in enumerate(first):
+                claim = claims[chunk.request.request_id] = kv.claim_prefix(chunk.request)
+                first[index] = chunk.after_reuse(claim.reused, kv.tokens_per_block)
+        decision = policy.before_allocation(
+            scheduled.generation_requests,
+            later,
+            first,
+            prefixes_claimed=policy.claims_prefixes,
+            estimated_reusable=scheduled.estimated_reusable,
+            generation_cost=scheduled.generation_charge,
+        )
+        deferred: list[Deferral] = []
+        to_allocate = scheduled
+        if decision is not None:
+            for request, cost in decision.deferred:
+                deferred.append(Deferral(request, DeferReason.BUDGET, cost))
+                claim = claims.pop(request.request_id, None)
+                if claim is not None:
+                    kv.release_claim(claim)  # back to exactly how it was scheduled
+            admitted = decision.chunks
+            to_allocate = scheduled.with_batch(
+                [admitted[c.request.request_id] for c in scheduled.context_chunks if c.request.request_id in admitted],
+                decision.generation,
+            )
+        allocation = kv.prepare_resources(to_allocate, claims)
+        deferred += [Deferral(request, DeferReason.CAPACITY) for request in allocation.deferred]
+        batch, fixed_up = policy.after_allocation(allocation.scheduled)
+        deferred += fixed_up
+        for name, manager in self.managers.items():
+            if name != KV_CACHE_MANAGER:
+                manager.prepare_resources(batch)
+        return PreparedBatch(batch, deferred, allocation.claims, decision)
 
     def update_resources(self, scheduled: ScheduledRequests) -> None:
         for manager in self.managers.values():

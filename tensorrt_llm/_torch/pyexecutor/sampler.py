@@ -19,6 +19,20 @@ class Sampler(abc.ABC):
         Raises NonFiniteLogitsError when its logits are not finite; the executor fails that
         request alone."""
 
+    def sample_batch(
+        self, requests: list[LlmRequest], output: ForwardOutput
+    ) -> list[list[int] | NonFiniteLogitsError]:
+        """:meth:`sample` for each of ``requests``, in order (a sampler may do it in one go). A
+        request whose logits are not finite gets its NonFiniteLogitsError in its place, so one
+        broken row fails that request alone."""
+        tokens: list[list[int] | NonFiniteLogitsError] = []
+        for request in requests:
+            try:
+                tokens.append(self.sample(request, output))
+            except NonFiniteLogitsError as error:
+                tokens.append(error)
+        return tokens
+
     def release(self, request: LlmRequest) -> None:
         """Forget per-request state (random generators) of a finished request."""
 

@@ -1,29 +1,44 @@
 """Two-stage scheduling: capacity (KV memory) then micro-batch (batch size and token budget).
 
-The capacity scheduler decides which active requests fit in KV memory; the micro-batch
-scheduler picks, among those, what runs in this forward under ``max_batch_size`` and
-``max_num_tokens`` and sets each context request's chunk size. Charges come from the
-token-budget policy, so upstream's reuse-discounted admission and our full-cost path
-are the same code with different policies. Both stages only decide: they allocate
-nothing and free nothing (the executor pauses and frees what the capacity stage says).
+The capacity scheduler decides which active requests fit in KV memory and hands the
+micro-batch scheduler, with them, upstream's reuse estimate of every admitted request that
+holds no blocks yet. The micro-batch scheduler picks, among those, what runs in this
+forward under ``max_batch_size`` and ``max_num_tokens`` and chooses each context request's
+chunk. Charges come from the token-budget policy, so upstream's reuse-discounted admission
+and our full-cost path are the same code with different policies. Both stages only
+decide: they allocate nothing, free nothing and write no request field (the executor
+pauses what the capacity stage says; chunks travel in the batch).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Iterable
+import dataclasses
+from dataclasses import dataclass, field
+from operator import attrgetter
+from typing import Sequence
 
 from tensorrt_llm._torch.pyexecutor.config import CapacitySchedulerPolicy, ContextChunkingPolicy, ExecutorConfig
 from tensorrt_llm._torch.pyexecutor.kv_cache_manager import KVCacheManager
-from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequest
-from tensorrt_llm._torch.pyexecutor.scheduled_requests import ScheduledRequests
+from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequest, LlmRequestState
+from tensorrt_llm._torch.pyexecutor.scheduled_requests import ContextChunk, ScheduledRequests
 from tensorrt_llm._torch.pyexecutor.token_budget import TokenBudgetPolicy
+
+_CONTEXT_INIT = LlmRequestState.CONTEXT_INIT
+_request_id = attrgetter("request_id")
 
 
 @dataclass(slots=True)
 class CapacityDecision:
+    """Who fits in KV memory this iteration.
+
+    ``fitting`` lists the requests that hold blocks, then the admitted ones that do not
+    (oldest first); ``estimated_reusable`` maps each of the latter to upstream's estimate of
+    its reusable prefix (the micro-batch scheduler's discount); ``paused`` are preempted.
+    """
+
     fitting: list[LlmRequest]
-    paused: list[LlmRequest]
+    paused: list[LlmRequest] = field(default_factory=list)
+    estimated_reusable: dict[int, int] = field(default_factory=dict)
 
 
 class CapacityScheduler:
@@ -43,55 +58,51 @@ class CapacityScheduler:
         self.policy = policy
         self.kv = kv_cache_manager
 
-    def schedule(self, active: Iterable[LlmRequest]) -> CapacityDecision:
-        started, waiting = [], []
-        for request in active:
-            (started if self.kv.is_allocated(request) else waiting).append(request)
+    def schedule(self, active: Sequence[LlmRequest]) -> CapacityDecision:
+        started, waiting = self.kv.split_allocated(active)
         if self.policy is CapacitySchedulerPolicy.GUARANTEED_NO_EVICT:
             return self._guaranteed_no_evict(started, waiting)
         return self._max_utilization(started, waiting)
 
-    def _new_request_blocks(self, request: LlmRequest, num_tokens: int) -> int:
-        # Also stores upstream's estimate on the request: the micro-batch discount reads it.
-        shared = self.kv.estimate_admission(request)
-        return max(0, self.kv.blocks_for_tokens(request, num_tokens) - shared)
+    def _admit(self, waiting: list[LlmRequest], available: int, decision: CapacityDecision, *, to_completion: bool) -> None:
+        """Admit waiting requests, oldest first, while their blocks fit ``available``."""
+        kv = self.kv
+        for request in waiting:
+            estimate, shared = kv.estimate_admission(request)
+            length = kv.max_sequence_len(request) if to_completion else request.prompt_len
+            needed = max(0, kv.blocks_for_tokens(request, length) - shared)
+            if needed > available:
+                break  # first come, first served: nobody overtakes the oldest waiting request
+            available -= needed
+            decision.fitting.append(request)
+            decision.estimated_reusable[request.request_id] = estimate
 
     def _guaranteed_no_evict(self, started: list[LlmRequest], waiting: list[LlmRequest]) -> CapacityDecision:
-        available = self.kv.pool.available
-        reserved = sum(self.kv.blocks_to_completion(r) for r in started)
-        fitting = list(started)
-        for request in waiting:
-            needed = self._new_request_blocks(request, self.kv.max_sequence_len(request))
-            if reserved + needed > available:
-                break  # first come, first served: nobody overtakes the oldest waiting request
-            reserved += needed
-            fitting.append(request)
-        return CapacityDecision(fitting, [])
+        decision = CapacityDecision(started)
+        if waiting:
+            available = self.kv.pool.available - self.kv.blocks_reserved_to_completion(started)
+            self._admit(waiting, available, decision, to_completion=True)
+        return decision
 
     def _max_utilization(self, started: list[LlmRequest], waiting: list[LlmRequest]) -> CapacityDecision:
-        available = self.kv.pool.available
-        running = sorted(started, key=self.kv.allocation_stamp)
-        fitting: list[LlmRequest] = []
-        paused: list[LlmRequest] = []
+        kv = self.kv
+        available = kv.pool.available
+        running = sorted(started, key=kv.allocation_stamp)
+        decision = CapacityDecision([])
+        fitting, paused = decision.fitting, decision.paused
         while running:
             request = running[0]
-            needed = self.kv.blocks_for_next_step(request)
+            needed = kv.blocks_for_next_step(request)
             if needed <= available:
                 available -= needed
                 fitting.append(running.pop(0))
                 continue
             victim = running.pop()  # the most recently started request gives way
-            available += self.kv.num_held_blocks(victim)
+            available += kv.num_held_blocks(victim)
             paused.append(victim)
-        if paused:
-            return CapacityDecision(fitting, paused)  # memory is short: admit nothing new
-        for request in waiting:
-            needed = self._new_request_blocks(request, request.prompt_len)
-            if needed > available:
-                break
-            available -= needed
-            fitting.append(request)
-        return CapacityDecision(fitting, paused)
+        if not paused:  # memory is short while anything is paused: admit nothing new
+            self._admit(waiting, available, decision, to_completion=False)
+        return decision
 
 
 class MicroBatchScheduler:
@@ -102,97 +113,116 @@ class MicroBatchScheduler:
     ``chunk_unit_size`` except a chunk that finishes its prompt.
     """
 
-    def __init__(self, config: ExecutorConfig, kv_cache_manager: KVCacheManager, policy: TokenBudgetPolicy) -> None:
+    def __init__(self, config: ExecutorConfig, policy: TokenBudgetPolicy) -> None:
         self.max_batch_size = config.max_batch_size
         self.max_num_tokens = config.max_num_tokens
         self.chunked = config.enable_chunked_prefill
         self.unit = config.chunk_unit_size
         self.chunking_policy = config.context_chunking_policy
-        self.kv = kv_cache_manager
         self.policy = policy
 
-    def schedule(self, candidates: Iterable[LlmRequest]) -> ScheduledRequests:
-        scheduled = ScheduledRequests()
+    def schedule(self, candidates: Sequence[LlmRequest], estimated_reusable: dict[int, int]) -> ScheduledRequests:
+        """The batch among ``candidates``; ``estimated_reusable`` holds upstream's estimate for
+        every candidate that holds no blocks yet (the capacity stage's, see :class:`CapacityDecision`)."""
+        generation = [r for r in candidates if r.state is not _CONTEXT_INIT]
+        contexts = [r for r in candidates if r.state is _CONTEXT_INIT] if len(generation) < len(candidates) else []
+        costs = list(map(self.policy.generation_charge, generation))
         budget = self.max_num_tokens
-        contexts: list[LlmRequest] = []
-        for request in candidates:
-            if request.is_context_init_state:
-                contexts.append(request)
-                continue
-            if len(scheduled.generation_requests) >= self.max_batch_size:
-                continue
-            charge = self.policy.generation_charge(request)
-            if charge > budget:
-                continue
-            budget -= charge
-            scheduled.generation_requests.append(request)
-            scheduled.charges[request.request_id] = charge
-        # Context requests share the slots and budget that generation left.
-        del contexts[self.max_batch_size - len(scheduled.generation_requests) :]
-        if self.chunked and self.chunking_policy is ContextChunkingPolicy.EQUAL_PROGRESS:
-            self._equal_progress(contexts, budget, scheduled)
+        total = sum(costs)
+        if len(generation) <= self.max_batch_size and total <= budget:  # the usual case: every step fits
+            charges = dict(zip(map(_request_id, generation), costs))
         else:
-            self._first_come_first_served(contexts, budget, scheduled)
-        return scheduled
+            generation, charges = self._fit_generation(generation, costs)
+            total = sum(charges.values())
+        budget -= total
+        # Context requests share the slots and budget that generation left.
+        del contexts[self.max_batch_size - len(generation) :]
+        if self.chunked and self.chunking_policy is ContextChunkingPolicy.EQUAL_PROGRESS:
+            chunks = self._equal_progress(contexts, budget, estimated_reusable, charges)
+        else:
+            chunks = self._first_come_first_served(contexts, budget, estimated_reusable, charges)
+        return ScheduledRequests(
+            context_chunks=chunks,
+            generation_requests=generation,
+            charges=charges,
+            estimated_reusable={c.request.request_id: estimated_reusable[c.request.request_id]
+                                for c in chunks if c.request.request_id in estimated_reusable},
+            generation_charge=total,
+        )
 
-    def _charge(self, request: LlmRequest, chunk: int) -> int:
-        request.context_chunk_size = chunk
-        return self.policy.context_charge(request, self.kv)
+    def _fit_generation(self, generation: list[LlmRequest], costs: list[int]) -> tuple[list[LlmRequest], dict[int, int]]:
+        """Generation steps in order while slots and budget last; one that does not fit is skipped."""
+        budget = self.max_num_tokens
+        fitting: list[LlmRequest] = []
+        charges: dict[int, int] = {}
+        for request, cost in zip(generation, costs):
+            if len(fitting) >= self.max_batch_size or cost > budget:
+                continue
+            budget -= cost
+            fitting.append(request)
+            charges[request.request_id] = cost
+        return fitting, charges
 
-    def _largest_chunk(self, request: LlmRequest, budget: int) -> int:
-        """The largest allowed chunk whose charge fits ``budget`` (charges grow with the chunk)."""
-        remaining = request.context_remaining_length
-        if self._charge(request, remaining) <= budget:
-            return remaining
+    def _largest_chunk(self, request: LlmRequest, budget: int, reusable: int | None) -> tuple[int, int]:
+        """The largest allowed chunk whose charge fits ``budget`` (charges grow with the chunk), and its charge."""
+        charge = self.policy.context_charge
+        remaining = request.prompt_len - request.context_current_position
+        cost = charge(request, remaining, reusable)
+        if cost <= budget:
+            return remaining, cost
         if not self.chunked:
-            return 0
+            return 0, 0
         lo, hi = 0, (remaining - 1) // self.unit  # multiples of the unit strictly below the remainder
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if self._charge(request, mid * self.unit) <= budget:
+            if charge(request, mid * self.unit, reusable) <= budget:
                 lo = mid
             else:
                 hi = mid - 1
-        return lo * self.unit
+        return lo * self.unit, (charge(request, lo * self.unit, reusable) if lo else 0)
 
-    def _first_come_first_served(self, contexts: list[LlmRequest], budget: int, scheduled: ScheduledRequests) -> None:
-        blocked = False
+    def _first_come_first_served(
+        self, contexts: list[LlmRequest], budget: int, estimated_reusable: dict[int, int], charges: dict[int, int]
+    ) -> list[ContextChunk]:
+        chunks = []
         for request in contexts:
-            chunk = 0 if blocked else self._largest_chunk(request, budget)
-            if chunk == 0:
-                # The oldest context request that does not fit waits; nobody overtakes it.
-                blocked = True
-                request.context_chunk_size = 0
-                continue
-            charge = self._charge(request, chunk)
-            budget -= charge
-            scheduled.context_requests.append(request)
-            scheduled.charges[request.request_id] = charge
+            size, cost = self._largest_chunk(request, budget, estimated_reusable.get(request.request_id))
+            if size == 0:
+                break  # the oldest context request that does not fit waits; nobody overtakes it
+            budget -= cost
+            chunks.append(ContextChunk.of(request, size))
+            charges[request.request_id] = cost
+        return chunks
 
-    def _equal_progress(self, contexts: list[LlmRequest], budget: int, scheduled: ScheduledRequests) -> None:
-        chunks = dict.fromkeys(contexts, 0)
-        charges = dict.fromkeys(contexts, 0)
+    def _equal_progress(
+        self, contexts: list[LlmRequest], budget: int, estimated_reusable: dict[int, int], charges: dict[int, int]
+    ) -> list[ContextChunk]:
+        charge = self.policy.context_charge
+        reusable = [estimated_reusable.get(r.request_id) for r in contexts]
+        sizes = [0] * len(contexts)
+        costs = [0] * len(contexts)
         progressed = True
         while progressed:
             progressed = False
-            for request in contexts:
-                remaining = request.context_remaining_length
-                if chunks[request] >= remaining:
+            for i, request in enumerate(contexts):
+                remaining = request.prompt_len - request.context_current_position
+                if sizes[i] >= remaining:
                     continue
-                grown = min(chunks[request] + self.unit, remaining)
-                charge = self._charge(request, grown)
-                if charge - charges[request] > budget:
+                grown = min(sizes[i] + self.unit, remaining)
+                cost = charge(request, grown, reusable[i])
+                if cost - costs[i] > budget:
                     continue
-                if charge == charges[request] and self._charge(request, remaining) == charge:
+                if cost == costs[i] and charge(request, remaining, reusable[i]) == cost:
                     grown = remaining  # the discount covers the rest: growing further is free
-                budget -= charge - charges[request]
-                chunks[request], charges[request] = grown, charge
+                budget -= cost - costs[i]
+                sizes[i], costs[i] = grown, cost
                 progressed = True
-        for request in contexts:
-            request.context_chunk_size = chunks[request]
-            if chunks[request]:
-                scheduled.context_requests.append(request)
-                scheduled.charges[request.request_id] = charges[request]
+        chunks = []
+        for request, size, cost in zip(contexts, sizes, costs):
+            if size:
+                chunks.append(ContextChunk.of(request, size))
+                charges[request.request_id] = cost
+        return chunks
 
 
 class SimpleScheduler:
@@ -202,8 +232,9 @@ class SimpleScheduler:
         self.capacity_scheduler = capacity_scheduler
         self.micro_batch_scheduler = micro_batch_scheduler
 
-    def schedule_request(self, active: Iterable[LlmRequest]) -> ScheduledRequests:
+    def schedule_request(self, active: Sequence[LlmRequest]) -> ScheduledRequests:
         capacity = self.capacity_scheduler.schedule(active)
-        scheduled = self.micro_batch_scheduler.schedule(capacity.fitting)
-        scheduled.paused_requests = capacity.paused
+        scheduled = self.micro_batch_scheduler.schedule(capacity.fitting, capacity.estimated_reusable)
+        if capacity.paused:
+            scheduled = dataclasses.replace(scheduled, paused_requests=capacity.paused)
         return scheduled

@@ -3,7 +3,7 @@
 Scheduling, the KV manager (bookkeeping mode), the token-budget policy and
 ``_prepare_tp_inputs`` behave exactly as with :class:`TorchModelEngine`; the forward
 itself only advances a :class:`VirtualClock` by a forward-time model's estimate, and
-:class:`SyntheticSampler` emits deterministic tokens. The replay's ``sim`` engine and the
+:class:`SyntheticSampler` emits deterministic tokens that depend on the sequence so far. The replay's ``sim`` engine and the
 executor-level tests use it.
 """
 
@@ -15,7 +15,6 @@ from tensorrt_llm._torch.pyexecutor.kv_cache_manager import KVCacheManager
 from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequest
 from tensorrt_llm._torch.pyexecutor.model_engine import ForwardOutput, ModelEngine, TpInputs
 from tensorrt_llm._torch.pyexecutor.sampler import Sampler
-from tensorrt_llm._torch.pyexecutor.token_budget import TokenBudgetPolicy
 
 
 class VirtualClock:
@@ -46,13 +45,12 @@ class SimulatedModelEngine(ModelEngine):
         self,
         max_num_tokens: int,
         kv_cache_manager: KVCacheManager,
-        token_budget: TokenBudgetPolicy,
         *,
         vocab_size: int = 32000,
         clock: VirtualClock | None = None,
         forward_time_s: Callable[[TpInputs], float] | None = None,
     ) -> None:
-        super().__init__(max_num_tokens, kv_cache_manager, token_budget)
+        super().__init__(max_num_tokens, kv_cache_manager)
         self._vocab_size = vocab_size
         self.clock = clock
         self.forward_time_s = forward_time_s
@@ -68,7 +66,10 @@ class SimulatedModelEngine(ModelEngine):
 
 
 class SyntheticSampler(Sampler):
-    """One deterministic token per step, a function of (request id, position) only.
+    """One deterministic token per step, a function of the sequence so far: of the last token
+    and the position (a Markov chain over tokens), so that a token lost, repeated or appended
+    out of order changes everything generated after it. Like greedy decoding, equal
+    sequences continue equally, whatever the request or the schedule.
 
     Never emits ``end_id`` or a stop token, so a request runs to ``max_new_tokens``
     (a trace's output length). Draft tokens are all rejected (the bonus token is kept).
@@ -78,8 +79,17 @@ class SyntheticSampler(Sampler):
         self.vocab_size = vocab_size
 
     def sample(self, request: LlmRequest, output: ForwardOutput) -> list[int]:
-        position = len(request.tokens)
-        token = 1 + (request.request_id * 1_000_003 + position * 7919) % (self.vocab_size - 1)
+        tokens = request.tokens
+        position = len(tokens)
+        token = 1 + (tokens[-1] * 1_000_003 + position * 7919) % (self.vocab_size - 1)
         while token == request.end_id or token in request.stop_token_ids:
             token = 1 + token % (self.vocab_size - 1)
         return [token]
+
+    def sample_batch(self, requests: list[LlmRequest], output: ForwardOutput) -> list[list[int]]:
+        modulus = self.vocab_size - 1
+        batch = [[1 + (r.tokens[-1] * 1_000_003 + len(r.tokens) * 7919) % modulus] for r in requests]
+        for request, tokens in zip(requests, batch):  # the rare request with a stop condition
+            if request.end_id is not None or request.stop_token_ids:
+                tokens[0] = self.sample(request, output)[0]
+        return batch

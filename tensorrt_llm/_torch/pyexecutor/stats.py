@@ -13,6 +13,9 @@ class IterationStats:
     discounts); ``forward_tokens`` is what ``_prepare_tp_inputs`` built, also for a batch
     that then failed its budget check (0 when nothing was built); ``overshoot`` is how far
     such a batch went past ``max_num_tokens`` (it failed with TokenBudgetExceeded).
+    ``num_budget_cuts`` counts first chunks the re-check cut to fit instead of deferring
+    them; ``budget_bound`` is True when some active request still had prompt tokens to
+    compute after the batch was built (the budget, not the traffic, was the limit).
     """
 
     iteration: int
@@ -28,6 +31,8 @@ class IterationStats:
     num_budget_deferrals: int = 0
     budget_deferred_tokens: int = 0
     num_capacity_deferrals: int = 0
+    num_budget_cuts: int = 0
+    budget_bound: bool = False
     overshoot: int = 0
     reuse_estimated_tokens: int = 0
     reuse_claimed_tokens: int = 0

@@ -1,40 +1,42 @@
 """Token-budget policies: how the executor keeps a forward within ``max_num_tokens``.
 
-Each policy is a small class behind one interface with four hooks, called in iteration
-order: the scheduler's charges (``context_charge``/``generation_charge``), then
-``before_allocation`` and ``after_allocation`` around the KV manager's allocation, then
-``before_inputs`` at the top of ``_prepare_tp_inputs``. Only ``recheck`` claims safety.
+A policy decides and returns values; it never allocates and never writes a request. Its
+three decisions come in iteration order: the scheduler's admission charges
+(:meth:`~TokenBudgetPolicy.context_charge`, :meth:`~TokenBudgetPolicy.generation_charge`),
+the re-check before allocation (:meth:`~TokenBudgetPolicy.before_allocation`), and the
+fix-ups once the blocks are in place (:meth:`~TokenBudgetPolicy.after_allocation`).
+``ResourceManager.prepare_resources`` sequences the last two around the KV manager's
+allocation. Only ``recheck`` and ``claim`` claim safety.
 
 =========  ==========================================================================
 none       upstream before any fix: reuse-discounted admission, nothing after it
-trim       closed upstream proposal: predict the total at the top of
-           ``_prepare_tp_inputs`` and shrink trailing context chunks; its prediction
-           misses beam width and first-draft padding (its own review said so)
+trim       closed upstream proposal: predict the total just before the inputs are built
+           and shrink trailing context chunks; its prediction misses beam width and
+           first-draft padding (its own review said so)
 fit        upstream's merged approach: after allocation, shrink context chunks (last
            chunks first, block-aligned, at least one block of progress) until the batch
            fits; cannot repair generation-only overshoot or runs without chunked prefill
-recheck    ours: :func:`recheck_remaining_budget` before any allocation; defers what
-           overflows; the scheduler charges deferred requests at full cost
-claim      ours, claim-then-charge: first pin (claim) every first chunk's matched prefix
-           for the whole batch, then run the same re-check on exact post-reuse costs —
-           nothing can evict a pinned prefix, so no budget is spent on reuse that does
-           materialise
+recheck    ours: :func:`recheck_remaining_budget` before any allocation; with chunked
+           prefill a first chunk that overflows is cut to the largest block-aligned size
+           that fits, and only one for which not even a unit fits is deferred; the
+           scheduler charges deferred requests at full cost
+claim      ours, claim-then-charge: the caller first pins (claims) every first chunk's
+           matched prefix for the whole batch, then the same re-check runs on exact
+           post-reuse costs — nothing can evict a pinned prefix, so no budget is spent on
+           reuse that does materialise
 =========  ==========================================================================
 """
 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar, Mapping, Sequence
 
 from tensorrt_llm._torch.pyexecutor.budget import BudgetDecision, recheck_remaining_budget
-from tensorrt_llm._torch.pyexecutor.config import TokenBudgetPolicyName
+from tensorrt_llm._torch.pyexecutor.config import ExecutorConfig, TokenBudgetPolicyName
 from tensorrt_llm._torch.pyexecutor.forward_cost import forward_cost
 from tensorrt_llm._torch.pyexecutor.llm_request import DeferReason, LlmRequest
-
-if TYPE_CHECKING:
-    from tensorrt_llm._torch.pyexecutor.kv_cache_manager import KVCacheManager
-    from tensorrt_llm._torch.pyexecutor.scheduled_requests import ScheduledRequests
+from tensorrt_llm._torch.pyexecutor.scheduled_requests import ContextChunk, Deferral, ScheduledRequests
 
 logger = logging.getLogger(__name__)
 
@@ -57,28 +59,58 @@ class TokenBudgetPolicy:
 
     name: ClassVar[TokenBudgetPolicyName]
     claims_safety: ClassVar[bool] = False
+    #: claim-then-charge: ``prepare_resources`` pins every first chunk's prefix before the re-check
+    claims_prefixes: ClassVar[bool] = False
 
-    def __init__(self, max_num_tokens: int, *, enable_chunked_prefill: bool, tokens_per_block: int) -> None:
+    def __init__(
+        self,
+        max_num_tokens: int,
+        *,
+        enable_chunked_prefill: bool,
+        tokens_per_block: int,
+        chunk_unit_size: int | None = None,
+        enable_block_reuse: bool = True,
+    ) -> None:
         self.max_num_tokens = max_num_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
         self.tokens_per_block = tokens_per_block
+        self.chunk_unit_size = chunk_unit_size or tokens_per_block
+        self.enable_block_reuse = enable_block_reuse
 
-    def context_charge(self, request: LlmRequest, kv_cache_manager: "KVCacheManager") -> int:
-        """Tokens the scheduler charges for ``request``'s current ``context_chunk_size``."""
-        reusable = 0 if kv_cache_manager.is_allocated(request) else request.estimated_reusable_tokens
-        return reuse_discounted_charge(request.context_chunk_size, request.context_remaining_length, reusable)
+    def context_charge(self, request: LlmRequest, chunk: int, reusable: int | None) -> int:
+        """Tokens the scheduler charges for the next ``chunk`` prompt tokens of ``request``.
 
-    def generation_charge(self, request: LlmRequest) -> int:
-        return request.beam_width + request.num_draft_tokens
+        ``reusable`` is upstream's reuse estimate for a first chunk (not yet allocated),
+        None for a request that holds its blocks. Pure: the scheduler's search calls it
+        for every size it tries.
+        """
+        remaining = request.prompt_len - request.context_current_position
+        return reuse_discounted_charge(min(chunk, remaining), remaining, reusable or 0)
 
-    def before_allocation(self, scheduled: "ScheduledRequests", kv_cache_manager: "KVCacheManager") -> None:
-        """Runs at the start of ``KVCacheManager.prepare_resources``, before any claim."""
+    @staticmethod
+    def generation_charge(request: LlmRequest) -> int:
+        return request.beam_width + len(request.py_draft_tokens)
 
-    def after_allocation(self, scheduled: "ScheduledRequests", kv_cache_manager: "KVCacheManager") -> None:
-        """Runs at the end of ``prepare_resources``, once every block is in place."""
+    def before_allocation(
+        self,
+        generation: Sequence[LlmRequest],
+        later_chunks: Sequence[ContextChunk],
+        first_chunks: Sequence[ContextChunk],
+        *,
+        prefixes_claimed: bool,
+        estimated_reusable: Mapping[int, int] | None = None,
+        generation_cost: int | None = None,
+    ) -> BudgetDecision | None:
+        """The re-check before any allocation; None admits the batch as scheduled.
 
-    def before_inputs(self, scheduled: "ScheduledRequests") -> None:
-        """Runs at the top of ``_prepare_tp_inputs``."""
+        ``estimated_reusable`` and ``generation_cost`` are the scheduler's (see
+        ``ScheduledRequests``): reuse estimates, and what it charged the generation steps.
+        """
+        return None
+
+    def after_allocation(self, scheduled: ScheduledRequests) -> tuple[ScheduledRequests, list[Deferral]]:
+        """Fix-ups once every block is in place: the batch to run, and who left it."""
+        return scheduled, []
 
 
 class NoTokenBudget(TokenBudgetPolicy):
@@ -86,104 +118,119 @@ class NoTokenBudget(TokenBudgetPolicy):
 
 
 class TrimTokenBudget(TokenBudgetPolicy):
+    """Runs last, right before the inputs are built (upstream's proposal put it at the top
+    of ``_prepare_tp_inputs``; nothing happens in between)."""
+
     name = TokenBudgetPolicyName.TRIM
 
     @staticmethod
     def predicted_positions(request: LlmRequest) -> int:
-        """The proposal's count: a generation request is 1 + drafts, whatever its beams or first-draft padding."""
-        if request.is_context_init_state:
-            return forward_cost(request)
-        return 1 + request.num_draft_tokens
+        """The proposal's count for a generation step: 1 + drafts, whatever its beams or first-draft padding."""
+        return 1 + len(request.py_draft_tokens)
 
-    def before_inputs(self, scheduled: "ScheduledRequests") -> None:
-        excess = sum(map(self.predicted_positions, scheduled.all_requests)) - self.max_num_tokens
-        for request in reversed(list(scheduled.context_requests)):
+    def after_allocation(self, scheduled: ScheduledRequests) -> tuple[ScheduledRequests, list[Deferral]]:
+        chunks = list(scheduled.context_chunks)
+        predicted = sum(chunk.cost() for chunk in chunks) + sum(map(self.predicted_positions, scheduled.generation_requests))
+        excess = predicted - self.max_num_tokens
+        if excess <= 0:
+            return scheduled, []
+        deferred = []
+        for index in reversed(range(len(chunks))):
             if excess <= 0:
                 break
-            before = forward_cost(request)
-            request.context_chunk_size = max(0, request.context_chunk_size - excess)
-            excess -= before - forward_cost(request)
-            if request.context_chunk_size == 0:
-                scheduled.defer(request, DeferReason.BUDGET)
+            chunk = chunks[index]
+            trimmed = chunk.resized(max(0, chunk.size - excess))
+            excess -= chunk.cost() - trimmed.cost()
+            chunks[index] = trimmed
+            if trimmed.size == 0:
+                deferred.append(Deferral(chunk.request, DeferReason.BUDGET, chunk.cost()))
+        kept = [chunk for chunk in chunks if chunk.size]
+        return scheduled.with_batch(kept, scheduled.generation_requests), deferred
 
 
 class FitTokenBudget(TokenBudgetPolicy):
     name = TokenBudgetPolicyName.FIT
 
-    def after_allocation(self, scheduled: "ScheduledRequests", kv_cache_manager: "KVCacheManager") -> None:
+    def after_allocation(self, scheduled: ScheduledRequests) -> tuple[ScheduledRequests, list[Deferral]]:
         if not self.enable_chunked_prefill:
-            return  # chunks are whole prompts: nothing it may shrink
-        excess = sum(map(forward_cost, scheduled.all_requests)) - self.max_num_tokens
+            return scheduled, []  # chunks are whole prompts: nothing it may shrink
+        chunks = list(scheduled.context_chunks)
+        excess = sum(chunk.cost() for chunk in chunks) + sum(map(forward_cost, scheduled.generation_requests))
+        excess -= self.max_num_tokens
         if excess <= 0:
-            return
+            return scheduled, []
         tpb = self.tokens_per_block
         # Last chunks first (they are the ones reuse most often fails to shrink), from the back.
-        order = sorted(reversed(scheduled.context_requests), key=lambda r: not r.is_last_context_chunk)
-        for request in order:
+        order = sorted(reversed(range(len(chunks))), key=lambda i: not chunks[i].is_last)
+        for index in order:
             if excess <= 0:
                 break
-            start = request.context_current_position
-            end = start + request.context_chunk_size
-            at_least = (start // tpb + 1) * tpb  # one block of progress, block-aligned
-            new_end = max((end - excess) // tpb * tpb, at_least)
-            if new_end >= end:
+            chunk = chunks[index]
+            at_least = (chunk.start // tpb + 1) * tpb  # one block of progress, block-aligned
+            new_end = max((chunk.end - excess) // tpb * tpb, at_least)
+            if new_end >= chunk.end:
                 continue
-            before = forward_cost(request)
-            request.context_chunk_size = new_end - start
-            excess -= before - forward_cost(request)
+            shrunk = chunk.resized(new_end - chunk.start)
+            excess -= chunk.cost() - shrunk.cost()
+            chunks[index] = shrunk
         if excess > 0:
             logger.debug("fit could not repair an overshoot of %d tokens", excess)
+        return scheduled.with_batch(chunks, scheduled.generation_requests), []
 
 
 class RecheckTokenBudget(TokenBudgetPolicy):
     name = TokenBudgetPolicyName.RECHECK
     claims_safety = True
+    #: with chunked prefill, cut an overflowing first chunk to what fits before deferring it
+    cuts_chunks: ClassVar[bool] = True
 
-    def context_charge(self, request: LlmRequest, kv_cache_manager: "KVCacheManager") -> int:
+    def context_charge(self, request: LlmRequest, chunk: int, reusable: int | None) -> int:
         # Full cost where it is known (allocated chunks) or owed (deferred requests);
         # upstream's discount otherwise: reuse usually materialises, and the re-check
         # catches the case where it does not.
-        if request.py_budget_deferred or kv_cache_manager.is_allocated(request):
-            return forward_cost(request, reuse_can_shift=kv_cache_manager.reuse_can_shift(request))
-        return super().context_charge(request, kv_cache_manager)
+        if reusable is None:
+            return forward_cost(request, chunk)
+        if request.py_budget_deferred:
+            return forward_cost(request, chunk, reuse_can_shift=self.enable_block_reuse)
+        return super().context_charge(request, chunk, reusable)
 
-    def generation_charge(self, request: LlmRequest) -> int:
-        return forward_cost(request)
+    generation_charge = staticmethod(forward_cost)  # exact: a step's cost cannot change before the forward
 
-    def before_allocation(self, scheduled: "ScheduledRequests", kv_cache_manager: "KVCacheManager") -> None:
-        self._apply(recheck_remaining_budget(scheduled, self.max_num_tokens, kv_cache_manager), scheduled)
-
-    @staticmethod
-    def _apply(decision: BudgetDecision, scheduled: "ScheduledRequests") -> None:
-        for request in decision.admitted:
-            if request.consecutive_budget_deferrals:
-                request.consecutive_budget_deferrals = 0
-        for request in decision.deferred:
+    def before_allocation(
+        self,
+        generation: Sequence[LlmRequest],
+        later_chunks: Sequence[ContextChunk],
+        first_chunks: Sequence[ContextChunk],
+        *,
+        prefixes_claimed: bool,
+        estimated_reusable: Mapping[int, int] | None = None,
+        generation_cost: int | None = None,
+    ) -> BudgetDecision:
+        decision = recheck_remaining_budget(
+            generation,
+            later_chunks,
+            first_chunks,
+            self.max_num_tokens,
+            reuse_can_shift=self.enable_block_reuse and not prefixes_claimed,
+            cut_unit=self.chunk_unit_size if self.cuts_chunks and self.enable_chunked_prefill else 0,
+            tokens_per_block=self.tokens_per_block,
+            estimated_reusable=estimated_reusable,
+            # this policy charges a generation step its exact forward cost: the sum carries over
+            generation_cost=generation_cost,
+        )
+        for request, cost in decision.deferred:
             logger.debug(
-                "request %d deferred: its full cost does not fit the remaining budget %d",
+                "request %d deferred: its full cost %d does not fit the remaining budget %d",
                 request.request_id,
+                cost,
                 decision.remaining_budget,
             )
-            scheduled.defer(request, DeferReason.BUDGET)
-
-    def after_allocation(self, scheduled: "ScheduledRequests", kv_cache_manager: "KVCacheManager") -> None:
-        for request in scheduled.context_requests:
-            request.py_budget_deferred = False  # allocated: its priority is spent
+        return decision
 
 
 class ClaimTokenBudget(RecheckTokenBudget):
     name = TokenBudgetPolicyName.CLAIM
-
-    def before_allocation(self, scheduled: "ScheduledRequests", kv_cache_manager: "KVCacheManager") -> None:
-        # Pin every prefix before anything allocates: from here on no allocation in this
-        # batch can evict what a later request claimed, so its post-reuse cost is exact.
-        for request in scheduled.context_requests:
-            if not kv_cache_manager.is_allocated(request):
-                kv_cache_manager.claim_prefix(request)
-        decision = recheck_remaining_budget(scheduled, self.max_num_tokens, kv_cache_manager)
-        for request in decision.deferred:
-            kv_cache_manager.release_claim(request)  # back to exactly how it was scheduled
-        self._apply(decision, scheduled)
+    claims_prefixes = True
 
 
 _POLICIES: dict[TokenBudgetPolicyName, type[TokenBudgetPolicy]] = {
@@ -193,7 +240,32 @@ _POLICIES: dict[TokenBudgetPolicyName, type[TokenBudgetPolicy]] = {
 
 
 def make_token_budget_policy(
-    name: TokenBudgetPolicyName | str, max_num_tokens: int, *, enable_chunked_prefill: bool, tokens_per_block: int
+    name: TokenBudgetPolicyName | str,
+    max_num_tokens: int,
+    *,
+    enable_chunked_prefill: bool,
+    tokens_per_block: int,
+    chunk_unit_size: int | None = None,
+    enable_block_reuse: bool = True,
 ) -> TokenBudgetPolicy:
     policy = _POLICIES[TokenBudgetPolicyName(name)]
-    return policy(max_num_tokens, enable_chunked_prefill=enable_chunked_prefill, tokens_per_block=tokens_per_block)
+    return policy(
+        max_num_tokens,
+        enable_chunked_prefill=enable_chunked_prefill,
+        tokens_per_block=tokens_per_block,
+        chunk_unit_size=chunk_unit_size,
+        enable_block_reuse=enable_block_reuse,
+    )
+
+
+def token_budget_policy_for(config: ExecutorConfig) -> TokenBudgetPolicy:
+    """The policy an executor with ``config`` runs."""
+    kv = config.kv_cache_config
+    return make_token_budget_policy(
+        config.token_budget_policy,
+        config.max_num_tokens,
+        enable_chunked_prefill=config.enable_chunked_prefill,
+        tokens_per_block=kv.tokens_per_block,
+        chunk_unit_size=config.chunk_unit_size,
+        enable_block_reuse=kv.enable_block_reuse,
+    )

@@ -1,7 +1,6 @@
 """The sim engine's forward-time models and the calibration CLI that feeds them."""
 
 import json
-import timeit
 from pathlib import Path
 
 import pytest
@@ -160,13 +159,6 @@ def test_table_row_shape_matches_the_row():
     s = table_row_shape({"ctx_tokens": 512, "prefix": 2048, "decode_batch": 3, "decode_ctx": 100, "ms": 1.0})
     assert s.contexts == ((512, 2048),) and s.decodes == ((1, 100),) * 3
     assert table_row_shape({"ctx_tokens": 0, "prefix": 0, "decode_batch": 2, "decode_ctx": 9, "ms": 1.0}).contexts == ()
-
-
-def test_forward_time_is_cheap(fitted):
-    shape = ForwardShape(contexts=((512, 2048),), decodes=tuple((1, 1000 + 37 * i) for i in range(64)))
-    for model in (fitted, RooflineCostModel()):
-        per_call = min(timeit.repeat(lambda: model.forward_time_s(shape), number=2000, repeat=3)) / 2000
-        assert per_call < 100e-6      # the target is < 20 us; loose here so a busy CI box passes
 
 
 # -- calibration CLI --------------------------------------------------------------------------

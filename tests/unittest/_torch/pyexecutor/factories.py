@@ -7,17 +7,18 @@ from typing import Sequence
 
 from tensorrt_llm._torch.pyexecutor.config import ExecutorConfig, KvCacheConfig
 from tensorrt_llm._torch.pyexecutor.errors import InvalidRequestError
-from tensorrt_llm._torch.pyexecutor.kv_cache_manager import KVCacheManager
+from tensorrt_llm._torch.pyexecutor.kv_cache_manager import KVAllocation, KVCacheManager
 from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequest, LlmRequestState
 from tensorrt_llm._torch.pyexecutor.model_engine import ModelEngine
 from tensorrt_llm._torch.pyexecutor.py_executor import PyExecutor
 from tensorrt_llm._torch.pyexecutor.py_executor_creator import create_kv_cache_manager, create_py_executor
 from tensorrt_llm._torch.pyexecutor.request_validation import RequestLimits, validate_request
+from tensorrt_llm._torch.pyexecutor.resource_manager import KV_CACHE_MANAGER, ResourceManager
 from tensorrt_llm._torch.pyexecutor.sampler import Sampler
-from tensorrt_llm._torch.pyexecutor.scheduled_requests import ScheduledRequests
+from tensorrt_llm._torch.pyexecutor.scheduled_requests import ContextChunk, ScheduledRequests
 from tensorrt_llm._torch.pyexecutor.scheduler import CapacityScheduler, MicroBatchScheduler, SimpleScheduler
 from tensorrt_llm._torch.pyexecutor.simulated_engine import SimulatedModelEngine, SyntheticSampler
-from tensorrt_llm._torch.pyexecutor.token_budget import make_token_budget_policy
+from tensorrt_llm._torch.pyexecutor.token_budget import TokenBudgetPolicy, token_budget_policy_for
 
 VOCAB = 1000
 KV_BYTES_PER_TOKEN = 64  # bookkeeping mode: only sizes the host tier
@@ -75,26 +76,30 @@ def make_request(
 
 
 def make_kv_cache_manager(config: ExecutorConfig | None = None, **config_overrides) -> KVCacheManager:
-    """A bookkeeping-mode KV manager wired to the config's token-budget policy."""
+    """A bookkeeping-mode KV manager as an executor with ``config`` builds it."""
     config = config or make_config(**config_overrides)
-    policy = make_token_budget_policy(
-        config.token_budget_policy,
-        config.max_num_tokens,
-        enable_chunked_prefill=config.enable_chunked_prefill,
-        tokens_per_block=config.kv_cache_config.tokens_per_block,
-    )
-    return create_kv_cache_manager(config, policy, kv_bytes_per_token=KV_BYTES_PER_TOKEN)
+    return create_kv_cache_manager(config, kv_bytes_per_token=KV_BYTES_PER_TOKEN)
+
+
+def make_policy(config: ExecutorConfig) -> TokenBudgetPolicy:
+    """The token-budget policy an executor with ``config`` runs."""
+    return token_budget_policy_for(config)
+
+
+def make_resource_manager(config: ExecutorConfig, kv: KVCacheManager) -> ResourceManager:
+    """``prepare_resources`` as an executor with ``config`` runs it over ``kv``: re-check, allocate, fix up."""
+    return ResourceManager({KV_CACHE_MANAGER: kv}, make_policy(config))
 
 
 def make_sim_engine(config: ExecutorConfig, kv: KVCacheManager) -> SimulatedModelEngine:
-    """The simulated engine an executor with ``config`` would run over ``kv`` (same budget policy)."""
-    return SimulatedModelEngine(config.max_num_tokens, kv, kv.token_budget, vocab_size=VOCAB)
+    """The simulated engine an executor with ``config`` would run over ``kv``."""
+    return SimulatedModelEngine(config.max_num_tokens, kv, vocab_size=VOCAB)
 
 
 def make_scheduler(config: ExecutorConfig, kv: KVCacheManager) -> SimpleScheduler:
     """The two-stage scheduler an executor with ``config`` would build over ``kv``."""
     return SimpleScheduler(
-        CapacityScheduler(config.capacity_scheduler_policy, kv), MicroBatchScheduler(config, kv, kv.token_budget)
+        CapacityScheduler(config.capacity_scheduler_policy, kv), MicroBatchScheduler(config, make_policy(config))
     )
 
 
@@ -102,11 +107,23 @@ def make_sim_executor(config: ExecutorConfig | None = None, **config_overrides) 
     """An executor whose engine is simulated (bookkeeping KV, synthetic tokens), everything else real."""
     config = config or make_config(**config_overrides)
 
-    def engine(kv, policy):
-        return SimulatedModelEngine(config.max_num_tokens, kv, policy, vocab_size=VOCAB)
+    def engine(kv):
+        return SimulatedModelEngine(config.max_num_tokens, kv, vocab_size=VOCAB)
 
     return create_py_executor(
         config, engine_factory=engine, sampler=SyntheticSampler(VOCAB), kv_bytes_per_token=KV_BYTES_PER_TOKEN
+    )
+
+
+def make_batch(context=(), generation=(), *, estimated_reusable: dict[int, int] | None = None) -> ScheduledRequests:
+    """A batch by hand: ``context`` holds requests (their whole remaining prompt) or
+    ``(request, chunk size)`` pairs; ``generation`` requests in generation."""
+    chunks = []
+    for item in context:
+        request, size = item if isinstance(item, tuple) else (item, item.context_remaining_length)
+        chunks.append(ContextChunk.of(request, size))
+    return ScheduledRequests(
+        context_chunks=chunks, generation_requests=list(generation), estimated_reusable=dict(estimated_reusable or {})
     )
 
 
@@ -127,46 +144,53 @@ def is_servable(request: LlmRequest, limits: RequestLimits, kv: KVCacheManager) 
     return True
 
 
-def prepare_alone(kv: KVCacheManager, request: LlmRequest) -> bool:
-    """Allocate ``request``'s next step on its own, outside any token budget; False if blocks ran out.
+def prepare_alone(kv: KVCacheManager, request: LlmRequest, chunk: int | None = None) -> KVAllocation:
+    """Allocate ``request``'s next step on its own, outside any token budget (the KV manager
+    knows none), and record the reuse it found on the request as the executor does.
 
-    Setting-up helper: the budget policy is bypassed because a state being built is not a
-    batch under test. Allocation is all-or-nothing, so on False nothing was claimed.
+    A context request's chunk is ``chunk`` tokens (default: the rest of its prompt).
+    Allocation is all-or-nothing: when the blocks cannot be had, nothing was claimed and
+    ``allocation.deferred`` names the request.
     """
-    scheduled = ScheduledRequests()
-    (scheduled.context_requests if request.is_context_init_state else scheduled.generation_requests).append(request)
-    policy, kv.token_budget = kv.token_budget, None
-    try:
-        kv.prepare_resources(scheduled)
-    finally:
-        kv.token_budget = policy
-    return not scheduled.deferred_requests
+    if request.is_context_init_state:
+        size = request.context_remaining_length if chunk is None else chunk
+        estimate = {} if kv.is_allocated(request) else {request.request_id: kv.estimate_reusable_tokens(request)}
+        batch = make_batch([(request, size)], estimated_reusable=estimate)
+    else:
+        batch = make_batch(generation=[request])
+    allocation = kv.prepare_resources(batch)
+    for claim in allocation.claims:
+        if claim.reused_tokens:
+            request.reuse_prefix(claim.reused_tokens)
+    return allocation
+
+
+def complete(kv: KVCacheManager, batch: ScheduledRequests, sampler: Sampler) -> None:
+    """Play the forward for an allocated ``batch``: move each request past what it computed,
+    sample where it samples, then record the KV (``PyExecutor._update_requests`` then
+    ``update_resources``)."""
+    for chunk in batch.context_chunks:
+        request = chunk.request
+        request.complete_context_chunk(chunk.end)
+        if chunk.is_last:
+            request.state = LlmRequestState.GENERATION_IN_PROGRESS
+            request.add_new_token(sampler.sample(request, None)[0])
+    for request in batch.generation_requests:
+        request.add_new_token(sampler.sample(request, None)[0])
+        request.is_first_draft = False
+    kv.update_resources(batch)
 
 
 def run_alone(kv: KVCacheManager, request: LlmRequest, sampler: Sampler, *, chunk: int | None = None) -> bool:
     """One executor iteration for ``request`` alone: allocate, "compute", update its state and the KV.
 
     A context request runs ``chunk`` tokens (default: the rest of its prompt); a generation
-    request one step. Mirrors ``PyExecutor._update_requests`` then ``update_resources``.
-    Returns False, changing nothing, when the blocks cannot be had.
+    request one step. Returns False, changing nothing, when the blocks cannot be had.
     """
-    if request.is_context_init_state:
-        request.context_chunk_size = request.context_remaining_length if chunk is None else chunk
-    if not prepare_alone(kv, request):
+    allocation = prepare_alone(kv, request, chunk)
+    if allocation.deferred:
         return False
-    scheduled = ScheduledRequests()
-    if request.is_context_init_state:
-        scheduled.context_requests.append(request)
-        samples = request.is_last_context_chunk
-        request.move_to_next_context_chunk()
-        if samples:
-            request.state = LlmRequestState.GENERATION_IN_PROGRESS
-            request.add_new_token(sampler.sample(request, None)[0])
-    else:
-        scheduled.generation_requests.append(request)
-        request.add_new_token(sampler.sample(request, None)[0])
-        request.is_first_draft = False
-    kv.update_resources(scheduled)
+    complete(kv, allocation.scheduled, sampler)
     return True
 
 

@@ -2,11 +2,17 @@
 
 Batch level (one ``prepare_resources`` + ``_prepare_tp_inputs``, :func:`run_batch` then
 :func:`check_batch`): 1. no overshoot, 2. the full forward cost computed before allocation
-bounds the positions appended (equal when no reuse materialises), 3. a deferred request is
-untouched and no block leaks.
+bounds the positions appended (equal when no reuse materialises and nothing was cut), 3. a
+deferred request is untouched and no block leaks.
 Executor level (:class:`ExecutorChecker`, after every ``step``): the same 1-3 on the batch
-the step ran, 4. nothing is lost, 5. progress, 6. KV integrity; at a drain, liveness and the
-leak oracle.
+the step returned, 4. nothing is lost, 5. progress, 6. KV integrity; at a drain, liveness
+and the leak oracle.
+
+Everything is read from values: the batch the scheduler built, the ``PreparedBatch`` that
+``prepare_resources`` returned (the batch that ran, the deferrals, the claims), and
+snapshots of the requests taken before the iteration. ``_prepare_tp_inputs`` asserts that
+each request appends exactly its :func:`forward_cost`, so the positions of the batch that
+ran are its chunks' and steps' costs.
 
 Failures raise AssertionError with the batch printed in readable form (:func:`format_batch`).
 """
@@ -18,11 +24,12 @@ from dataclasses import dataclass, field
 from tensorrt_llm._torch.pyexecutor.config import TokenBudgetPolicyName
 from tensorrt_llm._torch.pyexecutor.errors import TokenBudgetExceeded
 from tensorrt_llm._torch.pyexecutor.forward_cost import forward_cost
-from tensorrt_llm._torch.pyexecutor.kv_cache_manager import ClaimRecord, KVCacheManager
+from tensorrt_llm._torch.pyexecutor.kv_cache_manager import KVCacheManager
 from tensorrt_llm._torch.pyexecutor.llm_request import DeferReason, LlmRequest
 from tensorrt_llm._torch.pyexecutor.model_engine import ModelEngine
-from tensorrt_llm._torch.pyexecutor.py_executor import PyExecutor, Response
-from tensorrt_llm._torch.pyexecutor.scheduled_requests import ScheduledRequests
+from tensorrt_llm._torch.pyexecutor.py_executor import Iteration, PyExecutor, Response
+from tensorrt_llm._torch.pyexecutor.resource_manager import PreparedBatch, ResourceManager
+from tensorrt_llm._torch.pyexecutor.scheduled_requests import ContextChunk, ScheduledRequests
 
 ALL_INVARIANTS = frozenset(range(1, 7))
 #: What each policy promises. ``none`` and ``fit`` do not claim safety (1). ``trim`` shrinks
@@ -30,7 +37,6 @@ ALL_INVARIANTS = frozenset(range(1, 7))
 #: after their blocks were claimed (3) — defects of the closed proposal, not checked for it.
 POLICY_INVARIANTS: dict[TokenBudgetPolicyName, frozenset[int]] = {
     TokenBudgetPolicyName.RECHECK: ALL_INVARIANTS,
-    TokenBudgetPolicyName.CLAIM: ALL_INVARIANTS,
     TokenBudgetPolicyName.CLAIM: ALL_INVARIANTS,
     TokenBudgetPolicyName.FIT: ALL_INVARIANTS - {1},
     TokenBudgetPolicyName.NONE: ALL_INVARIANTS - {1},
@@ -40,58 +46,57 @@ POLICY_INVARIANTS: dict[TokenBudgetPolicyName, frozenset[int]] = {
 
 @dataclass(frozen=True, slots=True)
 class RequestSnapshot:
+    """A request before an iteration: what invariant 3 compares a deferred request with."""
+
     state: object
     position: int
-    chunk: int
     prepopulated: int
     block_table: tuple[int, ...] | None
-    full_cost: int
     budget_deferred: bool = False  # entered the iteration owing a budget deferral
-    reuse_can_shift: bool = False  # full_cost counts drafts in case reuse makes this the last chunk
     text: str = ""  # repr at snapshot time
+
+    @property
+    def allocated(self) -> bool:
+        return self.block_table is not None
 
 
 def snapshot(request: LlmRequest, kv: KVCacheManager) -> RequestSnapshot:
     table = tuple(kv.block_table(request)) if kv.is_allocated(request) else None
-    can_shift = kv.reuse_can_shift(request)
     return RequestSnapshot(
         state=request.state,
         position=request.context_current_position,
-        chunk=request.context_chunk_size,
         prepopulated=request.prepopulated_prompt_len,
         block_table=table,
-        full_cost=forward_cost(request, reuse_can_shift=can_shift),
         budget_deferred=request.py_budget_deferred,
-        reuse_can_shift=can_shift,
         text=repr(request),
     )
 
 
 @dataclass(frozen=True, slots=True)
-class BuiltRequest:
-    """A request as ``_prepare_tp_inputs`` saw it: its positions and the window they came from."""
+class Charged:
+    """A scheduled request's full forward cost before allocation (reuse not discounted)."""
 
-    positions: int
-    prepopulated: int
-    chunk: int
-    is_context: bool
-    last_chunk: bool
-    drafts: int
+    full_cost: int
+    chunk: ContextChunk | None  # as scheduled; None for a generation step
+    reuse_can_shift: bool  # the bound counts drafts in case reuse makes the chunk the last one
 
 
-def built(scheduled: ScheduledRequests) -> dict[int, BuiltRequest]:
-    """Taken right after ``_prepare_tp_inputs`` (which asserts each request appends ``forward_cost``)."""
-    return {
-        r.request_id: BuiltRequest(
-            forward_cost(r),
-            r.prepopulated_prompt_len,
-            r.context_chunk_size,
-            r.is_context_init_state,
-            r.is_last_context_chunk,
-            r.num_draft_tokens,
-        )
-        for r in scheduled.all_requests
-    }
+def full_costs(scheduled: ScheduledRequests, kv: KVCacheManager) -> dict[int, Charged]:
+    """Every scheduled request's pre-allocation bound; call before ``prepare_resources``."""
+    costs = {}
+    for chunk in scheduled.context_chunks:
+        can_shift = kv.reuse_can_shift(chunk.request)
+        costs[chunk.request.request_id] = Charged(chunk.cost(reuse_can_shift=can_shift), chunk, can_shift)
+    for request in scheduled.generation_requests:
+        costs[request.request_id] = Charged(forward_cost(request), None, False)
+    return costs
+
+
+def positions(batch: ScheduledRequests) -> dict[int, int]:
+    """Positions each request of the batch that ran appends (``_prepare_tp_inputs`` asserts this count)."""
+    built = {chunk.request.request_id: chunk.cost() for chunk in batch.context_chunks}
+    built.update((r.request_id, forward_cost(r)) for r in batch.generation_requests)
+    return built
 
 
 def describe_kv(kv: KVCacheManager) -> str:
@@ -109,19 +114,18 @@ def describe_kv(kv: KVCacheManager) -> str:
 
 @dataclass(slots=True)
 class BatchOutcome:
-    """What one batch did: the positions built, or the overshoot that stopped it."""
+    """What one batch did: as scheduled, as prepared, and the positions built or the overshoot."""
 
     scheduled: ScheduledRequests
+    prepared: PreparedBatch
     before: dict[int, RequestSnapshot]
+    charged: dict[int, Charged]
     forward_tokens: int | None = None
     overshoot: TokenBudgetExceeded | None = None
-    description: str = ""
     max_num_tokens: int = 0
     kv_before: str = ""
     policy: str = ""
-    charges: dict[int, int] = field(default_factory=dict)  # what admission charged each request
-    built: dict[int, BuiltRequest] = field(default_factory=dict)  # each request as the forward took it
-    claims: list[ClaimRecord] = field(default_factory=list)
+    built: dict[int, int] = field(default_factory=dict)  # request id -> positions appended
 
     @property
     def total_tokens(self) -> int:
@@ -132,51 +136,56 @@ class BatchOutcome:
     def overshoot_tokens(self) -> int:
         return max(0, self.total_tokens - self.max_num_tokens)
 
+    @property
+    def deferred(self) -> list[tuple[LlmRequest, DeferReason]]:
+        return [(d.request, d.reason) for d in self.prepared.deferred]
 
-def run_batch(scheduled: ScheduledRequests, kv: KVCacheManager, engine: ModelEngine) -> BatchOutcome:
+
+def run_batch(scheduled: ScheduledRequests, resources: ResourceManager, engine: ModelEngine) -> BatchOutcome:
     """``prepare_resources`` then ``_prepare_tp_inputs`` on one batch, recording what each step saw."""
-    description = repr(scheduled)
-    before = {r.request_id: snapshot(r, kv) for r in scheduled.all_requests}
-    policy = kv.token_budget.name.value if kv.token_budget is not None else "-"
+    kv = resources.kv_cache_manager
     outcome = BatchOutcome(
         scheduled,
-        before,
-        description=description,
+        prepared=None,
+        before={r.request_id: snapshot(r, kv) for r in scheduled.all_requests},
+        charged=full_costs(scheduled, kv),
         max_num_tokens=engine.max_num_tokens,
         kv_before=describe_kv(kv),
-        policy=policy,
-        charges=dict(scheduled.charges),
+        policy=resources.token_budget.name.value,
     )
-    kv.prepare_resources(scheduled)
-    outcome.claims = list(kv.last_claims)
+    outcome.prepared = resources.prepare_resources(scheduled)
     try:
-        outcome.forward_tokens = engine._prepare_tp_inputs(scheduled).total_num_tokens
+        outcome.forward_tokens = engine._prepare_tp_inputs(outcome.prepared.scheduled).total_num_tokens
     except TokenBudgetExceeded as error:
         outcome.overshoot = error
-    outcome.built = built(scheduled)
+    outcome.built = positions(outcome.prepared.scheduled)
     return outcome
 
 
 def format_batch(outcome: BatchOutcome) -> str:
     """The batch as a person reads it: the pool, each request as scheduled and as it ran, the total."""
-    claims = {c.request_id: c for c in outcome.claims}
-    deferred = {r.request_id: why.value for r, why in outcome.scheduled.deferred_requests}
-    admitted = {r.request_id: r for r in outcome.scheduled.all_requests}
+    claims = {c.request_id: c for c in outcome.prepared.claims}
+    deferred = {d.request.request_id: d.reason.value for d in outcome.prepared.deferred}
+    ran = {c.request.request_id: c for c in outcome.prepared.scheduled.context_chunks}
     lines = [f"{outcome.kv_before}", f"policy {outcome.policy}, max_num_tokens={outcome.max_num_tokens}"]
     for request_id, was in outcome.before.items():
-        charge = outcome.charges.get(request_id)
-        line = f"  {was.text:<62} charged {charge if charge is not None else '-':>4}  full cost {was.full_cost:>4}"
+        charged = outcome.charged[request_id]
+        charge = outcome.scheduled.charges.get(request_id)
+        what = f"{charged.chunk!r}" if charged.chunk is not None else "step"
+        line = (
+            f"  {was.text:<46} {what:<34} charged {charge if charge is not None else '-':>4}"
+            f"  full cost {charged.full_cost:>4}"
+        )
         if request_id in deferred:
             line += f"  -> deferred ({deferred[request_id]})"
-        elif request_id in admitted:
+        elif request_id in outcome.built:
             claim = claims.get(request_id)
             reuse = f", reused {claim.reused_tokens} of est {claim.estimated_reusable_tokens}" if claim else ""
-            now = outcome.built.get(request_id)
-            line += f"  -> appends {now.positions if now else '?'}{reuse}"
+            now = ran.get(request_id)
+            window = f" as {now!r}" if now is not None and now != charged.chunk else ""
+            line += f"  -> appends {outcome.built[request_id]}{window}{reuse}"
         lines.append(line)
-    verdict = (
-        f"overshoot +{outcome.overshoot_tokens}" if outcome.overshoot_tokens else f"fits ({outcome.total_tokens})"
-    )
+    verdict = f"overshoot +{outcome.overshoot_tokens}" if outcome.overshoot_tokens else f"fits ({outcome.total_tokens})"
     lines.append(f"total built {outcome.total_tokens} vs max_num_tokens {outcome.max_num_tokens}: {verdict}")
     return "\n".join(lines)
 
@@ -190,38 +199,52 @@ def check_batch(
     check_deferrals: bool = True,
 ) -> None:
     """Invariants 1-3 (1 only where the policy claims safety; 3 unless ``check_deferrals`` is off)."""
-    context = f"\n{format_batch(outcome)}\nbatch as scheduled: {outcome.description}"
+    context = f"\n{format_batch(outcome)}\nbatch as scheduled: {outcome.scheduled!r}"
     if claims_safety:
         assert outcome.overshoot is None, f"invariant 1 (no overshoot) violated: {outcome.overshoot}{context}"
         assert outcome.forward_tokens <= max_num_tokens, context
-    check_costs(outcome.before, outcome.built, context)
+    check_costs(outcome.charged, outcome.built, outcome.prepared, context)
     if check_deferrals:
-        check_deferrals_clean(outcome.scheduled, outcome.before, kv, context)
+        check_deferrals_clean(outcome.prepared, outcome.before, kv, context)
     kv.check_integrity()
 
 
-def check_costs(before: dict[int, RequestSnapshot], built: dict[int, "BuiltRequest"], context: str = "") -> None:
-    """Invariant 2 for every request that reached ``_prepare_tp_inputs``."""
-    for request_id, now in built.items():
-        was = before[request_id]
-        assert now.positions <= was.full_cost, (
-            f"invariant 2 (cost is an upper bound) violated for {was.text}: charged {was.full_cost},"
-            f" appends {now.positions}{context}"
+def check_costs(
+    charged: dict[int, Charged], built: dict[int, int], prepared: PreparedBatch, context: str = ""
+) -> None:
+    """Invariant 2 for every request that reached ``_prepare_tp_inputs``: its positions
+    (``built``) are at most its full cost before allocation, and equal to it when its chunk
+    ran as scheduled."""
+    batch = prepared.scheduled
+    for request_id, appended in built.items():
+        bound = charged[request_id]
+        assert appended <= bound.full_cost, (
+            f"invariant 2 (cost is an upper bound) violated for request {request_id}: charged {bound.full_cost},"
+            f" appends {appended}{context}"
         )
-        untouched = now.prepopulated == was.prepopulated and now.chunk == was.chunk
-        if untouched and now.is_context:
-            dropped = now.drafts if was.reuse_can_shift and not now.last_chunk else 0
-            assert now.positions == was.full_cost - dropped, (
-                f"invariant 2: no reuse materialised but {was.text} appends {now.positions} != charged"
-                f" {was.full_cost}{context}"
+    for chunk in batch.context_chunks:
+        bound = charged[chunk.request.request_id]
+        if chunk == bound.chunk:  # no reuse shifted it, nothing cut it: the bound is exact
+            dropped = len(chunk.request.py_draft_tokens) if bound.reuse_can_shift and not chunk.is_last else 0
+            assert chunk.cost() == bound.full_cost - dropped, (
+                f"invariant 2: no reuse materialised but {chunk!r} appends {chunk.cost()} != charged"
+                f" {bound.full_cost}{context}"
+            )
+    if prepared.budget is not None:  # what the re-check charged each chunk it admitted also bounds it
+        for chunk in batch.context_chunks:
+            admitted = prepared.budget.chunks[chunk.request.request_id]
+            can_shift = charged[chunk.request.request_id].reuse_can_shift and not admitted.reused
+            assert chunk.cost() <= admitted.cost(reuse_can_shift=can_shift), (
+                f"invariant 2: {chunk!r} appends more than the re-check charged for {admitted!r}{context}"
             )
 
 
 def check_deferrals_clean(
-    scheduled: ScheduledRequests, before: dict[int, RequestSnapshot], kv: KVCacheManager, context: str = ""
+    prepared: PreparedBatch, before: dict[int, RequestSnapshot], kv: KVCacheManager, context: str = ""
 ) -> None:
     """Invariant 3: a deferred request holds what it held, where it was (the caller checks leaks)."""
-    for request, _reason in scheduled.deferred_requests:
+    for deferral in prepared.deferred:
+        request = deferral.request
         was, now = before[request.request_id], snapshot(request, kv)
         assert (now.state, now.position, now.prepopulated, now.block_table) == (
             was.state,
@@ -235,10 +258,10 @@ def check_budget_priority(outcome: BatchOutcome) -> None:
     """Invariant 5's "never deferred twice in a row for budget reasons", for a batch the real
     scheduler built under ``recheck``: a request that entered owing a deferral was charged
     its full cost, so the re-check must admit it."""
-    for request, reason in outcome.scheduled.deferred_requests:
-        if reason is DeferReason.BUDGET and outcome.before[request.request_id].budget_deferred:
+    for deferral in outcome.prepared.deferred:
+        if deferral.reason is DeferReason.BUDGET and outcome.before[deferral.request.request_id].budget_deferred:
             raise AssertionError(
-                f"invariant 5: {request!r} was budget-deferred twice in a row\n{format_batch(outcome)}"
+                f"invariant 5: {deferral.request!r} was budget-deferred twice in a row\n{format_batch(outcome)}"
             )
 
 
@@ -246,9 +269,8 @@ def check_budget_priority(outcome: BatchOutcome) -> None:
 class ExecutorChecker:
     """Drives a :class:`PyExecutor` and checks invariants after every step.
 
-    It observes each iteration between scheduling and allocation (a snapshot of the batch)
-    and at ``_prepare_tp_inputs`` (the positions each request appends) by wrapping those
-    two calls on this executor instance; the executor itself is unchanged.
+    It snapshots every submitted, unfinished request before a step and reads the rest from
+    the :class:`Iteration` the step returns; the executor itself is not touched.
     ``invariants`` defaults to what the executor's token-budget policy promises.
     """
 
@@ -260,29 +282,16 @@ class ExecutorChecker:
     invariants: frozenset[int] | None = None
     num_budget_deferrals: int = 0
     num_capacity_deferrals: int = 0
-    _before: dict[int, RequestSnapshot] = field(default_factory=dict)
-    _built: dict[int, BuiltRequest] = field(default_factory=dict)
+    iterations: list[Iteration] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        policy = self.executor.kv_cache_manager.token_budget
+        policy = self.executor.resource_manager.token_budget
         if self.invariants is None:
-            self.invariants = POLICY_INVARIANTS[policy.name] if policy is not None else ALL_INVARIANTS
-        resources, engine = self.executor.resource_manager, self.executor.model_engine
-        prepare, build = resources.prepare_resources, engine._prepare_tp_inputs
-        kv = self.executor.kv_cache_manager
+            self.invariants = POLICY_INVARIANTS[policy.name]
 
-        def observed_prepare(scheduled: ScheduledRequests) -> None:
-            self._before = {r.request_id: snapshot(r, kv) for r in scheduled.all_requests}
-            prepare(scheduled)
-
-        def observed_build(scheduled: ScheduledRequests):
-            try:
-                return build(scheduled)
-            finally:  # also for a batch that overshoots: what it would have appended
-                self._built = built(scheduled)
-
-        resources.prepare_resources = observed_prepare
-        engine._prepare_tp_inputs = observed_build
+    @property
+    def claims_safety(self) -> bool:
+        return self.executor.resource_manager.token_budget.claims_safety
 
     def submit(self, request: LlmRequest) -> None:
         self.submitted[request.request_id] = request
@@ -298,54 +307,67 @@ class ExecutorChecker:
         if response.finished:
             self.final[request.request_id] = response
 
-    def step(self) -> None:
+    def step(self) -> Iteration | None:
         kv = self.executor.kv_cache_manager
         check = self.invariants
-        before = {
-            r.request_id: (r.context_current_position, r.is_context_init_state) for r in self.executor.active_requests
-        }
-        self._before, self._built = {}, {}
-        stats = self.executor.step()
+        open_requests = [r for rid, r in self.submitted.items() if rid not in self.final]
+        before = {r.request_id: snapshot(r, kv) for r in open_requests}
+        can_shift = {r.request_id: kv.reuse_can_shift(r) for r in open_requests}
+        # a generation step's cost is taken now: the step moves the request on (first-draft padding goes)
+        step_cost = {r.request_id: forward_cost(r) for r in open_requests if not r.is_context_init_state}
+        iteration = self.executor.step()
         self.steps += 1
         if 6 in check:
             kv.check_integrity()  # every step; the drain adds the leak oracle
         if 4 in check:
             self._check_nothing_lost()
-        scheduled = self.executor.last_scheduled
-        if stats is None or scheduled is None:
-            return
+        if iteration is None:
+            return None
+        self.iterations.append(iteration)
+        stats, prepared = iteration.stats, iteration.prepared
         self.num_budget_deferrals += stats.num_budget_deferrals
         self.num_capacity_deferrals += stats.num_capacity_deferrals
-        context = f"\niteration {stats.iteration}: {scheduled!r}"
+        context = f"\niteration {stats.iteration}: {iteration.scheduled!r} -> {iteration.batch!r}"
         # the loop survives any batch failure, so a bug would only show as failed requests:
         # the one failure by design is a policy without safety overshooting
         assert stats.error is None or stats.overshoot > 0, f"batch failed: {stats.error}{context}"
+        assert prepared is not None, context
+        # A chunk's cost depends only on its window, its prompt and its drafts: it can be
+        # taken now, although the requests that ran have moved on.
+        built = {chunk.request.request_id: chunk.cost() for chunk in prepared.scheduled.context_chunks}
+        built.update((r.request_id, step_cost[r.request_id]) for r in prepared.scheduled.generation_requests)
         if 1 in check:
             assert stats.overshoot == 0, f"invariant 1 violated at iteration {stats.iteration}: {stats.error}"
-            total = sum(b.positions for b in self._built.values())
+            total = sum(built.values())
             assert total <= self.executor.config.max_num_tokens, f"invariant 1: {total} positions{context}"
         if 2 in check:
-            check_costs(self._before, self._built, context)
+            charged = {}
+            for chunk in iteration.scheduled.context_chunks:
+                shift = can_shift[chunk.request.request_id]
+                charged[chunk.request.request_id] = Charged(chunk.cost(reuse_can_shift=shift), chunk, shift)
+            for request in iteration.scheduled.generation_requests:
+                charged[request.request_id] = Charged(step_cost[request.request_id], None, False)
+            check_costs(charged, built, prepared, context)
         if 3 in check:
-            check_deferrals_clean(scheduled, self._before, kv, context)
+            check_deferrals_clean(prepared, before, kv, context)
         if 5 in check:
-            self._check_progress(scheduled, before, kv)
+            self._check_progress(iteration, before, kv)
+        return iteration
 
-    def _check_progress(self, scheduled: ScheduledRequests, before: dict, kv: KVCacheManager) -> None:
+    def _check_progress(self, iteration: Iteration, before: dict[int, RequestSnapshot], kv: KVCacheManager) -> None:
         tpb = kv.tokens_per_block
-        for request in scheduled.context_requests:  # each chunk advances; non-last chunks end on a block boundary
+        for chunk in iteration.batch.context_chunks:  # each chunk advances; non-last chunks end on a block boundary
+            request = chunk.request
             if request.is_finished and request.error:
                 continue
-            old_position, _ = before.get(request.request_id, (0, True))
-            end = request.context_current_position if request.is_context_init_state else request.prompt_len
-            assert end > old_position or end == request.prompt_len, f"no progress for {request!r}"
-            if request.is_context_init_state and end % tpb:
-                raise AssertionError(f"invariant 5: non-last chunk of {request!r} ends off a block boundary")
-        claims_safety = kv.token_budget is not None and kv.token_budget.claims_safety
-        for request in self.executor.active_requests:
-            assert request.consecutive_budget_deferrals <= 1 or not claims_safety, (
-                f"invariant 5: {request!r} deferred for budget {request.consecutive_budget_deferrals} times in a row"
-            )
+            assert chunk.size > 0 and chunk.end > before[request.request_id].position, f"no progress for {chunk!r}"
+            if not chunk.is_last and chunk.end % tpb:
+                raise AssertionError(f"invariant 5: non-last chunk {chunk!r} ends off a block boundary")
+        if self.claims_safety:
+            for request in self.executor.active_requests:
+                assert request.consecutive_budget_deferrals <= 1, (
+                    f"invariant 5: {request!r} deferred for budget {request.consecutive_budget_deferrals} times in a row"
+                )
 
     def _check_nothing_lost(self) -> None:
         active = {r.request_id for r in self.executor.active_requests}
@@ -392,7 +414,8 @@ class ExecutorChecker:
     def check_drained(self) -> None:
         kv = self.executor.kv_cache_manager
         kv.check_integrity()
-        assert not kv._sequences, f"sequences left after a drain: {list(kv._sequences)}"
+        held = [r for r in self.submitted.values() if kv.is_allocated(r)]
+        assert not held, f"requests still holding blocks after a drain: {held}"
         pool = kv.pool
         assert pool.num_free + pool.num_cached == pool.num_blocks, (
             f"leak: free {pool.num_free} + cached {pool.num_cached} != {pool.num_blocks}"

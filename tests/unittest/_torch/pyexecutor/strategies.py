@@ -27,6 +27,7 @@ generate   run the prompt (and a few steps); the request stays active in generat
 from __future__ import annotations
 
 import dataclasses
+import enum
 from dataclasses import dataclass, field
 
 from factories import (
@@ -35,6 +36,7 @@ from factories import (
     make_kv_cache_manager,
     make_request,
     make_request_limits,
+    make_resource_manager,
     make_scheduler,
     make_sim_engine,
     run_alone,
@@ -47,7 +49,8 @@ from tensorrt_llm._torch.pyexecutor.config import CapacitySchedulerPolicy, Conte
 from tensorrt_llm._torch.pyexecutor.kv_cache_manager import KVCacheManager
 from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequest
 from tensorrt_llm._torch.pyexecutor.model_engine import ModelEngine
-from tensorrt_llm._torch.pyexecutor.scheduled_requests import ScheduledRequests
+from tensorrt_llm._torch.pyexecutor.resource_manager import ResourceManager
+from tensorrt_llm._torch.pyexecutor.scheduled_requests import ContextChunk, ScheduledRequests
 from tensorrt_llm._torch.pyexecutor.scheduler import SimpleScheduler
 from tensorrt_llm._torch.pyexecutor.simulated_engine import SyntheticSampler
 from tensorrt_llm._torch.pyexecutor.token_budget import reuse_discounted_charge
@@ -208,6 +211,23 @@ class BatchRecipe(_ReadableRepr):
         return "\n".join(lines)
 
 
+def to_source(value) -> str:
+    """``value`` (a recipe, or anything in one) as the Python expression that rebuilds it:
+    a counter-example a search found can be pinned as a literal."""
+    if dataclasses.is_dataclass(value):
+        args = ", ".join(
+            f"{f.name}={to_source(getattr(value, f.name))}"
+            for f in dataclasses.fields(value)
+            if f.default is dataclasses.MISSING or getattr(value, f.name) != f.default
+        )
+        return f"{type(value).__name__}({args})"
+    if isinstance(value, enum.Enum):
+        return f"{type(value).__name__}.{value.name}"
+    if isinstance(value, tuple):
+        return "(" + "".join(f"{to_source(v)}, " for v in value) + ")"
+    return repr(value)
+
+
 # ---- realizing a recipe ----------------------------------------------------------------
 
 
@@ -216,6 +236,7 @@ class World:
     recipe: BatchRecipe
     config: ExecutorConfig
     kv: KVCacheManager
+    resources: ResourceManager
     engine: ModelEngine
     scheduler: SimpleScheduler
     active: list[LlmRequest]
@@ -231,7 +252,7 @@ def realize(recipe: BatchRecipe) -> World:
     limits = make_request_limits(config, kv, engine)
     sampler = SyntheticSampler(engine.vocab_size)
     unit = config.chunk_unit_size
-    world = World(recipe, config, kv, engine, make_scheduler(config, kv), [])
+    world = World(recipe, config, kv, make_resource_manager(config, kv), engine, make_scheduler(config, kv), [])
     ids = iter(range(1_000))
     running: list[LlmRequest] = []
     for step in recipe.history:
@@ -254,9 +275,7 @@ def realize(recipe: BatchRecipe) -> World:
             world.log.append(f"{spec!r}: not servable, skipped")
             continue
         if spec.deferred_before and recipe.policy in SAFE_POLICIES:
-            request.py_budget_deferred = True
-            request.consecutive_budget_deferrals = request.max_consecutive_budget_deferrals = 1
-            request.num_budget_deferrals = 1
+            request.record_budget_deferral()  # as the executor records a deferral
         arrivals.append(request)
     active = running + arrivals
     keys = list(recipe.order) + [0] * len(active)
@@ -288,7 +307,7 @@ def schedule(world: World) -> ScheduledRequests:
     """The batch: from the real scheduler, or built directly from the recipe's picks."""
     if world.recipe.picks is None:
         scheduled = world.scheduler.schedule_request(world.active)
-        for request in scheduled.paused_requests:  # as PyExecutor._pause
+        for request in scheduled.paused_requests:  # as PyExecutor._schedule
             world.kv.free_resources(request)
             request.pause()
         return scheduled
@@ -299,10 +318,13 @@ def _direct_batch(world: World) -> ScheduledRequests:
     """Requests and chunk sizes as picked, admitted while upstream's (reuse-discounted) charges fit."""
     config, kv = world.config, world.kv
     unit, budget = config.chunk_unit_size, config.max_num_tokens
-    scheduled = ScheduledRequests()
+    chunks: list[ContextChunk] = []
+    generation = []
+    charges: dict[int, int] = {}
+    estimates: dict[int, int] = {}
     seen: set[int] = set()
     for index, units in world.recipe.picks or ():
-        if not world.active or scheduled.batch_size >= config.max_batch_size:
+        if not world.active or len(chunks) + len(generation) >= config.max_batch_size:
             break
         request = world.active[index % len(world.active)]
         if request.request_id in seen:
@@ -310,29 +332,30 @@ def _direct_batch(world: World) -> ScheduledRequests:
         seen.add(request.request_id)
         if request.is_context_init_state:
             remaining = request.context_remaining_length
-            chunk = min(units * unit, remaining) if config.enable_chunked_prefill else remaining
-            request.context_chunk_size = chunk
+            size = min(units * unit, remaining) if config.enable_chunked_prefill else remaining
             reusable = 0 if kv.is_allocated(request) else kv.estimate_reusable_tokens(request)
-            charge = reuse_discounted_charge(chunk, remaining, reusable)
-            if charge <= budget:
-                scheduled.context_requests.append(request)
-            else:
-                request.context_chunk_size = 0
+            charge = reuse_discounted_charge(size, remaining, reusable)
+            if charge > budget:
                 continue
+            chunks.append(ContextChunk.of(request, size))
+            if not kv.is_allocated(request):
+                estimates[request.request_id] = reusable
         else:
             charge = request.beam_width + request.num_draft_tokens
             if charge > budget:
                 continue
-            scheduled.generation_requests.append(request)
+            generation.append(request)
         budget -= charge
-        scheduled.charges[request.request_id] = charge
-    return scheduled
+        charges[request.request_id] = charge
+    return ScheduledRequests(
+        context_chunks=chunks, generation_requests=generation, charges=charges, estimated_reusable=estimates
+    )
 
 
 def run_recipe(recipe: BatchRecipe) -> tuple[World, BatchOutcome]:
     """Realize, schedule and run the batch once."""
     world = realize(recipe)
-    outcome = run_batch(schedule(world), world.kv, world.engine)
+    outcome = run_batch(schedule(world), world.resources, world.engine)
     return world, outcome
 
 

@@ -7,18 +7,15 @@ The overshoot scenarios run twice: on the simulated engine, stepped by hand, and
 
 import random
 import threading
-import time
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
 import pytest
-import torch
 from factories import greedy_reference, make_config, make_request, make_sim_executor
 from invariants import ExecutorChecker
 
 from tensorrt_llm import LLM, SamplingParams
 from tensorrt_llm._torch.pyexecutor.errors import ExecutorShutdown, TokenBudgetExceeded
-from tensorrt_llm._torch.pyexecutor.llm_request import DeferReason, LlmRequestState
+from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequestState
 from tensorrt_llm.llmapi import KvCacheConfig, RequestError
 
 # ---- the evicted-discount scenario (DESIGN.md §1) -----------------------------------
@@ -59,20 +56,19 @@ def sim_after_a_and_d(policy):
 
 def test_evicted_discount_overshoots_under_none():
     executor, _ = sim_after_a_and_d("none")
-    kv = executor.kv_cache_manager
     b, c = make_request(B, max_new_tokens=2), make_request(C, max_new_tokens=2)
 
     # One iteration, done by hand: schedule, prepare_resources, _prepare_tp_inputs.
     scheduled = executor.scheduler.schedule_request([b, c])
     assert scheduled.context_requests == [b, c]
-    assert c.estimated_reusable_tokens == 24
+    assert scheduled.estimated_reusable == {b.request_id: 0, c.request_id: 24}
     assert scheduled.charges == {b.request_id: 28, c.request_id: 2}
-    executor.resource_manager.prepare_resources(scheduled)
-    assert [(claim.estimated_reusable_tokens, claim.reused_tokens) for claim in kv.last_claims] == [(0, 0), (24, 0)]
-    assert (c.context_current_position, c.context_chunk_size) == (0, 26)
+    prepared = executor.resource_manager.prepare_resources(scheduled)
+    assert [(claim.estimated_reusable_tokens, claim.reused_tokens) for claim in prepared.claims] == [(0, 0), (24, 0)]
+    assert [(chunk.start, chunk.size) for chunk in prepared.scheduled.context_chunks] == [(0, 28), (0, 26)]
 
     with pytest.raises(TokenBudgetExceeded) as error:
-        executor.model_engine._prepare_tp_inputs(scheduled)
+        executor.model_engine._prepare_tp_inputs(prepared.scheduled)
     assert str(error.value) == OVERSHOOT_MESSAGE
     assert error.value.overshoot == 24
 
@@ -98,24 +94,25 @@ def test_executor_survives_the_overshoot_under_none():
     assert later.error is None and later.num_generated_tokens == 3
 
 
-def test_recheck_defers_instead_and_serves_the_same_output():
+def test_recheck_cuts_instead_and_serves_the_same_output():
     executor, checker = sim_after_a_and_d("recheck")
     b, c = make_request(B, max_new_tokens=2), make_request(C, max_new_tokens=4, request_id=777_001)
     checker.submit(b)
     checker.submit(c)
-    checker.step()
+    iteration = checker.step()
 
-    scheduled = executor.last_scheduled
-    assert scheduled.context_requests == [b]
-    assert scheduled.deferred_requests == [(c, DeferReason.BUDGET)]
-    assert executor.iteration_stats[-1].forward_tokens == 28
-    assert c.state is LlmRequestState.CONTEXT_INIT and c.context_current_position == 0
-    assert not executor.kv_cache_manager.is_allocated(c)
+    # C's full cost (26) does not fit the 2 tokens B's 28 leave. C expects to reuse 24 of its
+    # 26 tokens, so one unit (4) would finish it: B gives 4 back, C is cut to [0, 4). B's
+    # allocation then evicts C's prefix, and C runs its 4 tokens: 24 + 4 <= 30.
+    assert [(ch.request, ch.start, ch.size) for ch in iteration.batch.context_chunks] == [(b, 0, 24), (c, 0, 4)]
+    assert iteration.prepared.deferred == []
+    assert (iteration.stats.num_budget_cuts, iteration.stats.forward_tokens) == (2, 28)
+    assert c.context_current_position == 4
 
     checker.drain()
     assert all(stats.overshoot == 0 for stats in executor.iteration_stats)
     assert max(stats.forward_tokens for stats in executor.iteration_stats) <= 30
-    assert c.num_budget_deferrals == 1 and c.max_consecutive_budget_deferrals == 1
+    assert c.num_budget_deferrals == 0
     assert c.error is None and b.error is None
 
     alone = make_sim_executor(make_config(token_budget_policy="recheck", **EVICTED))
@@ -145,13 +142,6 @@ def loop_held(executor):
         gate.set()
 
 
-def wait_for(condition, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.001)
-
-
 def evicted_discount_llm(policy):
     return LLM(
         "tiny-random",
@@ -163,24 +153,21 @@ def evicted_discount_llm(policy):
     )
 
 
-def submit_b_and_c_in_one_batch(llm, pool, params):
-    executor = llm._executor
-    with loop_held(executor):
-        future = pool.submit(llm.generate, [B, C], params)
-        wait_for(lambda: len(executor._new_requests) == 2)
-    return future
+def submit_b_and_c_in_one_batch(llm, params):
+    with loop_held(llm._executor):
+        return [llm.generate_async(B, params), llm.generate_async(C, params)]
 
 
 def test_overshoot_through_llm_fails_the_batch_and_keeps_serving():
     params = SamplingParams(max_tokens=2)
-    with evicted_discount_llm("none") as llm, ThreadPoolExecutor(1) as pool:
+    with evicted_discount_llm("none") as llm:
         llm.generate(A, params)
         llm.generate(D, params)
-        future = submit_b_and_c_in_one_batch(llm, pool, params)
-        with pytest.raises(RequestError) as error:
-            future.result(timeout=30)
-        assert OVERSHOOT_MESSAGE in str(error.value)
-        assert error.value.message == f"TokenBudgetExceeded: {OVERSHOOT_MESSAGE}"
+        for handle in submit_b_and_c_in_one_batch(llm, params):
+            with pytest.raises(RequestError) as error:
+                handle.result(timeout=30)
+            assert OVERSHOOT_MESSAGE in str(error.value)
+            assert error.value.message == f"TokenBudgetExceeded: {OVERSHOOT_MESSAGE}"
 
         health = llm.health()
         assert health["alive"] and health["budget_violations"] == 1 and health["failed_batches"] == 1
@@ -191,14 +178,14 @@ def test_overshoot_through_llm_fails_the_batch_and_keeps_serving():
         assert llm.health()["budget_violations"] == 1
 
 
-def test_recheck_through_llm_defers_and_matches_the_reference():
+def test_recheck_through_llm_cuts_and_matches_the_reference():
     params = SamplingParams(max_tokens=2)
-    with evicted_discount_llm("recheck") as llm, ThreadPoolExecutor(1) as pool:
+    with evicted_discount_llm("recheck") as llm:
         llm.generate(A, SamplingParams(max_tokens=2))
         llm.generate(D, SamplingParams(max_tokens=2))
-        out_b, out_c = submit_b_and_c_in_one_batch(llm, pool, params).result(timeout=30)
+        out_b, out_c = (handle.result(timeout=30) for handle in submit_b_and_c_in_one_batch(llm, params))
         stats = llm.iteration_stats
-        assert sum(s.num_budget_deferrals for s in stats) == 1
+        assert sum(s.num_budget_cuts for s in stats) == 2 and sum(s.num_budget_deferrals for s in stats) == 0
         assert all(s.overshoot == 0 and s.forward_tokens <= 30 for s in stats)
         assert llm.health()["budget_violations"] == 0
     model = llm._executor.model_engine.model
@@ -246,7 +233,9 @@ def test_whole_prompt_hit(tpb, policy, partial, overshoots):
         checker.drain()
         assert again.error is None and again.num_generated_tokens == 2
         if policy == "recheck":
-            assert again.num_budget_deferrals == 1
+            # the repeat's whole-prompt bound does not fit the 1 token left; one block (what
+            # finishes it once its 3 cached blocks are claimed) does, with a block b gives back
+            assert (stats.num_budget_cuts, stats.num_budget_deferrals) == (2, 0)
 
 
 # ---- request lifecycle edge cases ---------------------------------------------------
@@ -409,3 +398,24 @@ def test_shutdown_fails_pending_requests_and_refuses_new_ones():
     kv = llm._executor.kv_cache_manager
     kv.check_integrity()
     assert kv.pool.num_free + kv.pool.num_cached == kv.pool.num_blocks
+
+
+def test_an_iteration_is_budget_bound_while_prompt_tokens_are_left_after_its_batch():
+    executor = make_sim_executor(make_config(tokens_per_block=4, max_num_tokens=16, num_blocks=32))
+    executor.enqueue_request(make_request(prompt_len=40, max_new_tokens=3))
+    executor.run_until_idle()
+    # chunks [0, 16), [16, 32) leave prompt tokens behind; [32, 40) and the two decodes do not
+    assert [(s.forward_tokens, s.budget_bound) for s in executor.iteration_stats] == [
+        (16, True), (16, True), (8, False), (1, False), (1, False)
+    ]
+
+
+@pytest.mark.parametrize(
+    "tokens, bad",
+    [([1, 2, 3], None), ([], None), ([True, 2], None), ([1, 2.5, 99], 2.5), ([1, "a"], "a"), ([3, -1, -3], -1),
+     ([1, 10, 11], 10), ([2.0], 2.0), ([1, 2**70], 2**70)],
+)
+def test_first_bad_token_names_the_first_offender(tokens, bad):
+    from tensorrt_llm._torch.pyexecutor.request_validation import first_bad_token
+
+    assert first_bad_token(tokens, 10) == bad

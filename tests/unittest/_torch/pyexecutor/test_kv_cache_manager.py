@@ -1,9 +1,9 @@
 """KVCacheManager: reuse estimate vs claim, partial reuse, LRU eviction, host tier,
 hash collisions, all-or-nothing allocation and the leak oracle.
 
-The tests play the scheduler and the engine by hand: a chunk is scheduled by setting
-``context_chunk_size``, allocated by ``prepare_resources``, "computed" by moving to the
-next chunk and calling ``update_resources``. Where tensors matter, the manager is built
+The tests play the scheduler and the engine by hand: a chunk is scheduled as a one-request
+batch and allocated by ``prepare_resources`` (:func:`factories.prepare_alone`), "computed"
+by moving the request past it and calling ``update_resources``. Where tensors matter, the manager is built
 for the real model and block contents are written and read directly.
 """
 
@@ -11,24 +11,24 @@ import random
 
 import pytest
 import torch
-from factories import make_config, make_request, make_sim_executor
+from factories import make_batch, make_config, make_request, make_sim_executor, prepare_alone
 from invariants import ExecutorChecker
 
 from tensorrt_llm._torch.models.modeling_llama import LlamaConfig, LlamaForCausalLM
 from tensorrt_llm._torch.pyexecutor.config import ExecutorConfig, KvCacheConfig
-from tensorrt_llm._torch.pyexecutor.kv_cache_manager import KVCacheManager
+from tensorrt_llm._torch.pyexecutor.kv_cache_manager import KVAllocation, KVCacheManager
 from tensorrt_llm._torch.pyexecutor.kv_storage import KVCacheStorage
-from tensorrt_llm._torch.pyexecutor.llm_request import DeferReason, LlmRequestState
+from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequestState
 from tensorrt_llm._torch.pyexecutor.py_executor_creator import create_kv_cache_manager
-from tensorrt_llm._torch.pyexecutor.scheduled_requests import ScheduledRequests
-from tensorrt_llm._torch.pyexecutor.token_budget import make_token_budget_policy
 
 TPB = 4
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # some managers hold real K/V tensors
 
 
 # ---- helpers ------------------------------------------------------------------------
 def manager(num_blocks=16, *, partial=True, host_blocks=0, block_hash=hash) -> KVCacheManager:
-    """Bookkeeping-only manager with no token-budget policy: allocation alone is under test."""
+    """Bookkeeping-only manager (it knows no token budget: allocation alone is under test)."""
     config = KvCacheConfig(tokens_per_block=TPB, enable_partial_reuse=partial)
     return KVCacheManager(config, num_blocks=num_blocks, num_host_blocks=host_blocks, block_hash=block_hash)
 
@@ -48,10 +48,7 @@ def tensor_manager(num_blocks=16, *, partial=True, host_blocks=0, block_hash=has
         host_cache_size=host_blocks * bytes_per_block,
     )
     config = ExecutorConfig(max_num_tokens=256, enable_chunked_prefill=True, kv_cache_config=kv_config)
-    policy = make_token_budget_policy(
-        config.token_budget_policy, config.max_num_tokens, enable_chunked_prefill=True, tokens_per_block=TPB
-    )
-    kv = create_kv_cache_manager(config, policy, model=model, block_hash=block_hash)
+    kv = create_kv_cache_manager(config, model=model, block_hash=block_hash)
     assert kv.pool.num_host_blocks == host_blocks
     return kv
 
@@ -61,18 +58,16 @@ def tokens(n, seed):
     return [rng.randrange(1, 500) for _ in range(n)]
 
 
-def allocate(kv, request, chunk=None) -> ScheduledRequests:
+def allocate(kv, request, chunk=None) -> KVAllocation:
     """Schedule ``chunk`` tokens (default: the rest of the prompt) and run prepare_resources."""
-    request.context_chunk_size = request.context_remaining_length if chunk is None else chunk
-    scheduled = ScheduledRequests(context_requests=[request])
-    kv.prepare_resources(scheduled)
-    return scheduled
+    return prepare_alone(kv, request, chunk)
 
 
 def compute(kv, request) -> None:
-    """Play the engine: the scheduled chunk's KV is now written."""
-    request.move_to_next_context_chunk()
-    kv.update_resources(ScheduledRequests(context_requests=[request]))
+    """Play the engine: the rest of the prompt (allocated whole) now holds computed KV."""
+    batch = make_batch([request])
+    request.complete_context_chunk(request.prompt_len)
+    kv.update_resources(batch)
 
 
 def cache_prompt(kv, prompt):
@@ -139,13 +134,13 @@ def test_reuse_estimate_vs_claim(prompt_len, partial, estimated, claimed):
     request = make_request((base[:8] + tokens(8, seed=2))[:prompt_len] if prompt_len > 8 else base[:prompt_len])
 
     assert kv.estimate_reusable_tokens(request) == estimated
-    assert request.estimated_reusable_tokens == estimated
-    allocate(kv, request)
+    allocation = allocate(kv, request)
 
-    [claim] = kv.last_claims
+    [claim] = allocation.claims
     assert (claim.estimated_reusable_tokens, claim.reused_tokens) == (estimated, claimed)
     assert request.prepopulated_prompt_len == request.context_current_position == claimed
-    assert request.context_chunk_size == prompt_len - claimed  # the rest of the prompt runs
+    [chunk] = allocation.scheduled.context_chunks
+    assert (chunk.start, chunk.size, chunk.reused) == (claimed, prompt_len - claimed, claimed)  # the rest runs
     assert kv.num_computed_tokens(request) == claimed
     kv.check_integrity()
 
@@ -169,11 +164,11 @@ def test_non_last_chunk_window_shifts_and_stays_block_aligned():
     prompt = tokens(24, seed=4)
     cache_prompt(kv, prompt[:10] + [0, 0])  # 3 full blocks; the third shares 2 tokens with prompt
     request = make_request(prompt)
-    allocate(kv, request, chunk=8)
+    [chunk] = allocate(kv, request, chunk=8).scheduled.context_chunks
     # 8 reused + partial reuse of 2 tokens = 10; the 8-token window shifts to [10, 18) and
     # is floored to the block boundary 16 because it is not the last chunk.
-    assert request.context_current_position == 10
-    assert request.context_current_position + request.context_chunk_size == 16
+    assert request.context_current_position == chunk.start == 10
+    assert chunk.end == 16
 
 
 def test_partial_reuse_copies_the_matching_part_of_a_block():
@@ -256,8 +251,7 @@ def test_referenced_blocks_are_never_evicted():
     hold(kv, tokens(4, seed=19))
     assert kv.pool.available == 0
     request = make_request(tokens(4, seed=20))
-    scheduled = allocate(kv, request)
-    assert scheduled.deferred_requests == [(request, DeferReason.CAPACITY)]
+    assert allocate(kv, request).deferred == [request]
     assert kv.block_table(user)[:2] == shared
 
 
@@ -386,16 +380,14 @@ def test_allocation_is_all_or_nothing(shared):
 
     # Pins what it shares with a (a partly matching block too), then needs 3 or 4 fresh blocks.
     request = make_request(a[:shared] + [0] * 12)
-    scheduled = allocate(kv, request)
+    allocation = allocate(kv, request)
 
-    assert scheduled.deferred_requests == [(request, DeferReason.CAPACITY)]
-    assert scheduled.is_empty
+    assert allocation.deferred == [request]
+    assert allocation.scheduled.is_empty and allocation.claims == []
     assert not kv.is_allocated(request)
     assert counts(kv) == before  # nothing stays claimed
     assert all(block.ref_count == 0 for block in kv.pool._lru)
     assert (request.context_current_position, request.prepopulated_prompt_len) == (0, 0)
-    assert request.num_capacity_deferrals == 1
-    assert kv.last_claims == []
     kv.check_integrity()
 
     # Releasing the claim kept leaves before roots: the next eviction takes a's leaf only.
@@ -418,8 +410,7 @@ def test_host_blocks_to_onboard_count_against_the_pool():
     hold(kv, tokens(4, seed=39))
     bigger = make_request(a + tokens(8, seed=40))  # 2 onboard + 2 fresh > what is left
     before = counts(kv)
-    scheduled = allocate(kv, bigger)
-    assert scheduled.deferred_requests == [(bigger, DeferReason.CAPACITY)]
+    assert allocate(kv, bigger).deferred == [bigger]
     assert counts(kv) == before
     kv.check_integrity()
 
@@ -434,9 +425,8 @@ def test_generation_step_without_a_block_is_deferred_and_keeps_its_blocks():
     hold(kv, tokens(4, seed=42))
     held = kv.block_table(request)
 
-    scheduled = ScheduledRequests(generation_requests=[request])
-    kv.prepare_resources(scheduled)
-    assert scheduled.deferred_requests == [(request, DeferReason.CAPACITY)]
+    allocation = kv.prepare_resources(make_batch(generation=[request]))
+    assert allocation.deferred == [request] and allocation.scheduled.is_empty
     assert kv.block_table(request) == held
     kv.check_integrity()
 
@@ -444,12 +434,9 @@ def test_generation_step_without_a_block_is_deferred_and_keeps_its_blocks():
 def test_one_failed_allocation_leaves_the_others_in_the_batch():
     kv = manager(num_blocks=4)
     small, big = make_request(tokens(8, seed=43)), make_request(tokens(12, seed=44))
-    for request in (small, big):
-        request.context_chunk_size = request.prompt_len
-    scheduled = ScheduledRequests(context_requests=[small, big])
-    kv.prepare_resources(scheduled)
-    assert scheduled.context_requests == [small]
-    assert scheduled.deferred_requests == [(big, DeferReason.CAPACITY)]
+    allocation = kv.prepare_resources(make_batch([small, big]))
+    assert allocation.scheduled.context_requests == [small]
+    assert allocation.deferred == [big]
     assert kv.num_held_blocks(small) == 2 and not kv.is_allocated(big)
     kv.check_integrity()
 

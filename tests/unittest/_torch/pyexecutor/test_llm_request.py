@@ -1,88 +1,103 @@
-"""LlmRequest: context-chunk bookkeeping and preemption (pause)."""
+"""LlmRequest and ContextChunk: context progress, chunk windows and their reuse shift,
+deferral records and preemption (pause)."""
 
 import pytest
 from factories import make_request
 
 from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequestState
+from tensorrt_llm._torch.pyexecutor.scheduled_requests import ContextChunk
 
 
-def test_chunk_size_is_clamped_to_the_remaining_prompt():
+def test_chunk_is_clamped_to_the_remaining_prompt():
     request = make_request(prompt_len=10)
-    request.context_chunk_size = 4
-    assert request.context_chunk_size == 4
-    request.context_chunk_size = 25
-    assert request.context_chunk_size == 10
+    assert ContextChunk.of(request, 4).size == 4
+    assert ContextChunk.of(request, 25).size == 10
 
-    request.context_current_position = 7
-    request.context_chunk_size = 8
-    assert request.context_chunk_size == 3  # only 3 prompt tokens are left
+    request.complete_context_chunk(7)
+    chunk = ContextChunk.of(request, 8)
+    assert (chunk.start, chunk.size, chunk.end) == (7, 3, 10)  # only 3 prompt tokens are left
 
 
-def test_zero_chunk_is_allowed():
-    request = make_request(prompt_len=10)
-    request.context_chunk_size = 0
-    assert request.context_chunk_size == 0
-    assert not request.is_last_context_chunk
+def test_zero_chunk_is_allowed_and_is_not_last():
+    chunk = ContextChunk.of(make_request(prompt_len=10), 0)
+    assert chunk.size == 0 and not chunk.is_last
 
 
-@pytest.mark.parametrize("size", [-1, -100])
-def test_negative_chunk_size_is_rejected(size):
-    request = make_request(prompt_len=10)
-    request.context_chunk_size = 4
-    with pytest.raises(ValueError, match="context_chunk_size must be >= 0"):
-        request.context_chunk_size = size
-    assert request.context_chunk_size == 4  # the rejected value left nothing behind
+@pytest.mark.parametrize("start, size", [(0, -1), (0, 11), (8, 3), (-1, 2)])
+def test_a_window_outside_the_prompt_is_rejected(start, size):
+    with pytest.raises(ValueError, match="no chunk"):
+        ContextChunk(make_request(prompt_len=10), start, size)
 
 
-def test_first_and_last_chunk_are_derived_from_the_current_position():
+def test_last_chunk_is_derived_from_the_window():
     request = make_request(prompt_len=12)
-    request.context_chunk_size = 4
-    assert request.is_first_context_chunk and not request.is_last_context_chunk
-
-    request.move_to_next_context_chunk()
-    assert not request.is_first_context_chunk
-    request.context_chunk_size = 8
-    assert request.is_last_context_chunk
-
-    # Changing the chunk afterwards changes the answer: nothing is cached.
-    request.context_chunk_size = 4
-    assert not request.is_last_context_chunk
+    assert not ContextChunk.of(request, 4).is_last
+    assert ContextChunk.of(request, 12).is_last
+    request.complete_context_chunk(4)
+    assert ContextChunk.of(request, 8).is_last and not ContextChunk.of(request, 4).is_last
 
 
 def test_reused_prefix_counts_as_first_chunk():
     request = make_request(prompt_len=12)
-    request.prepopulated_prompt_len = request.context_current_position = 8  # what a claim of 8 reused tokens does
-    request.context_chunk_size = 4
+    request.reuse_prefix(8)
     assert request.is_first_context_chunk
-    assert request.is_last_context_chunk
+    assert (request.prepopulated_prompt_len, request.context_current_position) == (8, 8)
     assert request.context_remaining_length == 4
+    assert ContextChunk.of(request, 4).is_last
+    with pytest.raises(ValueError, match="cannot reuse"):
+        request.reuse_prefix(4)  # only a first chunk's allocation reuses, once
+    with pytest.raises(ValueError, match="cannot reuse"):
+        make_request(prompt_len=12).reuse_prefix(12)  # the last prompt token is always computed
 
 
-def test_move_to_next_context_chunk_advances_by_the_chunk_and_resets_it():
+def test_complete_context_chunk_advances_and_never_goes_back():
     request = make_request(prompt_len=10)
-    request.context_chunk_size = 4
-    request.move_to_next_context_chunk()
-    assert (request.context_current_position, request.context_chunk_size) == (4, 0)
-    assert request.context_remaining_length == 6
-
-    request.context_chunk_size = 100
-    request.move_to_next_context_chunk()
-    assert request.context_current_position == request.prompt_len == 10
+    request.complete_context_chunk(4)
+    assert (request.context_current_position, request.context_remaining_length) == (4, 6)
+    assert not request.is_first_context_chunk
+    for bad in (3, 11):
+        with pytest.raises(ValueError, match="cannot end"):
+            request.complete_context_chunk(bad)
+    request.complete_context_chunk(4)  # an empty chunk makes no progress
+    request.complete_context_chunk(10)
     assert request.context_remaining_length == 0
 
 
-def test_move_with_a_zero_chunk_makes_no_progress():
-    request = make_request(prompt_len=10)
-    request.move_to_next_context_chunk()
-    assert request.context_current_position == 0
+@pytest.mark.parametrize(
+    "prompt_len, size, reused, window",
+    [
+        (24, 8, 10, (10, 6)),  # shifted to [10, 18), floored to the block boundary 16: not the last chunk
+        (24, 8, 8, (8, 8)),  # block-aligned reuse: the window just moves
+        (24, 16, 12, (12, 12)),  # the shift makes it the last chunk: it keeps going to the end
+        (24, 8, 20, (20, 4)),  # reuse beyond the chunk: the window moves past it, it does not vanish
+        (24, 2, 9, (9, 2)),  # below one block: nothing to floor to, the window keeps its size
+        (24, 8, 0, (0, 8)),  # no reuse: unchanged
+    ],
+)
+def test_after_reuse_moves_the_window_onto_the_reused_prefix(prompt_len, size, reused, window):
+    chunk = ContextChunk.of(make_request(prompt_len=prompt_len), size).after_reuse(reused, tokens_per_block=4)
+    assert (chunk.start, chunk.size) == window
+    assert chunk.reused == reused
+
+
+def test_deferral_records():
+    request = make_request(prompt_len=6)
+    request.record_budget_deferral()
+    request.record_budget_deferral()
+    assert request.py_budget_deferred
+    assert (request.num_budget_deferrals, request.consecutive_budget_deferrals) == (2, 2)
+    request.record_forward()
+    assert not request.py_budget_deferred and request.consecutive_budget_deferrals == 0
+    request.record_budget_deferral()
+    request.record_capacity_deferral()
+    assert (request.num_budget_deferrals, request.max_consecutive_budget_deferrals) == (3, 2)
+    assert request.num_capacity_deferrals == 1
 
 
 def test_pause_restarts_as_context_and_keeps_generated_tokens():
     request = make_request(prompt_len=6, max_new_tokens=8)
-    request.context_chunk_size = 6
-    request.move_to_next_context_chunk()
-    request.prepopulated_prompt_len = 4
-    request.estimated_reusable_tokens = 4
+    request.reuse_prefix(4)
+    request.complete_context_chunk(6)
     request.state = LlmRequestState.GENERATION_IN_PROGRESS
     for token in (11, 12, 13):
         request.add_new_token(token)
@@ -96,8 +111,7 @@ def test_pause_restarts_as_context_and_keeps_generated_tokens():
     assert request.num_generated_tokens == 3
     assert request.orig_prompt_len == 6
     assert request.max_total_len == 14  # unchanged: the budget of new tokens is not reset
-    assert request.context_current_position == 0 and request.context_chunk_size == 0
-    assert request.prepopulated_prompt_len == 0 and request.estimated_reusable_tokens == 0
+    assert request.context_current_position == 0 and request.prepopulated_prompt_len == 0
     assert request.is_first_context_chunk
     assert request.num_pauses == 1
 

@@ -2,51 +2,49 @@
 budget assertion's exact message."""
 
 import pytest
-from factories import VOCAB, make_config, make_kv_cache_manager, make_request
+from factories import VOCAB, make_batch, make_config, make_kv_cache_manager, make_request, prepare_alone
 
 from tensorrt_llm._torch.pyexecutor.errors import TokenBudgetExceeded
 from tensorrt_llm._torch.pyexecutor.forward_cost import forward_cost
 from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequestState
 from tensorrt_llm._torch.pyexecutor.model_engine import PAD_TOKEN_ID
-from tensorrt_llm._torch.pyexecutor.scheduled_requests import ScheduledRequests
+from tensorrt_llm._torch.pyexecutor.scheduled_requests import ContextChunk
 from tensorrt_llm._torch.pyexecutor.simulated_engine import SimulatedModelEngine
 
 
-def engine_for(max_num_tokens=256, policy="none", **overrides):
-    config = make_config(max_num_tokens=max_num_tokens, token_budget_policy=policy, **overrides)
+def engine_for(max_num_tokens=256, **overrides):
+    config = make_config(max_num_tokens=max_num_tokens, **overrides)
     kv = make_kv_cache_manager(config)
-    return SimulatedModelEngine(max_num_tokens, kv, kv.token_budget, vocab_size=VOCAB), kv
-
-
-def allocated(kv, scheduled):
-    kv.prepare_resources(scheduled)
-    assert not scheduled.deferred_requests, scheduled
-    return scheduled
+    return SimulatedModelEngine(max_num_tokens, kv, vocab_size=VOCAB), kv
 
 
 def in_generation(kv, request, *, new_tokens=1):
     """Prefill ``request`` alone, then leave it in generation with ``new_tokens`` sampled."""
-    request.context_chunk_size = request.prompt_len
-    context = allocated(kv, ScheduledRequests(context_requests=[request]))
-    request.move_to_next_context_chunk()
+    allocation = prepare_alone(kv, request)
+    assert not allocation.deferred
+    request.complete_context_chunk(request.prompt_len)
     request.state = LlmRequestState.GENERATION_IN_PROGRESS
     for i in range(new_tokens):
         request.add_new_token(100 + i)
-    kv.update_resources(context)
+    kv.update_resources(allocation.scheduled)
     return request
 
 
 def build(engine, kv, *, context=(), generation=()):
-    scheduled = allocated(kv, ScheduledRequests(context_requests=list(context), generation_requests=list(generation)))
-    return engine._prepare_tp_inputs(scheduled)
+    """Allocate the batch (``context`` as in ``make_batch``) and build its inputs."""
+    allocation = kv.prepare_resources(make_batch(context, generation))
+    assert not allocation.deferred, allocation
+    for claim in allocation.claims:
+        if claim.reused_tokens:
+            claim.request.reuse_prefix(claim.reused_tokens)
+    return engine._prepare_tp_inputs(allocation.scheduled)
 
 
 def test_context_chunk_appends_its_chunk():
     engine, kv = engine_for()
     request = make_request(prompt_len=20)
-    request.context_chunk_size = 8
-    inputs = build(engine, kv, context=[request])
-    assert inputs.num_new_tokens == [8] == [forward_cost(request)]
+    inputs = build(engine, kv, context=[(request, 8)])
+    assert inputs.num_new_tokens == [8] == [forward_cost(request, 8)]
     assert inputs.input_ids == request.tokens[:8]
     assert inputs.position_ids == list(range(8))
     assert inputs.samples == [False]  # a non-last chunk produces no token
@@ -55,12 +53,10 @@ def test_context_chunk_appends_its_chunk():
 def test_later_chunk_starts_where_the_last_one_stopped():
     engine, kv = engine_for()
     request = make_request(prompt_len=20)
-    request.context_chunk_size = 8
-    build(engine, kv, context=[request])
-    request.move_to_next_context_chunk()
-    request.context_chunk_size = 100  # clamped to the 12 tokens left
-    inputs = build(engine, kv, context=[request])
-    assert inputs.num_new_tokens == [12] == [forward_cost(request)]
+    build(engine, kv, context=[(request, 8)])
+    request.complete_context_chunk(8)
+    inputs = build(engine, kv, context=[(request, 100)])  # clamped to the 12 tokens left
+    assert inputs.num_new_tokens == [12] == [forward_cost(request, 100)]
     assert inputs.position_ids == list(range(8, 20))
     assert inputs.num_cached_tokens == [8]
     assert inputs.samples == [True]
@@ -70,9 +66,8 @@ def test_last_chunk_carries_the_draft_tokens():
     engine, kv = engine_for()
     request = make_request(prompt_len=6)
     request.py_draft_tokens = [5, 6, 7]
-    request.context_chunk_size = 6
     inputs = build(engine, kv, context=[request])
-    assert inputs.num_new_tokens == [9] == [forward_cost(request)]
+    assert inputs.num_new_tokens == [9] == [forward_cost(request, 6)]
     assert inputs.input_ids == request.tokens[:6] + [5, 6, 7]
     assert inputs.position_ids == list(range(9))
 
@@ -81,10 +76,9 @@ def test_non_last_chunk_leaves_the_drafts_out():
     engine, kv = engine_for()
     request = make_request(prompt_len=16)
     request.py_draft_tokens = [5, 6]
-    request.context_chunk_size = 8
-    inputs = build(engine, kv, context=[request])
-    assert inputs.num_new_tokens == [8] == [forward_cost(request)]
-    assert forward_cost(request, reuse_can_shift=True) == 10  # reuse could have made it the last chunk
+    inputs = build(engine, kv, context=[(request, 8)])
+    assert inputs.num_new_tokens == [8] == [forward_cost(request, 8)]
+    assert forward_cost(request, 8, reuse_can_shift=True) == 10  # reuse could have made it the last chunk
 
 
 def test_chunk_after_reuse_starts_at_the_reused_prefix():
@@ -92,10 +86,9 @@ def test_chunk_after_reuse_starts_at_the_reused_prefix():
     first = in_generation(kv, make_request(prompt_len=12))
     kv.free_resources(first)  # its 3 prompt blocks stay cached
     request = make_request(first.input_token_ids + [1, 2])
-    request.context_chunk_size = 14
-    inputs = build(engine, kv, context=[request])
+    inputs = build(engine, kv, context=[(request, 14)])
     assert request.prepopulated_prompt_len == 12
-    assert inputs.num_new_tokens == [2] == [forward_cost(request)]
+    assert inputs.num_new_tokens == [2] == [forward_cost(request, 14)]
     assert inputs.input_ids == [1, 2]
     assert inputs.position_ids == [12, 13]
     assert inputs.num_cached_tokens == [12]
@@ -132,18 +125,18 @@ def test_first_draft_pads_to_max_draft_len():
 def test_mixed_batch_total_is_the_sum_of_forward_costs():
     engine, kv = engine_for()
     chunk = make_request(prompt_len=30)
-    chunk.context_chunk_size = 12
     last = make_request(prompt_len=7)
     last.py_draft_tokens = [1, 2]
-    last.context_chunk_size = 7
     beams = in_generation(kv, make_request(prompt_len=4, beam_width=3))
     drafts = in_generation(kv, make_request(prompt_len=4, max_draft_len=2))
     drafts.py_draft_tokens = [3, 4]
     first_draft = in_generation(kv, make_request(prompt_len=4, max_draft_len=5, is_first_draft=True))
     batch = [chunk, last, beams, drafts, first_draft]
-    inputs = build(engine, kv, context=[chunk, last], generation=[beams, drafts, first_draft])
+    inputs = build(engine, kv, context=[(chunk, 12), last], generation=[beams, drafts, first_draft])
     assert inputs.num_new_tokens == [12, 9, 3, 3, 6]
-    assert inputs.num_new_tokens == [forward_cost(r) for r in batch]
+    assert inputs.num_new_tokens == [ContextChunk.of(chunk, 12).cost(), forward_cost(last, 7)] + [
+        forward_cost(r) for r in batch[2:]
+    ]
     assert inputs.total_num_tokens == len(inputs.position_ids) == 33
     assert inputs.requests == batch
     assert inputs.samples == [False, True, True, True, True]
@@ -152,8 +145,6 @@ def test_mixed_batch_total_is_the_sum_of_forward_costs():
 def test_budget_exceeded_message_is_upstreams_assertion():
     engine, kv = engine_for(max_num_tokens=16)
     a, b = make_request(prompt_len=12), make_request(prompt_len=9)
-    for request in (a, b):
-        request.context_chunk_size = request.prompt_len
     with pytest.raises(TokenBudgetExceeded) as error:
         build(engine, kv, context=[a, b])
     assert str(error.value) == "total_num_tokens (21) should be less than or equal to max_num_tokens (16)"
@@ -163,6 +154,4 @@ def test_budget_exceeded_message_is_upstreams_assertion():
 def test_exactly_the_budget_is_allowed():
     engine, kv = engine_for(max_num_tokens=16)
     a, b = make_request(prompt_len=12), make_request(prompt_len=4)
-    for request in (a, b):
-        request.context_chunk_size = request.prompt_len
     assert build(engine, kv, context=[a, b]).total_num_tokens == 16

@@ -5,29 +5,41 @@ policies (GUARANTEED_NO_EVICT reserves to completion; MAX_UTILIZATION pauses).""
 import random
 
 import pytest
-from factories import make_config, make_kv_cache_manager, make_request, make_sim_executor
+from factories import make_config, make_kv_cache_manager, make_policy, make_request, make_sim_executor, prepare_alone
 from invariants import ExecutorChecker
 
 from tensorrt_llm._torch.pyexecutor.config import CapacitySchedulerPolicy
 from tensorrt_llm._torch.pyexecutor.forward_cost import forward_cost
 from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequestState
-from tensorrt_llm._torch.pyexecutor.scheduled_requests import ScheduledRequests
 from tensorrt_llm._torch.pyexecutor.scheduler import CapacityScheduler, MicroBatchScheduler
 from tensorrt_llm._torch.pyexecutor.token_budget import make_token_budget_policy, reuse_discounted_charge
 
 POLICIES = ["none", "trim", "fit", "recheck"]
 
 
-def micro_batch(**config_overrides):
-    config = make_config(**config_overrides)
-    kv = make_kv_cache_manager(config)
-    return MicroBatchScheduler(config, kv, kv.token_budget), kv
+class MicroBatch:
+    """A micro-batch scheduler as an executor with the config builds it; every context
+    candidate holds no blocks, with the reuse estimate given (default 0)."""
+
+    def __init__(self, **config_overrides) -> None:
+        config = make_config(**config_overrides)
+        self.scheduler = MicroBatchScheduler(config, make_policy(config))
+
+    def schedule(self, candidates, estimates=None):
+        reusable = {r.request_id: 0 for r in candidates if r.is_context_init_state}
+        reusable.update(estimates or {})
+        return self.scheduler.schedule(candidates, reusable)
+
+
+def chunk_sizes(scheduled, requests):
+    """Each request's scheduled chunk size (0 when it is not in the batch)."""
+    sizes = {c.request.request_id: c.size for c in scheduled.context_chunks}
+    return [sizes.get(r.request_id, 0) for r in requests]
 
 
 def generation(request, *, tokens=1):
     """Move ``request`` past its context as the executor would (without KV)."""
-    request.context_chunk_size = request.prompt_len
-    request.move_to_next_context_chunk()
+    request.complete_context_chunk(request.prompt_len)
     request.state = LlmRequestState.GENERATION_IN_PROGRESS
     for _ in range(tokens):
         request.add_new_token(7)
@@ -36,14 +48,12 @@ def generation(request, *, tokens=1):
 
 def prefill(kv, request):
     """Allocate and 'compute' ``request``'s whole prompt, leaving it in generation."""
-    request.context_chunk_size = request.prompt_len
-    scheduled = ScheduledRequests(context_requests=[request])
-    kv.prepare_resources(scheduled)
+    allocation = prepare_alone(kv, request)
     assert kv.is_allocated(request)
-    request.move_to_next_context_chunk()
+    request.complete_context_chunk(request.prompt_len)
     request.state = LlmRequestState.GENERATION_IN_PROGRESS
     request.add_new_token(7)
-    kv.update_resources(scheduled)
+    kv.update_resources(allocation.scheduled)
 
 
 # ---- upstream's reuse-discounted charge (DESIGN.md §1) ------------------------------
@@ -78,13 +88,13 @@ def test_context_charge_uses_the_estimate_only_before_allocation(policy):
     kv.free_resources(cached)
 
     request = make_request(prompt + [3, 4])
-    kv.estimate_reusable_tokens(request)
-    assert request.estimated_reusable_tokens == 16
-    request.context_chunk_size = 18
-    assert kv.token_budget.context_charge(request, kv) == 2  # every policy discounts at first admission
+    assert kv.estimate_reusable_tokens(request) == 16
+    budget = make_policy(config)
+    assert budget.context_charge(request, 18, 16) == 2  # every policy discounts at first admission
+    assert budget.context_charge(request, 18, None) == 18  # once allocated there is nothing to discount
 
-    request.py_budget_deferred = True  # a request deferred earlier owes its full cost under recheck
-    assert kv.token_budget.context_charge(request, kv) == (18 if policy == "recheck" else 2)
+    request.record_budget_deferral()  # a request deferred earlier owes its full cost under recheck
+    assert budget.context_charge(request, 18, 16) == (18 if policy == "recheck" else 2)
 
 
 @pytest.mark.parametrize("policy", POLICIES)
@@ -118,98 +128,103 @@ def context_batch(prompt_lens):
 
 
 def test_fcfs_gives_each_request_the_largest_chunk_that_fits():
-    scheduler, _ = micro_batch(max_num_tokens=16)
+    scheduler = MicroBatch(max_num_tokens=16)
     r1, r2, r3 = context_batch([10, 30, 2])
     scheduled = scheduler.schedule([r1, r2, r3])
     assert scheduled.context_requests == [r1, r2, r3]
-    assert [r.context_chunk_size for r in (r1, r2, r3)] == [10, 4, 2]  # 4 = the largest unit multiple <= 6
+    assert chunk_sizes(scheduled, (r1, r2, r3)) == [10, 4, 2]  # 4 = the largest unit multiple <= 6
     assert scheduled.scheduled_tokens == 16
 
 
 def test_fcfs_never_lets_a_later_request_overtake_one_that_did_not_fit():
-    scheduler, _ = micro_batch(max_num_tokens=16)
+    scheduler = MicroBatch(max_num_tokens=16)
     r1, r2, r3 = context_batch([13, 30, 2])
     scheduled = scheduler.schedule([r1, r2, r3])
     # 3 tokens are left: not a whole unit for r2, and r3 (2 tokens) must wait behind it.
     assert scheduled.context_requests == [r1]
-    assert r2.context_chunk_size == 0 and r3.context_chunk_size == 0
+
+
+def test_scheduling_writes_nothing_on_the_requests():
+    scheduler = MicroBatch(max_num_tokens=16, context_chunking_policy="EQUAL_PROGRESS")
+    batch = context_batch([30, 30, 30])
+    before = [repr(r) for r in batch]
+    scheduler.schedule(batch)
+    assert [repr(r) for r in batch] == before
 
 
 def test_without_chunked_prefill_a_prompt_runs_whole_or_waits():
-    scheduler, _ = micro_batch(max_num_tokens=16, enable_chunked_prefill=False)
+    scheduler = MicroBatch(max_num_tokens=16, enable_chunked_prefill=False)
     r1, r2, r3 = context_batch([10, 10, 3])
     scheduled = scheduler.schedule([r1, r2, r3])
     assert scheduled.context_requests == [r1]
-    assert r1.context_chunk_size == 10
+    assert chunk_sizes(scheduled, [r1]) == [10]
 
 
 def test_equal_progress_grows_every_request_one_unit_at_a_time():
-    scheduler, _ = micro_batch(max_num_tokens=16, context_chunking_policy="EQUAL_PROGRESS")
+    scheduler = MicroBatch(max_num_tokens=16, context_chunking_policy="EQUAL_PROGRESS")
     batch = context_batch([30, 30, 30])
     scheduled = scheduler.schedule(batch)
-    assert [r.context_chunk_size for r in batch] == [8, 4, 4]
+    assert chunk_sizes(scheduled, batch) == [8, 4, 4]
     assert scheduled.scheduled_tokens == 16
 
 
 def test_equal_progress_finishes_short_prompts_with_a_partial_unit():
-    scheduler, _ = micro_batch(max_num_tokens=16, context_chunking_policy="EQUAL_PROGRESS")
+    scheduler = MicroBatch(max_num_tokens=16, context_chunking_policy="EQUAL_PROGRESS")
     batch = context_batch([6, 30])
-    scheduler.schedule(batch)
-    assert [r.context_chunk_size for r in batch] == [6, 8]
+    assert chunk_sizes(scheduler.schedule(batch), batch) == [6, 8]
 
 
 def test_equal_progress_takes_the_rest_of_a_prompt_the_discount_covers():
-    scheduler, _ = micro_batch(max_num_tokens=16, context_chunking_policy="EQUAL_PROGRESS")
+    scheduler = MicroBatch(max_num_tokens=16, context_chunking_policy="EQUAL_PROGRESS")
     covered, other = context_batch([40, 40])
-    covered.estimated_reusable_tokens = 36  # only the last 4 tokens are charged
-    scheduled = scheduler.schedule([covered, other])
-    assert covered.context_chunk_size == 40
+    # only the last 4 tokens are charged
+    scheduled = scheduler.schedule([covered, other], {covered.request_id: 36})
+    assert chunk_sizes(scheduled, [covered, other]) == [40, 12]
     assert scheduled.charges[covered.request_id] == 4
-    assert other.context_chunk_size == 12
 
 
 @pytest.mark.parametrize("chunking", ["FIRST_COME_FIRST_SERVED", "EQUAL_PROGRESS"])
-@pytest.mark.parametrize("policy", ["none", "recheck"])
-def test_chunks_are_units_except_the_last_and_charges_fit_the_budget(chunking, policy):
-    rng = random.Random(hash((chunking, policy)) & 0xFFFF)
+@pytest.mark.parametrize("policy, seed", [("none", 11), ("recheck", 12)])
+def test_chunks_are_units_except_the_last_and_charges_fit_the_budget(chunking, policy, seed):
+    rng = random.Random(seed)
     for _ in range(150):
         max_num_tokens = rng.choice([8, 16, 24, 33, 64])
         unit = rng.choice([4, 8])
         if unit > max_num_tokens:
             continue
-        scheduler, _ = micro_batch(
+        scheduler = MicroBatch(
             max_num_tokens=max_num_tokens,
             chunk_unit_size=unit,
             context_chunking_policy=chunking,
             token_budget_policy=policy,
         )
         batch = context_batch([rng.randrange(1, 80) for _ in range(rng.randrange(1, 6))])
+        estimates = {}
         for request in batch:
             if rng.random() < 0.3:
-                request.estimated_reusable_tokens = rng.randrange(0, request.prompt_len + 1) // 4 * 4
-        scheduled = scheduler.schedule(batch)
+                estimates[request.request_id] = rng.randrange(0, request.prompt_len + 1) // 4 * 4
+        scheduled = scheduler.schedule(batch, estimates)
         assert scheduled.scheduled_tokens <= max_num_tokens, scheduled
-        for request in scheduled.context_requests:
-            chunk = request.context_chunk_size
-            assert chunk > 0
-            assert chunk % unit == 0 or chunk == request.context_remaining_length, (request, unit)
+        for chunk in scheduled.context_chunks:
+            assert chunk.size > 0
+            assert chunk.size % unit == 0 or chunk.is_last, (chunk, unit)
         if chunking == "FIRST_COME_FIRST_SERVED":
             # The scheduled requests are a prefix of the candidates: nobody overtakes.
             assert scheduled.context_requests == batch[: len(scheduled.context_requests)]
 
 
 def test_generation_requests_are_charged_first():
-    scheduler, _ = micro_batch(max_num_tokens=16)
+    scheduler = MicroBatch(max_num_tokens=16)
     context = make_request(prompt_len=40)
     gens = [generation(make_request(prompt_len=5, beam_width=2)) for _ in range(3)]
     scheduled = scheduler.schedule([context, *gens])
     assert scheduled.generation_requests == gens
-    assert context.context_chunk_size == 8  # 16 - 3 * 2 = 10, floored to the unit
+    assert chunk_sizes(scheduled, [context]) == [8]  # 16 - 3 * 2 = 10, floored to the unit
 
 
 # ---- max_batch_size -----------------------------------------------------------------
 def test_max_batch_size_limits_requests_not_tokens():
-    scheduler, _ = micro_batch(max_num_tokens=64, max_batch_size=2)
+    scheduler = MicroBatch(max_num_tokens=64, max_batch_size=2)
     batch = context_batch([4, 4, 4])
     scheduled = scheduler.schedule(batch)
     assert scheduled.context_requests == batch[:2]
@@ -221,7 +236,7 @@ def test_max_batch_size_limits_requests_not_tokens():
 
 
 def test_max_batch_size_counts_generation_and_context_together():
-    scheduler, _ = micro_batch(max_num_tokens=64, max_batch_size=2)
+    scheduler = MicroBatch(max_num_tokens=64, max_batch_size=2)
     gen = generation(make_request(prompt_len=3))
     first, second = context_batch([4, 4])
     scheduled = scheduler.schedule([gen, first, second])
@@ -262,8 +277,9 @@ def test_guaranteed_no_evict_credits_only_blocks_started_requests_hold():
     # Claiming a cached block takes it out of the pool like a fresh one: no credit, 6 + 4 = 10 fits.
     assert scheduler.schedule([reuser, other]).fitting == [reuser, other]
     bigger = make_request(prompt_len=4, max_new_tokens=13)  # 5 blocks: 11 > 10
-    assert scheduler.schedule([reuser, bigger]).fitting == [reuser]
-    assert reuser.estimated_reusable_tokens == 16  # the micro-batch discount still sees the estimate
+    decision = scheduler.schedule([reuser, bigger])
+    assert decision.fitting == [reuser]
+    assert decision.estimated_reusable == {reuser.request_id: 16}  # the micro-batch discount still sees it
 
     running = make_request(prompt + [9], max_new_tokens=4)
     prefill(kv, running)  # holds the 4 cached blocks + 1 fresh, 1 more to completion: 5 available
