@@ -27,7 +27,6 @@ from tensorrt_llm._torch.models.modeling_llama import LlamaForCausalLM
 from tensorrt_llm._torch.pyexecutor.config import CudaGraphConfig, ExecutorConfig, KvCacheConfig
 from tensorrt_llm._torch.pyexecutor.model_engine import TorchModelEngine
 from tensorrt_llm._torch.pyexecutor.py_executor_creator import create_kv_cache_manager
-from tensorrt_llm._torch.pyexecutor.token_budget import make_token_budget_policy
 
 logger = logging.getLogger(__name__)
 
@@ -43,10 +42,8 @@ def build_engine(model: LlamaForCausalLM, *, max_batch_size: int, max_num_tokens
         kv_cache_config=KvCacheConfig(tokens_per_block=tokens_per_block, num_blocks=num_blocks),
         cuda_graph_config=CudaGraphConfig(),
     )
-    policy = make_token_budget_policy(config.token_budget_policy, config.max_num_tokens,
-                                      enable_chunked_prefill=False, tokens_per_block=tokens_per_block)
-    kv = create_kv_cache_manager(config, policy, model=model)
-    engine = TorchModelEngine(model, max_num_tokens, kv, policy, cuda_graph_config=config.cuda_graph_config,
+    kv = create_kv_cache_manager(config, model=model)
+    engine = TorchModelEngine(model, max_num_tokens, kv, cuda_graph_config=config.cuda_graph_config,
                               max_batch_size=max_batch_size, max_seq_len=max_seq_len)
     engine.time_forwards = model.device.type == "cuda"
     fill_random(kv.storage.pools)

@@ -99,6 +99,8 @@ class RankRun:
     max_forward_tokens: int = 0
     forward_tokens: int = 0
     busy_iterations: int = 0
+    bound_iterations: int = 0  # busy iterations after which some request still had prompt to compute
+    bound_forward_tokens: int = 0
     group_iterations: int = 0
     end_time_s: float = 0.0
     wall_s: float = 0.0
@@ -134,6 +136,9 @@ class RankRun:
         elif stats.forward_tokens:
             self.busy_iterations += 1
             self.forward_tokens += stats.forward_tokens
+            if stats.budget_bound:
+                self.bound_iterations += 1
+                self.bound_forward_tokens += stats.forward_tokens
         self.max_forward_tokens = max(self.max_forward_tokens, stats.forward_tokens)
 
 
@@ -229,6 +234,8 @@ def _metrics(runs: Sequence[RankRun], max_num_tokens: int, num_requests: int, fi
     tpot = [t for run in runs for t in run.tpot_ms]
     busy = sum(run.busy_iterations for run in runs)
     forward = sum(run.forward_tokens for run in runs)
+    bound = sum(run.bound_iterations for run in runs)
+    bound_forward = sum(run.bound_forward_tokens for run in runs)
     group_iterations = max(run.group_iterations for run in runs)
     makespan = max(run.end_time_s for run in runs) - first_arrival_s
     overshoots = [run.first_overshoot for run in runs if run.first_overshoot]
@@ -246,6 +253,8 @@ def _metrics(runs: Sequence[RankRun], max_num_tokens: int, num_requests: int, fi
         "deferrals": sum(run.deferrals for run in runs),
         "max_consecutive_deferrals": max(run.max_consecutive_deferrals for run in runs),
         "budget_utilization": forward / busy / max_num_tokens if busy else 0.0,
+        # DESIGN.md §5: over the busy iterations in which the budget, not the traffic, was the limit
+        "budget_utilization_when_bound": bound_forward / bound / max_num_tokens if bound else 0.0,
         # the share of all group iterations a rank's budget was used: an idle rank waits at 0
         "budget_utilization_all_iterations": forward / (group_iterations * len(runs)) / max_num_tokens
         if group_iterations else 0.0,

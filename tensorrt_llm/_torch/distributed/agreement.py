@@ -3,7 +3,7 @@
 It is a resource manager, registered after the KV cache manager, so the executor's own
 lifecycle calls it at exactly the two points that matter:
 
-* ``prepare_resources(scheduled)`` runs after the KV manager allocated (re-check, claims,
+* ``prepare_resources(prepared)`` runs after the KV manager allocated (re-check, claims,
   deferrals all done) and *before the forward*: the ranks compare the digest of their
   decisions here, so ranks that disagree stop before their model collectives could pair
   up wrongly. A mismatch raises :class:`RankDivergenceError` on every rank (each sees the
@@ -29,6 +29,7 @@ from tensorrt_llm._torch.distributed.errors import RankDivergenceError
 if TYPE_CHECKING:
     from tensorrt_llm._torch.pyexecutor.kv_cache_manager import KVCacheManager
     from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequest
+    from tensorrt_llm._torch.pyexecutor.resource_manager import PreparedBatch
     from tensorrt_llm._torch.pyexecutor.scheduled_requests import ScheduledRequests
 
 DECISION_AGREEMENT = "decision_agreement"
@@ -63,9 +64,9 @@ class DecisionAgreement:
         self.outcome = (0, [])
 
     # ---- the resource-manager lifecycle -------------------------------------------------
-    def prepare_resources(self, scheduled: "ScheduledRequests") -> None:
+    def prepare_resources(self, prepared: "PreparedBatch") -> None:
         started = time.perf_counter()
-        records = decision_records(scheduled, self.kv)
+        records = decision_records(prepared, self.kv)
         value = digest(records)
         self.cost.record_s += time.perf_counter() - started
         if self.decision_log is not None:

@@ -24,6 +24,7 @@ from tensorrt_llm._torch.pyexecutor.llm_request import DeferReason
 
 if TYPE_CHECKING:
     from tensorrt_llm._torch.pyexecutor.kv_cache_manager import KVCacheManager
+    from tensorrt_llm._torch.pyexecutor.resource_manager import PreparedBatch
     from tensorrt_llm._torch.pyexecutor.scheduled_requests import ScheduledRequests
 
 Record = tuple  # integers, and one tuple of integers (a block table) at the end of some
@@ -32,7 +33,7 @@ POOL_ID = -1  # the request-id slot of a pool record
 
 
 class RecordKind(enum.IntEnum):
-    CONTEXT = 1  # (kind, id, prompt_len, position, chunk, prepopulated, block_table)
+    CONTEXT = 1  # (kind, id, prompt_len, chunk start, chunk size, reused, block_table)
     GENERATION = 2  # (kind, id, num_tokens, newest_token, beam_width, num_drafts, first_draft, block_table)
     DEFERRED = 3  # (kind, id, reason: 1 budget, 2 capacity)
     PAUSED = 4  # (kind, id)
@@ -48,17 +49,19 @@ def _pool_record(kv: "KVCacheManager") -> Record:
     return (RecordKind.POOL, POOL_ID, pool.num_free, pool.num_cached, pool.num_host_cached, pool.num_evictions)
 
 
-def decision_records(scheduled: "ScheduledRequests", kv: "KVCacheManager") -> list[Record]:
+def decision_records(prepared: "PreparedBatch", kv: "KVCacheManager") -> list[Record]:
     """What this iteration decided, once every block is in place (before the forward)."""
     records: list[Record] = []
-    for r in scheduled.context_requests:
-        records.append((RecordKind.CONTEXT, r.request_id, r.prompt_len, r.context_current_position,
-                        r.context_chunk_size, r.prepopulated_prompt_len, tuple(kv.block_table(r))))
+    scheduled = prepared.scheduled
+    for chunk in scheduled.context_chunks:
+        r = chunk.request
+        records.append((RecordKind.CONTEXT, r.request_id, r.prompt_len, chunk.start, chunk.size, chunk.reused,
+                        tuple(kv.block_table(r))))
     for r in scheduled.generation_requests:
         records.append((RecordKind.GENERATION, r.request_id, len(r.tokens), r.tokens[-1], r.beam_width,
                         r.num_draft_tokens, int(r.is_first_draft), tuple(kv.block_table(r))))
-    for r, reason in scheduled.deferred_requests:
-        records.append((RecordKind.DEFERRED, r.request_id, _REASONS[reason]))
+    for deferral in prepared.deferred:
+        records.append((RecordKind.DEFERRED, deferral.request.request_id, _REASONS[deferral.reason]))
     for r in scheduled.paused_requests:
         records.append((RecordKind.PAUSED, r.request_id))
     records.append(_pool_record(kv))

@@ -189,7 +189,7 @@ class _Validator:
         shard = HeadShard.of(model, mapping.attn_tp_size, 0)
         kv_heads = shard.kv_heads[1] - shard.kv_heads[0]
         kv_bytes_per_token = 2 * model.num_layers * kv_heads * model.head_dim * model.torch_dtype.itemsize
-        self.kv = create_kv_cache_manager(config, None, kv_bytes_per_token=kv_bytes_per_token)  # bookkeeping only
+        self.kv = create_kv_cache_manager(config, kv_bytes_per_token=kv_bytes_per_token)  # bookkeeping only
         self.limits = RequestLimits(
             max_seq_len=config.max_seq_len,
             max_num_tokens=config.max_num_tokens,

@@ -125,9 +125,8 @@ class RankExecutor:
         if check_decisions and comm.world_size > 1:
             self.agreement = DecisionAgreement(comm, executor.kv_cache_manager)
             if not self.attention_dp:
-                # After the KV manager: prepare_resources then sees the allocated batch. (A
-                # direct registration: ResourceManager has no add method yet.)
-                executor.resource_manager.managers[DECISION_AGREEMENT] = self.agreement
+                # After the KV manager: prepare_resources then sees the allocated batch.
+                executor.resource_manager.add_resource_manager(DECISION_AGREEMENT, self.agreement)
 
     # ---- submission: rank 0, any thread ------------------------------------------------
     def submit(self, request: LlmRequest, on_response: ResponseCallback | None = None) -> int:
@@ -193,7 +192,8 @@ class RankExecutor:
             self.plant(self.executor, iteration)
         if self.agreement is not None:
             self.agreement.begin(iteration)
-        stats = self.executor.step()
+        step = self.executor.step()
+        stats = step.stats if step is not None else None
         self._after_step(iteration, stats)
         return GroupStep(iteration, stats, assigned, group_idle)
 

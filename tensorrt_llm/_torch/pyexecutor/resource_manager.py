@@ -14,6 +14,8 @@ every first chunk's prefix (``KVCacheManager.claim_prefix``) and hands the claim
 re-check as shifted chunk windows, then to the allocation.
 
 Managers are prepared in registration order and freed in reverse order, as upstream does.
+A manager registered beside the KV cache manager (:meth:`ResourceManager.add_resource_manager`)
+is prepared last, with the :class:`PreparedBatch` itself: what runs and what left it.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ KV_CACHE_MANAGER = "kv_cache_manager"
 
 
 class BaseResourceManager(Protocol):
-    def prepare_resources(self, scheduled: ScheduledRequests) -> object: ...
+    def prepare_resources(self, prepared: "PreparedBatch") -> object: ...
 
     def update_resources(self, scheduled: ScheduledRequests) -> None: ...
 
@@ -65,6 +67,13 @@ class ResourceManager:
 
     def get_resource_manager(self, name: str) -> BaseResourceManager:
         return self.managers[name]
+
+    def add_resource_manager(self, name: str, manager: BaseResourceManager) -> None:
+        """Register ``manager`` after the others: it is prepared after allocation (with the
+        prepared batch), updated after them and freed before them."""
+        if name in self.managers:
+            raise ValueError(f"a resource manager named {name!r} is already registered")
+        self.managers[name] = manager
 
     def prepare_resources(self, scheduled: ScheduledRequests) -> PreparedBatch:
         """Re-check the budget, allocate what it admits, apply the fix-ups; see the module docstring."""
@@ -105,10 +114,11 @@ class ResourceManager:
         deferred += [Deferral(request, DeferReason.CAPACITY) for request in allocation.deferred]
         batch, fixed_up = policy.after_allocation(allocation.scheduled)
         deferred += fixed_up
+        prepared = PreparedBatch(batch, deferred, allocation.claims, decision)
         for name, manager in self.managers.items():
             if name != KV_CACHE_MANAGER:
-                manager.prepare_resources(batch)
-        return PreparedBatch(batch, deferred, allocation.claims, decision)
+                manager.prepare_resources(prepared)
+        return prepared
 
     def update_resources(self, scheduled: ScheduledRequests) -> None:
         for manager in self.managers.values():

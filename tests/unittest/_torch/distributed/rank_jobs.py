@@ -121,8 +121,8 @@ def build_executor(scenario: Scenario, mapping: Mapping | None = None) -> PyExec
         return create_py_executor(_with_host_bytes(config, scenario.host_blocks, block), model=model)
     config = _with_host_bytes(config, scenario.host_blocks, tpb * KV_BYTES_PER_TOKEN)
 
-    def engine(kv, policy):
-        return SimulatedModelEngine(config.max_num_tokens, kv, policy, vocab_size=VOCAB)
+    def engine(kv):
+        return SimulatedModelEngine(config.max_num_tokens, kv, vocab_size=VOCAB)
 
     return create_py_executor(
         config, engine_factory=engine, sampler=SyntheticSampler(VOCAB), kv_bytes_per_token=KV_BYTES_PER_TOKEN
@@ -135,8 +135,8 @@ class DecisionLog:
     def __init__(self, kv) -> None:
         self.kv, self.digests = kv, []
 
-    def prepare_resources(self, scheduled) -> None:
-        self.digests.append(digest(decision_records(scheduled, self.kv)))
+    def prepare_resources(self, prepared) -> None:
+        self.digests.append(digest(decision_records(prepared, self.kv)))
 
     def update_resources(self, scheduled) -> None:
         pass
@@ -164,7 +164,7 @@ def run_reference(scenario: Scenario) -> Outcome:
     started = time.perf_counter()
     executor = build_executor(scenario)
     log = DecisionLog(executor.kv_cache_manager)
-    executor.resource_manager.managers["decision_log"] = log
+    executor.resource_manager.add_resource_manager("decision_log", log)
     outcome = Outcome()
     arrivals, cancels = _requests_at(scenario)
     for iteration in range(MAX_ITERATIONS):
@@ -176,7 +176,8 @@ def run_reference(scenario: Scenario) -> Outcome:
             executor.cancel_request(request_id)
         # what a plant hook on a rank sees: requests admitted before this iteration
         outcome.active_before_step.append(tuple((r.request_id, r.is_context_init_state) for r in executor.active_requests))
-        outcome.add(executor.step())
+        step = executor.step()
+        outcome.add(step.stats if step is not None else None)
     else:
         raise AssertionError(f"reference still busy after {MAX_ITERATIONS} iterations")
     outcome.decision_digests = log.digests
@@ -265,7 +266,7 @@ class ShrinkRecheckBudget:
 
     def __call__(self, executor: PyExecutor, iteration: int) -> None:
         if iteration == self.at:
-            executor.kv_cache_manager.token_budget.max_num_tokens = 1
+            executor.resource_manager.token_budget.max_num_tokens = 1
 
 
 @dataclass(frozen=True, slots=True)
