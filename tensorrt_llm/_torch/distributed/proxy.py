@@ -109,7 +109,8 @@ class MultiRankExecutor:
                 "active_requests": len(self._callbacks),
                 "failed_batches": sum(1 for s in stats if s.error),
                 "budget_violations": sum(1 for s in stats if s.overshoot),
-                "last_error": self._failure,
+                # a dead rank is news before the dispatcher has noticed it and failed the group
+                "last_error": self._failure or (f"rank {dead[0]} exited" if dead else None),
             }
 
     def shutdown(self) -> None:
