@@ -3,6 +3,7 @@
     python -m benchmarks.replay [--trace FILE] [--format auto|mooncake|azure|trtllm] \
         [--policies none,trim,fit,recheck] [--engine sim|torch] [--max-num-tokens N] \
         [--num-requests N] [--seed S] [--json OUT.json] [--plot OUT.png] ...
+        [--tp-size N | --attention-dp N] [--check-decisions] [--no-single-rank]
 
 Every policy replays the same trace from scratch on a fresh executor. Requests enter the
 executor at their trace timestamps on the engine's clock (virtual for ``sim``); when the
@@ -19,6 +20,12 @@ Without ``--trace`` the built-in default scenario is replayed (``benchmarks.scen
 under defaults tuned so that ``none`` crashes early on every seed while ``recheck``
 completes every request.
 
+``--tp-size N`` / ``--attention-dp N`` replay on N ranks, one process each, on the sim
+engine (``benchmarks.replay_ranks``): the table and the JSON give, per policy, the group's
+§5 keys, a ``ranks`` list (each rank's keys, requests and share of the work) and the
+balance; the single-rank replay of the same trace runs beside it unless ``--no-single-rank``
+(JSON ``single_rank``). ``none`` stops the whole group at its first overshoot on any rank.
+
 Modules: this one holds the settings, the trace spec and the CLI; ``replay_loop`` replays
 one policy; ``replay_diagnosis`` names the overshoot mechanism; ``replay_report`` prints the
 table and writes the JSON and the plot; ``sim_engine`` builds the engines.
@@ -27,26 +34,29 @@ table and writes the JSON and the plot; ``sim_engine`` builds the engines.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from benchmarks import replay_report
+from benchmarks import replay_ranks, replay_report
 from benchmarks.replay_diagnosis import MECHANISMS, Overshoot, classify_claim, diagnose_overshoot
 from benchmarks.replay_loop import PolicyRun, ReplayResult, replay_policy
+from benchmarks.replay_ranks import RankLayout, RanksJob, RanksResult, ranks_config, run_on_ranks
 from benchmarks.replay_settings import ReplaySettings, max_seq_len_for
 from benchmarks.scenario import ScenarioConfig, default_scenario
 from benchmarks.sim_engine import ENGINES
 from benchmarks.traces import Trace, load_trace
+from tensorrt_llm._torch.distributed.launcher import LaunchOptions
 from tensorrt_llm._torch.models.modeling_llama import MODEL_PRESETS
 from tensorrt_llm._torch.pyexecutor.config import TokenBudgetPolicyName
 
 __all__ = [
     "DEFAULT_SCENARIO_REQUESTS", "KNOWN_POLICIES", "MECHANISMS", "POLICIES", "Overshoot", "PolicyRun", "ReplayResult",
     "ReplaySettings", "TraceSpec", "build_parser", "classify_claim", "diagnose_overshoot", "main", "max_seq_len_for",
-    "replay_policy", "replay_trace", "run_replay", "settings_from_args",
+    "rank_layout", "replay_on_ranks", "replay_policy", "replay_trace", "run_replay", "settings_from_args",
 ]
 
 POLICIES = ("none", "trim", "fit", "recheck", "claim")  # DESIGN.md §5 set, plus claim-then-charge
@@ -256,7 +266,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--qps", type=_positive_float, default=None, help="replace arrivals by Poisson arrivals at this rate")
     p.add_argument("--system-prompt-len", type=_non_negative_int, default=0,
                    help="azure: a shared synthetic system prompt of this many tokens")
+    ranks = p.add_argument_group("several ranks (sim engine, one process per rank)")
+    layout = ranks.add_mutually_exclusive_group()
+    layout.add_argument("--tp-size", type=_positive_int, metavar="N", help="tensor parallelism over N ranks")
+    layout.add_argument("--attention-dp", type=_positive_int, metavar="N", help="attention data parallelism over N ranks")
+    ranks.add_argument("--check-decisions", action="store_true",
+                       help="compare the ranks' decision digests every iteration")
+    ranks.add_argument("--single-rank", action=argparse.BooleanOptionalAction, default=True,
+                       help="with several ranks: also replay the same trace on one rank, for comparison")
+    ranks.add_argument("--collective-timeout-s", type=_positive_float, default=120.0)
     return p
+
+
+def rank_layout(args: argparse.Namespace) -> RankLayout | None:
+    """The ranks ``--tp-size`` / ``--attention-dp`` ask for; None: the ordinary single-rank replay."""
+    if args.tp_size is not None:
+        return RankLayout(args.tp_size, attention_dp=False)
+    if args.attention_dp is not None:
+        return RankLayout(args.attention_dp, attention_dp=True)
+    return None
 
 
 def settings_from_args(args: argparse.Namespace) -> tuple[TraceSpec, ReplaySettings, list[str]]:
@@ -286,8 +314,54 @@ def settings_from_args(args: argparse.Namespace) -> tuple[TraceSpec, ReplaySetti
     return spec, settings, args.policies
 
 
+def replay_on_ranks(
+    spec: TraceSpec, settings: ReplaySettings, policies: Sequence[str], layout: RankLayout, *,
+    check_decisions: bool = False, single_rank: bool = True, options: LaunchOptions = LaunchOptions(),
+) -> RanksResult:
+    """Replay the trace of ``spec`` on the ranks of ``layout`` (and on one rank beside them)."""
+    if settings.engine != "sim":
+        raise ValueError("the multi-rank replay runs the sim engine only (--engine sim)")
+    trace = spec.load(settings)
+    job = RanksJob(trace, settings, tuple(policies), layout, check_decisions)
+    result = run_on_ranks(job, options=options)
+    probe = settings.build_engine(policies[0], settings.max_seq_len(trace))  # only to describe it
+    engine = {**probe.description, "kv_bytes_per_token": probe.kv_bytes_per_token}
+    del probe
+    result.config = {**describe_config(trace, spec, settings, policies, engine), "ranks": ranks_config(job)}
+    if single_rank:
+        single = replay_trace(trace, settings, policies, spec=spec)
+        result.single_rank = {name: run.metrics for name, run in single.runs.items()}
+    return result
+
+
+def _main_on_ranks(args: argparse.Namespace, layout: RankLayout) -> int:
+    spec, settings, policies = settings_from_args(args)
+    if settings.engine != "sim":
+        raise SystemExit("--tp-size / --attention-dp replay the sim engine only (--engine sim)")
+    result = replay_on_ranks(
+        spec, settings, policies, layout, check_decisions=args.check_decisions, single_rank=args.single_rank,
+        options=LaunchOptions(collective_timeout_s=args.collective_timeout_s),
+    )
+    errors = replay_report.schema_errors(result.to_json()) + replay_ranks.schema_errors(result)
+    if errors:  # a bug in the replay, not in the user's input
+        raise AssertionError("multi-rank replay JSON breaks DESIGN.md §5: " + "; ".join(errors))
+    trace = result.config["trace"]
+    print(f"trace: {trace['name']} ({trace['format']}), {trace['requests']} requests over {trace['arrival_span_s']:.1f} s;"
+          f" {layout.label}, sim engine, {settings.kv_blocks} KV blocks and max_num_tokens={settings.max_num_tokens}"
+          " per rank\n")
+    print(replay_ranks.format_table(result))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result.to_json(), indent=2, allow_nan=False) + "\n")
+    if args.plot:
+        replay_ranks.plot(result, Path(args.plot))
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    layout = rank_layout(args)
+    if layout is not None:
+        return _main_on_ranks(args, layout)
     spec, settings, policies = settings_from_args(args)
     result = run_replay(spec, settings, policies)
     print(replay_report.format_report(result))

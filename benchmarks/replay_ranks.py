@@ -1,7 +1,7 @@
 """Replay a trace on several ranks: tensor parallel or attention data parallel, sim engine.
 
-    python -m benchmarks.replay_ranks (--tp-size N | --attention-dp N) [any benchmarks.replay option] \
-        [--check-decisions] [--no-single-rank] [--json OUT.json] [--plot OUT.png]
+The machinery behind ``python -m benchmarks.replay --tp-size N`` and ``--attention-dp N``
+(``python -m benchmarks.replay_ranks ARGS`` is an alias of ``python -m benchmarks.replay ARGS``).
 
 One process per rank (``torch.multiprocessing`` spawn, gloo on 127.0.0.1) runs a
 :class:`RankExecutor` over the simulated engine: the real scheduler, re-check and KV
@@ -15,11 +15,11 @@ injects the trace's arrivals and broadcasts them, exactly as it would serve them
   of ``--kv-blocks`` blocks, and an iteration ends when the slowest rank's forward does
   (the ranks' virtual clocks are synchronised at every iteration).
 
-Per policy the result holds the §5 keys for the whole group (``total``), one entry per
-rank, and the balance between ranks; by default the single-rank replay of the same trace
-runs beside it (``single_rank``). Unlike ``benchmarks.replay``, ``none`` does not stop at
-its first overshoot here: it is counted (``crashed`` says whether upstream would have died
-and where) and the replay goes on.
+Per policy the result holds the §5 keys for the whole group, a ``ranks`` list (one entry
+per rank: its §5 keys, its requests and its share of the group's work) and the balance
+between ranks. ``none`` stops the whole group at the iteration after the first overshoot on
+any rank, with ``crashed: true`` and the budget check's message, as the single-rank replay
+does (upstream's assertion stops the executor there).
 
 Arrivals are injected at rank 0's clock, which may lag the group's by the difference of
 one iteration's forward times between ranks (attention DP): a request can enter one
@@ -28,9 +28,8 @@ iteration late.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
+import runpy
 import sys
 import time
 from dataclasses import dataclass, field
@@ -38,15 +37,15 @@ from pathlib import Path
 from typing import Sequence
 
 from benchmarks.cost_model import ModelShape, default_cost_model
-from benchmarks.replay import ReplaySettings, TraceSpec, build_parser, replay_trace, settings_from_args
 from benchmarks.replay_loop import percentiles
 from benchmarks.replay_report import RESULT_SCHEMA
+from benchmarks.replay_settings import ReplaySettings
 from benchmarks.sim_engine import Engine, build_sim_engine
 from benchmarks.tp_cost_model import TensorParallelCostModel
 from benchmarks.traces import Trace
-from tensorrt_llm._torch.distributed.communicator import Phase
 from tensorrt_llm._torch.distributed.launcher import LaunchOptions, RankContext, launch
 from tensorrt_llm._torch.distributed.rank_executor import RankExecutor
+from tensorrt_llm._torch.pyexecutor.config import TokenBudgetPolicyName
 from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequest, LlmRequestState
 from tensorrt_llm._torch.pyexecutor.py_executor import Response
 
@@ -71,9 +70,9 @@ class RankLayout:
 
 @dataclass(frozen=True, slots=True)
 class RanksJob:
-    """What every rank needs: the traffic (rank 0 loads it), the settings, the layout."""
+    """What every rank needs: the traffic (rank 0 injects it), the settings, the layout."""
 
-    spec: TraceSpec
+    trace: Trace
     settings: ReplaySettings
     policies: tuple[str, ...]
     layout: RankLayout
@@ -132,7 +131,8 @@ class RankRun:
         if stats.overshoot:
             self.overshoots += 1
             if self.first_overshoot is None:
-                self.first_overshoot = {"iteration": stats.iteration, "message": stats.error, "time_s": stats.start_time}
+                self.first_overshoot = {"iteration": stats.iteration, "message": stats.error, "time_s": stats.start_time,
+                                        "rank": self.rank}
         elif stats.forward_tokens:
             self.busy_iterations += 1
             self.forward_tokens += stats.forward_tokens
@@ -155,13 +155,11 @@ def build_rank_engine(settings: ReplaySettings, policy: str, max_seq_len: int, l
 
 def replay_on_rank(ctx: RankContext, job: RanksJob) -> dict[str, RankRun]:
     """Rank job: every policy of ``job`` on this rank, one fresh executor per policy."""
-    trace = job.spec.load(job.settings) if ctx.rank == 0 else None
-    longest = job.settings.max_seq_len(trace) if trace is not None else 0
-    max_seq_len = ctx.comm.exchange(Phase.GATHER, 0, (longest,))[0].values[0]  # rank 0's, for every rank
-    return {policy: _replay_policy(ctx, trace, job, policy, max_seq_len) for policy in job.policies}
+    max_seq_len = job.settings.max_seq_len(job.trace)  # the same on every rank: each has the whole trace
+    return {policy: _replay_policy(ctx, job, policy, max_seq_len) for policy in job.policies}
 
 
-def _replay_policy(ctx: RankContext, trace: Trace | None, job: RanksJob, policy: str, max_seq_len: int) -> RankRun:
+def _replay_policy(ctx: RankContext, job: RanksJob, policy: str, max_seq_len: int) -> RankRun:
     started = time.perf_counter()
     layout = job.layout
     engine = build_rank_engine(job.settings, policy, max_seq_len, layout)
@@ -170,8 +168,9 @@ def _replay_policy(ctx: RankContext, trace: Trace | None, job: RanksJob, policy:
     rank_executor = RankExecutor(
         engine.executor, ctx.comm, ctx.mapping(enable_attention_dp=layout.attention_dp),
         check_decisions=job.check_decisions, on_local_response=run.record, clock_sync=clock.advance_to,
+        stop_on_overshoot=policy == TokenBudgetPolicyName.NONE.value,
     )
-    requests = trace.requests if trace is not None else ()
+    requests = job.trace.requests if ctx.rank == 0 else ()
     next_arrival, idle_steps = 0, 0
     while True:
         if ctx.rank == 0:  # inject what has arrived by now
@@ -207,12 +206,19 @@ def _replay_policy(ctx: RankContext, trace: Trace | None, job: RanksJob, policy:
 # ---- in the launching process ---------------------------------------------------------------
 def summarize(runs: Sequence[RankRun], layout: RankLayout, max_num_tokens: int, num_requests: int,
               first_arrival_s: float) -> dict:
-    """§5 metrics of the whole group, each rank's, and the balance between ranks."""
-    per_rank = [_metrics([run], max_num_tokens, run.requests, first_arrival_s) for run in runs]
-    # Under TP every rank ran every request: the group's numbers are any one rank's.
-    group = _metrics(runs if layout.attention_dp else runs[:1], max_num_tokens, num_requests, first_arrival_s)
+    """§5 metrics of the whole group, each rank's (``ranks``), and the balance between ranks."""
     tokens = [run.forward_tokens for run in runs]
     assigned = [run.requests for run in runs]
+    per_rank = []
+    for i, run in enumerate(runs):
+        entry = {"rank": i, **_metrics([run], max_num_tokens, run.requests, first_arrival_s)}
+        entry["forward_tokens"] = run.forward_tokens
+        # this rank's share of the group's work (1/N each when perfectly balanced; 1 each under TP)
+        entry["share_of_requests"] = run.requests / num_requests if num_requests else 0.0
+        entry["share_of_forward_tokens"] = run.forward_tokens / sum(tokens) if sum(tokens) else 0.0
+        per_rank.append(entry)
+    # Under TP every rank ran every request: the group's numbers are any one rank's.
+    group = _metrics(runs if layout.attention_dp else runs[:1], max_num_tokens, num_requests, first_arrival_s)
     group["ranks"] = per_rank
     group["balance"] = {
         "requests": assigned,
@@ -246,7 +252,7 @@ def _metrics(runs: Sequence[RankRun], max_num_tokens: int, num_requests: int, fi
         "requests": num_requests,
         "completed": completed,
         "errored": errored,
-        "crashed": bool(overshoots),  # upstream's assertion would have stopped here; the replay went on
+        "crashed": bool(overshoots),  # upstream's assertion stops here (``none`` stops; other policies go on)
         "crash": min(overshoots, key=lambda o: o["iteration"]) if overshoots else None,
         "overshoots": sum(run.overshoots for run in runs),
         "max_forward_tokens": max(run.max_forward_tokens for run in runs),
@@ -273,8 +279,12 @@ def _metrics(runs: Sequence[RankRun], max_num_tokens: int, num_requests: int, fi
 
 @dataclass(slots=True)
 class RanksResult:
-    config: dict
+    """Per policy, the group's metrics (``summarize``); ``config`` and the single-rank baseline
+    are the caller's (``benchmarks.replay`` fills them)."""
+
+    layout: RankLayout
     results: dict[str, dict]
+    config: dict = field(default_factory=dict)
     single_rank: dict[str, dict] | None = None
 
     def to_json(self) -> dict:
@@ -284,34 +294,27 @@ class RanksResult:
         return document
 
 
-def run_on_ranks(job: RanksJob, *, single_rank: bool = True, progress: bool = True,
-                 options: LaunchOptions = LaunchOptions()) -> RanksResult:
-    """Replay ``job`` on its ranks (and, with ``single_rank``, on one rank beside it)."""
+def run_on_ranks(job: RanksJob, *, options: LaunchOptions = LaunchOptions()) -> RanksResult:
+    """Replay ``job`` on its ranks: one process per rank, every policy in turn."""
     if job.settings.engine != "sim":
         raise ValueError("the multi-rank replay runs the sim engine only (--engine sim)")
-    trace = job.spec.load(job.settings)
-    if not len(trace):
+    if not len(job.trace):
         raise ValueError("the trace has no requests")
     per_rank = launch(replay_on_rank, job.layout.size, job, options=options)
-    first = trace.requests[0].arrival_s
+    first = job.trace.requests[0].arrival_s
     results = {
-        policy: summarize([runs[policy] for runs in per_rank], job.layout, job.settings.max_num_tokens, len(trace), first)
+        policy: summarize([runs[policy] for runs in per_rank], job.layout, job.settings.max_num_tokens, len(job.trace),
+                          first)
         for policy in job.policies
     }
-    baseline = None
-    if single_rank:
-        single = replay_trace(trace, job.settings, job.policies, spec=job.spec, progress=progress)
-        baseline = {name: run.metrics for name, run in single.runs.items()}
-    config = {
-        "trace": {"name": trace.name, "format": trace.format, "requests": len(trace), "path": job.spec.path,
-                  "seed": job.spec.seed, "qps": job.spec.qps, "time_scale": job.spec.time_scale,
-                  "num_requests": job.spec.num_requests},
-        "ranks": {"size": job.layout.size, "attention_dp": job.layout.attention_dp, "tp_size": job.layout.size,
-                  "check_decisions": job.check_decisions, "kv_blocks_per_rank": job.settings.kv_blocks},
-        "settings": dataclasses.asdict(job.settings),
-        "policies": list(job.policies),
-    }
-    return RanksResult(config, results, baseline)
+    return RanksResult(job.layout, results)
+
+
+def ranks_config(job: RanksJob) -> dict:
+    """The ``config["ranks"]`` entry of the JSON."""
+    return {"size": job.layout.size, "attention_dp": job.layout.attention_dp, "tp_size": job.layout.size,
+            "check_decisions": job.check_decisions, "kv_blocks_per_rank": job.settings.kv_blocks,
+            "max_num_tokens_per_rank": job.settings.max_num_tokens, "settings": dataclasses.asdict(job.settings)}
 
 
 def schema_errors(result: RanksResult) -> list[str]:
@@ -327,15 +330,17 @@ def schema_errors(result: RanksResult) -> list[str]:
 
 # ---- the report ---------------------------------------------------------------------------
 def format_table(result: RanksResult) -> str:
-    header = ("policy", "who", "requests", "done", "err", "overshoots", "max fwd", "defer", "util busy", "util all",
-              "fwd tokens", "TTFT p50/p99 ms", "TPOT p50/p99 ms", "out tok/s")
+    """One row per rank and one for the group's total per policy (and the single-rank row
+    beside them when the baseline ran), then the balance and any crash."""
+    header = ("policy", "who", "requests", "done", "err", "unserved", "overshoots", "max fwd", "defer", "util busy",
+              "util bound", "util all", "fwd tokens", "TTFT p50/p99 ms", "TPOT p50/p99 ms", "out tok/s")
     rows = [header]
-    layout = result.config["ranks"]
-    label = f"{'attention DP' if layout['attention_dp'] else 'TP'} {layout['size']}"
+    label = f"{result.layout.label} total"
 
     def row(policy: str, who: str, m: dict, tokens: int | str = "") -> tuple:
-        return (policy, who, str(m["requests"]), str(m["completed"]), str(m["errored"]), str(m["overshoots"]),
-                str(m["max_forward_tokens"]), str(m["deferrals"]), f"{m['budget_utilization']:.3f}",
+        return (policy, who, str(m["requests"]), str(m["completed"]), str(m["errored"]), str(m["unserved"]),
+                str(m["overshoots"]), str(m["max_forward_tokens"]), str(m["deferrals"]),
+                f"{m['budget_utilization']:.3f}", f"{m['budget_utilization_when_bound']:.3f}",
                 f"{m.get('budget_utilization_all_iterations', m['budget_utilization']):.3f}", str(tokens),
                 f"{m['ttft_ms']['p50']:.0f}/{m['ttft_ms']['p99']:.0f}",
                 f"{m['tpot_ms']['p50']:.1f}/{m['tpot_ms']['p99']:.1f}", f"{m['output_tokens_per_s']:.0f}")
@@ -346,7 +351,7 @@ def format_table(result: RanksResult) -> str:
         tokens = group["balance"]["forward_tokens"]
         for i, m in enumerate(group["ranks"]):
             rows.append(row(policy, f"rank {i}", m, tokens[i]))
-        rows.append(row(policy, f"{label} total", group, sum(tokens) if layout["attention_dp"] else tokens[0]))
+        rows.append(row(policy, label, group, sum(tokens) if result.layout.attention_dp else tokens[0]))
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     lines = ["  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
@@ -354,6 +359,11 @@ def format_table(result: RanksResult) -> str:
         balance = group["balance"]
         lines.append(f"{policy}: balance max/mean forward tokens {balance['max_over_mean_forward_tokens']:.3f},"
                      f" requests {balance['requests']}")
+        crash = group["crash"]
+        if crash:
+            lines.append(f"{policy}: CRASHED at iteration {crash['iteration']} on rank {crash['rank']}"
+                         f" (t={crash['time_s']:.2f} s): {crash['message']}; {group['unserved']} of"
+                         f" {group['requests']} requests left unserved")
     return "\n".join(lines)
 
 
@@ -383,50 +393,20 @@ def plot(result: RanksResult, path: Path) -> None:
         right.set_yscale("log")
         right.set_ylabel("TTFT (ms)")
         right.legend(fontsize=8)
-    ranks = result.config["ranks"]
-    layout = f"{'attention DP' if ranks['attention_dp'] else 'TP'} {ranks['size']}"
-    fig.suptitle(f"{result.config['trace']['name']}: {layout}, {ranks['kv_blocks_per_rank']} KV blocks per rank")
+    trace = result.config.get("trace", {}).get("name", "trace")
+    kv_blocks = result.config.get("ranks", {}).get("kv_blocks_per_rank")
+    fig.suptitle(f"{trace}: {result.layout.label}, {kv_blocks} KV blocks per rank")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
-# ---- CLI ----------------------------------------------------------------------------------
-def build_ranks_parser() -> argparse.ArgumentParser:
-    parser = build_parser()
-    parser.prog = "python -m benchmarks.replay_ranks"
-    parser.description = "Replay a trace on several ranks (tensor parallel or attention DP) on the sim engine."
-    layout = parser.add_mutually_exclusive_group(required=True)
-    layout.add_argument("--tp-size", type=int, help="tensor parallelism over N ranks")
-    layout.add_argument("--attention-dp", type=int, metavar="N", help="attention data parallelism over N ranks")
-    parser.add_argument("--check-decisions", action="store_true", help="compare the ranks' decision digests every iteration")
-    parser.add_argument("--single-rank", action=argparse.BooleanOptionalAction, default=True,
-                        help="also replay the same trace on one rank, for comparison")
-    parser.add_argument("--collective-timeout-s", type=float, default=120.0)
-    parser.set_defaults(policies=["recheck"])
-    return parser
+# ---- alias --------------------------------------------------------------------------------
+def main() -> None:
+    """``python -m benchmarks.replay_ranks ARGS`` runs ``python -m benchmarks.replay ARGS``.
 
-
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_ranks_parser().parse_args(argv)
-    spec, settings, policies = settings_from_args(args)
-    size = args.tp_size or args.attention_dp
-    if size is None or size < 1:
-        raise SystemExit("--tp-size / --attention-dp need N >= 1")
-    if settings.engine != "sim":
-        raise SystemExit("the multi-rank replay runs the sim engine only")
-    job = RanksJob(spec, settings, tuple(policies), RankLayout(size, args.attention_dp is not None), args.check_decisions)
-    result = run_on_ranks(job, single_rank=args.single_rank,
-                          options=LaunchOptions(collective_timeout_s=args.collective_timeout_s))
-    errors = schema_errors(result)
-    if errors:  # a bug in the replay, not in the user's input
-        raise AssertionError("multi-rank replay JSON breaks DESIGN.md §5: " + "; ".join(errors))
-    print(format_table(result))
-    if args.json:
-        Path(args.json).write_text(json.dumps(result.to_json(), indent=2, allow_nan=False) + "\n")
-    if args.plot:
-        plot(result, Path(args.plot))
-    return 0
+    By module name, not by import: ``benchmarks.replay`` imports this module."""
+    runpy.run_module("benchmarks.replay", run_name="__main__", alter_sys=True)
 
 
 if __name__ == "__main__":

@@ -39,7 +39,7 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-NUM_VALUES = 5  # small integers every rank contributes to an exchange
+NUM_VALUES = 6  # small integers every rank contributes to an exchange
 _HEADER = 3  # phase, iteration, payload bytes
 _STORE_WAIT_S = 5.0  # an aborting rank writes its record before it tears the group down
 

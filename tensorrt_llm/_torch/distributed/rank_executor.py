@@ -4,7 +4,10 @@ Every rank calls :meth:`RankExecutor.step` in a loop; each call is one group ite
 
     BEGIN exchange        rank 0: new requests, cancellations, stop (a Ticket)
                           every rank: has work, active requests, free KV blocks, its clock,
-                          and the digest of its previous iteration (when checking)
+                          the digest of its previous iteration (when checking), and whether
+                          its previous step overshot its budget
+    stop on overshoot     (``stop_on_overshoot``) if any rank's previous step overshot, every
+                          rank stops here, as upstream's assertion would have stopped it
     compare digests       (when checking) the previous iteration's outcome (TP) or
                           assignment (attention DP) must agree on every rank
     admit                 TP: every rank admits every new request; attention DP: each rank
@@ -76,7 +79,8 @@ class GroupStep:
     stats: IterationStats | None  # this rank's step (None: it had nothing to do)
     assigned: tuple[int, ...] = ()  # ids of the new requests this rank admitted
     group_idle: bool = False  # no rank had work and nothing came in: the step did nothing anywhere
-    stopped: bool = False  # rank 0 stopped the group; no step ran
+    stopped: bool = False  # rank 0 stopped the group, or a rank overshot (``stop_on_overshoot``); no step ran
+    overshot_ranks: tuple[int, ...] = ()  # with ``stop_on_overshoot``: the ranks whose previous step overshot
 
 
 def _float_bits(value: float) -> int:
@@ -99,9 +103,16 @@ class RankExecutor:
         on_local_response: ResponseCallback | None = None,
         clock_sync: Callable[[float], None] | None = None,
         plant: PlantHook | None = None,
+        stop_on_overshoot: bool = False,
     ) -> None:
         """``clock_sync(t)`` moves a virtual clock to the group's latest clock at each iteration
-        (attention-DP replays: an iteration ends when the slowest rank's forward does)."""
+        (attention-DP replays: an iteration ends when the slowest rank's forward does).
+
+        ``stop_on_overshoot``: the group stops at the iteration after any rank's forward
+        exceeded its budget (the replay of policy ``none``: upstream's assertion stops the
+        executor there). Every rank learns it from the same BEGIN exchange, so all stop at
+        the same iteration; under attention DP a rank's overshoot is local and the others
+        would not know without it."""
         if mapping.world_size != comm.world_size or mapping.rank != comm.rank:
             raise ValueError(f"{mapping} does not match the communicator (rank {comm.rank} of {comm.world_size})")
         self.executor, self.comm, self.mapping = executor, comm, mapping
@@ -111,6 +122,8 @@ class RankExecutor:
         self.on_local_response = on_local_response
         self.clock_sync = clock_sync
         self.plant = plant
+        self.stop_on_overshoot = stop_on_overshoot
+        self._overshot = False  # this rank's previous step overshot its budget
         self.iteration = 0
         self.tokens_per_block = executor.kv_cache_manager.tokens_per_block
         self._submissions = threading.Lock()
@@ -180,6 +193,10 @@ class RankExecutor:
             self._compare_previous(iteration - 1, contributions)
         if ticket.stop:
             return GroupStep(iteration, None, stopped=True)
+        if self.stop_on_overshoot:
+            overshot = tuple(c.rank for c in contributions if c.values[5])
+            if overshot:
+                return GroupStep(iteration, None, stopped=True, overshot_ranks=overshot)
         if self.clock_sync is not None:
             self.clock_sync(max(_bits_float(c.values[4]) for c in contributions))
         if self.rank == 0:
@@ -210,6 +227,7 @@ class RankExecutor:
             executor.kv_cache_manager.pool.available,
             self._check_value,
             _float_bits(executor.clock()),
+            int(self._overshot),
         )
         return self.comm.exchange(Phase.BEGIN, iteration, values, payload)
 
@@ -236,6 +254,7 @@ class RankExecutor:
         return tuple(spec.request_id for spec in mine)
 
     def _after_step(self, iteration: int, stats: IterationStats | None) -> None:
+        self._overshot = stats is not None and bool(stats.overshoot)
         agreement = self.agreement
         if agreement is not None:
             if agreement.divergence is not None:
