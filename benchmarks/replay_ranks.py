@@ -84,7 +84,7 @@ class RankRun:
     """One rank's replay of one policy: what it ran, and what its requests saw."""
 
     rank: int
-    requests: int = 0
+    requests: int = 0  # admitted on this rank (every request under TP)
     completed: int = 0
     errored: int = 0
     output_tokens: int = 0
@@ -109,7 +109,6 @@ class RankRun:
         """``on_local_response``: this rank ran ``request``."""
         if not response.finished:
             return
-        self.requests += 1
         self.deferrals += request.num_budget_deferrals
         self.capacity_deferrals += request.num_capacity_deferrals
         self.max_consecutive_deferrals = max(self.max_consecutive_deferrals, request.max_consecutive_budget_deferrals)
@@ -171,7 +170,7 @@ def _replay_policy(ctx: RankContext, job: RanksJob, policy: str, max_seq_len: in
         stop_on_overshoot=policy == TokenBudgetPolicyName.NONE.value,
     )
     requests = job.trace.requests if ctx.rank == 0 else ()
-    next_arrival, idle_steps = 0, 0
+    next_arrival, idle_steps, last_overshoot_errors = 0, 0, 0
     while True:
         if ctx.rank == 0:  # inject what has arrived by now
             while next_arrival < len(requests) and requests[next_arrival].arrival_s <= clock():
@@ -181,10 +180,17 @@ def _replay_policy(ctx: RankContext, job: RanksJob, policy: str, max_seq_len: in
                     arrival_time=r.arrival_s,
                 ))
                 next_arrival += 1
+        errored_before = run.errored
         step = rank_executor.step()
         if step.stopped:
+            if step.overshot_ranks and last_overshoot_errors:
+                # Upstream's assertion fires before the forward: the overshooting batch never
+                # answers. The executor here failed it with errors; they count as unserved.
+                run.errored -= last_overshoot_errors
             break
+        run.requests += len(step.assigned)
         run.add(step.stats)
+        last_overshoot_errors = run.errored - errored_before if step.stats is not None and step.stats.overshoot else 0
         idle_steps = idle_steps + 1 if step.stats is None or not step.stats.forward_tokens else 0
         if ctx.rank != 0:
             continue

@@ -1,4 +1,4 @@
-"""The multi-rank replay (``benchmarks.replay_ranks``) on the session's live rank groups.
+"""The multi-rank replay (``benchmarks.replay --tp-size/--attention-dp``) on the session's live rank groups.
 
 A short slice of the default scenario, replayed under tensor parallelism and attention DP
 on 2 ranks with the decision check on: every request completes, the per-rank numbers add
@@ -10,16 +10,9 @@ every rank.
 import pytest
 from rank_jobs import JOB_TIMEOUT_S
 
-from benchmarks.replay import ReplaySettings, TraceSpec
-from benchmarks.replay_ranks import (
-    RankLayout,
-    RanksJob,
-    RanksResult,
-    build_ranks_parser,
-    replay_on_rank,
-    schema_errors,
-    summarize,
-)
+from benchmarks.replay import ReplaySettings, TraceSpec, build_parser, rank_layout, replay_trace
+from benchmarks.replay_ranks import RankLayout, RanksJob, RanksResult, replay_on_rank, schema_errors, summarize
+from benchmarks.traces import SyntheticRequest, Trace, segment_key
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.usefixtures("one_torch_thread")]
 
@@ -30,14 +23,16 @@ SETTINGS = ReplaySettings(max_num_tokens=2048, kv_blocks=640, host_cache_blocks=
 @pytest.mark.parametrize("attention_dp", [False, True], ids=["tensor parallel", "attention DP"])
 def test_replay_on_two_ranks(rank_group, attention_dp):
     layout = RankLayout(2, attention_dp)
-    job = RanksJob(SPEC, SETTINGS, ("recheck",), layout, check_decisions=True)
+    job = RanksJob(SPEC.load(SETTINGS), SETTINGS, ("recheck",), layout, check_decisions=True)
     per_rank = rank_group(2).run_ok(replay_on_rank, job, timeout_s=JOB_TIMEOUT_S)
     runs = [runs["recheck"] for runs in per_rank]
     group = summarize(runs, layout, SETTINGS.max_num_tokens, SPEC.num_requests, 0.0)
     assert group["completed"] == SPEC.num_requests and group["errored"] == 0 and group["unserved"] == 0
     assert group["overshoots"] == 0 and group["max_forward_tokens"] <= SETTINGS.max_num_tokens
     assert all(rank["max_forward_tokens"] <= SETTINGS.max_num_tokens for rank in group["ranks"])
-    assert not schema_errors(RanksResult({}, {"recheck": group}))
+    assert not schema_errors(RanksResult(layout, {"recheck": group}))
+    assert [rank["rank"] for rank in group["ranks"]] == [0, 1]
+    assert sum(rank["requests"] for rank in group["ranks"]) == SPEC.num_requests * (1 if attention_dp else 2)
     costs = group["decision_check_us_per_iteration"]
     if attention_dp:
         assert sum(group["balance"]["requests"]) == SPEC.num_requests and min(group["balance"]["requests"]) > 0
@@ -47,11 +42,47 @@ def test_replay_on_two_ranks(rank_group, attention_dp):
         assert all(cost["iterations"] > 0 for cost in costs)  # the digest was compared every iteration
 
 
-def test_the_cli_takes_exactly_one_layout():
-    parser = build_ranks_parser()
+def _request(index: int, arrival_s: float, output_len: int, *segments: tuple[str, int]) -> SyntheticRequest:
+    keyed = tuple((segment_key(0x7E57, sum(map(ord, name)) * 1000 + len(name)), length) for name, length in segments)
+    return SyntheticRequest(index, arrival_s, sum(n for _, n in segments), output_len, keyed, 32000)
+
+
+# The single-rank replay's evicted-discount case (tests/unittest/benchmarks/test_replay.py): a
+# follow-up charged for 2 tokens whose cached prefix the chunk before it evicts: 74 > 48 positions.
+EVICTED = Trace("evicted-discount", "scenario", (
+    _request(0, 0.0, 2, ("history", 32)),
+    _request(1, 0.1, 2, ("junk", 40)),
+    _request(2, 1.0, 2, ("fresh", 40)),
+    _request(3, 1.0, 2, ("history", 32), ("question", 2)),
+    _request(4, 2.0, 3, ("late", 20)),
+    _request(5, 2.5, 3, ("history", 32), ("other question", 5)),
+))
+EVICTED_SETTINGS = ReplaySettings(max_num_tokens=48, tokens_per_block=4, kv_blocks=20, host_cache_blocks=0,
+                                  max_batch_size=8)
+
+
+def test_none_stops_every_tensor_parallel_rank_at_its_first_overshoot(rank_group):
+    """As the single-rank replay does: ``crashed`` with the budget check's message, the rest unserved."""
+    layout = RankLayout(2, attention_dp=False)
+    job = RanksJob(EVICTED, EVICTED_SETTINGS, ("none", "recheck"), layout)
+    per_rank = rank_group(2).run_ok(replay_on_rank, job, timeout_s=JOB_TIMEOUT_S)
+    n = len(EVICTED)
+    none = summarize([runs["none"] for runs in per_rank], layout, 48, n, 0.0)
+    single = replay_trace(EVICTED, EVICTED_SETTINGS, ("none",), progress=False).runs["none"].metrics
+    assert none["crashed"] and none["overshoots"] == 1 and none["unserved"] == single["unserved"] > 0
+    assert none["crash"]["message"] == single["crash"]["message"]
+    assert none["crash"]["iteration"] == single["crash"]["iteration"]
+    assert all(rank["crashed"] and rank["group_iterations"] == none["group_iterations"] for rank in none["ranks"])
+    recheck = summarize([runs["recheck"] for runs in per_rank], layout, 48, n, 0.0)
+    assert not recheck["crashed"] and recheck["completed"] == n and recheck["max_forward_tokens"] <= 48
+
+
+def test_the_replay_cli_takes_at_most_one_layout():
+    parser = build_parser()
     args = parser.parse_args(["--attention-dp", "4", "--num-requests", "10"])
-    assert args.attention_dp == 4 and args.tp_size is None and args.policies == ["recheck"]
-    with pytest.raises(SystemExit):
-        parser.parse_args(["--attention-dp", "2", "--tp-size", "2"])
-    with pytest.raises(SystemExit):
-        parser.parse_args([])
+    assert rank_layout(args) == RankLayout(4, attention_dp=True)
+    assert rank_layout(parser.parse_args(["--tp-size", "2"])) == RankLayout(2, attention_dp=False)
+    assert rank_layout(parser.parse_args([])) is None  # the single-rank replay
+    for bad in (["--attention-dp", "2", "--tp-size", "2"], ["--tp-size", "0"]):
+        with pytest.raises(SystemExit):
+            parser.parse_args(bad)
