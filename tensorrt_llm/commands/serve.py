@@ -1,9 +1,12 @@
 """``trtllm-serve``: an OpenAI-compatible server for one model (DESIGN.md §6).
 
     trtllm-serve [MODEL] [--host 127.0.0.1] [--port 8000] [--max_batch_size N] [--max_num_tokens N]
-                 [--max_seq_len N] [--extra_llm_api_options FILE.yaml] [--api_key KEY] [--log_level info]
+                 [--max_seq_len N] [--tp_size N] [--extra_llm_api_options FILE.yaml] [--api_key KEY]
+                 [--log_level info]
 
-Options from the YAML file are ``LLM(...)`` keywords and override the flags. Statistics are
+``--tp_size N`` (or ``tensor_parallel_size: N`` in the YAML file; ``enable_attention_dp: true``
+there too) serves over N rank processes on the CPU (``MultiRankExecutor``); a model whose
+heads do not split over N ranks is refused at start-up. Options from the YAML file are ``LLM(...)`` keywords and override the flags. Statistics are
 kept for the last ``DEFAULT_ITER_STATS`` iterations (``/metrics``).
 ``--port 0`` takes a free port; the log line "serving ... at http://HOST:PORT" gives it.
 """
@@ -40,6 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max_batch_size", type=int, default=None)
     p.add_argument("--max_num_tokens", type=int, default=None)
     p.add_argument("--max_seq_len", type=int, default=None)
+    p.add_argument("--tp_size", type=int, default=None,
+                   help="tensor parallelism over N rank processes (CPU, gloo on loopback)")
     p.add_argument("--extra_llm_api_options", metavar="FILE.yaml", default=None,
                    help="YAML mapping of LLM(...) keywords; overrides the flags")
     p.add_argument("--api_key", default=None, help=f"require 'Authorization: Bearer KEY' on /v1/* (or ${API_KEY_ENV})")
@@ -51,6 +56,8 @@ def llm_kwargs(args: argparse.Namespace) -> dict:
     """The LLM's keywords: the flags given, then the YAML file's options over them."""
     kwargs = {name: getattr(args, name) for name in ("max_batch_size", "max_num_tokens", "max_seq_len")
               if getattr(args, name) is not None}
+    if args.tp_size is not None:
+        kwargs["tensor_parallel_size"] = args.tp_size
     kwargs["iter_stats_max_iterations"] = DEFAULT_ITER_STATS
     if args.extra_llm_api_options:
         kwargs.update(load_llm_options(args.extra_llm_api_options))
@@ -97,8 +104,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         llm.shutdown()
         parser.error(f"cannot listen on {args.host}:{args.port}: {error.strerror}")
     host, port = sock.getsockname()[:2]
-    logger.info("serving %s at http://%s:%d (token budget policy %s)", llm.model_id,
-                f"[{host}]" if family == socket.AF_INET6 else host, port, llm.config.token_budget_policy.value)
+    ranks = kwargs.get("tensor_parallel_size", 1)
+    logger.info("serving %s at http://%s:%d (token budget policy %s%s)", llm.model_id,
+                f"[{host}]" if family == socket.AF_INET6 else host, port, llm.config.token_budget_policy.value,
+                f", {ranks} ranks" if ranks > 1 else "")
     config = uvicorn.Config(server.app, log_level=args.log_level, timeout_graceful_shutdown=5)
     uvicorn.Server(config).run(sockets=[sock])
     return 0

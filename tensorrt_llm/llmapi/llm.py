@@ -18,7 +18,7 @@ from tensorrt_llm._torch.pyexecutor.errors import RequestError
 from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequest, SamplingConfig
 from tensorrt_llm._torch.pyexecutor.py_executor import PyExecutor, Response
 from tensorrt_llm._torch.pyexecutor.py_executor_creator import create_py_executor
-from tensorrt_llm.llmapi.llm_utils import load_model, seeded_model
+from tensorrt_llm.llmapi.llm_utils import describe_checkpoint, load_model, seeded_model
 from tensorrt_llm.llmapi.tokenizer import IncrementalDetokenizer, Tokenizer
 
 _EXECUTOR_FIELDS = {f.name for f in dataclasses.fields(ExecutorConfig)}
@@ -188,8 +188,13 @@ class LLM:
     model, with rank 0 taking the requests; with ``enable_attention_dp`` each rank serves its
     own share of the requests on a full replica instead. ``generate`` works the same either
     way. The ranks are spawned: a script that builds such an LLM needs the usual
-    ``if __name__ == "__main__":`` guard. Several ranks run random-weight models (each rank
-    draws the weights from the seed and keeps its shard); a checkpoint is refused there.
+    ``if __name__ == "__main__":`` guard. Each rank draws a random-weight model from its seed,
+    or reads a checkpoint's file, and keeps its shard; a model whose heads do not split over
+    N ranks is refused before any rank starts (SmolLM2-135M: 9 query and 3 KV heads, so 3 ranks
+    and not 2). On the CPU only.
+
+    ``max_seq_len`` defaults to at most the model's ``max_position_embeddings``; asking for more
+    is an error.
     """
 
     def __init__(
@@ -206,7 +211,7 @@ class LLM:
         unknown = set(executor_options) - _EXECUTOR_FIELDS
         if unknown:
             raise TypeError(f"LLM got unknown options {sorted(unknown)}; accepted: {sorted(_EXECUTOR_FIELDS)}")
-        self.config = ExecutorConfig(**executor_options)
+        config = ExecutorConfig(**executor_options)
         if isinstance(tensor_parallel_size, bool) or not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be a positive integer, got {tensor_parallel_size!r}")
         device = _resolve_device(device)
@@ -214,23 +219,31 @@ class LLM:
             dtype = "bfloat16"  # DESIGN.md §7
         self._executor: PyExecutor | MultiRankExecutor
         if tensor_parallel_size > 1:
+            if device.type != "cpu":
+                raise ValueError(f"tensor_parallel_size={tensor_parallel_size} runs on the CPU only (gloo ranks),"
+                                 f" not on {device.type}")
             seeded = seeded_model(model, dtype=dtype, seed=seed)
-            if seeded is None or device.type != "cpu":
-                raise ValueError(
-                    f"tensor_parallel_size={tensor_parallel_size} runs random-weight models on the CPU only (each rank"
-                    f" draws its shard from the seed); {model!r} on {device.type} is not supported there"
+            checkpoint = None
+            if seeded is not None:  # each rank draws the weights from the seed and keeps its shard
+                self.model_id, self.model_config = seeded
+                self.tokenizer = None
+            else:  # each rank reads the file and keeps its shard; here only its metadata is read
+                checkpoint = describe_checkpoint(model, dtype=dtype, seed=seed)
+                self.model_id, self.model_config, self.tokenizer = checkpoint.model_id, checkpoint.config, checkpoint.tokenizer
+            self.config = _cap_max_seq_len(config, executor_options, self.model_config)
+            try:
+                self._executor = MultiRankExecutor(
+                    self.model_config, self.config, tensor_parallel_size=tensor_parallel_size,
+                    enable_attention_dp=enable_attention_dp, checkpoint=None if checkpoint is None else checkpoint.path,
                 )
-            self.model_id, self.model_config = seeded
-            self.tokenizer = None
-            self._executor = MultiRankExecutor(
-                self.model_config, self.config, tensor_parallel_size=tensor_parallel_size,
-                enable_attention_dp=enable_attention_dp,
-            )
+            except ValueError as error:  # an unshardable model: say which, before any rank starts
+                raise ValueError(f"model {self.model_id!r} cannot run on {tensor_parallel_size} ranks: {error}") from None
         else:
             loaded = load_model(model, dtype=dtype, seed=seed, device=device)
             self.model_id = loaded.model_id  # the served name: the preset's, or the .gguf file's stem
             self.tokenizer = loaded.tokenizer  # None for random-weight models
             self.model_config = loaded.model.config
+            self.config = _cap_max_seq_len(config, executor_options, self.model_config)
             self._executor = create_py_executor(self.config, model=loaded.model)
         self._executor.start()
 
@@ -317,6 +330,17 @@ class LLM:
             return (None if params.ignore_eos else params.end_id), stop
         end_id = self.tokenizer.eos_token_id if params.end_id is None else params.end_id
         return end_id, stop + tuple(t for t in self.tokenizer.stop_token_ids if t not in stop)
+
+
+def _cap_max_seq_len(config: ExecutorConfig, options: dict, model: LlamaConfig) -> ExecutorConfig:
+    """``max_seq_len`` within the model's ``max_position_embeddings``: the default is lowered to it
+    (RoPE positions beyond it were never trained); a larger value asked for is an error."""
+    limit = model.max_position_embeddings
+    if config.max_seq_len <= limit:
+        return config
+    if "max_seq_len" in options:
+        raise ValueError(f"max_seq_len={config.max_seq_len} exceeds the model's max_position_embeddings ({limit})")
+    return dataclasses.replace(config, max_seq_len=limit)
 
 
 def _resolve_device(device: str | torch.device) -> torch.device:

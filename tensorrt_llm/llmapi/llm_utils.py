@@ -25,6 +25,7 @@ import torch
 from tensorrt_llm._torch.models.checkpoints import (
     PACKAGED_CHECKPOINTS,
     CheckpointError,
+    llama_config_from_gguf,
     load_llama_from_gguf,
     open_gguf,
     packaged_checkpoint_path,
@@ -58,6 +59,39 @@ def seeded_model(
     return None
 
 
+@dataclass(frozen=True, slots=True)
+class CheckpointModel:
+    """A checkpoint described without its weights: what several ranks need to load it each."""
+
+    model_id: str
+    path: Path
+    config: LlamaConfig
+    tokenizer: Tokenizer | None
+
+
+def describe_checkpoint(
+    model: str | os.PathLike[str], *, dtype: str | None = None, seed: int | None = None
+) -> CheckpointModel:
+    """The checkpoint ``model`` names (a packaged name or a .gguf path): its sizes and tokenizer,
+    read from the file's metadata; the weights stay in the file. Raises as :func:`load_model`."""
+    path, model_id = _checkpoint_path(model)
+    if seed is not None:
+        raise ValueError("seed chooses random weights; a checkpoint has its own")
+    config = llama_config_from_gguf(open_gguf(path), dtype=dtype or "float32")
+    return CheckpointModel(model_id, path, config, _tokenizer(path, config))
+
+
+def _checkpoint_path(model: object) -> tuple[Path, str]:
+    if not isinstance(model, (str, os.PathLike)):
+        raise ValueError(f"model must be a name, a .gguf path or a LlamaConfig, got {type(model).__name__}")
+    name = os.fspath(model)
+    if name in PACKAGED_CHECKPOINTS:
+        return packaged_checkpoint_path(name), name
+    if name.endswith(".gguf") or Path(name).is_file():
+        return Path(name), Path(name).stem
+    raise ValueError(f"unknown model {name!r}; available: {', '.join(MODEL_NAMES)}, or a path to a .gguf file")
+
+
 def load_model(
     model: str | os.PathLike[str] | LlamaConfig,
     *,
@@ -71,15 +105,8 @@ def load_model(
     if seeded is not None:
         model_id, config = seeded
         return LoadedModel(model_id, LlamaForCausalLM(config, device=device), None, from_seed=True)
-    if not isinstance(model, (str, os.PathLike)):
-        raise ValueError(f"model must be a name, a .gguf path or a LlamaConfig, got {type(model).__name__}")
-    name = os.fspath(model)
-    if name in PACKAGED_CHECKPOINTS:
-        loaded = _load_gguf(packaged_checkpoint_path(name), name, dtype, seed)
-    elif name.endswith(".gguf") or Path(name).is_file():
-        loaded = _load_gguf(Path(name), Path(name).stem, dtype, seed)
-    else:
-        raise ValueError(f"unknown model {name!r}; available: {', '.join(MODEL_NAMES)}, or a path to a .gguf file")
+    path, model_id = _checkpoint_path(model)
+    loaded = _load_gguf(path, model_id, dtype, seed)
     if torch.device(device).type != "cpu":
         loaded.model.to(device)  # dequantised on the CPU, then moved (RoPE frequencies keep their dtype)
     return loaded
@@ -94,13 +121,18 @@ def _load_gguf(path: Path, model_id: str, dtype: str | None, seed: int | None) -
     if seed is not None:
         raise ValueError("seed chooses random weights; a checkpoint has its own")
     model = load_llama_from_gguf(path, dtype=dtype or "float32")
+    return LoadedModel(model_id, model, _tokenizer(path, model.config))
+
+
+def _tokenizer(path: Path, config: LlamaConfig) -> Tokenizer | None:
+    """The GGUF file's tokenizer; None (token-id prompts only) when we cannot run it."""
     try:
         tokenizer = Tokenizer.from_gguf_metadata(open_gguf(path).metadata)
     except (UnsupportedTokenizer, KeyError) as error:
         logger.warning("%s: no tokenizer (%s); the model takes token-id prompts only", path.name, error)
-        tokenizer = None
-    if tokenizer is not None and tokenizer.vocab_size > model.config.vocab_size:
+        return None
+    if tokenizer.vocab_size > config.vocab_size:
         raise CheckpointError(
-            f"{path.name}: the tokenizer has {tokenizer.vocab_size} tokens, the model only {model.config.vocab_size}"
+            f"{path.name}: the tokenizer has {tokenizer.vocab_size} tokens, the model only {config.vocab_size}"
         )
-    return LoadedModel(model_id, model, tokenizer)
+    return tokenizer

@@ -1,6 +1,7 @@
 """``--extra_llm_api_options FILE.yaml``: a mapping of ``LLM(...)`` keyword arguments.
 
-Keys are the LLM's keywords (every ``ExecutorConfig`` field, ``dtype``, ``seed``);
+Keys are the LLM's keywords (every ``ExecutorConfig`` field, ``dtype``, ``seed``,
+``tensor_parallel_size``, ``enable_attention_dp``);
 ``kv_cache_config`` and ``fault_injection`` are nested mappings of their dataclasses' fields.
 A key that is not one of them is an error naming it (``kv_cache_config.foo`` for a nested
 one), as is a value its dataclass refuses — at start-up, before the model loads.
@@ -17,7 +18,7 @@ import yaml
 from tensorrt_llm._torch.pyexecutor.config import ExecutorConfig, FaultInjectionConfig, KvCacheConfig
 
 _NESTED = {"kv_cache_config": KvCacheConfig, "fault_injection": FaultInjectionConfig}
-_MODEL_KEYS = ("dtype", "seed")
+_MODEL_KEYS = ("dtype", "seed", "tensor_parallel_size", "enable_attention_dp")
 ACCEPTED_KEYS = tuple(sorted({f.name for f in dataclasses.fields(ExecutorConfig)} | set(_MODEL_KEYS)))
 
 

@@ -10,6 +10,12 @@ Three sources, each pushed or pulled once:
 - at scrape time: running and waiting requests, KV-cache usage, health, injected faults.
 
 prometheus-client objects are thread-safe, so the two writers need no lock of their own.
+
+Several ranks (``--tp_size``): the iteration listener runs on ``MultiRankExecutor``'s
+dispatcher thread. Under TP it sees rank 0's iterations only: the ranks make one decision,
+so each rank's counters would be the same, and summing them would count every deferral N
+times. Under attention DP it sees every rank's iterations: each rank's batch is its own, so
+the counters are sums over ranks. The gauges come from the ranks' last reported load.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
+from tensorrt_llm._torch.distributed.proxy import MultiRankExecutor
 from tensorrt_llm._torch.pyexecutor.fault_injection import FAULT_KINDS, FaultInjectingEngine
 from tensorrt_llm._torch.pyexecutor.py_executor import PyExecutor
 from tensorrt_llm._torch.pyexecutor.stats import IterationStats
@@ -44,17 +51,16 @@ def _token_buckets(max_num_tokens: int) -> tuple[float, ...]:
 class ServerMetrics:
     """The registry and every metric; :meth:`request` starts one request's metrics."""
 
-    def __init__(self, executor: PyExecutor) -> None:
+    def __init__(self, executor: PyExecutor | MultiRankExecutor) -> None:
         self.registry = registry = CollectorRegistry()
         self._executor = executor
-        kv = executor.kv_cache_manager
 
         Gauge("trtllm_num_requests_running", "Requests holding KV blocks in the executor", registry=registry
               ).set_function(lambda: self._load()[0])
         Gauge("trtllm_num_requests_waiting", "Requests queued or active without KV blocks yet", registry=registry
               ).set_function(lambda: self._load()[1])
         Gauge("trtllm_kv_cache_usage_ratio", "Fraction of KV blocks referenced by requests (0..1)", registry=registry
-              ).set_function(lambda: 1.0 - (kv.pool.num_free + kv.pool.num_cached) / kv.pool.num_blocks)
+              ).set_function(lambda: self._load()[2])
         Gauge("trtllm_executor_healthy", "1 while /health answers 200", registry=registry
               ).set_function(lambda: float(executor.health()["healthy"]))
 
@@ -97,7 +103,7 @@ class ServerMetrics:
             "trtllm_e2e_request_latency_seconds", "Request received to request finished", buckets=_E2E_BUCKETS,
             registry=registry)
 
-        engine = executor.model_engine
+        engine = getattr(executor, "model_engine", None)  # in the rank processes under several ranks
         if isinstance(engine, FaultInjectingEngine):
             registry.register(_FaultCollector(engine))
         executor.add_iteration_listener(self.on_iteration)
@@ -119,12 +125,19 @@ class ServerMetrics:
     def request(self) -> "RequestMetrics":
         return RequestMetrics(self)
 
-    def _load(self) -> tuple[int, int]:
-        """(running, waiting): active requests with and without KV blocks; queued ones wait too."""
+    def _load(self) -> tuple[int, int, float]:
+        """(running, waiting, KV usage): active requests with and without KV blocks (queued ones
+        wait too) and the share of KV blocks requests reference. Several ranks: as the ranks
+        last reported it (``MultiRankExecutor.load``: rank 0's under TP, summed under attention DP)."""
         executor = self._executor
+        if isinstance(executor, MultiRankExecutor):
+            load = executor.load()
+            return load.running, load.waiting, load.kv_usage
         active = list(executor.active_requests)  # a copy: the executor thread replaces the list
-        running = sum(executor.kv_cache_manager.is_allocated(request) for request in active)
-        return running, len(active) - running + executor.health()["queued_requests"]
+        kv = executor.kv_cache_manager
+        running = sum(kv.is_allocated(request) for request in active)
+        usage = 1.0 - (kv.pool.num_free + kv.pool.num_cached) / kv.pool.num_blocks
+        return running, len(active) - running + executor.health()["queued_requests"], usage
 
 
 class RequestMetrics:

@@ -123,7 +123,7 @@ class OpenAIServer:
     # ------------------------------------------------------------------------------ /v1
     async def list_models(self) -> ModelList:
         card = ModelCard(id=self.model_id, created=self.created, max_model_len=self.llm.config.max_seq_len,
-                         vocab_size=self.executor.model_engine.vocab_size)
+                         vocab_size=self.llm.model_config.vocab_size)
         return ModelList(data=[card])
 
     async def completions(self, body: CompletionRequest, raw: Request):

@@ -1,27 +1,37 @@
 """``MultiRankExecutor``: the executor ``LLM`` talks to when it runs on several ranks.
 
-It offers what ``LLM`` uses of :class:`PyExecutor` (``validate``, ``enqueue_request``,
-``cancel_request``, ``health``, ``iteration_stats``, ``shutdown``), and behind it starts
-``tensor_parallel_size`` rank processes that run :func:`serve_rank`. Requests go to rank 0
+It offers what ``LLM`` and the OpenAI server use of :class:`PyExecutor` (``validate``,
+``enqueue_request``, ``cancel_request``, ``health``, ``iteration_stats``,
+``add_iteration_listener``, ``shutdown``, plus :meth:`load` for the server's gauges), and
+behind it starts ``tensor_parallel_size`` rank processes that run :func:`serve_rank`. Requests go to rank 0
 as plain :class:`RequestSpec` data; a dispatcher thread routes the responses rank 0 posts
 back to each request's callback.
 
 Nothing hangs: if a rank process dies or the rank job fails (a divergence, an aborted
 group), every request still in flight ends with that error, later submissions are refused
-with :class:`ExecutorShutdown`, and :meth:`health` reports the group dead with the reason.
+with :class:`ExecutorShutdown`, and :meth:`health` reports the group dead with the reason
+(a dead rank is named as soon as its process has exited).
+
+Statistics: under TP the ranks make one decision, so rank 0's iteration statistics are the
+group's (every rank's would count each iteration N times); under attention DP each rank's
+are its own batch's, and all of them count (counters sum over ranks). They are kept in a
+ring of ``iter_stats_max_iterations`` entries per rank (default ``DEFAULT_MAX_STATS``);
+the failed-batch and overshoot totals of :meth:`health` are running counts, not the ring's.
 """
 
 from __future__ import annotations
 
 import collections
 import logging
+import os
 import queue
 import threading
 import time
+from typing import Callable
 
 from tensorrt_llm._torch.distributed.launcher import LaunchOptions, RankGroup, RankResult
 from tensorrt_llm._torch.distributed.requests import RequestSpec
-from tensorrt_llm._torch.distributed.worker import ServeConfig, serve_rank
+from tensorrt_llm._torch.distributed.worker import RankLoad, ServeConfig, serve_rank
 from tensorrt_llm._torch.models.modeling_llama import HeadShard, LlamaConfig
 from tensorrt_llm._torch.pyexecutor.config import ExecutorConfig
 from tensorrt_llm._torch.pyexecutor.errors import ExecutorShutdown
@@ -35,7 +45,9 @@ from tensorrt_llm.mapping import Mapping
 
 logger = logging.getLogger(__name__)
 
-_MAX_STATS = 10_000  # iteration statistics kept per rank (the newest)
+DEFAULT_MAX_STATS = 1000  # iteration statistics kept per rank (the newest) without iter_stats_max_iterations
+
+IterationListener = Callable[[IterationStats], None]
 
 
 class MultiRankExecutor:
@@ -49,7 +61,10 @@ class MultiRankExecutor:
         check_decisions: bool = False,
         launch_options: LaunchOptions = LaunchOptions(),
         shutdown_timeout_s: float = 60.0,
+        checkpoint: str | os.PathLike[str] | None = None,
     ) -> None:
+        """``checkpoint``: a GGUF file whose weights ``model`` describes; every rank reads it and
+        keeps its slices. Without it the ranks draw ``model``'s weights from its seed."""
         mapping = Mapping(tensor_parallel_size, 0, tensor_parallel_size, enable_attention_dp)
         HeadShard.of(model, mapping.attn_tp_size, 0)  # refuse an unshardable model before spawning
         self.config = config
@@ -58,13 +73,21 @@ class MultiRankExecutor:
         self._validator = _Validator(model, config, mapping)
         self._lock = threading.Lock()
         self._callbacks: dict[int, tuple[LlmRequest, ResponseCallback | None]] = {}
-        self._stats: dict[int, collections.deque[IterationStats]] = collections.defaultdict(
-            lambda: collections.deque(maxlen=_MAX_STATS)
-        )
+        ring = config.iter_stats_max_iterations or DEFAULT_MAX_STATS
+        self._stats: dict[int, collections.deque[IterationStats]] = {
+            rank: collections.deque(maxlen=ring) for rank in range(tensor_parallel_size)
+        }
+        self._loads: dict[int, RankLoad] = {}
+        self._listeners: list[IterationListener] = []
+        self._iterations = 0  # group iterations rank 0 reported
+        self._failed_batches = 0
+        self._budget_violations = 0
+        self._heartbeat = time.monotonic()  # the last time a rank posted anything
         self._failure: str | None = None
         self._stopping = False
         self._group = RankGroup(tensor_parallel_size, launch_options)
-        serve = ServeConfig(model, config, enable_attention_dp, check_decisions)
+        serve = ServeConfig(model, config, enable_attention_dp, check_decisions,
+                            checkpoint=None if checkpoint is None else os.fspath(checkpoint))
         self._job = self._group.start(serve_rank, serve)
         self._dispatcher = threading.Thread(target=self._dispatch, name="MultiRankExecutor", daemon=True)
         self._dispatcher.start()
@@ -97,18 +120,55 @@ class MultiRankExecutor:
             merged = [(s.iteration, rank, s) for rank, stats in self._stats.items() for s in stats]
         return [s for _, _, s in sorted(merged, key=lambda item: item[:2])]
 
-    def health(self) -> dict:
+    def add_iteration_listener(self, listener: IterationListener) -> None:
+        """Call ``listener(stats)`` for every iteration the group reports (rank 0's under TP,
+        every rank's under attention DP), on the dispatcher thread; it must be quick. An
+        exception it raises is logged and ignored."""
+        self._listeners.append(listener)
+
+    def load(self) -> RankLoad:
+        """The group's load as the ranks last reported it: under TP rank 0's (every rank holds
+        the same requests); under attention DP running and waiting requests summed over the
+        ranks and the KV usage averaged (every rank has a pool of the same size)."""
         with self._lock:
-            stats = [s for per_rank in self._stats.values() for s in per_rank]
+            return _combined(list(self._loads.values()))
+
+    def health(self) -> dict:
+        """:meth:`PyExecutor.health`'s keys, for the whole group, plus ``ranks`` and ``dead_ranks``.
+
+        Unhealthy once any rank has died (the reason names it, even before the dispatcher has
+        failed the group), the group failed or shut down, or while requests are in flight and
+        no rank has reported anything for ``health_check_timeout_s``."""
+        with self._lock:
             dead = self._group.dead_ranks()
+            in_flight = len(self._callbacks)
+            stalled_s = time.monotonic() - self._heartbeat if in_flight else 0.0
+            load = _combined(list(self._loads.values()))
+            if self._failure is not None:
+                reason = f"the rank group failed: {self._failure}"
+            elif dead:
+                codes = ", ".join(f"rank {r} (exit code {self._group.processes[r].exitcode})" for r in dead)
+                reason = f"a rank process exited: {codes}"
+            elif self._stopping:
+                reason = "the executor is shut down"
+            elif stalled_s > self.config.health_check_timeout_s:
+                reason = (f"no rank has reported progress for {stalled_s:.1f} s while requests are in flight"
+                          f" (health_check_timeout_s={self.config.health_check_timeout_s:g})")
+            else:
+                reason = None
             return {
+                "healthy": reason is None,
+                "reason": reason,
                 "alive": self._failure is None and not dead and not self._stopping,
+                "seconds_since_progress": round(stalled_s, 3),
                 "ranks": self.mapping.world_size,
                 "dead_ranks": dead,
-                "iterations": max((s.iteration + 1 for s in self._stats[0]), default=0),
-                "active_requests": len(self._callbacks),
-                "failed_batches": sum(1 for s in stats if s.error),
-                "budget_violations": sum(1 for s in stats if s.overshoot),
+                "iterations": self._iterations,
+                "active_requests": in_flight,
+                # submitted, not yet held by any rank (the ranks' last report)
+                "queued_requests": max(0, in_flight - load.running - load.waiting),
+                "failed_batches": self._failed_batches,
+                "budget_violations": self._budget_violations,
                 # a dead rank is news before the dispatcher has noticed it and failed the group
                 "last_error": self._failure or (f"rank {dead[0]} exited" if dead else None),
             }
@@ -151,11 +211,28 @@ class MultiRankExecutor:
             self._route(rank, kind, body)
 
     def _route(self, rank: int, kind: str, body) -> None:
+        with self._lock:
+            self._heartbeat = time.monotonic()
         if kind == "stats":
+            self._record(rank, body)
+        elif kind == "load":
             with self._lock:
-                self._stats[rank].append(body)
+                self._loads[rank] = body
         elif kind == "response":
             self._respond(body)
+
+    def _record(self, rank: int, stats: IterationStats) -> None:
+        with self._lock:
+            self._stats[rank].append(stats)
+            if rank == 0:
+                self._iterations = stats.iteration + 1
+            self._failed_batches += stats.error is not None
+            self._budget_violations += stats.overshoot > 0
+        for listener in self._listeners:
+            try:
+                listener(stats)
+            except Exception:  # a listener must not stop the responses
+                logger.exception("iteration listener %r failed", listener)
 
     def _respond(self, response: Response) -> None:
         with self._lock:
@@ -181,6 +258,13 @@ class MultiRankExecutor:
             request.set_error(f"{ExecutorShutdown.__name__}: {message}")
             if callback is not None:
                 callback(request, Response(request.request_id, [], finished=True, error=request.error))
+
+
+def _combined(loads: list[RankLoad]) -> RankLoad:
+    if not loads:
+        return RankLoad(0, 0, 0.0)
+    return RankLoad(sum(x.running for x in loads), sum(x.waiting for x in loads),
+                    sum(x.kv_usage for x in loads) / len(loads))
 
 
 class _Validator:

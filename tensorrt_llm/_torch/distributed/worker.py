@@ -1,10 +1,12 @@
 """The serving loop of one rank behind ``LLM(tensor_parallel_size=N)``: a job on a :class:`RankGroup`.
 
-Every rank builds its shard of the model (or, under attention DP, a replica) and its own
-executor, then steps its :class:`RankExecutor` until rank 0 stops the group. Rank 0 also
+Every rank builds its shard of the model (or, under attention DP, a replica): drawn from
+the config's seed, or, with ``checkpoint``, read from that GGUF file (each rank reads the
+whole file and keeps its slices); then its own executor, then steps its :class:`RankExecutor` until rank 0 stops the group. Rank 0 also
 talks to the ``LLM`` process: it takes ``("submit", RequestSpec)``, ``("cancel", id)`` and
 ``("stop", None)`` messages between iterations and posts every response and its iteration
-statistics back. While no rank has work, rank 0 waits for a message for up to
+statistics back, and its load (running and waiting requests, KV usage) whenever it changed.
+Under attention DP every rank posts its statistics and load. While no rank has work, rank 0 waits for a message for up to
 ``heartbeat_s`` before it steps again, so idle ranks sit in a collective that returns well
 within the collective timeout.
 """
@@ -17,10 +19,11 @@ from dataclasses import dataclass
 from tensorrt_llm._torch.distributed.launcher import RankContext
 from tensorrt_llm._torch.distributed.rank_executor import RankExecutor
 from tensorrt_llm._torch.distributed.requests import RequestSpec
+from tensorrt_llm._torch.models.checkpoints import llama_weights_from_gguf, open_gguf
 from tensorrt_llm._torch.models.modeling_llama import LlamaConfig, LlamaForCausalLM
 from tensorrt_llm._torch.pyexecutor.config import ExecutorConfig
 from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequest
-from tensorrt_llm._torch.pyexecutor.py_executor import Response
+from tensorrt_llm._torch.pyexecutor.py_executor import PyExecutor, Response
 from tensorrt_llm._torch.pyexecutor.py_executor_creator import create_py_executor
 
 
@@ -31,17 +34,45 @@ class ServeConfig:
     enable_attention_dp: bool = False
     check_decisions: bool = False
     heartbeat_s: float = 1.0
+    checkpoint: str | None = None  # a GGUF file whose weights ``model`` describes; None: seed-drawn
+
+
+@dataclass(frozen=True, slots=True)
+class RankLoad:
+    """One rank's load, for the server's gauges: requests holding KV blocks, requests waiting
+    (active without blocks, or queued), and the share of KV blocks requests reference."""
+
+    running: int
+    waiting: int
+    kv_usage: float
+
+
+def rank_load(executor: PyExecutor) -> RankLoad:
+    active = list(executor.active_requests)
+    kv = executor.kv_cache_manager
+    running = sum(kv.is_allocated(request) for request in active)
+    pool = kv.pool
+    usage = 1.0 - (pool.num_free + pool.num_cached) / pool.num_blocks
+    return RankLoad(running, len(active) - running + executor.health()["queued_requests"], usage)
+
+
+def build_rank_model(config: ServeConfig, mapping) -> LlamaForCausalLM:
+    """This rank's shard: from the seed, or the checkpoint's full weights sliced on load."""
+    if config.checkpoint is None:
+        return LlamaForCausalLM(config.model, mapping)
+    weights = llama_weights_from_gguf(open_gguf(config.checkpoint), config.model)
+    return LlamaForCausalLM(config.model, mapping, weights=weights)
 
 
 def serve_rank(ctx: RankContext, config: ServeConfig) -> int:
     """Rank job: serve until rank 0 is told to stop; returns the number of group iterations."""
     mapping = ctx.mapping(enable_attention_dp=config.enable_attention_dp)
-    executor = create_py_executor(config.executor, model=LlamaForCausalLM(config.model, mapping))
+    executor = create_py_executor(config.executor, model=build_rank_model(config, mapping))
     rank_executor = RankExecutor(
         executor, ctx.comm, mapping, check_decisions=config.check_decisions, forward_responses=True
     )
     posts_stats = ctx.rank == 0 or config.enable_attention_dp  # under TP every rank's are rank 0's
-    idle = True
+    idle, load = True, None
     while True:
         if ctx.rank == 0:
             _take_messages(ctx, rank_executor, wait_s=config.heartbeat_s if idle else 0.0)
@@ -50,6 +81,9 @@ def serve_rank(ctx: RankContext, config: ServeConfig) -> int:
             break
         if posts_stats and step.stats is not None:
             ctx.post(("stats", step.stats))
+        if posts_stats and (now := rank_load(executor)) != load:
+            load = now
+            ctx.post(("load", load))
         idle = step.group_idle
     # Stopped: what is unfinished ends with ExecutorShutdown. Rank 0 posts its own; under
     # attention DP the LLM process ends what other ranks held (their group has stopped).

@@ -571,13 +571,14 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.mapping = mapping = mapping or Mapping()
-        if config.tie_word_embeddings and mapping.mlp_tp_size > 1:
-            raise ValueError("a tied LM head cannot be sharded across ranks (the embedding is replicated)")
         self.model = LlamaModel(config, mapping)
         self.num_local_kv_heads = self.model.layers[0].self_attn.n_kv_head if config.num_layers else 0
+        # A tied LM head is the embedding, which every rank holds whole: it stays unsharded and
+        # every rank computes all the logits (no gather; the same values as one rank's).
+        head_tp = (1, 0) if config.tie_word_embeddings else (mapping.mlp_tp_size, mapping.mlp_tp_rank)
         self.lm_head = Linear(
-            config.hidden_size, config.vocab_size, dtype=config.torch_dtype, tp_size=mapping.mlp_tp_size,
-            tp_rank=mapping.mlp_tp_rank, tensor_parallel_mode=TensorParallelMode.COLUMN, gather_output=True,
+            config.hidden_size, config.vocab_size, dtype=config.torch_dtype, tp_size=head_tp[0],
+            tp_rank=head_tp[1], tensor_parallel_mode=TensorParallelMode.COLUMN, gather_output=True,
         )
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
