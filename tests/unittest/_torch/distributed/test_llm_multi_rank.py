@@ -3,9 +3,12 @@
 The same prompts (shared prefixes, a prompt longer than the budget, an invalid one) give the
 same greedy float64 tokens as the single-rank LLM; a cancelled request ends as cancelled; a
 rank process that dies ends every request in flight with an error (nothing hangs) and the
-health check says so; later submissions are refused.
+health check says so; later submissions are refused. A tied LM head (kept whole on every
+rank) and the SmolLM2 checkpoint (each rank reads the GGUF file and keeps its shard) give
+the single-rank tokens too; a model whose heads do not split is refused before any rank starts.
 """
 
+import dataclasses
 import os
 import signal
 
@@ -13,6 +16,7 @@ import pytest
 from scenarios import prompt
 
 from tensorrt_llm import LLM, SamplingParams
+from tensorrt_llm._torch.models.modeling_llama import MODEL_PRESETS
 from tensorrt_llm.llmapi import KvCacheConfig, RequestError
 from tensorrt_llm._torch.pyexecutor.errors import ExecutorShutdown
 
@@ -62,3 +66,25 @@ def test_llm_on_two_ranks_generates_what_one_rank_does(single_rank_outputs, atte
             llm.generate_async(PROMPTS[0])
     finally:
         llm.shutdown()
+
+
+def test_a_tied_lm_head_stays_whole_on_every_rank():
+    tied = dataclasses.replace(MODEL_PRESETS["tiny-random"], tie_word_embeddings=True, dtype="float64")
+    options = {k: v for k, v in OPTIONS.items() if k != "dtype"}
+    with LLM(tied, **options) as llm:
+        expected = [out.outputs[0].token_ids for out in llm.generate(PROMPTS[:3], SamplingParams(max_tokens=4))]
+    with LLM(tied, tensor_parallel_size=2, **options) as llm:
+        assert [out.outputs[0].token_ids for out in llm.generate(PROMPTS[:3], SamplingParams(max_tokens=4))] == expected
+
+
+def test_smollm2_on_three_ranks_reads_the_checkpoint_on_each_and_generates_what_one_rank_does():
+    """9 query heads and 3 KV heads: 3 ranks each take 3 and 1; 2 ranks are refused at once."""
+    prompts, params = ["The capital of France is", "1, 2, 3,"], SamplingParams(max_tokens=6)
+    with LLM("smollm2-135m-instruct", max_seq_len=128) as llm:
+        expected = [out.outputs[0].token_ids for out in llm.generate(prompts, params)]
+    with pytest.raises(ValueError, match=r"cannot run on 2 ranks: num_heads \(9\)"):
+        LLM("smollm2-135m-instruct", tensor_parallel_size=2, max_seq_len=128)
+    with LLM("smollm2-135m-instruct", tensor_parallel_size=3, max_seq_len=128) as llm:
+        outputs = llm.generate(prompts, params)
+        assert [out.outputs[0].token_ids for out in outputs] == expected
+        assert outputs[0].text.strip().startswith("Paris")  # the tokenizer came from the file's metadata
