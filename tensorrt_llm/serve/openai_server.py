@@ -33,6 +33,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from tensorrt_llm._torch.distributed.proxy import MultiRankExecutor
 from tensorrt_llm._torch.pyexecutor.errors import ExecutorShutdown
 from tensorrt_llm.llmapi import LLM, SamplingParams
 from tensorrt_llm.serve.errors import OpenAIError, bad_request, error_body
@@ -111,7 +112,12 @@ class OpenAIServer:
         return JSONResponse({"status": "unhealthy", **report}, status_code=503)
 
     async def iteration_metrics(self) -> JSONResponse:
-        """The most recent iteration statistics (the executor keeps a bounded ring of them)."""
+        """The most recent iteration statistics (the executor keeps a bounded ring of them).
+        Several ranks: each entry names its ``rank`` (rank 0's only under TP, every rank's under
+        attention DP, ordered by iteration then rank)."""
+        if isinstance(self.executor, MultiRankExecutor):
+            return JSONResponse([{"rank": rank, **stats.to_dict()}
+                                 for rank, stats in self.executor.iteration_stats_by_rank()])
         return JSONResponse([stats.to_dict() for stats in list(self.executor.iteration_stats)])
 
     async def prometheus_metrics(self) -> Response:

@@ -114,11 +114,15 @@ class MultiRankExecutor:
     @property
     def iteration_stats(self) -> list[IterationStats]:
         """Rank 0's statistics (under attention DP: every rank's, ordered by iteration then rank)."""
+        return [s for _, s in self.iteration_stats_by_rank()]
+
+    def iteration_stats_by_rank(self) -> list[tuple[int, IterationStats]]:
+        """``(rank, stats)`` of :attr:`iteration_stats`, in the same order."""
         with self._lock:
             if not self.mapping.enable_attention_dp:
-                return list(self._stats[0])
+                return [(0, s) for s in self._stats[0]]
             merged = [(s.iteration, rank, s) for rank, stats in self._stats.items() for s in stats]
-        return [s for _, _, s in sorted(merged, key=lambda item: item[:2])]
+        return [(rank, s) for _, rank, s in sorted(merged, key=lambda item: item[:2])]
 
     def add_iteration_listener(self, listener: IterationListener) -> None:
         """Call ``listener(stats)`` for every iteration the group reports (rank 0's under TP,

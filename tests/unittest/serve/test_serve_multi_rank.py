@@ -62,7 +62,7 @@ def test_tp_server_answers_as_one_rank_does_and_names_a_dead_rank():
         assert health.status_code == 200 and health.json()["ranks"] == 2 and health.json()["iterations"] > 0
         stats = httpx.get(f"{server.url}/metrics").json()
         assert 0 < len(stats) <= OPTIONS["iter_stats_max_iterations"]  # the ring, rank 0's (TP: one decision)
-        assert all(s["forward_tokens"] <= OPTIONS["max_num_tokens"] for s in stats)
+        assert all(s["forward_tokens"] <= OPTIONS["max_num_tokens"] and s["rank"] == 0 for s in stats)
         text = httpx.get(f"{server.url}/prometheus/metrics").text
         assert "trtllm_executor_healthy 1.0" in text and "trtllm_kv_cache_usage_ratio" in text
         assert 'trtllm_request_success_total{finished_reason="length"} 5.0' in text
