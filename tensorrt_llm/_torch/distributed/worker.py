@@ -2,13 +2,14 @@
 
 Every rank builds its shard of the model (or, under attention DP, a replica): drawn from
 the config's seed, or, with ``checkpoint``, read from that GGUF file (each rank reads the
-whole file and keeps its slices); then its own executor, then steps its :class:`RankExecutor` until rank 0 stops the group. Rank 0 also
-talks to the ``LLM`` process: it takes ``("submit", RequestSpec)``, ``("cancel", id)`` and
-``("stop", None)`` messages between iterations and posts every response and its iteration
-statistics back, and its load (running and waiting requests, KV usage) whenever it changed.
-Under attention DP every rank posts its statistics and load. While no rank has work, rank 0 waits for a message for up to
-``heartbeat_s`` before it steps again, so idle ranks sit in a collective that returns well
-within the collective timeout.
+whole file and keeps its slices). Then it builds its own executor and steps its
+:class:`RankExecutor` until rank 0 stops the group. Rank 0 also talks to the ``LLM``
+process: it takes ``("submit", RequestSpec)``, ``("cancel", id)`` and ``("stop", None)``
+messages between iterations and posts back every response, its iteration statistics, and
+its load (running and waiting requests, KV usage) whenever that changed; under attention DP
+every rank posts its statistics and load. While no rank has work, rank 0 waits for a
+message for up to ``heartbeat_s`` before it steps again, so idle ranks sit in a collective
+that returns well within the collective timeout.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from tensorrt_llm._torch.pyexecutor.config import ExecutorConfig
 from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequest
 from tensorrt_llm._torch.pyexecutor.py_executor import PyExecutor, Response
 from tensorrt_llm._torch.pyexecutor.py_executor_creator import create_py_executor
+from tensorrt_llm.mapping import Mapping
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,7 +58,7 @@ def rank_load(executor: PyExecutor) -> RankLoad:
     return RankLoad(running, len(active) - running + executor.health()["queued_requests"], usage)
 
 
-def build_rank_model(config: ServeConfig, mapping) -> LlamaForCausalLM:
+def build_rank_model(config: ServeConfig, mapping: Mapping) -> LlamaForCausalLM:
     """This rank's shard: from the seed, or the checkpoint's full weights sliced on load."""
     if config.checkpoint is None:
         return LlamaForCausalLM(config.model, mapping)
