@@ -103,6 +103,11 @@ class MultiRankExecutor:
         with self._lock:
             if self._failure is not None or self._stopping:
                 raise ExecutorShutdown(self._failure or "the executor is shut down")
+            dead = self._group.dead_ranks()
+            if dead:  # before the dispatcher has noticed and failed the group
+                raise ExecutorShutdown(f"rank {dead[0]} exited with code {self._group.processes[dead[0]].exitcode}")
+            if not self._callbacks:  # idle ranks report nothing: the stall clock starts with the work
+                self._heartbeat = time.monotonic()
             self._callbacks[request.request_id] = (request, on_response)
         self._group.send(0, ("submit", RequestSpec.of(request, arrival_time=time.monotonic())))
         return request.request_id

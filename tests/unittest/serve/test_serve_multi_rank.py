@@ -4,8 +4,10 @@
 The TP server's greedy float64 completions (plain and streamed) equal the single-rank
 server's; /health, /metrics and /prometheus/metrics answer as with one rank; a rank process
 that dies makes /health answer 503 naming it, and the requests in flight end with an error
-(nothing hangs). The command line takes ``--tp_size`` and the YAML ``tensor_parallel_size``,
-and refuses at start-up a model whose heads do not split over the ranks.
+(nothing hangs). The command line takes ``--tp_size`` and the YAML ``tensor_parallel_size``.
+(A model whose heads do not split over the ranks is refused before any rank starts:
+``tests/unittest/_torch/distributed/test_llm_multi_rank.py``; the command turns that
+``ValueError`` into its start-up error, exit code 2.)
 """
 
 from __future__ import annotations
@@ -13,8 +15,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import httpx
@@ -29,7 +29,7 @@ pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("one_torch_threa
 
 NO_HANG_S = 90.0
 OPTIONS = dict(dtype="float64", max_seq_len=256, max_num_tokens=64, max_batch_size=8, enable_chunked_prefill=True,
-               iter_stats_max_iterations=32, kv_cache_config=KvCacheConfig(tokens_per_block=8, num_blocks=128))
+               iter_stats_max_iterations=16, kv_cache_config=KvCacheConfig(tokens_per_block=8, num_blocks=128))
 PROMPTS = [[(7 * i + 3 * j) % 500 + 1 for j in range(12 + 9 * i)] for i in range(4)]
 
 
@@ -61,7 +61,7 @@ def test_tp_server_answers_as_one_rank_does_and_names_a_dead_rank():
         health = httpx.get(f"{server.url}/health")
         assert health.status_code == 200 and health.json()["ranks"] == 2 and health.json()["iterations"] > 0
         stats = httpx.get(f"{server.url}/metrics").json()
-        assert 0 < len(stats) <= OPTIONS["iter_stats_max_iterations"]  # the ring, rank 0's (TP: one decision)
+        assert health.json()["iterations"] > len(stats) == OPTIONS["iter_stats_max_iterations"]  # the newest, rank 0's
         assert all(s["forward_tokens"] <= OPTIONS["max_num_tokens"] and s["rank"] == 0 for s in stats)
         text = httpx.get(f"{server.url}/prometheus/metrics").text
         assert "trtllm_executor_healthy 1.0" in text and "trtllm_kv_cache_usage_ratio" in text
@@ -104,11 +104,3 @@ def test_command_line_and_yaml_name_the_ranks(tmp_path):
     kwargs = llm_kwargs(build_parser().parse_args(["tiny-random", "--tp_size", "2", "--extra_llm_api_options",
                                                    str(options)]))
     assert kwargs["tensor_parallel_size"] == 3 and kwargs["enable_attention_dp"] is True  # the file wins
-
-
-def test_command_refuses_a_model_whose_heads_do_not_split_over_the_ranks():
-    """SmolLM2-135M has 9 query heads: 2 ranks cannot share them (3 can). Refused before any rank starts."""
-    done = subprocess.run([sys.executable, "-m", "tensorrt_llm.commands.serve", "smollm2-135m-instruct", "--tp_size",
-                           "2", "--port", "0"], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 2
-    assert "cannot run on 2 ranks" in done.stderr and "num_heads (9)" in done.stderr

@@ -11,12 +11,14 @@ the single-rank tokens too; a model whose heads do not split is refused before a
 import dataclasses
 import os
 import signal
+import time
 
 import pytest
 from scenarios import prompt
 
 from tensorrt_llm import LLM, SamplingParams
 from tensorrt_llm._torch.models.modeling_llama import MODEL_PRESETS
+from tensorrt_llm._torch.pyexecutor.config import FaultInjectionConfig
 from tensorrt_llm.llmapi import KvCacheConfig, RequestError
 from tensorrt_llm._torch.pyexecutor.errors import ExecutorShutdown
 
@@ -88,3 +90,18 @@ def test_smollm2_on_three_ranks_reads_the_checkpoint_on_each_and_generates_what_
         outputs = llm.generate(prompts, params)
         assert [out.outputs[0].token_ids for out in outputs] == expected
         assert outputs[0].text.strip().startswith("Paris")  # the tokenizer came from the file's metadata
+
+
+def test_health_says_when_no_rank_reports_progress_with_requests_in_flight():
+    slow = FaultInjectionConfig(slow_forward_every=1, slow_forward_s=1.0)
+    with LLM("tiny-random", tensor_parallel_size=2, max_seq_len=128, health_check_timeout_s=0.5,
+             fault_injection=slow) as llm:
+        time.sleep(0.6)  # idle ranks report nothing: that is no stall
+        assert llm.health()["healthy"], llm.health()
+        handle = llm.generate_async([1, 2, 3], SamplingParams(max_tokens=2))
+        deadline = time.monotonic() + 20
+        while (health := llm.health())["healthy"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert "no rank has reported progress" in health["reason"], health
+        assert handle.result(timeout=60).outputs[0].finish_reason == "length"
+        assert llm.health()["healthy"]  # nothing in flight
