@@ -292,31 +292,41 @@ class BlockPool:
         otherwise it leaves the tree with its subtree."""
         free, lru, free_host, host_lru = self._free, self._lru, self._free_host, self._host_lru
         host_tier, storage = self.num_host_blocks > 0, self.storage
-        evicted = 0
+        evicted = offloaded = 0
         while len(free) < num_free and lru:
-            victim, _ = lru.popitem(last=False)
+            victim = lru.popitem(last=False)[0]
             evicted += 1
             if host_tier and (free_host or host_lru):
-                if not free_host:
-                    dropped, _ = host_lru.popitem(last=False)
-                    self._drop_subtree(dropped)
-                victim.host_id = free_host.popleft()
+                if free_host:
+                    host_id = free_host.popleft()
+                else:
+                    # The tier is full: its LRU block goes. Usually a leaf (LRU order takes a
+                    # prefix's deepest blocks first), dropped inline: its host slot is the one
+                    # the victim takes, as _drop_subtree's append + popleft would hand it over.
+                    dropped = host_lru.popitem(last=False)[0]
+                    if dropped.children or dropped.ref_count:
+                        self._drop_subtree(dropped)
+                        host_id = free_host.popleft()
+                    else:
+                        self._unlink(dropped)
+                        host_id = dropped.host_id
+                        dropped.host_id = dropped.tokens = dropped.parent = dropped.children = dropped.by_first = None
+                victim.host_id = host_id
                 if storage is not None:
-                    storage.offload(victim.block_id, victim.host_id)
+                    storage.offload(victim.block_id, host_id)
                 free.append(victim.block_id)
                 victim.block_id = None
                 host_lru[victim] = None
-                self.num_offloads += 1
+                offloaded += 1
             else:
                 self._drop_subtree(victim)
         self.num_evictions += evicted
+        self.num_offloads += offloaded
         return evicted
 
-    def _drop_subtree(self, block: KVBlock) -> None:
-        """Remove ``block`` (already out of its LRU list) and its descendants from the tree
-        and free their slots."""
-        if block.ref_count:
-            raise AssertionError(f"evicting referenced {block!r}")
+    @staticmethod
+    def _unlink(block: KVBlock) -> None:
+        """Take ``block`` out of its parent's children (both indexes)."""
         parent, first = block.parent, block.tokens[0]
         bucket = parent.children[block.hash]
         if len(bucket) == 1:
@@ -328,6 +338,13 @@ class BlockPool:
             del parent.by_first[first]
         else:
             siblings.remove(block)
+
+    def _drop_subtree(self, block: KVBlock) -> None:
+        """Remove ``block`` (already out of its LRU list) and its descendants from the tree
+        and free their slots."""
+        if block.ref_count:
+            raise AssertionError(f"evicting referenced {block!r}")
+        self._unlink(block)
         if not block.children:  # a leaf, the usual victim: LRU order takes leaves before their prefix
             self._release_node(block)
             return
