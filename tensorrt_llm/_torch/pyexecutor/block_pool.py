@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict, deque
-from typing import Callable, Iterable, Protocol
+from typing import Callable, Iterable, Protocol, Sequence
 
 logger = logging.getLogger(__name__)
 
@@ -242,43 +242,53 @@ class BlockPool:
         if self.storage is not None:
             self.storage.copy_block(src.block_id, dst.block_id)
 
-    def commit(
-        self, parent: KVBlock | None, block: KVBlock, tokens: BlockTokens, block_hash: int | None = None
-    ) -> KVBlock:
-        """Put a computed, referenced block into the tree under ``parent``.
+    def commit_chain(self, blocks: list[KVBlock], start: int, keys: Sequence[tuple[int, BlockTokens]]) -> None:
+        """Put computed, referenced blocks into the tree: ``blocks[start + i]`` holds
+        ``keys[i]`` (hash, tokens) and goes under the block before it (the root for
+        ``blocks[0]``); ``blocks[:start]`` are in the tree already.
 
-        ``block_hash`` is ``self.block_hash(tokens)`` when the caller already has it.
-        Returns the canonical block for this content: ``block`` itself, or an existing
-        node with the same prefix (computed concurrently), which then takes over the
-        reference and ``block`` is released. Callers must use the returned block.
+        Each block is replaced in ``blocks`` by the canonical block for its content: itself,
+        or an existing node with the same prefix (computed concurrently), which then takes
+        over the reference while the block is released.
         """
-        parent = parent or self.root
-        if block_hash is None:
-            block_hash = self.block_hash(tokens)
-        existing = None
-        children = parent.children
-        if children is not None:  # KVBlock.child inlined: every computed block is committed here
-            for candidate in children.get(block_hash, ()):
-                if candidate.tokens == tokens:  # verified: equal hash alone proves nothing
-                    existing = candidate
-                    break
-        if existing is None:
-            block.tokens, block.hash, block.parent = tokens, block_hash, parent
-            block.depth = parent.depth + 1 if parent is not self.root else 0
-            if parent.children is None:
-                parent.children, parent.by_first = {}, {}
-            parent.children.setdefault(block_hash, []).append(block)
-            parent.by_first.setdefault(tokens[0], []).append(block)
-            return block
-        if existing.block_id is None:  # host-only: our fresh primary copy becomes its primary slot
-            self._host_lru.pop(existing, None)
-            self._free_host.append(existing.host_id)
-            existing.host_id, existing.block_id = None, block.block_id
-            existing.ref_count += 1
-            return existing
-        self.incref(existing)
-        self.decref(block)  # private, so this frees its slot
-        return existing
+        root = self.root
+        parent = blocks[start - 1] if start else root
+        for index, (block_hash, tokens) in enumerate(keys, start):
+            children = parent.children
+            existing = None
+            if children is None:
+                children = parent.children = {}
+                parent.by_first = {}
+            else:  # KVBlock.child inlined: every computed block is committed here
+                for candidate in children.get(block_hash, ()):
+                    if candidate.tokens == tokens:  # verified: equal hash alone proves nothing
+                        existing = candidate
+                        break
+            block = blocks[index]
+            if existing is None:
+                block.tokens, block.hash, block.parent = tokens, block_hash, parent
+                block.depth = parent.depth + 1 if parent is not root else 0
+                bucket = children.get(block_hash)
+                if bucket is None:
+                    children[block_hash] = [block]
+                else:
+                    bucket.append(block)
+                siblings = parent.by_first.get(tokens[0])
+                if siblings is None:
+                    parent.by_first[tokens[0]] = [block]
+                else:
+                    siblings.append(block)
+                parent = block
+                continue
+            if existing.block_id is None:  # host-only: our fresh primary copy becomes its primary slot
+                self._host_lru.pop(existing, None)
+                self._free_host.append(existing.host_id)
+                existing.host_id, existing.block_id = None, block.block_id
+                existing.ref_count += 1
+            else:
+                self.incref(existing)
+                self.decref(block)  # private, so this frees its slot
+            blocks[index] = parent = existing
 
     # ---- eviction -------------------------------------------------------------------
     def _evict_one(self) -> bool:

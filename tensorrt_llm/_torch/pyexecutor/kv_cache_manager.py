@@ -486,16 +486,17 @@ class KVCacheManager:
             return
         # Prompt blocks reuse the keys the admission walk computed; later blocks hold generated tokens.
         keys = self._prompt_keys(request)
-        tokens, blocks, commit = request.tokens, seq.blocks, self.pool.commit
-        for i in range(seq.num_committed, full):
-            parent = blocks[i - 1] if i else None
-            if i < len(keys):
-                block_hash, block_tokens = keys[i]
-                block = commit(parent, blocks[i], block_tokens, block_hash)
-            else:
-                block = commit(parent, blocks[i], tuple(tokens[i * tpb : (i + 1) * tpb]))
-            blocks[i] = block
-            seq.table[i] = block.block_id
+        blocks, committed = seq.blocks, seq.num_committed
+        if committed < len(keys):
+            self.pool.commit_chain(blocks, committed, keys[committed:full])
+        if full > len(keys):
+            begin = max(committed, len(keys))
+            tokens, block_hash = request.tokens, self.pool.block_hash
+            generated = [tuple(tokens[i * tpb : (i + 1) * tpb]) for i in range(begin, full)]
+            self.pool.commit_chain(blocks, begin, list(zip(map(block_hash, generated), generated)))
+        table = seq.table
+        for i in range(committed, full):
+            table[i] = blocks[i].block_id
         seq.num_committed = full
 
     def _prompt_keys(self, request: LlmRequest) -> list[tuple[int, BlockTokens]]:
@@ -504,7 +505,9 @@ class KVCacheManager:
         if cached is not None and cached[0] == request.prompt_len:
             return cached[1]
         tpb, prompt_len = self.tokens_per_block, request.prompt_len
-        prompt = tuple(request.tokens[:prompt_len])  # one copy; block slices of a tuple are tuples
+        tokens = request.tokens
+        # one copy (none of the list first while nothing is generated); block slices of a tuple are tuples
+        prompt = tuple(tokens) if len(tokens) == prompt_len else tuple(tokens[:prompt_len])
         blocks = [prompt[start : start + tpb] for start in range(0, prompt_len - tpb + 1, tpb)]
         keys = list(zip(map(self.pool.block_hash, blocks), blocks))
         self._keys[request.request_id] = (prompt_len, keys)
