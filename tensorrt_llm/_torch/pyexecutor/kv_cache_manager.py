@@ -53,6 +53,10 @@ def _unreferenced(block: KVBlock) -> bool:
     return block.ref_count == 0
 
 
+def _dropped(block: KVBlock) -> bool:
+    return block.tokens is None  # not in_tree
+
+
 @dataclass(slots=True)
 class _Sequence:
     """The blocks one request holds. ``blocks[:num_committed]`` are tree nodes."""
@@ -235,7 +239,12 @@ class KVCacheManager:
         # the same prefix of the chain. Whoever holds a block holds its ancestors, so the
         # held blocks of a chain are a prefix of it: found by bisection.
         claimable = min(len(chain), (request.prompt_len - 1) // self.tokens_per_block)
-        shared = bisect.bisect_left(chain, True, hi=claimable, key=_unreferenced)
+        if not claimable or chain[0].ref_count == 0:
+            shared = 0
+        elif chain[claimable - 1].ref_count:  # the usual hit: a started request holds the whole prefix
+            shared = claimable
+        else:
+            shared = bisect.bisect_left(chain, True, 1, claimable - 1, key=_unreferenced)
         return len(chain) * self.tokens_per_block, shared
 
     def _match_prompt(self, request: LlmRequest) -> list[KVBlock]:
@@ -250,12 +259,13 @@ class KVCacheManager:
         previous = self._matches.get(request.request_id)
         if previous is None or previous[0] != request.prompt_len:
             chain = self.pool.match(keys)
-        else:
-            chain = previous[1]
-            if chain and not chain[-1].in_tree:
-                del chain[bisect.bisect_left(chain, True, key=lambda block: not block.in_tree) :]
+            self._matches[request.request_id] = (request.prompt_len, chain)
+            return chain
+        chain = previous[1]  # updated in place
+        if chain and chain[-1].tokens is None:  # its end left the tree
+            del chain[bisect.bisect_left(chain, True, key=_dropped) :]
+        if len(chain) < len(keys) and (not chain or chain[-1].children):  # else nothing can extend it
             chain += self.pool.match(keys, chain[-1] if chain else None, start=len(chain))
-        self._matches[request.request_id] = (request.prompt_len, chain)
         return chain
 
     def num_shared_blocks(self, request: LlmRequest) -> int:
