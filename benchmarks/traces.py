@@ -139,7 +139,7 @@ def _stream_to_tokens(z: np.ndarray, vocab_size: int) -> list[int]:
     z += _U(1)
     if vocab_size > _MAX_INTERNED_VOCAB:
         return z.tolist()
-    return _token_ints(vocab_size)[z.astype(np.intp)].tolist()
+    return _token_ints(vocab_size).take(z).tolist()
 
 
 def _expand_segments(segments: Sequence[tuple[int, int]], vocab_size: int) -> list[int]:
