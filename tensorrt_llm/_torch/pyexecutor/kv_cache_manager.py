@@ -516,9 +516,10 @@ class KVCacheManager:
             return cached[1]
         tpb, prompt_len = self.tokens_per_block, request.prompt_len
         tokens = request.tokens
-        # one copy (none of the list first while nothing is generated); block slices of a tuple are tuples
-        prompt = tuple(tokens) if len(tokens) == prompt_len else tuple(tokens[:prompt_len])
-        blocks = [prompt[start : start + tpb] for start in range(0, prompt_len - tpb + 1, tpb)]
+        source = iter(tokens) if len(tokens) == prompt_len else itertools.islice(tokens, prompt_len)
+        # zip over tpb references to one iterator builds each block's tuple in one C pass and
+        # stops before a partial last block: the full blocks, in order, with no copy in between
+        blocks = list(zip(*[source] * tpb))
         keys = list(zip(map(self.pool.block_hash, blocks), blocks))
         self._keys[request.request_id] = (prompt_len, keys)
         return keys
