@@ -124,7 +124,7 @@ def _token_ints(vocab_size: int) -> np.ndarray:
     Prompts index it instead of calling ``tolist()`` on the ids: the same speed, but every
     occurrence of an id is one shared int, so the replay's prompts, and the token tuples the
     KV prefix tree keeps of them long after, free no int objects when they go (about a
-    tenth of a Mooncake replay's time, with ~60 M prompt tokens).
+    sixth of a Mooncake replay's time, with ~60 M prompt tokens).
     """
     return np.array(range(vocab_size), dtype=object)
 
