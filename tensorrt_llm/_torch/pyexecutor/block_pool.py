@@ -302,9 +302,11 @@ class BlockPool:
         otherwise it leaves the tree with its subtree."""
         free, lru, free_host, host_lru = self._free, self._lru, self._free_host, self._host_lru
         host_tier, storage = self.num_host_blocks > 0, self.storage
+        # popitem(False) positionally: the keyword costs more than the pop itself here
+        pop_oldest, pop_oldest_host = lru.popitem, host_lru.popitem
         evicted = offloaded = 0
         while len(free) < num_free and lru:
-            victim = lru.popitem(last=False)[0]
+            victim = pop_oldest(False)[0]
             evicted += 1
             if host_tier and (free_host or host_lru):
                 if free_host:
@@ -313,7 +315,7 @@ class BlockPool:
                     # The tier is full: its LRU block goes. Usually a leaf (LRU order takes a
                     # prefix's deepest blocks first), dropped inline: its host slot is the one
                     # the victim takes, as _drop_subtree's append + popleft would hand it over.
-                    dropped = host_lru.popitem(last=False)[0]
+                    dropped = pop_oldest_host(False)[0]
                     if dropped.children or dropped.ref_count:
                         self._drop_subtree(dropped)
                         host_id = free_host.popleft()
