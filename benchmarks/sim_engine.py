@@ -23,12 +23,14 @@ from benchmarks.cost_model import CostModel, ForwardShape, ModelShape, RooflineC
 from tensorrt_llm._torch.models.modeling_llama import MODEL_PRESETS, LlamaForCausalLM
 from tensorrt_llm._torch.pyexecutor.config import ExecutorConfig
 from tensorrt_llm._torch.pyexecutor.kv_cache_manager import KVCacheManager
+from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequestState
 from tensorrt_llm._torch.pyexecutor.model_engine import TpInputs
 from tensorrt_llm._torch.pyexecutor.py_executor import PyExecutor
 from tensorrt_llm._torch.pyexecutor.py_executor_creator import create_py_executor
 from tensorrt_llm._torch.pyexecutor.simulated_engine import SimulatedModelEngine, SyntheticSampler, VirtualClock
 
 ENGINES = ("sim", "torch")
+_CONTEXT_INIT = LlmRequestState.CONTEXT_INIT
 
 
 class ReplayClock(Protocol):
@@ -76,7 +78,7 @@ def forward_shape(inputs: TpInputs) -> ForwardShape:
     contexts = []
     decodes = []
     for request, new, cached in zip(inputs.requests, inputs.num_new_tokens, inputs.num_cached_tokens):
-        if request.is_context_init_state:
+        if request.state is _CONTEXT_INIT:  # is_context_init_state without a property call per request
             contexts.append((new, cached))
         else:
             decodes.append((new, cached))

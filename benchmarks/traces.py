@@ -43,6 +43,7 @@ from __future__ import annotations
 import csv
 import dataclasses
 import datetime
+import functools
 import io
 import json
 import math
@@ -112,6 +113,22 @@ def _mix64_inplace(z: np.ndarray) -> None:
     z ^= z >> _U(31)
 
 
+# Vocabularies up to this size get one shared int object per token id (see _token_ints).
+_MAX_INTERNED_VOCAB = 1 << 18
+
+
+@functools.lru_cache(maxsize=4)
+def _token_ints(vocab_size: int) -> np.ndarray:
+    """``[0, 1, ..., vocab_size - 1]`` as an object array of Python ints.
+
+    Prompts index it instead of calling ``tolist()`` on the ids: the same speed, but every
+    occurrence of an id is one shared int, so the replay's prompts, and the token tuples the
+    KV prefix tree keeps of them long after, free no int objects when they go (about a
+    sixth of a Mooncake replay's time, with ~60 M prompt tokens).
+    """
+    return np.array(range(vocab_size), dtype=object)
+
+
 def _stream_to_tokens(z: np.ndarray, vocab_size: int) -> list[int]:
     """Mix the stream states ``z`` (uint64, modified in place) into ids in [1, vocab_size)."""
     _mix64_inplace(z)
@@ -120,7 +137,9 @@ def _stream_to_tokens(z: np.ndarray, vocab_size: int) -> list[int]:
     z *= _U(vocab_size - 1)
     z >>= _U(32)
     z += _U(1)
-    return z.tolist()
+    if vocab_size > _MAX_INTERNED_VOCAB:
+        return z.tolist()
+    return _token_ints(vocab_size).take(z).tolist()
 
 
 def _expand_segments(segments: Sequence[tuple[int, int]], vocab_size: int) -> list[int]:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict, deque
-from typing import Callable, Iterable, Protocol
+from typing import Callable, Iterable, Protocol, Sequence
 
 logger = logging.getLogger(__name__)
 
@@ -242,43 +242,53 @@ class BlockPool:
         if self.storage is not None:
             self.storage.copy_block(src.block_id, dst.block_id)
 
-    def commit(
-        self, parent: KVBlock | None, block: KVBlock, tokens: BlockTokens, block_hash: int | None = None
-    ) -> KVBlock:
-        """Put a computed, referenced block into the tree under ``parent``.
+    def commit_chain(self, blocks: list[KVBlock], start: int, keys: Sequence[tuple[int, BlockTokens]]) -> None:
+        """Put computed, referenced blocks into the tree: ``blocks[start + i]`` holds
+        ``keys[i]`` (hash, tokens) and goes under the block before it (the root for
+        ``blocks[0]``); ``blocks[:start]`` are in the tree already.
 
-        ``block_hash`` is ``self.block_hash(tokens)`` when the caller already has it.
-        Returns the canonical block for this content: ``block`` itself, or an existing
-        node with the same prefix (computed concurrently), which then takes over the
-        reference and ``block`` is released. Callers must use the returned block.
+        Each block is replaced in ``blocks`` by the canonical block for its content: itself,
+        or an existing node with the same prefix (computed concurrently), which then takes
+        over the reference while the block is released.
         """
-        parent = parent or self.root
-        if block_hash is None:
-            block_hash = self.block_hash(tokens)
-        existing = None
-        children = parent.children
-        if children is not None:  # KVBlock.child inlined: every computed block is committed here
-            for candidate in children.get(block_hash, ()):
-                if candidate.tokens == tokens:  # verified: equal hash alone proves nothing
-                    existing = candidate
-                    break
-        if existing is None:
-            block.tokens, block.hash, block.parent = tokens, block_hash, parent
-            block.depth = parent.depth + 1 if parent is not self.root else 0
-            if parent.children is None:
-                parent.children, parent.by_first = {}, {}
-            parent.children.setdefault(block_hash, []).append(block)
-            parent.by_first.setdefault(tokens[0], []).append(block)
-            return block
-        if existing.block_id is None:  # host-only: our fresh primary copy becomes its primary slot
-            self._host_lru.pop(existing, None)
-            self._free_host.append(existing.host_id)
-            existing.host_id, existing.block_id = None, block.block_id
-            existing.ref_count += 1
-            return existing
-        self.incref(existing)
-        self.decref(block)  # private, so this frees its slot
-        return existing
+        root = self.root
+        parent = blocks[start - 1] if start else root
+        for index, (block_hash, tokens) in enumerate(keys, start):
+            children = parent.children
+            existing = None
+            if children is None:
+                children = parent.children = {}
+                parent.by_first = {}
+            else:  # KVBlock.child inlined: every computed block is committed here
+                for candidate in children.get(block_hash, ()):
+                    if candidate.tokens == tokens:  # verified: equal hash alone proves nothing
+                        existing = candidate
+                        break
+            block = blocks[index]
+            if existing is None:
+                block.tokens, block.hash, block.parent = tokens, block_hash, parent
+                block.depth = parent.depth + 1 if parent is not root else 0
+                bucket = children.get(block_hash)
+                if bucket is None:
+                    children[block_hash] = [block]
+                else:
+                    bucket.append(block)
+                siblings = parent.by_first.get(tokens[0])
+                if siblings is None:
+                    parent.by_first[tokens[0]] = [block]
+                else:
+                    siblings.append(block)
+                parent = block
+                continue
+            if existing.block_id is None:  # host-only: our fresh primary copy becomes its primary slot
+                self._host_lru.pop(existing, None)
+                self._free_host.append(existing.host_id)
+                existing.host_id, existing.block_id = None, block.block_id
+                existing.ref_count += 1
+            else:
+                self.incref(existing)
+                self.decref(block)  # private, so this frees its slot
+            blocks[index] = parent = existing
 
     # ---- eviction -------------------------------------------------------------------
     def _evict_one(self) -> bool:
@@ -292,31 +302,43 @@ class BlockPool:
         otherwise it leaves the tree with its subtree."""
         free, lru, free_host, host_lru = self._free, self._lru, self._free_host, self._host_lru
         host_tier, storage = self.num_host_blocks > 0, self.storage
-        evicted = 0
+        # popitem(False) positionally: the keyword costs more than the pop itself here
+        pop_oldest, pop_oldest_host = lru.popitem, host_lru.popitem
+        evicted = offloaded = 0
         while len(free) < num_free and lru:
-            victim, _ = lru.popitem(last=False)
+            victim = pop_oldest(False)[0]
             evicted += 1
             if host_tier and (free_host or host_lru):
-                if not free_host:
-                    dropped, _ = host_lru.popitem(last=False)
-                    self._drop_subtree(dropped)
-                victim.host_id = free_host.popleft()
+                if free_host:
+                    host_id = free_host.popleft()
+                else:
+                    # The tier is full: its LRU block goes. Usually a leaf (LRU order takes a
+                    # prefix's deepest blocks first), dropped inline: its host slot is the one
+                    # the victim takes, as _drop_subtree's append + popleft would hand it over.
+                    dropped = pop_oldest_host(False)[0]
+                    if dropped.children or dropped.ref_count:
+                        self._drop_subtree(dropped)
+                        host_id = free_host.popleft()
+                    else:
+                        self._unlink(dropped)
+                        host_id = dropped.host_id
+                        dropped.host_id = dropped.tokens = dropped.parent = dropped.children = dropped.by_first = None
+                victim.host_id = host_id
                 if storage is not None:
-                    storage.offload(victim.block_id, victim.host_id)
+                    storage.offload(victim.block_id, host_id)
                 free.append(victim.block_id)
                 victim.block_id = None
                 host_lru[victim] = None
-                self.num_offloads += 1
+                offloaded += 1
             else:
                 self._drop_subtree(victim)
         self.num_evictions += evicted
+        self.num_offloads += offloaded
         return evicted
 
-    def _drop_subtree(self, block: KVBlock) -> None:
-        """Remove ``block`` (already out of its LRU list) and its descendants from the tree
-        and free their slots."""
-        if block.ref_count:
-            raise AssertionError(f"evicting referenced {block!r}")
+    @staticmethod
+    def _unlink(block: KVBlock) -> None:
+        """Take ``block`` out of its parent's children (both indexes)."""
         parent, first = block.parent, block.tokens[0]
         bucket = parent.children[block.hash]
         if len(bucket) == 1:
@@ -328,6 +350,13 @@ class BlockPool:
             del parent.by_first[first]
         else:
             siblings.remove(block)
+
+    def _drop_subtree(self, block: KVBlock) -> None:
+        """Remove ``block`` (already out of its LRU list) and its descendants from the tree
+        and free their slots."""
+        if block.ref_count:
+            raise AssertionError(f"evicting referenced {block!r}")
+        self._unlink(block)
         if not block.children:  # a leaf, the usual victim: LRU order takes leaves before their prefix
             self._release_node(block)
             return

@@ -53,6 +53,10 @@ def _unreferenced(block: KVBlock) -> bool:
     return block.ref_count == 0
 
 
+def _dropped(block: KVBlock) -> bool:
+    return block.tokens is None  # not in_tree
+
+
 @dataclass(slots=True)
 class _Sequence:
     """The blocks one request holds. ``blocks[:num_committed]`` are tree nodes."""
@@ -235,7 +239,12 @@ class KVCacheManager:
         # the same prefix of the chain. Whoever holds a block holds its ancestors, so the
         # held blocks of a chain are a prefix of it: found by bisection.
         claimable = min(len(chain), (request.prompt_len - 1) // self.tokens_per_block)
-        shared = bisect.bisect_left(chain, True, hi=claimable, key=_unreferenced)
+        if not claimable or chain[0].ref_count == 0:
+            shared = 0
+        elif chain[claimable - 1].ref_count:  # the usual hit: a started request holds the whole prefix
+            shared = claimable
+        else:
+            shared = bisect.bisect_left(chain, True, 1, claimable - 1, key=_unreferenced)
         return len(chain) * self.tokens_per_block, shared
 
     def _match_prompt(self, request: LlmRequest) -> list[KVBlock]:
@@ -250,12 +259,13 @@ class KVCacheManager:
         previous = self._matches.get(request.request_id)
         if previous is None or previous[0] != request.prompt_len:
             chain = self.pool.match(keys)
-        else:
-            chain = previous[1]
-            if chain and not chain[-1].in_tree:
-                del chain[bisect.bisect_left(chain, True, key=lambda block: not block.in_tree) :]
+            self._matches[request.request_id] = (request.prompt_len, chain)
+            return chain
+        chain = previous[1]  # updated in place
+        if chain and chain[-1].tokens is None:  # its end left the tree
+            del chain[bisect.bisect_left(chain, True, key=_dropped) :]
+        if len(chain) < len(keys) and (not chain or chain[-1].children):  # else nothing can extend it
             chain += self.pool.match(keys, chain[-1] if chain else None, start=len(chain))
-        self._matches[request.request_id] = (request.prompt_len, chain)
         return chain
 
     def num_shared_blocks(self, request: LlmRequest) -> int:
@@ -486,16 +496,17 @@ class KVCacheManager:
             return
         # Prompt blocks reuse the keys the admission walk computed; later blocks hold generated tokens.
         keys = self._prompt_keys(request)
-        tokens, blocks, commit = request.tokens, seq.blocks, self.pool.commit
-        for i in range(seq.num_committed, full):
-            parent = blocks[i - 1] if i else None
-            if i < len(keys):
-                block_hash, block_tokens = keys[i]
-                block = commit(parent, blocks[i], block_tokens, block_hash)
-            else:
-                block = commit(parent, blocks[i], tuple(tokens[i * tpb : (i + 1) * tpb]))
-            blocks[i] = block
-            seq.table[i] = block.block_id
+        blocks, committed = seq.blocks, seq.num_committed
+        if committed < len(keys):
+            self.pool.commit_chain(blocks, committed, keys[committed:full])
+        if full > len(keys):
+            begin = max(committed, len(keys))
+            tokens, block_hash = request.tokens, self.pool.block_hash
+            generated = [tuple(tokens[i * tpb : (i + 1) * tpb]) for i in range(begin, full)]
+            self.pool.commit_chain(blocks, begin, list(zip(map(block_hash, generated), generated)))
+        table = seq.table
+        for i in range(committed, full):
+            table[i] = blocks[i].block_id
         seq.num_committed = full
 
     def _prompt_keys(self, request: LlmRequest) -> list[tuple[int, BlockTokens]]:
@@ -504,8 +515,11 @@ class KVCacheManager:
         if cached is not None and cached[0] == request.prompt_len:
             return cached[1]
         tpb, prompt_len = self.tokens_per_block, request.prompt_len
-        prompt = tuple(request.tokens[:prompt_len])  # one copy; block slices of a tuple are tuples
-        blocks = [prompt[start : start + tpb] for start in range(0, prompt_len - tpb + 1, tpb)]
+        tokens = request.tokens
+        source = iter(tokens) if len(tokens) == prompt_len else itertools.islice(tokens, prompt_len)
+        # zip over tpb references to one iterator builds each block's tuple in one C pass and
+        # stops before a partial last block: the full blocks, in order, with no copy in between
+        blocks = list(zip(*[source] * tpb))
         keys = list(zip(map(self.pool.block_hash, blocks), blocks))
         self._keys[request.request_id] = (prompt_len, keys)
         return keys

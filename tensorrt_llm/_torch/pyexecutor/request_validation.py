@@ -47,16 +47,19 @@ def first_bad_token(tokens: list, vocab_size: int) -> object | None:
     """The first token that is not an int in ``[0, vocab_size)``, or None.
 
     Prompts run to tens of thousands of tokens: two passes in C (``sum`` stays an ``int``
-    only over ints; a signed 64-bit array takes only integers, whose range numpy then checks)
-    clear a valid prompt several times faster than a Python loop, which then runs only to
-    name the offender.
+    only over ints; an unsigned 64-bit array takes only non-negative integers, whose maximum
+    numpy then checks) clear a valid prompt several times faster than a Python loop, which
+    then runs only to name the offender.
     """
     try:
         if type(sum(tokens)) is int:
-            values = np.frombuffer(array("q", tokens), dtype=np.int64)
-            if not tokens or (values.min() >= 0 and values.max() < vocab_size):
+            packed = array("Q")
+            # unsigned: converted about 3x faster per item than into "q", and a negative
+            # id raises OverflowError here
+            packed.fromlist(tokens)
+            if not tokens or np.frombuffer(packed, dtype=np.uint64).max() < vocab_size:
                 return None
-    except (TypeError, OverflowError):  # not an integer, or one past 64 bits: the scan below names it
+    except (TypeError, OverflowError):  # negative, or past 64 bits: the scan below names it
         pass
     return next((t for t in tokens if not isinstance(t, int) or not 0 <= t < vocab_size), None)
 

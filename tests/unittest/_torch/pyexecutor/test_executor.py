@@ -413,7 +413,7 @@ def test_an_iteration_is_budget_bound_while_prompt_tokens_are_left_after_its_bat
 @pytest.mark.parametrize(
     "tokens, bad",
     [([1, 2, 3], None), ([], None), ([True, 2], None), ([1, 2.5, 99], 2.5), ([1, "a"], "a"), ([3, -1, -3], -1),
-     ([1, 10, 11], 10), ([2.0], 2.0), ([1, 2**70], 2**70)],
+     ([1, 10, 11], 10), ([2.0], 2.0), ([1, 2**70], 2**70), ([1, 2**63], 2**63), ([2, -2**70], -2**70)],
 )
 def test_first_bad_token_names_the_first_offender(tokens, bad):
     from tensorrt_llm._torch.pyexecutor.request_validation import first_bad_token

@@ -349,6 +349,23 @@ def test_hash_collisions_with_partial_reuse_match_by_tokens():
     assert kv.block_table(request)[0] not in (table_a[0], table_b[0])  # a private copy
 
 
+def test_a_colliding_sibling_still_matches_after_the_first_is_evicted():
+    kv = manager(num_blocks=4, block_hash=lambda block: 0)
+    a, b = tokens(TPB, seed=32), tokens(TPB, seed=33)
+    cache_prompt(kv, a + [1])
+    cache_prompt(kv, b + [1])  # same hash as a's block, other tokens: both cached under the root
+    assert estimate(kv, a + [1]) == estimate(kv, b + [1]) == TPB
+    held = hold(kv, tokens(2 * TPB + 1, seed=34))  # 3 blocks: evicts the oldest cached one, a's
+    assert kv.pool.num_evictions == 1
+    assert estimate(kv, a + [1]) == 0 and estimate(kv, b + [1]) == TPB
+    kv.check_integrity()
+    kv.free_resources(held)
+    request = make_request(b + [1])
+    allocate(kv, request)
+    assert request.prepopulated_prompt_len == TPB  # b's KV, found by its tokens
+    kv.check_integrity()
+
+
 def test_concurrent_commit_of_the_same_content_keeps_one_copy():
     kv = manager()
     prompt = tokens(8, seed=31)
