@@ -10,6 +10,8 @@ from hypothesis import HealthCheck, settings
 
 # Test helper modules (factories, invariant checker) import by plain name.
 sys.path.insert(0, str(Path(__file__).parent / "unittest" / "_torch" / "pyexecutor"))
+# ... and the replay tests' hand-made traces (replay_cases), which the multi-rank replay tests share.
+sys.path.insert(0, str(Path(__file__).parent / "unittest" / "benchmarks"))
 
 _COMMON = dict(
     deadline=None,

@@ -12,7 +12,7 @@ from rank_jobs import JOB_TIMEOUT_S
 
 from benchmarks.replay import ReplaySettings, TraceSpec, build_parser, rank_layout, replay_trace
 from benchmarks.replay_ranks import RankLayout, RanksJob, RanksResult, replay_on_rank, schema_errors, summarize
-from benchmarks.traces import SyntheticRequest, Trace, segment_key
+from replay_cases import EVICTED_SETTINGS, evicted_discount_trace
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.usefixtures("one_torch_thread")]
 
@@ -42,23 +42,9 @@ def test_replay_on_two_ranks(rank_group, attention_dp):
         assert all(cost["iterations"] > 0 for cost in costs)  # the digest was compared every iteration
 
 
-def _request(index: int, arrival_s: float, output_len: int, *segments: tuple[str, int]) -> SyntheticRequest:
-    keyed = tuple((segment_key(0x7E57, sum(map(ord, name)) * 1000 + len(name)), length) for name, length in segments)
-    return SyntheticRequest(index, arrival_s, sum(n for _, n in segments), output_len, keyed, 32000)
-
-
-# The single-rank replay's evicted-discount case (tests/unittest/benchmarks/test_replay.py): a
-# follow-up charged for 2 tokens whose cached prefix the chunk before it evicts: 74 > 48 positions.
-EVICTED = Trace("evicted-discount", "scenario", (
-    _request(0, 0.0, 2, ("history", 32)),
-    _request(1, 0.1, 2, ("junk", 40)),
-    _request(2, 1.0, 2, ("fresh", 40)),
-    _request(3, 1.0, 2, ("history", 32), ("question", 2)),
-    _request(4, 2.0, 3, ("late", 20)),
-    _request(5, 2.5, 3, ("history", 32), ("other question", 5)),
-))
-EVICTED_SETTINGS = ReplaySettings(max_num_tokens=48, tokens_per_block=4, kv_blocks=20, host_cache_blocks=0,
-                                  max_batch_size=8)
+# The single-rank replay's evicted-discount case: a follow-up charged for 2 tokens whose
+# cached prefix the chunk before it evicts: 74 > 48 positions.
+EVICTED = evicted_discount_trace()
 
 
 def test_none_stops_every_tensor_parallel_rank_at_its_first_overshoot(rank_group):
