@@ -188,7 +188,11 @@ class ModelEngine(abc.ABC):
     ``asynchronous``: on a host engine, :meth:`forward_async` returns before the forward has
     run; it runs when its result (or a later forward's) is first asked for, in launch order,
     over inputs taken at launch. This is how the CPU tests run the overlap scheduler against an
-    engine that completes later.
+    engine that completes later. Only an engine without KV data may defer this way (the
+    simulated one): the KV manager's host-side block copies (onboarding, partial-reuse copies)
+    would otherwise run before a forward launched earlier, which a CUDA stream never allows.
+    A torch engine on the CPU runs each forward at launch, in order with those copies, and
+    still delivers its tokens one iteration later under overlap.
     """
 
     #: largest beam width / whether draft tokens can be run; checked at submission.
@@ -308,9 +312,8 @@ class TorchModelEngine(ModelEngine):
         cuda_graph_config: CudaGraphConfig | None = None,
         max_batch_size: int = 0,
         max_seq_len: int | None = None,
-        asynchronous: bool = False,
     ) -> None:
-        super().__init__(max_num_tokens, kv_cache_manager, asynchronous=asynchronous)
+        super().__init__(max_num_tokens, kv_cache_manager)
         storage = kv_cache_manager.storage
         if storage is None:
             raise ValueError("TorchModelEngine needs a KV cache manager with tensor storage")
@@ -337,7 +340,7 @@ class TorchModelEngine(ModelEngine):
 
     @property
     def completes_asynchronously(self) -> bool:
-        return self.asynchronous or self.device.type == "cuda"
+        return self.device.type == "cuda"
 
     def _launch(self, inputs: TpInputs) -> "PendingForward":
         if self.device.type == "cuda":
@@ -527,6 +530,11 @@ class PendingForward:
             pending._tokens_host.copy_(tokens, non_blocking=True)
         pending._event = _record_event()
         return pending
+
+    @property
+    def events(self) -> tuple | None:
+        """(start, end) CUDA events of the forward (engines with ``time_forwards``), else None."""
+        return (self._start, self._event) if self._start is not None else None
 
     def done(self) -> bool:
         """True once the result can be had without waiting."""
