@@ -99,6 +99,8 @@ class FaultInjectingEngine:
             return  # nobody samples in this forward (or a simulated engine): nothing to poison
         victim = self._rng.choice(rows)
         output.logits[victim] = torch.full_like(output.logits[victim], float("nan"))
+        if output.nonfinite is not None:  # an engine that checked on its device: it would have seen it
+            output.nonfinite.add(victim)
         self.faults_injected["nan_logits"] += 1
         logger.warning("fault injection: forward %d gives request %d NaN logits", n, victim)
 

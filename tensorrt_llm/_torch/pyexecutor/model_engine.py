@@ -175,11 +175,16 @@ class TpInputs:
 @dataclass(slots=True)
 class ForwardOutput:
     """Per request that samples: the logits row of its last position (None for simulated engines),
-    and, from engines that pick on the device, the greedy token (the argmax of that row)."""
+    and, from engines that pick on the device, the greedy token (the argmax of that row).
+
+    ``nonfinite``: from engines that check on the device, the requests whose logits row holds NaN
+    or inf (None: not checked; the sampler checks the row itself). Checking a device row on the
+    host would wait for the device, and with it for the next forward already queued (overlap)."""
 
     logits: dict[int, torch.Tensor | None]
     num_tokens: int = 0  # positions in the forward
     greedy_tokens: dict[int, int] | None = None
+    nonfinite: set[int] | None = None
 
 
 class ModelEngine(abc.ABC):
@@ -527,7 +532,9 @@ class PendingForward:
         pending._logits = logits
         pending._tokens_host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=tokens.numel() > 0)
         if tokens.numel():
-            pending._tokens_host.copy_(tokens, non_blocking=True)
+            # one copy carries the picks and the finiteness check: -1 for a row with NaN or inf
+            checked = torch.where(torch.isfinite(logits).all(dim=-1), tokens, torch.full_like(tokens, -1))
+            pending._tokens_host.copy_(checked, non_blocking=True)
         pending._event = _record_event()
         return pending
 
@@ -560,10 +567,11 @@ class PendingForward:
                 raise
         if self._output is None:
             self._event.synchronize()
-            tokens = self._tokens_host.tolist()
+            tokens = self._tokens_host.tolist()  # -1: a row that is not finite (see launch)
             self._output = ForwardOutput(
                 logits=dict(zip(self._request_ids, self._logits)),
                 greedy_tokens=dict(zip(self._request_ids, tokens)),
+                nonfinite={rid for rid, token in zip(self._request_ids, tokens) if token < 0},
             )
         return self._output
 
