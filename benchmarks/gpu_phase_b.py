@@ -62,18 +62,31 @@ class Forward:
     num_requests: int
     decode_only: bool
     host_t: float  # perf_counter at launch
+    idle_jumps: int = 0  # times the replay found the executor without work before this launch
 
 
-def record_forwards(engine, into: list[Forward]) -> None:
-    """Time every forward of ``engine`` (CUDA events) and keep its shape (what the cost model prices)."""
+def record_forwards(engine, into: list[Forward], clock=None) -> None:
+    """Time every forward of ``engine`` (CUDA events) and keep its shape (what the cost model
+    prices). ``clock``: the replay's clock; its jumps over idle time (the executor had no work)
+    are counted, so that a gap between two forwards can be told apart from a gap without work."""
     engine.time_forwards = engine.device.type == "cuda"
     launch = engine._launch
+    jumps = [0]
+    if clock is not None:
+        advance_to = clock.advance_to
+
+        def counted(when):
+            if when > clock():
+                jumps[0] += 1
+            advance_to(when)
+
+        clock.advance_to = counted
 
     def recorded(inputs):
         shape = forward_shape(inputs)  # before launch: the executor moves requests on after it
         pending = launch(inputs)
         decode_only = all(n == 1 for n in inputs.num_new_tokens) and not shape.contexts
-        into.append(Forward(shape, pending.events, len(inputs.requests), decode_only, time.perf_counter()))
+        into.append(Forward(shape, pending.events, len(inputs.requests), decode_only, time.perf_counter(), jumps[0]))
         return pending
 
     engine._launch = recorded
@@ -90,12 +103,26 @@ def idle_fraction(forwards: list[Forward]) -> dict:
     span = first[0].elapsed_time(last[1])
     busy = sum(f.events[0].elapsed_time(f.events[1]) for f in timed)
     gaps = [a.events[1].elapsed_time(b.events[0]) for a, b in zip(timed, timed[1:])]
+    # Gaps in which the executor had no work (the replay jumped its clock to the next arrival)
+    # are not the scheduler's: the GPU had nothing to run.
+    no_work = [g for g, a, b in zip(gaps, timed, timed[1:]) if a.idle_jumps != b.idle_jumps]
+    with_work = span - sum(no_work)
+    top = sorted(zip(gaps, timed, timed[1:]), key=lambda x: -x[0])[:12]
     return {"n": len(timed), "span_ms": span, "busy_ms": busy, "idle_fraction": max(0.0, 1 - busy / span),
+            "idle_fraction_with_work": max(0.0, 1 - busy / with_work) if with_work > 0 else None,
+            "gaps_without_work": {"n": len(no_work), "ms": sum(no_work)},
+            "largest_gaps": [{"gap_ms": g, "after": _kind(a), "before": _kind(b), "without_work": a.idle_jumps != b.idle_jumps}
+                             for g, a, b in top],
             "gap_ms": {"p50": quantile(gaps, 0.5), "p90": quantile(gaps, 0.9), "max": max(gaps)},
             "forward_ms_p50": quantile([f.events[0].elapsed_time(f.events[1]) for f in timed], 0.5)}
 
 
 # ---- decode batch 64 ---------------------------------------------------------------------
+
+
+def _kind(f: Forward) -> str:
+    what = "decode" if f.decode_only else f"mixed ({len(f.shape.contexts)} chunks)"
+    return f"{what}, {f.num_requests} requests, {f.shape.num_tokens} tokens"
 
 
 def decode_batch(model, *, overlap: bool, batch: int = 64, context: int = 2048, steps: int = 96, vocab: int = 32000) -> dict:
@@ -145,7 +172,7 @@ class RecordedSettings(ReplaySettings):
         engine = ReplaySettings.build_engine(self, policy, max_seq_len)
         key = self.tag + policy
         if self.engine == "torch" and key not in self.recorded:  # not the probe that only describes
-            record_forwards(engine.executor.model_engine, self.recorded.setdefault(key, []))
+            record_forwards(engine.executor.model_engine, self.recorded.setdefault(key, []), engine.clock)
         return engine
 
 
@@ -262,7 +289,8 @@ def summary(result: dict) -> str:
                      f"TPOT p50 {m['tpot_ms']['p50']:.1f} ms {m['output_tokens_per_s']:.0f} tok/s")
     for name, idle in rep.get("idle", {}).items():
         if idle.get("n", 0) >= 2:
-            lines.append(f"replay {name}: GPU idle {idle['idle_fraction']:.1%}, gap p50 {idle['gap_ms']['p50']:.2f} ms "
+            lines.append(f"replay {name}: GPU idle {idle['idle_fraction']:.1%} ({idle['idle_fraction_with_work']:.1%} while "
+                         f"the executor had work), gap p50 {idle['gap_ms']['p50']:.2f} ms "
                          f"p90 {idle['gap_ms']['p90']:.2f} ms over {idle['n']} forwards")
     for name, errs in rep.get("errors", {}).items():
         for model, e in errs.items():
