@@ -289,9 +289,15 @@ def summary(result: dict) -> str:
                      f"TPOT p50 {m['tpot_ms']['p50']:.1f} ms {m['output_tokens_per_s']:.0f} tok/s")
     for name, idle in rep.get("idle", {}).items():
         if idle.get("n", 0) >= 2:
-            lines.append(f"replay {name}: GPU idle {idle['idle_fraction']:.1%} ({idle['idle_fraction_with_work']:.1%} while "
-                         f"the executor had work), gap p50 {idle['gap_ms']['p50']:.2f} ms "
+            with_work = idle.get("idle_fraction_with_work")
+            lines.append(f"replay {name}: GPU idle {idle['idle_fraction']:.1%} ("
+                         f"{'n/a' if with_work is None else format(with_work, '.1%')} while the executor had work, "
+                         f"{idle['gaps_without_work']['n']} gaps without work: {idle['gaps_without_work']['ms']:.0f} ms), "
+                         f"gap p50 {idle['gap_ms']['p50']:.2f} ms "
                          f"p90 {idle['gap_ms']['p90']:.2f} ms over {idle['n']} forwards")
+    for gap in rep.get("idle", {}).get("recheck", {}).get("largest_gaps", [])[:6]:
+        lines.append(f"  recheck gap {gap['gap_ms']:.1f} ms after [{gap['after']}] before [{gap['before']}]"
+                     f"{' (no work)' if gap['without_work'] else ''}")
     for name, errs in rep.get("errors", {}).items():
         for model, e in errs.items():
             if e.get("n"):
