@@ -134,7 +134,8 @@ def describe_config(trace: Trace, spec: TraceSpec, settings: ReplaySettings, pol
             "arrival_span_s": trace.requests[-1].arrival_s if len(trace) else 0.0,
         },
         "policies": list(policies),
-        "engine": {k: v for k, v in engine.items() if k != "kv_bytes_per_token"},
+        "engine": {k: v for k, v in engine.items() if k != "kv_bytes_per_token"}
+        | ({"cost_model_file": settings.cost_model} if settings.cost_model else {}),
         "executor": {
             "max_num_tokens": executor_config.max_num_tokens,
             "max_batch_size": executor_config.max_batch_size,
@@ -252,6 +253,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default=d.device, choices=("cpu", "cuda"), help="torch engine's device")
     p.add_argument("--disable-overlap-scheduler", action=argparse.BooleanOptionalAction, default=None,
                    help="default: upstream's (overlap on CUDA, off on the CPU)")
+    p.add_argument("--cost-model", metavar="MODEL.json", default=None,
+                   help="sim engine: a cost model saved by `python -m benchmarks.cost_model refit` (default: the fit to "
+                        "benchmarks/calibration/)")
     p.add_argument("--max-num-tokens", type=_positive_int, default=d.max_num_tokens)
     p.add_argument("--num-requests", type=_positive_int, default=None, help="keep the first N requests")
     p.add_argument("--seed", type=int, default=0, help="scenario seed; Azure content seed; --qps arrival seed")
@@ -304,6 +308,7 @@ def settings_from_args(args: argparse.Namespace) -> tuple[TraceSpec, ReplaySetti
         enable_chunked_prefill=args.enable_chunked_prefill,
         device=args.device,
         disable_overlap_scheduler=args.disable_overlap_scheduler,
+        cost_model=args.cost_model,
     )
     if not (math.isfinite(args.time_scale) and args.time_scale >= 0):
         raise SystemExit(f"--time-scale must be finite and >= 0, got {args.time_scale}")

@@ -6,9 +6,10 @@ report (``replay_report``) all depend on it and none of them on another's caller
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
-from benchmarks.cost_model import ModelShape, default_cost_model
+from benchmarks.cost_model import CostModel, FittedCostModel, ModelShape, default_cost_model
 from benchmarks.sim_engine import ENGINES, Engine, build_sim_engine, build_torch_engine, torch_kv_bytes_per_token, torch_vocab_size
 from benchmarks.traces import DEFAULT_VOCAB_SIZE, Trace
 from tensorrt_llm._torch.models.modeling_llama import MODEL_PRESETS
@@ -51,6 +52,7 @@ class ReplaySettings:
     context_chunking_policy: str = ContextChunkingPolicy.FIRST_COME_FIRST_SERVED.value
     device: str = "cpu"  # torch engine: where the model and the KV pool live ("cuda": the GPU engine)
     disable_overlap_scheduler: bool | None = None  # None: upstream's default (overlap on CUDA)
+    cost_model: str | None = None  # sim engine: a saved FittedCostModel (JSON); None: the default fit
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda"):
@@ -59,6 +61,8 @@ class ReplaySettings:
             raise ValueError("device='cuda' runs the torch engine (--engine torch); the sim engine has no device")
         if self.engine not in ENGINES:
             raise ValueError(f"engine must be one of {ENGINES}, got {self.engine!r}")
+        if self.cost_model is not None and self.engine != "sim":
+            raise ValueError("cost_model prices the sim engine's forwards; the torch engine runs them")
         if self.model not in MODEL_PRESETS:
             raise ValueError(f"model must be one of {sorted(MODEL_PRESETS)}, got {self.model!r}")
         for name in ("max_num_tokens", "max_batch_size", "tokens_per_block", "kv_blocks"):
@@ -109,15 +113,11 @@ class ReplaySettings:
             return build_torch_engine(config, model_name=self.model, device=self.device)
         shape = ModelShape()
         config = self.executor_config(policy, max_seq_len=max_seq_len, kv_bytes_per_token=shape.kv_bytes_per_token())
-        return build_sim_engine(config, cost_model=_cost_model(), model_shape=shape, vocab_size=self.vocab_size)
+        return build_sim_engine(config, cost_model=_cost_model(self.cost_model), model_shape=shape, vocab_size=self.vocab_size)
 
 
-_COST_MODEL = None
-
-
-def _cost_model():
-    """The default cost model, built once per process (a fit to a table is not free)."""
-    global _COST_MODEL
-    if _COST_MODEL is None:
-        _COST_MODEL = default_cost_model()
-    return _COST_MODEL
+@functools.cache
+def _cost_model(path: str | None) -> CostModel:
+    """The cost model, built once per process (a fit to a table is not free): a saved
+    ``FittedCostModel`` (``python -m benchmarks.cost_model refit``), or the default fit."""
+    return FittedCostModel.load(path) if path is not None else default_cost_model()

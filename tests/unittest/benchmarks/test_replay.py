@@ -164,6 +164,30 @@ def test_deterministic_except_wall_time():
     assert first["results"]["recheck"]["completed"] == 40
 
 
+def test_a_saved_cost_model_prices_the_sim_engine(tmp_path):
+    """``--cost-model``: the sim engine's forwards are priced by a refitted model (here the
+    default fit with every coefficient doubled), which the timings and the config show."""
+    from benchmarks.cost_model import FittedCostModel, default_cost_model
+    from benchmarks.replay import run_replay
+
+    default = default_cost_model()
+    assert isinstance(default, FittedCostModel)
+    slower = FittedCostModel([2 * c for c in default.coef], default.gemm_knee, default.attn_knee, default.fallback,
+                             2 * default.fallback_scale, default.range, 2 * default._floor_s)
+    path = tmp_path / "slower.json"
+    slower.save(path)
+    args = build_parser().parse_args(["--num-requests", "12", "--policies", "recheck", "--cost-model", str(path)])
+    spec, settings, policies = settings_from_args(args)
+    assert settings.cost_model == str(path)
+    priced = run_replay(spec, settings, policies, progress=False).to_json()
+    plain = run_replay(spec, ReplaySettings(), policies, progress=False).to_json()
+    assert priced["config"]["engine"]["cost_model_file"] == str(path)
+    assert priced["results"]["recheck"]["completed"] == plain["results"]["recheck"]["completed"] == 12
+    assert priced["results"]["recheck"]["tpot_ms"]["p50"] > 1.5 * plain["results"]["recheck"]["tpot_ms"]["p50"]
+    with pytest.raises(ValueError, match="sim engine"):
+        ReplaySettings(engine="torch", cost_model=str(path))
+
+
 def test_cli_parses_every_flag():
     args = build_parser().parse_args([
         "--trace", "t.jsonl", "--format", "mooncake", "--policies", "fit,recheck", "--engine", "torch",
