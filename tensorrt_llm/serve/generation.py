@@ -35,7 +35,8 @@ class GenerationFailed(Exception):
 
 
 class StopStringMatcher:
-    """Cuts streamed text at the first stop string; holds back any tail that could start one.
+    """Cuts streamed text at the first stop string to be completed; holds back any tail that
+    could start one.
 
     ``push`` returns the text that is safe to emit and whether a stop string was found (the
     text before it is emitted; it and everything after are dropped). Text held back is
@@ -50,10 +51,14 @@ class StopStringMatcher:
         if not self.stop_strings:
             return text, False
         buffer = self._pending + text
-        hits = [i for i in (buffer.find(s) for s in self.stop_strings) if i >= 0]
+        # Generation stops the moment the first stop string is complete: the earliest *end* wins
+        # (then the earliest start), so the cut is the same however the text was split into
+        # deltas. The earliest start alone would let a stop completed later in the same delta
+        # reach back before one that had already ended.
+        hits = [(i + len(s), i) for s in self.stop_strings if (i := buffer.find(s)) >= 0]
         if hits:
             self._pending = ""
-            return buffer[: min(hits)], True
+            return buffer[: min(hits)[1]], True
         hold = self._partial_stop_len(buffer)
         self._pending = buffer[len(buffer) - hold :]
         return buffer[: len(buffer) - hold], False

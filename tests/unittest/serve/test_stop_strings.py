@@ -1,5 +1,5 @@
 """StopStringMatcher: however the text is split into deltas, the emitted text is the text cut
-at the earliest stop string (or all of it)."""
+where the first stop string to be completed starts (or all of it)."""
 
 from __future__ import annotations
 
@@ -18,8 +18,13 @@ def split(text: str, cuts: list[int]) -> list[str]:
 
 
 def expected(text: str, stops: tuple[str, ...]) -> tuple[str, bool]:
-    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
-    return (text[: min(hits)], True) if hits else (text, False)
+    """Read character by character, generation stops at the first position where a stop string
+    ends; the text is cut where that stop starts (the earliest start among those ending there)."""
+    for end in range(1, len(text) + 1):
+        starts = [end - len(s) for s in stops if text[:end].endswith(s)]
+        if starts:
+            return text[: min(starts)], True
+    return text, False
 
 
 @given(
@@ -38,6 +43,14 @@ def test_streamed_text_is_cut_at_the_earliest_stop(text, stops, cuts):
     if not stopped:
         emitted.append(matcher.flush())
     assert ("".join(emitted), stopped) == expected(text, stops)
+
+
+def test_a_stop_completed_first_wins_over_one_that_starts_earlier_but_ends_later():
+    """Found by hypothesis: with stops ("é", "aéa"), "aaé" has already stopped at "é"; a later
+    "a" cannot make "aéa" (starting one character earlier) the cut, streamed or not."""
+    assert StopStringMatcher(("é", "aéa")).push("aaé") == ("aa", True)
+    assert StopStringMatcher(("é", "aéa")).push("aaéa") == ("aa", True)
+    assert expected("aaéa", ("é", "aéa")) == ("aa", True)
 
 
 def test_a_possible_stop_prefix_is_held_back_until_it_is_decided():
