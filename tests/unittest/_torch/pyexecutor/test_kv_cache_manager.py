@@ -15,6 +15,7 @@ from factories import make_batch, make_config, make_request, make_sim_executor, 
 from invariants import ExecutorChecker
 
 from tensorrt_llm._torch.models.modeling_llama import LlamaConfig, LlamaForCausalLM
+from tensorrt_llm._torch.pyexecutor.block_pool import BlockPool
 from tensorrt_llm._torch.pyexecutor.config import ExecutorConfig, KvCacheConfig
 from tensorrt_llm._torch.pyexecutor.kv_cache_manager import KVAllocation, KVCacheManager
 from tensorrt_llm._torch.pyexecutor.kv_storage import KVCacheStorage
@@ -239,6 +240,31 @@ def test_eviction_takes_the_least_recently_used_prefix_first():
     assert estimate(kv, a + tokens(4, seed=13) + [1]) == 8
     hold(kv, tokens(4, seed=16))
     assert estimate(kv, a + [1]) == 4
+
+
+def test_lru_keeps_its_order_and_a_bounded_length_under_repeated_pins():
+    """The LRU lists drop entries lazily: a block pinned and released over and over leaves
+    stale entries behind, which must neither change the eviction order nor pile up."""
+    pool = BlockPool(4, 2)
+    chain = pool.allocate_many(3)
+    content = [tuple(range(i * TPB, (i + 1) * TPB)) for i in range(3)]
+    pool.commit_chain(chain, 0, [(hash(t), t) for t in content])
+    a, b, c = chain
+    pool.release(chain)  # leaves first: c, b, a from oldest
+    assert pool.lru_blocks() == [c, b, a]
+    for _ in range(1000):  # a hot block, pinned by claim after claim
+        pool.incref(b)
+        pool.decref(b)
+    assert pool.lru_blocks() == [c, a, b] and pool.num_cached == 3
+    assert len(pool._lru) <= 2 * pool.num_cached + 64
+    fresh = pool.allocate_many(3)  # 1 free slot, then c and a go to the host tier, oldest first
+    assert pool.lru_blocks() == [b] and pool.lru_blocks(host=True) == [c, a]
+    assert (a.block_id, c.block_id) == (None, None) and pool.num_host_cached == 2
+    pool.incref(a)  # a claim pins a host block: it leaves the host list at once
+    assert pool.lru_blocks(host=True) == [c] and pool.num_host_cached == 1
+    pool.decref(a)
+    assert pool.lru_blocks(host=True) == [c, a]
+    pool.check_integrity(fresh)
 
 
 def test_referenced_blocks_are_never_evicted():
@@ -488,6 +514,6 @@ def test_leak_oracle_catches_a_leaked_block():
 def test_leak_oracle_catches_a_block_in_two_sets():
     kv = manager(num_blocks=4)
     cache_prompt(kv, tokens(8, seed=47))
-    kv.pool._free.append(next(iter(kv.pool._lru)).block_id)
+    kv.pool._free.append(kv.pool.lru_blocks()[0].block_id)
     with pytest.raises(AssertionError):
         kv.check_integrity()
