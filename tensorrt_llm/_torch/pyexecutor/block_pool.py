@@ -50,7 +50,7 @@ class KVBlock:
     """One block of KV content: a primary slot and/or a host slot, possibly a tree node."""
 
     __slots__ = (
-        "block_id", "host_id", "ref_count", "tokens", "hash", "parent", "children", "by_first", "depth",
+        "block_id", "host_id", "ref_count", "tokens", "hash", "parent", "children", "by_first",
         "lru_entries", "host_lru_entries",
     )
 
@@ -65,7 +65,6 @@ class KVBlock:
         # the same children by their first token, in commit order: partial matching looks
         # only at children that share at least the first token
         self.by_first: dict[int, list[KVBlock]] | None = None
-        self.depth = 0  # number of blocks before this one in its prefix
         # entries of this block in the pool's primary / host LRU deques (the last one may be live)
         self.lru_entries = 0
         self.host_lru_entries = 0
@@ -89,7 +88,7 @@ class KVBlock:
 
     def __repr__(self) -> str:
         where = f"gpu{self.block_id}" if self.block_id is not None else f"host{self.host_id}"
-        return f"KVBlock({where} ref={self.ref_count} depth={self.depth} cached={self.in_tree})"
+        return f"KVBlock({where} ref={self.ref_count} cached={self.in_tree})"
 
 
 class BlockPool:
@@ -238,17 +237,6 @@ class BlockPool:
         # with only stale entries are at 0, as they should be
         return live
 
-    def _pop_host_lru(self) -> KVBlock:
-        """The oldest evictable host-only block, out of the host LRU (the caller checked
-        that one exists); stale entries met on the way are dropped."""
-        popleft = self._host_lru.popleft
-        while True:
-            block = popleft()
-            block.host_lru_entries -= 1
-            if not (block.host_lru_entries or block.ref_count or block.tokens is None or block.block_id is not None):
-                self._num_host_cached -= 1
-                return block
-
     def decref(self, block: KVBlock) -> None:
         if block.ref_count <= 0:
             raise AssertionError(f"decref of unreferenced {block!r}")
@@ -344,7 +332,6 @@ class BlockPool:
             block = blocks[index]
             if existing is None:
                 block.tokens, block.hash, block.parent = tokens, block_hash, parent
-                block.depth = parent.depth + 1 if parent is not root else 0
                 bucket = children.get(block_hash)
                 if bucket is None:
                     children[block_hash] = [block]
@@ -380,7 +367,7 @@ class BlockPool:
         otherwise it leaves the tree with its subtree."""
         free, free_host = self._free, self._free_host
         host_tier, storage = self.num_host_blocks > 0, self.storage
-        pop_oldest, push_host = self._lru.popleft, self._host_lru.append
+        pop_oldest, pop_oldest_host, push_host = self._lru.popleft, self._host_lru.popleft, self._host_lru.append
         evicted = offloaded = 0
         while len(free) < num_free and self._num_cached:
             victim = pop_oldest()
@@ -396,7 +383,14 @@ class BlockPool:
                     # The tier is full: its LRU block goes. Usually a leaf (LRU order takes a
                     # prefix's deepest blocks first), dropped inline: its host slot is the one
                     # the victim takes, as _drop_subtree's append + popleft would hand it over.
-                    dropped = self._pop_host_lru()
+                    # _pop_host_lru inlined: every offload to a full tier comes here
+                    while True:
+                        dropped = pop_oldest_host()
+                        dropped.host_lru_entries -= 1
+                        if not (dropped.host_lru_entries or dropped.ref_count or dropped.tokens is None
+                                or dropped.block_id is not None):
+                            break  # the live entry; the others were stale
+                    self._num_host_cached -= 1
                     if dropped.children or dropped.ref_count:
                         self._drop_subtree(dropped)
                         host_id = free_host.popleft()
