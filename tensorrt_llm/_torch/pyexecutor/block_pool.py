@@ -20,7 +20,9 @@ dict would keep (a block only enters a list when it is not in it).
 
 The prefix tree is keyed by block content: a node's children are indexed by the hash of
 the child's tokens and every hit is verified against the tokens, so a hash collision can
-never hand out the wrong KV. The chain from the root is the prefix; a sequence that
+never hand out the wrong KV. A block's tokens are kept packed (:data:`BlockTokens`): the
+verification is one memcmp, and a block leaving the tree frees one object, where a tuple
+would touch the reference count of every token it holds. The chain from the root is the prefix; a sequence that
 holds a block holds all its ancestors, hence ``ref_count(parent) >= ref_count(child)``
 and evicting a block may drop its whole (unreferenced) subtree.
 """
@@ -29,11 +31,28 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from typing import Callable, Iterable, Protocol, Sequence
+from typing import Iterable, Protocol, Sequence
 
 logger = logging.getLogger(__name__)
 
-BlockTokens = tuple[int, ...]
+# A block's token ids packed as native unsigned 32-bit ints (``array("I").tobytes()``); the
+# ids are below the vocabulary size, at most 2**32 (submission checks it).
+BlockTokens = bytes
+TOKEN_BYTES = 4
+
+
+def common_prefix_tokens(a: BlockTokens, b: BlockTokens) -> int:
+    """How many leading tokens ``a`` and ``b`` share: a bisection over slice comparisons
+    (equal prefixes are nested), a few memcmps instead of a loop over the tokens."""
+    lo, hi = 0, min(len(a), len(b)) // TOKEN_BYTES
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        end = mid * TOKEN_BYTES
+        if a[:end] == b[:end]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 class BlockStorage(Protocol):
@@ -62,7 +81,7 @@ class KVBlock:
         self.hash = 0
         self.parent: KVBlock | None = None
         self.children: dict[int, list[KVBlock]] | None = None
-        # the same children by their first token, in commit order: partial matching looks
+        # the same children by their first token (its packed bytes), in commit order: partial matching looks
         # only at children that share at least the first token
         self.by_first: dict[int, list[KVBlock]] | None = None
         # entries of this block in the pool's primary / host LRU deques (the last one may be live)
@@ -104,14 +123,12 @@ class BlockPool:
         num_host_blocks: int = 0,
         *,
         storage: BlockStorage | None = None,
-        block_hash: Callable[[BlockTokens], int] = hash,
     ) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
         self.num_host_blocks = num_host_blocks
         self.storage = storage
-        self.block_hash = block_hash
         self.root = KVBlock(None)
         self._free: deque[int] = deque(range(num_blocks))
         self._free_host: deque[int] = deque(range(num_host_blocks))
@@ -174,14 +191,10 @@ class BlockPool:
         if not tokens or not by_first:
             return None, 0
         best, best_len = None, 0
-        for candidate in by_first.get(tokens[0], ()):
+        for candidate in by_first.get(tokens[:TOKEN_BYTES], ()):
             if candidate.block_id is None:
                 continue
-            n = 0
-            for mine, theirs in zip(tokens, candidate.tokens):
-                if mine != theirs:
-                    break
-                n += 1
+            n = common_prefix_tokens(tokens, candidate.tokens)
             if n > best_len:
                 best, best_len = candidate, n
         return best, best_len
@@ -337,9 +350,10 @@ class BlockPool:
                     children[block_hash] = [block]
                 else:
                     bucket.append(block)
-                siblings = parent.by_first.get(tokens[0])
+                first = tokens[:TOKEN_BYTES]
+                siblings = parent.by_first.get(first)
                 if siblings is None:
-                    parent.by_first[tokens[0]] = [block]
+                    parent.by_first[first] = [block]
                 else:
                     siblings.append(block)
                 parent = block
@@ -418,7 +432,7 @@ class BlockPool:
     @staticmethod
     def _unlink(block: KVBlock) -> None:
         """Take ``block`` out of its parent's children (both indexes)."""
-        parent, first = block.parent, block.tokens[0]
+        parent, first = block.parent, block.tokens[:TOKEN_BYTES]
         bucket = parent.children[block.hash]
         if len(bucket) == 1:
             del parent.children[block.hash]
