@@ -393,23 +393,37 @@ class BlockPool:
             if host_tier and (free_host or self._num_host_cached):
                 if free_host:
                     host_id = free_host.popleft()
+                    self._num_host_cached += 1  # the victim joins the host LRU below
                 else:
-                    # The tier is full: its LRU block goes. Usually a leaf (LRU order takes a
-                    # prefix's deepest blocks first), dropped inline: its host slot is the one
-                    # the victim takes, as _drop_subtree's append + popleft would hand it over.
-                    # _pop_host_lru inlined: every offload to a full tier comes here
-                    while True:
+                    # The tier is full: its LRU block goes, and the victim takes its place in
+                    # the host LRU count. Usually a leaf (LRU order takes a prefix's deepest
+                    # blocks first), dropped inline: its host slot is the one the victim takes,
+                    # as _drop_subtree's append + popleft would hand it over.
+                    while True:  # the oldest live entry (_compact's test); stale ones are skipped
                         dropped = pop_oldest_host()
                         dropped.host_lru_entries -= 1
                         if not (dropped.host_lru_entries or dropped.ref_count or dropped.tokens is None
                                 or dropped.block_id is not None):
-                            break  # the live entry; the others were stale
-                    self._num_host_cached -= 1
+                            break
                     if dropped.children or dropped.ref_count:
+                        self._num_host_cached -= 1  # _drop_subtree counts only the descendants
                         self._drop_subtree(dropped)
                         host_id = free_host.popleft()
-                    else:
-                        self._unlink(dropped)
+                        self._num_host_cached += 1
+                    else:  # _unlink inlined
+                        parent, tokens = dropped.parent, dropped.tokens
+                        children, block_hash = parent.children, dropped.hash
+                        bucket = children[block_hash]
+                        if len(bucket) == 1:
+                            del children[block_hash]
+                        else:
+                            bucket.remove(dropped)
+                        by_first, first = parent.by_first, tokens[:TOKEN_BYTES]
+                        siblings = by_first[first]
+                        if len(siblings) == 1:
+                            del by_first[first]
+                        else:
+                            siblings.remove(dropped)
                         host_id = dropped.host_id
                         dropped.host_id = dropped.tokens = dropped.parent = dropped.children = dropped.by_first = None
                 victim.host_id = host_id
@@ -417,9 +431,8 @@ class BlockPool:
                     storage.offload(victim.block_id, host_id)
                 free.append(victim.block_id)
                 victim.block_id = None
-                push_host(victim)  # _to_host_lru inlined, its compaction done once below
+                push_host(victim)  # _to_host_lru inlined (counted above), its compaction done once below
                 victim.host_lru_entries += 1
-                self._num_host_cached += 1
                 offloaded += 1
             else:
                 self._drop_subtree(victim)
