@@ -12,6 +12,13 @@ Two models share one interface (``CostModel``):
   context chunk plus a decode batch at one uniform context; the fit's features are sums over
   context chunks and over decode requests, so they apply unchanged to a forward with several
   chunks and decodes at varied contexts.
+
+A fitted model can also be **refitted to an engine's own iterations** (:func:`refit_to_iterations`:
+the forwards a GPU replay recorded, each with its shape and measured time): it fits on one share
+of them and reports its error on the held-out rest, and the model saves to / loads from JSON
+(:meth:`FittedCostModel.save`, :meth:`FittedCostModel.load`)::
+
+    python -m benchmarks.cost_model refit RUN.json [--key device_ms] [--train-on recheck] [--out MODEL.json]
 """
 
 from __future__ import annotations
@@ -32,6 +39,8 @@ __all__ = [
     "default_cost_model",
     "evaluate",
     "table_row_shape",
+    "iteration_shape",
+    "refit_to_iterations",
     "DEFAULT_TABLE",
 ]
 
@@ -450,6 +459,28 @@ class FittedCostModel:
             t = self.fallback_scale * self.fallback.forward_time_s(shape)
         return t if t > self._floor_s else self._floor_s
 
+    def save(self, path) -> None:
+        """Write the model (coefficients, knees, trust region, fallback) as JSON."""
+        fb = self.fallback
+        document = {
+            "kind": "FittedCostModel", "coef": list(self.coef), "gemm_knee": self.gemm_knee,
+            "attn_knee": self.attn_knee, "fallback_scale": self.fallback_scale, "floor_s": self._floor_s,
+            "range": dict(zip(_Range.__dataclass_fields__, (self.range.tokens, self.range.chunk_kv,
+                                                             self.range.decodes, self.range.decode_ctx))),
+            "model_shape": {k: getattr(fb.model, k) for k in ModelShape.__dataclass_fields__},
+            "gpu": {k: getattr(fb.gpu, k) for k in GpuSpec.__dataclass_fields__},
+        }
+        Path(path).write_text(json.dumps(document, indent=2))
+
+    @classmethod
+    def load(cls, path) -> "FittedCostModel":
+        d = json.loads(Path(path).read_text())
+        if d.get("kind") != "FittedCostModel":
+            raise ValueError(f"{path}: not a saved FittedCostModel")
+        fallback = RooflineCostModel(ModelShape(**d["model_shape"]), GpuSpec(**d["gpu"]))
+        return cls(d["coef"], d["gemm_knee"], d["attn_knee"], fallback, d["fallback_scale"], _Range(**d["range"]),
+                   d["floor_s"])
+
     def describe(self) -> dict:
         names = ("fixed_s", "gemm_s_per_token", "token_s", "ctx_attn_s_per_pair", "prefix_s_per_token",
                  "decode_kv_s_per_token", "row_s")
@@ -480,3 +511,102 @@ def evaluate(model: CostModel, table_path) -> dict:
         return errs[lo] + (errs[hi] - errs[lo]) * (pos - lo)
 
     return {"median_rel_err": quantile(0.5), "p90_rel_err": quantile(0.9), "max_rel_err": errs[-1], "rows": n}
+
+
+# ---- refit to an engine's own iterations ---------------------------------------------------
+
+
+def iteration_shape(row: dict) -> ForwardShape:
+    """The shape of one recorded iteration: ``contexts`` as [[new, prefix], ...] and ``decodes``
+    as the context of each one-token decode (the rows ``gpu_sim_check`` writes)."""
+    return ForwardShape(contexts=tuple((int(n), int(p)) for n, p in row["contexts"]),
+                        decodes=tuple((1, int(c)) for c in row["decodes"]))
+
+
+def relative_errors(predicted: list[float], measured: list[float]) -> dict:
+    """Median and p90 of ``|predicted - measured| / measured`` (and the median signed error)."""
+    rel = sorted(abs(p - m) / m for p, m in zip(predicted, measured) if m > 0)
+    signed = sorted((p - m) / m for p, m in zip(predicted, measured) if m > 0)
+    if not rel:
+        return {"n": 0}
+
+    def q(values: list[float], f: float) -> float:
+        pos = f * (len(values) - 1)
+        lo = math.floor(pos)
+        hi = min(lo + 1, len(values) - 1)
+        return values[lo] + (values[hi] - values[lo]) * (pos - lo)
+
+    return {"median_rel_err": q(rel, 0.5), "p90_rel_err": q(rel, 0.9), "max_rel_err": rel[-1],
+            "median_signed_err": q(signed, 0.5), "n": len(rel)}
+
+
+def refit_to_iterations(train: list[dict], test: list[dict] | None = None, *, key: str = "device_ms",
+                        fallback: RooflineCostModel | None = None) -> tuple[FittedCostModel, dict]:
+    """Fit the :class:`FittedCostModel` form to measured iterations and check it on others.
+
+    ``train``/``test``: rows with ``contexts``, ``decodes`` and ``key`` (milliseconds). Without
+    ``test`` the rows are split alternately: even rows train, odd rows are held out (iterations
+    of one replay are ordered in time, so both halves see every phase of it). Returns the model
+    and its errors on the held-out rows (``relative_errors``), with the row counts.
+    """
+    rows = [r for r in train if r.get(key)]
+    if test is None:
+        rows, test = rows[::2], rows[1::2]
+    test = [r for r in test if r.get(key)]
+    if len(rows) < 10:
+        raise ValueError(f"need at least 10 measured iterations to refit, got {len(rows)}")
+    model = FittedCostModel.from_shapes([iteration_shape(r) for r in rows], [r[key] * 1e-3 for r in rows],
+                                        fallback or RooflineCostModel())
+    errors = relative_errors([model.forward_time_s(iteration_shape(r)) * 1e3 for r in test], [r[key] for r in test])
+    return model, {**errors, "train_rows": len(rows), "test_rows": len(test)}
+
+
+def _iteration_rows(document: dict, policy: str | None) -> dict[str, list[dict]]:
+    """Per-iteration rows by replay in a GPU run's JSON (``gpu_bench``/``gpu_phase_b`` output)."""
+    found: dict[str, list[dict]] = {}
+
+    def walk(node, name):
+        if isinstance(node, dict):
+            if isinstance(node.get("per_iteration"), list):
+                found[node.get("policy") or name] = node["per_iteration"]
+            for k, v in node.items():
+                walk(v, k)
+
+    walk(document, "run")
+    if policy is not None:
+        found = {k: v for k, v in found.items() if k == policy} or found
+    return found
+
+
+def main(argv=None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m benchmarks.cost_model", description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    r = sub.add_parser("refit", help="refit to a GPU run's iterations; report the held-out error")
+    r.add_argument("run", help="a GPU run's JSON with per_iteration rows")
+    r.add_argument("--key", default="device_ms", help="the measured time of a row (ms)")
+    r.add_argument("--train-on", default=None, help="the replay whose iterations train (default: the first)")
+    r.add_argument("--out", default=None, help="write the refitted model here (FittedCostModel.load reads it)")
+    args = p.parse_args(argv)
+    replays = _iteration_rows(json.loads(Path(args.run).read_text()), None)
+    if not replays:
+        raise SystemExit(f"{args.run}: no per_iteration rows")
+    name = args.train_on or next(iter(replays))
+    model, held_out = refit_to_iterations(replays[name], key=args.key)
+    print(f"refit on half of {name}'s {len(replays[name])} iterations; the other half: median "
+          f"{held_out['median_rel_err']:.1%}, p90 {held_out['p90_rel_err']:.1%} (n={held_out['n']})")
+    for other, rows in replays.items():
+        if other != name:
+            e = relative_errors([model.forward_time_s(iteration_shape(x)) * 1e3 for x in rows if x.get(args.key)],
+                                [x[args.key] for x in rows if x.get(args.key)])
+            if e.get("n"):
+                print(f"  on {other}: median {e['median_rel_err']:.1%}, p90 {e['p90_rel_err']:.1%} (n={e['n']})")
+    if args.out:
+        model.save(args.out)
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -249,6 +249,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--policies", type=_policies, default=list(POLICIES), help="comma-separated subset of " + ",".join(KNOWN_POLICIES))
     p.add_argument("--engine", default=d.engine, choices=ENGINES)
     p.add_argument("--model", default=d.model, choices=sorted(MODEL_PRESETS), help="torch engine's model")
+    p.add_argument("--device", default=d.device, choices=("cpu", "cuda"), help="torch engine's device")
+    p.add_argument("--disable-overlap-scheduler", action=argparse.BooleanOptionalAction, default=None,
+                   help="default: upstream's (overlap on CUDA, off on the CPU)")
     p.add_argument("--max-num-tokens", type=_positive_int, default=d.max_num_tokens)
     p.add_argument("--num-requests", type=_positive_int, default=None, help="keep the first N requests")
     p.add_argument("--seed", type=int, default=0, help="scenario seed; Azure content seed; --qps arrival seed")
@@ -299,6 +302,8 @@ def settings_from_args(args: argparse.Namespace) -> tuple[TraceSpec, ReplaySetti
         enable_block_reuse=args.enable_block_reuse,
         enable_partial_reuse=args.enable_partial_reuse,
         enable_chunked_prefill=args.enable_chunked_prefill,
+        device=args.device,
+        disable_overlap_scheduler=args.disable_overlap_scheduler,
     )
     if not (math.isfinite(args.time_scale) and args.time_scale >= 0):
         raise SystemExit(f"--time-scale must be finite and >= 0, got {args.time_scale}")

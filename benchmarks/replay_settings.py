@@ -49,8 +49,14 @@ class ReplaySettings:
     enable_chunked_prefill: bool = True
     capacity_scheduler_policy: str = CapacitySchedulerPolicy.GUARANTEED_NO_EVICT.value
     context_chunking_policy: str = ContextChunkingPolicy.FIRST_COME_FIRST_SERVED.value
+    device: str = "cpu"  # torch engine: where the model and the KV pool live ("cuda": the GPU engine)
+    disable_overlap_scheduler: bool | None = None  # None: upstream's default (overlap on CUDA)
 
     def __post_init__(self) -> None:
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
+        if self.device == "cuda" and self.engine != "torch":
+            raise ValueError("device='cuda' runs the torch engine (--engine torch); the sim engine has no device")
         if self.engine not in ENGINES:
             raise ValueError(f"engine must be one of {ENGINES}, got {self.engine!r}")
         if self.model not in MODEL_PRESETS:
@@ -80,6 +86,7 @@ class ReplaySettings:
             capacity_scheduler_policy=self.capacity_scheduler_policy,
             token_budget_policy=policy,
             kv_cache_config=kv,
+            disable_overlap_scheduler=self.disable_overlap_scheduler,
         )
 
     @property
@@ -99,7 +106,7 @@ class ReplaySettings:
     def build_engine(self, policy: str, max_seq_len: int) -> Engine:
         if self.engine == "torch":
             config = self.executor_config(policy, max_seq_len=max_seq_len, kv_bytes_per_token=torch_kv_bytes_per_token(self.model))
-            return build_torch_engine(config, model_name=self.model)
+            return build_torch_engine(config, model_name=self.model, device=self.device)
         shape = ModelShape()
         config = self.executor_config(policy, max_seq_len=max_seq_len, kv_bytes_per_token=shape.kv_bytes_per_token())
         return build_sim_engine(config, cost_model=_cost_model(), model_shape=shape, vocab_size=self.vocab_size)

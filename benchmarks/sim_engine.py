@@ -173,13 +173,27 @@ def torch_vocab_size(model_name: str) -> int:
     return MODEL_PRESETS[model_name].vocab_size
 
 
-def build_torch_engine(config: ExecutorConfig, *, model_name: str = "tiny-random") -> Engine:
-    """A real (random-weight) model on the local device; forward times are measured."""
+_MODELS: dict[tuple[str, str], LlamaForCausalLM] = {}
+
+
+def torch_model(model_name: str, device: str = "cpu") -> LlamaForCausalLM:
+    """The preset's random-weight model on ``device``, built once per process: its weights are
+    only read, and every policy of a replay runs the same model (on a GPU, 24.5 GB for Nemo)."""
+    key = (model_name, device)
+    if key not in _MODELS:
+        _MODELS[key] = LlamaForCausalLM(MODEL_PRESETS[model_name], device=None if device == "cpu" else device)
+    return _MODELS[key]
+
+
+def build_torch_engine(config: ExecutorConfig, *, model_name: str = "tiny-random", device: str = "cpu") -> Engine:
+    """A real (random-weight) model on ``device``; forward times are measured (wall clock, the
+    clock restarted after the engine's warm-up: CUDA-graph capture is not serving time)."""
     if model_name not in MODEL_PRESETS:
         raise ValueError(f"unknown model {model_name!r}; presets: {', '.join(sorted(MODEL_PRESETS))}")
     model_config = MODEL_PRESETS[model_name]
     clock = SkippingWallClock()
-    executor = create_py_executor(config, model=LlamaForCausalLM(model_config), clock=clock)
+    executor = create_py_executor(config, model=torch_model(model_name, device), clock=clock)
+    clock.restart()
     description = {
         "engine": "torch",
         "clock": "wall (idle gaps skipped)",
@@ -189,7 +203,8 @@ def build_torch_engine(config: ExecutorConfig, *, model_name: str = "tiny-random
             for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
                          "intermediate_size", "dtype", "seed")
         },
-        "device": "cpu",
+        "device": device,
+        "overlap": executor.overlap,
     }
     return Engine(executor, clock, model_config.vocab_size, torch_kv_bytes_per_token(model_name), description)
 

@@ -185,8 +185,14 @@ class ExecutorConfig:
     iter_stats_max_iterations: int | None = None
     fault_injection: FaultInjectionConfig | None = None
     cuda_graph_config: CudaGraphConfig | None = field(default_factory=CudaGraphConfig)  # None: no graphs
+    # Upstream's overlap scheduler: schedule and prepare iteration n+1 while the engine runs n.
+    # None (default): on when the engine completes asynchronously (CUDA), off on the CPU, whose
+    # engine is synchronous (nothing to hide the host's work behind). See PyExecutor.
+    disable_overlap_scheduler: bool | None = None
 
     def __post_init__(self) -> None:
+        if self.disable_overlap_scheduler is not None and not isinstance(self.disable_overlap_scheduler, bool):
+            raise ValueError(f"disable_overlap_scheduler must be a bool or None, got {self.disable_overlap_scheduler!r}")
         for name in ("max_batch_size", "max_num_tokens", "max_seq_len"):
             _positive(name, getattr(self, name))
         _positive_seconds("health_check_timeout_s", self.health_check_timeout_s)

@@ -126,12 +126,15 @@ class CudaGraphRunner:
         longs[2, n:] = self.scratch_block * tpb
         return _Step(size, n, longs, seq_lens, tables)
 
-    def replay(self, step: "_Step") -> tuple[torch.Tensor, torch.Tensor]:
+    def replay(self, step: "_Step", fill: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Copy the step in and replay (capturing the size first if needed); returns device views
-        (logits (n, vocab), tokens (n,)) valid until the next replay of that size."""
+        (logits (n, vocab), tokens (n,)) valid until the next replay of that size. ``fill``:
+        (rows, tokens) on the device written over the step's ids (overlap: tokens still in flight)."""
         g = self._graphs.get(step.size) or self._capture(step.size)
         used = step.tables.shape[1]
         g.longs.copy_(torch.from_numpy(step.longs).pin_memory(), non_blocking=True)
+        if fill is not None:
+            g.longs[0].index_copy_(0, *fill)
         g.seq_lens.copy_(torch.from_numpy(step.seq_lens).pin_memory(), non_blocking=True)
         g.tables[:, :used].copy_(torch.from_numpy(step.tables).pin_memory(), non_blocking=True)
         g.graph.replay()

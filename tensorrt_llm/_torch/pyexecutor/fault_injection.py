@@ -19,7 +19,7 @@ import torch
 
 from tensorrt_llm._torch.pyexecutor.config import FaultInjectionConfig
 from tensorrt_llm._torch.pyexecutor.errors import ExecutorError
-from tensorrt_llm._torch.pyexecutor.model_engine import ForwardOutput, ModelEngine
+from tensorrt_llm._torch.pyexecutor.model_engine import ForwardOutput, ModelEngine, PendingForward
 from tensorrt_llm._torch.pyexecutor.scheduled_requests import ScheduledRequests
 
 logger = logging.getLogger(__name__)
@@ -59,7 +59,18 @@ class FaultInjectingEngine:
     def supports_draft_tokens(self) -> bool:
         return self.engine.supports_draft_tokens
 
+    @property
+    def completes_asynchronously(self) -> bool:
+        return self.engine.completes_asynchronously
+
+    def can_pick(self, request) -> bool:
+        return self.engine.can_pick(request)
+
     def forward(self, scheduled: ScheduledRequests) -> ForwardOutput:
+        return self.forward_async(scheduled).result()
+
+    def forward_async(self, scheduled: ScheduledRequests) -> PendingForward:
+        """Faults at launch (sleep, error); NaN logits when the forward's result is taken."""
         self._num_forwards += 1
         n, c = self._num_forwards, self.config
         if _due(n, c.slow_forward_every):
@@ -69,10 +80,18 @@ class FaultInjectingEngine:
         if _due(n, c.forward_error_every):
             self.faults_injected["forward_error"] += 1
             raise InjectedForwardError(f"fault injection: forward {n} failed (forward_error_every={c.forward_error_every})")
-        output = self.engine.forward(scheduled)
-        if _due(n, c.nan_logits_every):
+        pending = self.engine.forward_async(scheduled)
+        if not _due(n, c.nan_logits_every):
+            return pending
+
+        def poisoned() -> ForwardOutput:
+            output = pending.result()
             self._poison_one(output, n)
-        return output
+            return output
+
+        wrapped = PendingForward.deferred(poisoned, None)
+        wrapped.num_tokens = pending.num_tokens
+        return wrapped
 
     def _poison_one(self, output: ForwardOutput, n: int) -> None:
         rows = sorted(rid for rid, logits in output.logits.items() if logits is not None)
@@ -80,6 +99,8 @@ class FaultInjectingEngine:
             return  # nobody samples in this forward (or a simulated engine): nothing to poison
         victim = self._rng.choice(rows)
         output.logits[victim] = torch.full_like(output.logits[victim], float("nan"))
+        if output.nonfinite is not None:  # an engine that checked on its device: it would have seen it
+            output.nonfinite.add(victim)
         self.faults_injected["nan_logits"] += 1
         logger.warning("fault injection: forward %d gives request %d NaN logits", n, victim)
 

@@ -41,7 +41,7 @@ from tensorrt_llm._torch.pyexecutor.block_pool import TOKEN_BYTES, BlockPool, Bl
 from tensorrt_llm._torch.pyexecutor.config import KvCacheConfig
 from tensorrt_llm._torch.pyexecutor.forward_cost import forward_cost
 from tensorrt_llm._torch.pyexecutor.kv_storage import KVCacheStorage
-from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequest, LlmRequestState
+from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequest, LlmRequestState, num_in_flight_tokens
 from tensorrt_llm._torch.pyexecutor.scheduled_requests import ContextChunk, ScheduledRequests
 
 logger = logging.getLogger(__name__)
@@ -382,7 +382,8 @@ class KVCacheManager:
             seq = sequences.get(request.request_id)
             if seq is None or request.state is error:
                 continue
-            seq.num_computed = computed = len(request.tokens) - 1  # the newest sampled token has no KV yet
+            # the newest sampled token has no KV yet; neither has a token still in flight (overlap)
+            seq.num_computed = computed = len(request.tokens) - 1 - num_in_flight_tokens(request.tokens)
             if reuse and computed // tpb > seq.num_committed:  # a block filled up
                 self._commit_full_blocks(request, seq)
 

@@ -15,6 +15,7 @@ Ownership: every mutable field has one writer; everyone else only reads it.
 field                                              written by
 =================================================  ==========================================
 ``state``, ``tokens``, ``prompt_len``,             ``PyExecutor``: sampling, completion,
+                                                   the in-flight placeholder (overlap),
 ``is_first_draft``, ``error``, ``is_cancelled``,   errors, cancellation, ``pause()`` (a
 ``first_token_time``, ``finish_time``              MAX_UTILIZATION preemption)
 ``context_current_position``,                      ``PyExecutor``, after a forward: the chunk
@@ -29,6 +30,15 @@ field                                              written by
 
 The scheduler, the token-budget policy and the KV manager read requests and return
 decisions; none of them writes a request field.
+
+Overlap scheduling (``PyExecutor`` with ``disable_overlap_scheduler=False``): when a forward
+that samples a request's next token is launched, the executor appends
+:data:`IN_FLIGHT_TOKEN_ID` to ``tokens`` in that token's place, so that everyone who reads a
+sequence length (the scheduler, the KV manager, ``_prepare_tp_inputs``) charges the request
+its next position before the token is known; the engine feeds the token it picked into the
+next forward, and the executor writes the token over the placeholder when the forward
+completes. At most two placeholders trail a sequence (one per forward in flight); none is
+ever sent in a response.
 """
 
 from __future__ import annotations
@@ -36,6 +46,19 @@ from __future__ import annotations
 import enum
 import itertools
 from dataclasses import dataclass, field
+
+
+IN_FLIGHT_TOKEN_ID = -1  # in ``tokens``: a token a forward in flight is sampling (overlap)
+
+
+def num_in_flight_tokens(tokens: list[int]) -> int:
+    """Trailing placeholders of tokens still being sampled by forwards in flight."""
+    count = 0
+    for token in reversed(tokens):
+        if token != IN_FLIGHT_TOKEN_ID:
+            break
+        count += 1
+    return count
 
 
 class LlmRequestState(enum.Enum):

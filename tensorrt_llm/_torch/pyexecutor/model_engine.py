@@ -7,12 +7,21 @@ against ``max_num_tokens`` the way upstream asserts it, except that here it rais
 :class:`TokenBudgetExceeded`, which fails the batch instead of killing the executor thread. Subclasses run the
 prepared inputs: :class:`TorchModelEngine` through a real torch model; the replay's
 simulated engine through a cost model.
+
+``forward_async`` launches a forward and returns a :class:`PendingForward` (the CUDA engine
+returns before the GPU has run it; a host engine built ``asynchronous=True`` runs it when its
+result is first asked for, in launch order); ``forward`` waits for it. Under the overlap
+scheduler a generation request can be in the next forward before its newest token is known:
+its ``tokens`` end with ``IN_FLIGHT_TOKEN_ID`` (see ``llm_request``), and the engine puts in
+that slot the token it picked for the request in the previous forward (:meth:`ModelEngine.can_pick`
+says for which requests an engine picks the token the sampler will return).
 """
 
 from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
+from typing import Callable, Mapping
 
 import numpy as np
 import torch
@@ -24,7 +33,7 @@ from tensorrt_llm._torch.pyexecutor.cuda_graph_runner import CudaGraphRunner
 from tensorrt_llm._torch.pyexecutor.errors import TokenBudgetExceeded
 from tensorrt_llm._torch.pyexecutor.forward_cost import forward_cost
 from tensorrt_llm._torch.pyexecutor.kv_cache_manager import KVCacheManager
-from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequest
+from tensorrt_llm._torch.pyexecutor.llm_request import IN_FLIGHT_TOKEN_ID, LlmRequest
 from tensorrt_llm._torch.pyexecutor.scheduled_requests import ScheduledRequests
 
 PAD_TOKEN_ID = 0  # fills first-draft slots before the drafter has proposed anything
@@ -37,11 +46,15 @@ class TpInputs:
     ``i`` produce a token this step) are filled as requests are added. The flat
     ``input_ids`` and ``position_ids`` and the ``block_tables`` are built on first use — a
     simulated engine never needs them, and a context chunk can be thousands of tokens — so
-    they must be read before the KV manager allocates again (in the same iteration).
+    they must be read before the KV manager allocates again (in the same iteration), or taken
+    at launch by :meth:`materialize` when the forward runs later.
+
+    ``in_flight``: ``(flat index, request index)`` of each generation input whose token a
+    forward in flight is still sampling (overlap); :meth:`resolve` fills them in.
     """
 
     __slots__ = (
-        "requests", "num_new_tokens", "num_cached_tokens", "samples", "total_num_tokens",
+        "requests", "num_new_tokens", "num_cached_tokens", "samples", "total_num_tokens", "in_flight",
         "_pieces", "_beams", "_tables", "_kv", "_input_ids", "_position_ids", "_block_tables",
     )
 
@@ -51,6 +64,7 @@ class TpInputs:
         self.num_cached_tokens: list[int] = []
         self.samples: list[bool] = []
         self.total_num_tokens = 0
+        self.in_flight: list[tuple[int, int]] = []
         self._pieces: list[tuple[list[int], int, int, list[int]]] = []  # token source, start, stop, then extra
         self._beams: list[int] = []
         self._tables: list[list[int] | None] = []  # None: the request's table in the KV manager
@@ -80,6 +94,8 @@ class TpInputs:
                 token_ids = [tokens[-1], *request.py_draft_tokens]
             else:  # one position per beam
                 token_ids = [tokens[-1]] * beams
+                if token_ids[0] == IN_FLIGHT_TOKEN_ID:
+                    self.in_flight.append((self.total_num_tokens + count, len(self._beams)))  # (flat, request index)
             self._pieces.append((token_ids, 0, len(token_ids), ()))
             self.num_new_tokens.append(len(token_ids))
             self.num_cached_tokens.append(len(tokens) - 1)
@@ -105,6 +121,27 @@ class TpInputs:
         self._tables.append(block_table)
         self.total_num_tokens += count
         self._input_ids = self._position_ids = self._block_tables = None
+
+    def resolve(self, picks: Mapping[int, int]) -> None:
+        """Fill each in-flight input with the token the engine picked for its request in the
+        previous forward (``picks``: request id to token). A request with no pick (its previous
+        forward failed) gets token 0: it has failed already, and this forward's output for it is dropped."""
+        for flat, index in self.in_flight:
+            token = picks.get(self.requests[index].request_id, 0)
+            self._pieces[index][0][0] = token  # the generation piece's own list
+            if self._input_ids is not None:
+                self._input_ids[flat] = token
+
+    def materialize(self) -> None:
+        """Build the flat inputs and copy the block tables now: a forward that runs after
+        launch must not read request or KV state that has moved on since."""
+        self.input_ids, self.position_ids  # noqa: B018 (built and kept)
+        self._block_tables = [list(table) for table in self.block_tables]
+
+    def last_input_id(self, index: int) -> int:
+        """The last input token of request ``index`` (the one whose logits it samples from)."""
+        source, _start, stop, extra = self._pieces[index]
+        return extra[-1] if extra else source[stop - 1]
 
     @property
     def input_ids(self) -> list[int]:
@@ -138,33 +175,101 @@ class TpInputs:
 @dataclass(slots=True)
 class ForwardOutput:
     """Per request that samples: the logits row of its last position (None for simulated engines),
-    and, from engines that pick on the device, the greedy token (the argmax of that row)."""
+    and, from engines that pick on the device, the greedy token (the argmax of that row).
+
+    ``nonfinite``: from engines that check on the device, the requests whose logits row holds NaN
+    or inf (None: not checked; the sampler checks the row itself). Checking a device row on the
+    host would wait for the device, and with it for the next forward already queued (overlap)."""
 
     logits: dict[int, torch.Tensor | None]
     num_tokens: int = 0  # positions in the forward
     greedy_tokens: dict[int, int] | None = None
+    nonfinite: set[int] | None = None
 
 
 class ModelEngine(abc.ABC):
-    """Shared input preparation; subclasses implement :meth:`_run`."""
+    """Shared input preparation; subclasses implement :meth:`_run` (and may launch on a device).
+
+    ``asynchronous``: on a host engine, :meth:`forward_async` returns before the forward has
+    run; it runs when its result (or a later forward's) is first asked for, in launch order,
+    over inputs taken at launch. This is how the CPU tests run the overlap scheduler against an
+    engine that completes later. Only an engine without KV data may defer this way (the
+    simulated one): the KV manager's host-side block copies (onboarding, partial-reuse copies)
+    would otherwise run before a forward launched earlier, which a CUDA stream never allows.
+    A torch engine on the CPU runs each forward at launch, in order with those copies, and
+    still delivers its tokens one iteration later under overlap.
+    """
 
     #: largest beam width / whether draft tokens can be run; checked at submission.
     max_beam_width: int = 1
     supports_draft_tokens: bool = False
 
-    def __init__(self, max_num_tokens: int, kv_cache_manager: KVCacheManager) -> None:
+    def __init__(self, max_num_tokens: int, kv_cache_manager: KVCacheManager, *, asynchronous: bool = False) -> None:
         self.max_num_tokens = max_num_tokens
         self.kv_cache_manager = kv_cache_manager
+        self.asynchronous = asynchronous
+        self._previous: PendingForward | None = None  # the last forward launched on the host
 
     @property
     @abc.abstractmethod
     def vocab_size(self) -> int: ...
 
+    @property
+    def completes_asynchronously(self) -> bool:
+        """True when :meth:`forward_async` returns before the forward has run: the overlap
+        scheduler then hides the host's work behind it (and is on by default)."""
+        return self.asynchronous
+
+    def can_pick(self, request: LlmRequest) -> bool:
+        """Whether this engine picks, in the forward itself, the very token the sampler will
+        return for ``request`` (so the request can be in the next forward before the token
+        reaches the host). Greedy, one beam, no drafts, and an engine that picks."""
+        return (
+            self.picks_tokens
+            and request.beam_width == 1
+            and not request.py_draft_tokens
+            and not request.is_first_draft
+            and request.sampling_config.is_greedy
+        )
+
+    #: whether forwards carry ``greedy_tokens`` (the engine's own pick for each sampling request)
+    picks_tokens: bool = False
+
     def forward(self, scheduled: ScheduledRequests) -> ForwardOutput:
+        return self.forward_async(scheduled).result()
+
+    def forward_async(self, scheduled: ScheduledRequests) -> "PendingForward":
+        """Prepare the inputs (TokenBudgetExceeded past the budget, before anything runs) and launch."""
         inputs = self._prepare_tp_inputs(scheduled)
-        output = self._run(inputs)
-        output.num_tokens = inputs.total_num_tokens
-        return output
+        pending = self._launch(inputs)
+        pending.num_tokens = inputs.total_num_tokens
+        return pending
+
+    def _launch(self, inputs: TpInputs) -> "PendingForward":
+        """A host forward: now, or later in launch order when the engine is asynchronous. Its
+        in-flight inputs take the previous forward's picks."""
+        previous = self._previous
+        run = self._host_forward(inputs)
+
+        def complete() -> ForwardOutput:
+            if inputs.in_flight:
+                inputs.resolve(previous.picks() if previous is not None else {})
+            output = run()
+            output.num_tokens = inputs.total_num_tokens
+            return output
+
+        if self.asynchronous:
+            pending = PendingForward.deferred(complete, previous)
+        else:
+            pending = PendingForward.ready(complete())
+        self._previous = pending
+        return pending
+
+    def _host_forward(self, inputs: TpInputs) -> Callable[[], ForwardOutput]:
+        """Take what running ``inputs`` later needs now (state moves on after launch)."""
+        if self.asynchronous:
+            inputs.materialize()
+        return lambda: self._run(inputs)
 
     def _prepare_tp_inputs(self, scheduled: ScheduledRequests) -> TpInputs:
         """Flat inputs for the batch; raises TokenBudgetExceeded past ``max_num_tokens``."""
@@ -201,6 +306,7 @@ class TorchModelEngine(ModelEngine):
     """
 
     time_forwards: bool = False
+    picks_tokens = True  # the greedy pick of every sampling row, made on the model's device
 
     def __init__(
         self,
@@ -221,6 +327,8 @@ class TorchModelEngine(ModelEngine):
         if storage.device != self.device:
             raise ValueError(f"the KV pools are on {storage.device}, the model on {self.device}")
         self.graph_runner: CudaGraphRunner | None = None
+        # The previous CUDA launch's picks, on the device: request id -> row, and the tokens.
+        self._device_picks: tuple[dict[int, int], torch.Tensor] | None = None
         if self.device.type == "cuda" and cuda_graph_config is not None:
             self.graph_runner = CudaGraphRunner(
                 model,
@@ -234,6 +342,15 @@ class TorchModelEngine(ModelEngine):
     @property
     def vocab_size(self) -> int:
         return self.model.config.vocab_size
+
+    @property
+    def completes_asynchronously(self) -> bool:
+        return self.device.type == "cuda"
+
+    def _launch(self, inputs: TpInputs) -> "PendingForward":
+        if self.device.type == "cuda":
+            return self.launch(inputs)
+        return super()._launch(inputs)
 
     def warmup(self) -> None:
         """Capture the decode graphs of every batch size now rather than at first use (also
@@ -270,18 +387,25 @@ class TorchModelEngine(ModelEngine):
                 rows.append(offset - 1)  # the last position of the request predicts its next token
                 sampling.append(request.request_id)
         logits = self.model.compute_logits(hidden[rows]) if rows else hidden.new_empty((0, self.vocab_size))
-        return ForwardOutput(logits=dict(zip(sampling, logits)))
+        greedy = logits.argmax(dim=-1).tolist() if rows else []
+        return ForwardOutput(logits=dict(zip(sampling, logits)), greedy_tokens=dict(zip(sampling, greedy)))
 
     @torch.inference_mode()
     def launch(self, inputs: TpInputs) -> "PendingForward":
         """Enqueue one forward on the device and return at once (CUDA; on the CPU it is done).
 
         Raises ValueError, before anything is enqueued, for token ids outside the vocabulary
-        or positions past the model's (the device forward does not check them).
+        or positions past the model's (the device forward does not check them). In-flight
+        inputs (overlap) take the previous launch's picks on the device, never via the host.
         """
         if self.device.type == "cpu":
             return PendingForward.ready(self._run_cpu(inputs))
         ids = np.asarray(inputs.input_ids, dtype=np.int64)
+        fill = None
+        if inputs.in_flight:
+            slots = [flat for flat, _ in inputs.in_flight]
+            ids[slots] = 0
+            fill = self._in_flight_fill(inputs, slots)
         positions = np.asarray(inputs.position_ids, dtype=np.int64)
         config = self.model.config
         if ids.size and (ids.min() < 0 or ids.max() >= config.vocab_size):
@@ -302,16 +426,26 @@ class TorchModelEngine(ModelEngine):
         start = None
         if size is not None:
             # A decode batch: every request samples, its one row in order.
-            step = self.graph_runner.prepare(size, inputs.input_ids, inputs.num_cached_tokens, inputs.block_tables)
+            step = self.graph_runner.prepare(size, ids, inputs.num_cached_tokens, inputs.block_tables)
             if self.time_forwards:
                 start = _record_event()
-            logits, tokens = self.graph_runner.replay(step)
+            logits, tokens = self.graph_runner.replay(step, fill)
         else:
             plan = self._plan(inputs)
             if self.time_forwards:
                 start = _record_event()
-            logits, tokens = self._forward_eager(plan, ids, positions, rows)
+            logits, tokens = self._forward_eager(plan, ids, positions, rows, fill)
+        self._device_picks = (dict(zip(sampling, range(len(sampling)))), tokens)
         return PendingForward.launch(sampling, logits, tokens, start)
+
+    def _in_flight_fill(self, inputs: TpInputs, slots: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(flat slots, their tokens) on the device: each in-flight input's pick from the previous launch."""
+        if self._device_picks is None:
+            raise RuntimeError("a forward has in-flight inputs but no forward was launched before it")
+        index, tokens = self._device_picks
+        rows = [index[inputs.requests[i].request_id] for _, i in inputs.in_flight]
+        picked = tokens.index_select(0, host_to_device(np.asarray(rows, dtype=np.int64), self.device))
+        return host_to_device(np.asarray(slots, dtype=np.int64), self.device), picked
 
     def _plan(self, inputs: TpInputs) -> PagedAttentionPlan:
         return build_plan(
@@ -324,10 +458,13 @@ class TorchModelEngine(ModelEngine):
             device=self.device,
         )
 
-    def _forward_eager(self, plan: PagedAttentionPlan, ids: np.ndarray, positions: np.ndarray, rows: list[int]):
+    def _forward_eager(self, plan: PagedAttentionPlan, ids: np.ndarray, positions: np.ndarray, rows: list[int], fill=None):
         storage = self.kv_cache_manager.storage
+        ids_device = host_to_device(ids, self.device)
+        if fill is not None:
+            ids_device.index_copy_(0, *fill)
         hidden = self.model.forward_with_plan(
-            host_to_device(ids, self.device), host_to_device(positions, self.device), plan, storage.k_cache, storage.v_cache
+            ids_device, host_to_device(positions, self.device), plan, storage.k_cache, storage.v_cache
         )  # (T, hidden)
         if not rows:
             return hidden.new_empty((0, self.vocab_size)), torch.empty(0, dtype=torch.int64, device=self.device)
@@ -347,10 +484,15 @@ class PendingForward:
     the same graph size (they may live in a CUDA graph's static output).
     """
 
-    __slots__ = ("_output", "_event", "_start", "_tokens_host", "_request_ids", "_logits")
+    __slots__ = ("_output", "_event", "_start", "_tokens_host", "_request_ids", "_logits", "_compute", "_previous",
+                 "_error", "num_tokens")
 
     def __init__(self) -> None:
         self._output: ForwardOutput | None = None
+        self._compute: Callable[[], ForwardOutput] | None = None
+        self._previous: PendingForward | None = None
+        self._error: BaseException | None = None
+        self.num_tokens = 0  # positions in the forward
         self._event = None
         self._start = None
         self._tokens_host = None
@@ -364,6 +506,21 @@ class PendingForward:
         return pending
 
     @classmethod
+    def deferred(cls, compute: Callable[[], ForwardOutput], previous: "PendingForward | None") -> "PendingForward":
+        """A host forward that runs when its result is first asked for, after ``previous``."""
+        pending = cls()
+        pending._compute = compute
+        pending._previous = previous
+        return pending
+
+    def picks(self) -> Mapping[int, int]:
+        """The engine's token for each request that sampled (waits for the forward); empty if it failed."""
+        try:
+            return self.result().greedy_tokens or {}
+        except Exception:
+            return {}
+
+    @classmethod
     def launch(
         cls, request_ids: list[int], logits: torch.Tensor, tokens: torch.Tensor, start: torch.cuda.Event | None = None
     ) -> "PendingForward":
@@ -375,13 +532,20 @@ class PendingForward:
         pending._logits = logits
         pending._tokens_host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=tokens.numel() > 0)
         if tokens.numel():
-            pending._tokens_host.copy_(tokens, non_blocking=True)
+            # one copy carries the picks and the finiteness check: -1 for a row with NaN or inf
+            checked = torch.where(torch.isfinite(logits).all(dim=-1), tokens, torch.full_like(tokens, -1))
+            pending._tokens_host.copy_(checked, non_blocking=True)
         pending._event = _record_event()
         return pending
 
+    @property
+    def events(self) -> tuple | None:
+        """(start, end) CUDA events of the forward (engines with ``time_forwards``), else None."""
+        return (self._start, self._event) if self._start is not None else None
+
     def done(self) -> bool:
         """True once the result can be had without waiting."""
-        return self._output is not None or self._event.query()
+        return self._output is not None or (self._event is not None and self._event.query())
 
     def device_time_ms(self) -> float | None:
         """The forward's device time (engines with ``time_forwards``), once ``result()`` returned."""
@@ -390,12 +554,24 @@ class PendingForward:
         return self._start.elapsed_time(self._event)
 
     def result(self) -> ForwardOutput:
+        if self._error is not None:
+            raise self._error
+        if self._output is None and self._compute is not None:
+            compute, previous, self._compute, self._previous = self._compute, self._previous, None, None
+            if previous is not None:
+                previous.picks()  # launch order: the previous forward runs first (its failure is its own)
+            try:
+                self._output = compute()
+            except BaseException as error:
+                self._error = error
+                raise
         if self._output is None:
             self._event.synchronize()
-            tokens = self._tokens_host.tolist()
+            tokens = self._tokens_host.tolist()  # -1: a row that is not finite (see launch)
             self._output = ForwardOutput(
                 logits=dict(zip(self._request_ids, self._logits)),
                 greedy_tokens=dict(zip(self._request_ids, tokens)),
+                nonfinite={rid for rid, token in zip(self._request_ids, tokens) if token < 0},
             )
         return self._output
 

@@ -7,10 +7,35 @@ One iteration (:meth:`PyExecutor.step`) is upstream's, as a chain of values::
         ─► resource_manager.prepare_resources(scheduled) ─► PreparedBatch
                (re-check ─► allocation ─► after-allocation fix-ups; see resource_manager)
         ─► record deferrals and reuse on the requests
-        ─► model_engine.forward(batch) ─► ForwardOutput
-        ─► sample / update requests, respond ─► resource_manager.update_resources(batch)
-        ─► IterationStats ─► free finished requests
+        ─► model_engine.forward_async(batch) ─► PendingForward; requests move past it ─► _InFlight
+        ─► complete the previous forward: sample / fill in its tokens, respond,
+               resource_manager.update_resources, IterationStats
+        ─► free finished requests
     ─► Iteration(stats, scheduled, prepared)
+
+**Overlap** (upstream's overlap scheduler; ``disable_overlap_scheduler`` False, the default
+when the engine completes asynchronously, i.e. on CUDA): the forward launched by step n+1 is
+built while forward n still runs, and forward n is completed only after n+1 is launched, so the
+host's fetch, schedule, re-check and allocation hide behind the device. A request that samples
+in forward n gets a placeholder token (``IN_FLIGHT_TOKEN_ID``) in its ``tokens`` at launch:
+the scheduler, the re-check and the KV manager therefore charge it its *next* position, as
+upstream charges a generation request in flight, and the engine feeds its own pick into n+1.
+Completing n writes the sampled token over the placeholder and responds. Without overlap the
+same phases run with the launch completed at once (no placeholder is ever written).
+
+Under overlap, upstream's rules for what n+1 cannot know:
+
+* a request that finishes at n by EOS or a stop token was also scheduled into n+1: the
+  token n+1 computes for it is dropped (never sent), and its KV blocks are freed only when n+1
+  completes (the device still writes them); a request whose placeholder is its last token by
+  ``max_new_tokens`` is known to finish and is not scheduled again;
+* a request whose next token the engine cannot pick (sampling other than greedy, beams,
+  draft tokens: ``ModelEngine.can_pick``) gets no placeholder, and the forward it samples in
+  is completed before the next iteration is scheduled (that iteration runs without overlap);
+* a capacity pause (``MAX_UTILIZATION``) of a request in flight waits for its forward: the
+  iteration completes it first and schedules again;
+* a request cancelled or failed while in flight keeps its blocks until its forward completes;
+  its output from that forward is dropped.
 
 Each phase takes what the previous one returned; only the executor writes request state
 (see ``llm_request``). The loop never dies on a batch: whatever a batch raises —
@@ -42,8 +67,14 @@ from tensorrt_llm._torch.pyexecutor.errors import (
     TokenBudgetExceeded,
 )
 from tensorrt_llm._torch.pyexecutor.kv_cache_manager import KVCacheManager
-from tensorrt_llm._torch.pyexecutor.llm_request import DeferReason, LlmRequest, LlmRequestState
-from tensorrt_llm._torch.pyexecutor.model_engine import ForwardOutput, ModelEngine
+from tensorrt_llm._torch.pyexecutor.llm_request import (
+    IN_FLIGHT_TOKEN_ID,
+    DeferReason,
+    LlmRequest,
+    LlmRequestState,
+    num_in_flight_tokens,
+)
+from tensorrt_llm._torch.pyexecutor.model_engine import ForwardOutput, ModelEngine, PendingForward
 from tensorrt_llm._torch.pyexecutor.request_validation import RequestLimits, validate_request
 from tensorrt_llm._torch.pyexecutor.resource_manager import KV_CACHE_MANAGER, PreparedBatch, ResourceManager
 from tensorrt_llm._torch.pyexecutor.sampler import Sampler
@@ -91,6 +122,25 @@ class Iteration:
         return self.prepared.scheduled if self.prepared is not None else self.scheduled
 
 
+@dataclass(slots=True)
+class _InFlight:
+    """A launched forward whose tokens have not reached its requests yet."""
+
+    pending: PendingForward
+    batch: ScheduledRequests  # the batch that runs
+    sampling: list[LlmRequest]  # the requests that sample in it, in batch order
+    slots: list[int | None]  # each one's placeholder index in its tokens, or None: appended at completion
+    request_ids: frozenset[int]  # every request in the forward: their blocks stay held until it completes
+    stats: IterationStats
+    scheduled: ScheduledRequests
+    prepared: PreparedBatch
+
+    @property
+    def overlappable(self) -> bool:
+        """Whether the next iteration can be scheduled before this one completes."""
+        return None not in self.slots
+
+
 class PyExecutor:
     def __init__(
         self,
@@ -110,6 +160,9 @@ class PyExecutor:
         self.sampler = sampler
         self.clock = clock
         self.limits = RequestLimits.of(config, self.kv_cache_manager, model_engine)
+        disabled = config.disable_overlap_scheduler
+        self.overlap = not disabled if disabled is not None else model_engine.completes_asynchronously
+        self._in_flight: _InFlight | None = None
         self.active_requests: list[LlmRequest] = []
         # A ring when iter_stats_max_iterations is set (a server); the whole record otherwise (a replay).
         self.iteration_stats: deque[IterationStats] = deque(maxlen=config.iter_stats_max_iterations)
@@ -159,39 +212,39 @@ class PyExecutor:
     # ---- the loop -------------------------------------------------------------------
     @property
     def has_work(self) -> bool:
-        return bool(self.active_requests or self._new_requests or self._cancelled)
+        return bool(
+            self.active_requests or self._new_requests or self._cancelled or self._in_flight is not None
+            or self._finished
+        )
 
     def step(self) -> Iteration | None:
-        """Run one iteration; None when there was nothing to do.
+        """Run one iteration; None when there was nothing to schedule.
 
         The phases, in order (each takes what the one before returned): schedule,
-        prepare_resources, forward, sample/update, respond, free.
+        prepare_resources, launch; then complete the previous launch (overlap) or this one
+        (sample, respond, update_resources); free. Returns the iteration launched here; its
+        statistics are published when its forward completes.
         """
         self._fetch_new_requests()
         self._handle_cancellations()
+        if self._in_flight is not None and not self._in_flight.overlappable:
+            self._complete_in_flight()  # only the host's sampler knows a token the next batch needs
+            self._free_finished()
         if not self.active_requests:
+            self._complete_in_flight()
+            self._free_finished()
             return None
         scheduled = self._schedule()
         stats = IterationStats(self._iteration, self.clock(), max_num_tokens=self.config.max_num_tokens)
         self._iteration += 1
-        prepared = None
-        try:
-            prepared = self._prepare_resources(scheduled, stats)
-            batch = prepared.scheduled
-            if not batch.is_empty:
-                output = self.model_engine.forward(batch)
-                stats.forward_tokens = output.num_tokens
-                self._update_requests(batch, output)
-                self.resource_manager.update_resources(batch)
-        except TokenBudgetExceeded as error:
-            self.num_budget_violations += 1
-            stats.forward_tokens, stats.overshoot = error.total_num_tokens, error.overshoot
-            self._fail_batch(prepared.scheduled.all_requests, error, stats)
-        except Exception as error:  # one bad batch must not take the server down
-            failed = (prepared.scheduled if prepared is not None else scheduled).all_requests
-            logger.exception("iteration %d failed; failing its %d requests", stats.iteration, len(failed))
-            self._fail_batch(failed, error, stats)
-        self._record(stats, scheduled, prepared)
+        prepared, launched = self._launch(scheduled, stats)
+        previous, self._in_flight = self._in_flight, launched
+        if previous is not None:
+            self._complete(previous)
+        if launched is None:
+            self._record(stats, scheduled, prepared)
+        elif not self.overlap:
+            self._complete_in_flight()
         self._free_finished()
         return Iteration(stats, scheduled, prepared)
 
@@ -215,6 +268,7 @@ class PyExecutor:
             self._wakeup.notify()
         if self._thread is not None:
             self._thread.join()
+        self._complete_in_flight()
         self._fetch_new_requests()
         for request in self.active_requests:
             self._fail(request, ExecutorShutdown("the executor shut down before the request finished"))
@@ -324,6 +378,7 @@ class PyExecutor:
             return  # nothing to do: every path that finishes a request frees it before returning
         for request in self.active_requests:
             if request.request_id in cancelled and not request.is_finished:
+                _drop_in_flight_tokens(request)
                 request.is_cancelled = True
                 request.state = LlmRequestState.GENERATION_COMPLETE
                 request.finish_time = self.clock()
@@ -332,8 +387,17 @@ class PyExecutor:
         self._free_finished()
 
     def _schedule(self) -> ScheduledRequests:
-        """Schedule the active requests; free and restart the ones the capacity stage preempts."""
-        scheduled = self.scheduler.schedule_request(self.active_requests)
+        """Schedule the active requests; free and restart the ones the capacity stage preempts.
+
+        Under overlap a request whose in-flight token is its last (``max_new_tokens``) is not
+        scheduled again, and a pause never frees blocks a forward in flight uses: the forward
+        completes first and the requests are scheduled again."""
+        scheduled = self.scheduler.schedule_request(self._schedulable())
+        in_flight = self._in_flight
+        if in_flight is not None and any(r.request_id in in_flight.request_ids for r in scheduled.paused_requests):
+            self._complete_in_flight()
+            self._free_finished()
+            scheduled = self.scheduler.schedule_request(self.active_requests)
         for request in scheduled.paused_requests:
             self.resource_manager.free_resources(request)
             request.pause()
@@ -347,6 +411,38 @@ class PyExecutor:
                     " prefill is off"
                 ))
         return scheduled
+
+    def _schedulable(self) -> list[LlmRequest]:
+        if self._in_flight is None:
+            return self.active_requests
+        return [
+            r for r in self.active_requests
+            if r.tokens[-1] != IN_FLIGHT_TOKEN_ID or len(r.tokens) < r.orig_prompt_len + r.max_new_tokens
+        ]
+
+    def _launch(
+        self, scheduled: ScheduledRequests, stats: IterationStats
+    ) -> tuple[PreparedBatch | None, _InFlight | None]:
+        """prepare_resources, then launch the forward; None for the launch when nothing runs
+        (an empty batch, or a batch that failed: its requests have their error)."""
+        prepared = None
+        try:
+            prepared = self._prepare_resources(scheduled, stats)
+            batch = prepared.scheduled
+            if batch.is_empty:
+                return prepared, None
+            pending = self.model_engine.forward_async(batch)
+            stats.forward_tokens = pending.num_tokens
+            return prepared, self._advance(batch, pending, stats, scheduled, prepared)
+        except TokenBudgetExceeded as error:
+            self.num_budget_violations += 1
+            stats.forward_tokens, stats.overshoot = error.total_num_tokens, error.overshoot
+            self._fail_batch(prepared.scheduled.all_requests, error, stats)
+        except Exception as error:  # one bad batch must not take the server down
+            failed = (prepared.scheduled if prepared is not None else scheduled).all_requests
+            logger.exception("iteration %d failed; failing its %d requests", stats.iteration, len(failed))
+            self._fail_batch(failed, error, stats)
+        return prepared, None
 
     def _prepare_resources(self, scheduled: ScheduledRequests, stats: IterationStats) -> PreparedBatch:
         """Re-check, allocate, fix up (``ResourceManager``); then record on the requests what
@@ -368,31 +464,78 @@ class PyExecutor:
         )
         return prepared
 
-    def _update_requests(self, batch: ScheduledRequests, output: ForwardOutput) -> None:
-        """Move each request past what the forward computed; sample and respond."""
-        now = self.clock()  # one instant for every token of this forward
-        sampling = []
+    def _advance(
+        self, batch: ScheduledRequests, pending: PendingForward, stats: IterationStats,
+        scheduled: ScheduledRequests, prepared: PreparedBatch,
+    ) -> _InFlight:
+        """Move each request past the positions the launched forward computes. Under overlap a
+        request that samples and whose token the engine picks gets that token's placeholder."""
+        sampling = [chunk.request for chunk in batch.context_chunks if chunk.is_last]
+        sampling += batch.generation_requests
+        can_pick = self.model_engine.can_pick
+        picked = [self.overlap and can_pick(r) for r in sampling]  # before first-draft padding goes
         for chunk in batch.context_chunks:
             request = chunk.request
             request.complete_context_chunk(chunk.end)
             request.record_forward()
             if chunk.is_last:
                 request.state = LlmRequestState.GENERATION_IN_PROGRESS
-                sampling.append(request)
-        generation = batch.generation_requests
-        for request in generation:
+        for request in batch.generation_requests:
             if request.consecutive_budget_deferrals:
                 request.record_forward()
             if request.is_first_draft:
-                request.is_first_draft = False  # it ran its padded first draft step
-        sampling += generation
-        append = self._append
-        for request, tokens in zip(sampling, self.sampler.sample_batch(sampling, output)):
+                request.is_first_draft = False  # it runs its padded first draft step
+        slots: list[int | None] = []
+        for request, pick in zip(sampling, picked):
+            slots.append(len(request.tokens) if pick else None)
+            if pick:
+                request.tokens.append(IN_FLIGHT_TOKEN_ID)
+        ids = frozenset(r.request_id for r in batch.all_requests)
+        return _InFlight(pending, batch, sampling, slots, ids, stats, scheduled, prepared)
+
+    def _complete_in_flight(self) -> None:
+        flight, self._in_flight = self._in_flight, None
+        if flight is not None:
+            self._complete(flight)
+
+    def _complete(self, flight: _InFlight) -> None:
+        """Wait for the forward; its tokens reach the requests, the KV manager records what it
+        computed, its statistics are published. A failure fails that batch's requests."""
+        try:
+            output = flight.pending.result()
+            self._update_requests(flight, output)
+            self.resource_manager.update_resources(flight.batch)
+        except Exception as error:  # one bad batch must not take the server down
+            failed = flight.batch.all_requests
+            logger.exception("iteration %d failed; failing its %d requests", flight.stats.iteration, len(failed))
+            self._fail_batch(failed, error, flight.stats)
+        self._record(flight.stats, flight.scheduled, flight.prepared)
+
+    def _update_requests(self, flight: _InFlight, output: ForwardOutput) -> None:
+        """Sample; write each token over its placeholder (or append it); respond. A request
+        that finished while the forward was in flight gets nothing from it (upstream drops it)."""
+        now = self.clock()  # one instant for every token of this forward
+        live = [(r, slot) for r, slot in zip(flight.sampling, flight.slots) if not r.is_finished]
+        requests = [r for r, _ in live]
+        for (request, slot), tokens in zip(live, self.sampler.sample_batch(requests, output)):
             if isinstance(tokens, NonFiniteLogitsError):  # this request's numbers are broken, not the batch's
                 logger.error("%s", tokens)
                 self._fail(request, tokens)
-                continue
-            append(request, tokens, now)
+            elif slot is None:
+                self._append(request, tokens, now)
+            else:
+                self._fill(request, slot, tokens, now)
+
+    def _fill(self, request: LlmRequest, slot: int, tokens: list[int], now: float) -> None:
+        """Write the one sampled token over its placeholder; on EOS or a stop token drop the
+        next forward's placeholder (that forward's token for it will be dropped); respond."""
+        sequence = request.tokens
+        token = sequence[slot] = tokens[0]
+        limit = request.orig_prompt_len + request.max_new_tokens
+        finished = slot + 1 >= limit or token == request.end_id or token in request.stop_token_ids
+        if finished:
+            del sequence[slot + 1 :]
+        self._deliver(request, tokens[:1], finished, now)
 
     def _append(self, request: LlmRequest, tokens: list[int], now: float) -> None:
         """Append sampled tokens up to the first stop token or ``max_new_tokens``; respond."""
@@ -409,6 +552,9 @@ class PyExecutor:
                     finished = True
                     tokens = tokens[: index + 1]
                     break
+        self._deliver(request, tokens, finished, now)
+
+    def _deliver(self, request: LlmRequest, tokens: list[int], finished: bool, now: float) -> None:
         if request.first_token_time is None:
             request.first_token_time = now
         if finished:
@@ -432,17 +578,23 @@ class PyExecutor:
     def _fail(self, request: LlmRequest, error: Exception) -> None:
         if request.is_finished:
             return
+        _drop_in_flight_tokens(request)
         request.set_error(f"{type(error).__name__}: {error}")
         request.finish_time = self.clock()
         self._finished.append(request)
         self._respond(request, Response(request.request_id, [], finished=True, error=request.error))
 
     def _free_finished(self) -> None:
-        """Free what the requests finished since the last call held; drop them from the active list."""
+        """Free what the requests finished since the last call held; drop them from the active
+        list. A request in the forward in flight keeps its blocks until that completes."""
         if not self._finished:
             return
+        busy = self._in_flight.request_ids if self._in_flight is not None else frozenset()
         finished, self._finished = self._finished, []
         for request in finished:
+            if request.request_id in busy:
+                self._finished.append(request)
+                continue
             store = request.state is LlmRequestState.GENERATION_COMPLETE
             self.resource_manager.free_resources(request, store_for_reuse=store)
             self.sampler.release(request)
@@ -487,3 +639,10 @@ class PyExecutor:
                 listener(stats)
             except Exception:  # statistics must never stop the loop
                 logger.exception("iteration listener %r failed", listener)
+
+
+def _drop_in_flight_tokens(request: LlmRequest) -> None:
+    """A request that ends while forwards are in flight keeps none of their placeholders."""
+    count = num_in_flight_tokens(request.tokens)
+    if count:
+        del request.tokens[-count:]

@@ -47,7 +47,10 @@ class TorchSampler(Sampler):
         """Raises NonFiniteLogitsError when the logits hold NaN or inf: argmax or multinomial
         over them would return a token that means nothing."""
         logits = output.logits[request.request_id]  # (vocab,)
-        if not bool(torch.isfinite(logits).all()):
+        if output.nonfinite is not None:  # checked on the engine's device, without waiting for it
+            if request.request_id in output.nonfinite:
+                raise NonFiniteLogitsError(request.request_id, len(request.tokens))
+        elif not bool(torch.isfinite(logits).all()):
             raise NonFiniteLogitsError(request.request_id, len(request.tokens))
         config = request.sampling_config
         if config.is_greedy:

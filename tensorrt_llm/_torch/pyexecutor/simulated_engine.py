@@ -9,7 +9,7 @@ executor-level tests use it.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Mapping
 
 from tensorrt_llm._torch.pyexecutor.kv_cache_manager import KVCacheManager
 from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequest
@@ -36,7 +36,14 @@ class VirtualClock:
 
 
 class SimulatedModelEngine(ModelEngine):
-    """Runs ``_prepare_tp_inputs`` for real and charges ``forward_time_s(inputs)`` to the clock."""
+    """Runs ``_prepare_tp_inputs`` for real and charges ``forward_time_s(inputs)`` to the clock.
+
+    With ``sampler`` (a :class:`SyntheticSampler`) the engine picks, as a model on a device
+    would, the token that sampler will return for each request it can pick for
+    (:meth:`ModelEngine.can_pick`), so the overlap scheduler can run it one forward ahead;
+    ``asynchronous`` makes a forward run only when its result is asked for (see ``ModelEngine``).
+    The forward's time is taken at launch, from the inputs as they were then.
+    """
 
     max_beam_width = 8
     supports_draft_tokens = True
@@ -49,20 +56,41 @@ class SimulatedModelEngine(ModelEngine):
         vocab_size: int = 32000,
         clock: VirtualClock | None = None,
         forward_time_s: Callable[[TpInputs], float] | None = None,
+        sampler: "SyntheticSampler | None" = None,
+        asynchronous: bool = False,
     ) -> None:
-        super().__init__(max_num_tokens, kv_cache_manager)
+        super().__init__(max_num_tokens, kv_cache_manager, asynchronous=asynchronous)
         self._vocab_size = vocab_size
         self.clock = clock
         self.forward_time_s = forward_time_s
+        self.sampler = sampler
+        self.picks_tokens = sampler is not None
 
     @property
     def vocab_size(self) -> int:
         return self._vocab_size
 
-    def _run(self, inputs: TpInputs) -> ForwardOutput:
+    def _host_forward(self, inputs: TpInputs) -> Callable[[], ForwardOutput]:
+        seconds = 0.0
         if self.clock is not None and self.forward_time_s is not None:
-            self.clock.advance(self.forward_time_s(inputs))
-        return ForwardOutput(logits={r.request_id: None for r, s in zip(inputs.requests, inputs.samples) if s})
+            seconds = self.forward_time_s(inputs)  # now: it reads the requests' state
+        samplers = [(i, r) for i, (r, s) in enumerate(zip(inputs.requests, inputs.samples)) if s]
+        picks = [(i, r, inputs.num_cached_tokens[i] + inputs.num_new_tokens[i]) for i, r in samplers if self.can_pick(r)]
+        logits = {r.request_id: None for _, r in samplers}
+
+        def run() -> ForwardOutput:
+            if seconds:
+                self.clock.advance(seconds)
+            if self.sampler is None:
+                return ForwardOutput(logits=logits)
+            rule = self.sampler.next_token
+            greedy = {r.request_id: rule(r, inputs.last_input_id(i), position) for i, r, position in picks}
+            return ForwardOutput(logits=logits, greedy_tokens=greedy)
+
+        return run
+
+    def _run(self, inputs: TpInputs) -> ForwardOutput:
+        return self._host_forward(inputs)()
 
 
 class SyntheticSampler(Sampler):
@@ -78,15 +106,22 @@ class SyntheticSampler(Sampler):
     def __init__(self, vocab_size: int = 32000) -> None:
         self.vocab_size = vocab_size
 
-    def sample(self, request: LlmRequest, output: ForwardOutput) -> list[int]:
-        tokens = request.tokens
-        position = len(tokens)
-        token = 1 + (tokens[-1] * 1_000_003 + position * 7919) % (self.vocab_size - 1)
+    def next_token(self, request: LlmRequest, last_token: int, position: int) -> int:
+        """The token at ``position`` after ``last_token`` (the rule; also the engine's pick)."""
+        token = 1 + (last_token * 1_000_003 + position * 7919) % (self.vocab_size - 1)
         while token == request.end_id or token in request.stop_token_ids:
             token = 1 + token % (self.vocab_size - 1)
-        return [token]
+        return token
+
+    def sample(self, request: LlmRequest, output: ForwardOutput) -> list[int]:
+        picked = output.greedy_tokens if output is not None else None
+        if picked is not None and request.request_id in picked:  # the engine ran the rule (overlap)
+            return [picked[request.request_id]]
+        return [self.next_token(request, request.tokens[-1], len(request.tokens))]
 
     def sample_batch(self, requests: list[LlmRequest], output: ForwardOutput) -> list[list[int]]:
+        if output is not None and output.greedy_tokens:
+            return [self.sample(r, output) for r in requests]
         modulus = self.vocab_size - 1
         batch = [[1 + (r.tokens[-1] * 1_000_003 + len(r.tokens) * 7919) % modulus] for r in requests]
         for request, tokens in zip(requests, batch):  # the rare request with a stop condition

@@ -222,3 +222,27 @@ def test_nnls_meets_its_optimality_conditions():
         assert (x >= 0).all()
         assert np.allclose(w[x > 0], 0, atol=1e-8)    # free coefficients sit at a stationary point
         assert (w[x == 0] <= 1e-8).all()              # clamped ones would only grow the residual
+
+
+def test_refit_to_iterations_recovers_a_known_model_and_round_trips(tmp_path):
+    """Iterations timed by a known fitted model: the refit predicts the held-out half closely,
+    and the saved model loads back with the same predictions."""
+    from benchmarks.cost_model import FittedCostModel, iteration_shape, refit_to_iterations
+
+    truth = default_cost_model()
+    rows = []
+    for i in range(80):
+        contexts = [[256 * (1 + i % 8), 1024 * (i % 5)]] if i % 3 == 0 else []
+        decodes = [512 + 97 * ((i + j) % 40) for j in range(1 + i % 24)]
+        row = {"contexts": contexts, "decodes": decodes}
+        row["device_ms"] = truth.forward_time_s(iteration_shape(row)) * 1e3
+        rows.append(row)
+    model, held_out = refit_to_iterations(rows)
+    assert held_out["train_rows"] == 40 and held_out["test_rows"] == 40
+    assert held_out["p90_rel_err"] < 0.1, held_out
+    path = tmp_path / "refit.json"
+    model.save(path)
+    loaded = FittedCostModel.load(path)
+    for row in rows[:10]:
+        shape = iteration_shape(row)
+        assert loaded.forward_time_s(shape) == model.forward_time_s(shape)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import itertools
 from typing import Sequence
 
@@ -103,16 +105,25 @@ def make_scheduler(config: ExecutorConfig, kv: KVCacheManager) -> SimpleSchedule
     )
 
 
-def make_sim_executor(config: ExecutorConfig | None = None, **config_overrides) -> PyExecutor:
-    """An executor whose engine is simulated (bookkeeping KV, synthetic tokens), everything else real."""
+def make_sim_executor(config: ExecutorConfig | None = None, *, overlap: bool = False, **config_overrides) -> PyExecutor:
+    """An executor whose engine is simulated (bookkeeping KV, synthetic tokens), everything else real.
+
+    ``overlap``: the overlap scheduler over an engine that completes asynchronously (a forward
+    runs when its result is first asked for, after the next one was scheduled and prepared) and
+    picks the synthetic sampler's tokens itself, as a model on a device does."""
     config = config or make_config(**config_overrides)
+    if overlap:
+        config = dataclasses.replace(config, disable_overlap_scheduler=False)
+    sampler = SyntheticSampler(VOCAB)
 
     def engine(kv):
+        if overlap:
+            return SimulatedModelEngine(config.max_num_tokens, kv, vocab_size=VOCAB, sampler=sampler, asynchronous=True)
         return SimulatedModelEngine(config.max_num_tokens, kv, vocab_size=VOCAB)
 
-    return create_py_executor(
-        config, engine_factory=engine, sampler=SyntheticSampler(VOCAB), kv_bytes_per_token=KV_BYTES_PER_TOKEN
-    )
+    executor = create_py_executor(config, engine_factory=engine, sampler=sampler, kv_bytes_per_token=KV_BYTES_PER_TOKEN)
+    assert executor.overlap == overlap
+    return executor
 
 
 def make_batch(context=(), generation=(), *, estimated_reusable: dict[int, int] | None = None) -> ScheduledRequests:

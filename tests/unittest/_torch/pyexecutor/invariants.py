@@ -240,12 +240,24 @@ def check_costs(
 
 
 def check_deferrals_clean(
-    prepared: PreparedBatch, before: dict[int, RequestSnapshot], kv: KVCacheManager, context: str = ""
+    prepared: PreparedBatch, before: dict[int, RequestSnapshot], kv: KVCacheManager, context: str = "",
+    completed: frozenset[int] = frozenset(),
 ) -> None:
-    """Invariant 3: a deferred request holds what it held, where it was (the caller checks leaks)."""
+    """Invariant 3: a deferred request holds what it held, where it was (the caller checks leaks).
+
+    ``completed``: requests whose previous forward completed during the step (overlap). That
+    completion may finish one, or commit a block it filled to the prefix tree, where an
+    identical cached block can take its place: for those, the same number of blocks."""
     for deferral in prepared.deferred:
         request = deferral.request
         was, now = before[request.request_id], snapshot(request, kv)
+        if request.request_id in completed:
+            if request.is_finished:
+                continue
+            assert (now.state, now.position, now.prepopulated, len(now.block_table or ())) == (
+                was.state, was.position, was.prepopulated, len(was.block_table or ())
+            ), f"invariant 3 (clean deferral) violated for {request!r}: was {was}, now {now}{context}"
+            continue
         assert (now.state, now.position, now.prepopulated, now.block_table) == (
             was.state,
             was.position,
@@ -315,6 +327,8 @@ class ExecutorChecker:
         can_shift = {r.request_id: kv.reuse_can_shift(r) for r in open_requests}
         # a generation step's cost is taken now: the step moves the request on (first-draft padding goes)
         step_cost = {r.request_id: forward_cost(r) for r in open_requests if not r.is_context_init_state}
+        in_flight = self.executor._in_flight  # overlap: its forward completes during this step
+        completed = in_flight.request_ids if in_flight is not None else frozenset()
         iteration = self.executor.step()
         self.steps += 1
         if 6 in check:
@@ -349,7 +363,7 @@ class ExecutorChecker:
                 charged[request.request_id] = Charged(step_cost[request.request_id], None, False)
             check_costs(charged, built, prepared, context)
         if 3 in check:
-            check_deferrals_clean(prepared, before, kv, context)
+            check_deferrals_clean(prepared, before, kv, context, completed)
         if 5 in check:
             self._check_progress(iteration, before, kv)
         return iteration

@@ -125,14 +125,16 @@ def workloads(draw) -> Workload:
     )
 
 
-def serve(workload: Workload, policy: str, reuse: bool, partial: bool):
-    """Run the three phases on a fresh LLM; returns (outputs or error per prompt, iteration stats, health)."""
+def serve(workload: Workload, policy: str, reuse: bool, partial: bool, overlap: bool = False):
+    """Run the three phases on a fresh LLM; returns (outputs or error per prompt, iteration stats, health).
+    ``overlap``: the overlap scheduler (``disable_overlap_scheduler=False``)."""
     block_bytes = 2 * MODEL.num_layers * workload.tokens_per_block * MODEL.num_kv_heads * MODEL.head_dim * 8
     llm = LLM(
         MODEL,
         max_num_tokens=workload.max_num_tokens,
         max_seq_len=512,
         max_batch_size=8,
+        disable_overlap_scheduler=not overlap,
         enable_chunked_prefill=workload.enable_chunked_prefill,
         token_budget_policy=policy,
         capacity_scheduler_policy=workload.capacity_policy,
@@ -197,3 +199,24 @@ def test_greedy_outputs_match_forward_full_under_every_policy_and_reuse_mode(wor
             event(f"{policy}: a request was paused")
         if any(s.reuse_claimed_tokens for s in stats):
             event(f"{run_mode}: reuse claimed")
+
+
+@settings(max_examples=examples(1 / 30, 4))
+@given(workload=workloads(), mode=st.sampled_from(sorted(REUSE_MODES)))
+def test_greedy_outputs_with_overlap_match_forward_full_under_every_policy(workload: Workload, mode: str):
+    """The overlap scheduler (n+1 scheduled and prepared before n's tokens reach the host)
+    gives every policy the greedy outputs of forward_full, as the plain loop does."""
+    expected = [greedy_reference(prompt, workload.max_tokens) for prompt in workload.prompts]
+    reuse, partial = REUSE_MODES[mode]
+    for policy in POLICIES:
+        results, stats, health = serve(workload, policy, reuse, partial, overlap=True)
+        where = f"{policy}, {mode}, overlap"
+        note(f"{where}: {results}")
+        for index, (got, want) in enumerate(zip(results, expected)):
+            if isinstance(got, str):
+                assert policy not in SAFE_POLICIES and "max_num_tokens" in got, f"{where}: prompt {index} failed: {got}"
+                continue
+            assert got == want, f"{where}: prompt {index} {workload.prompts[index]} gave {got}, want {want}"
+        if policy in SAFE_POLICIES:
+            assert health["budget_violations"] == 0, where
+            assert max(s.forward_tokens for s in stats) <= workload.max_num_tokens, where

@@ -33,6 +33,7 @@ class ExecutorMachine(RuleBasedStateMachine):
     """Arrivals, bursts, steps and cancellations against one executor; invariants after every step."""
 
     policy = "recheck"
+    overlap = False  # the overlap scheduler over an engine that completes later
 
     def __init__(self) -> None:
         super().__init__()
@@ -44,7 +45,7 @@ class ExecutorMachine(RuleBasedStateMachine):
     @initialize(setting=kv_settings(max_blocks=24))
     def build(self, setting: Setting) -> None:
         self.setting = setting
-        self.checker = ExecutorChecker(make_sim_executor(setting.config(self.policy)))
+        self.checker = ExecutorChecker(make_sim_executor(setting.config(self.policy), overlap=self.overlap))
 
     def _submit(self, spec: RequestSpec) -> None:
         self.earlier.append(spec.prompt)
@@ -123,6 +124,20 @@ class NoneExecutorMachine(ExecutorMachine):
     policy = "none"
 
 
+class OverlapRecheckExecutorMachine(ExecutorMachine):
+    overlap = True
+
+
+class OverlapClaimExecutorMachine(ExecutorMachine):
+    policy = "claim"
+    overlap = True
+
+
+class OverlapNoneExecutorMachine(ExecutorMachine):
+    policy = "none"
+    overlap = True
+
+
 STATEFUL = settings(max_examples=examples(1, 250), stateful_step_count=50)
 
 TestRecheckExecutor = ExecutorMachine.TestCase
@@ -133,6 +148,13 @@ TestFitExecutor = FitExecutorMachine.TestCase
 TestFitExecutor.settings = settings(STATEFUL, max_examples=examples(1 / 4, 60))
 TestNoneExecutor = NoneExecutorMachine.TestCase
 TestNoneExecutor.settings = settings(STATEFUL, max_examples=examples(1 / 4, 60))
+# The same machines under the overlap scheduler (DESIGN.md §7: every invariant holds under it).
+TestOverlapRecheckExecutor = OverlapRecheckExecutorMachine.TestCase
+TestOverlapRecheckExecutor.settings = settings(STATEFUL, max_examples=examples(1 / 2, 150))
+TestOverlapClaimExecutor = OverlapClaimExecutorMachine.TestCase
+TestOverlapClaimExecutor.settings = settings(STATEFUL, max_examples=examples(1 / 4, 60))
+TestOverlapNoneExecutor = OverlapNoneExecutorMachine.TestCase
+TestOverlapNoneExecutor.settings = settings(STATEFUL, max_examples=examples(1 / 4, 60))
 
 
 # ---- hangs this machine found, pinned down ------------------------------------------------
