@@ -41,7 +41,12 @@ from tensorrt_llm._torch.pyexecutor.block_pool import TOKEN_BYTES, BlockPool, Bl
 from tensorrt_llm._torch.pyexecutor.config import KvCacheConfig
 from tensorrt_llm._torch.pyexecutor.forward_cost import forward_cost
 from tensorrt_llm._torch.pyexecutor.kv_storage import KVCacheStorage
-from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequest, LlmRequestState, num_in_flight_tokens
+from tensorrt_llm._torch.pyexecutor.llm_request import (
+    IN_FLIGHT_TOKEN_ID,
+    LlmRequest,
+    LlmRequestState,
+    num_in_flight_tokens,
+)
 from tensorrt_llm._torch.pyexecutor.scheduled_requests import ContextChunk, ScheduledRequests
 
 logger = logging.getLogger(__name__)
@@ -382,8 +387,14 @@ class KVCacheManager:
             seq = sequences.get(request.request_id)
             if seq is None or request.state is error:
                 continue
-            # the newest sampled token has no KV yet; neither has a token still in flight (overlap)
-            seq.num_computed = computed = len(request.tokens) - 1 - num_in_flight_tokens(request.tokens)
+            # the newest sampled token has no KV yet; neither has a token still in flight
+            # (overlap). The common case, nothing in flight, is told by the last token alone:
+            # no call per request per iteration.
+            tokens = request.tokens
+            computed = len(tokens) - 1
+            if tokens[-1] == IN_FLIGHT_TOKEN_ID:
+                computed -= num_in_flight_tokens(tokens)
+            seq.num_computed = computed
             if reuse and computed // tpb > seq.num_committed:  # a block filled up
                 self._commit_full_blocks(request, seq)
 
