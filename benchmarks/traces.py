@@ -139,7 +139,9 @@ def _stream_to_tokens(z: np.ndarray, vocab_size: int) -> list[int]:
     z += _U(1)
     if vocab_size > _MAX_INTERNED_VOCAB:
         return z.tolist()
-    return _token_ints(vocab_size).take(z).tolist()
+    # The ids are below 2**18 here: viewed as int64 (numpy's index type on 64-bit platforms),
+    # take indexes with them directly instead of first converting a uint64 copy to intp.
+    return _token_ints(vocab_size).take(z.view(np.int64)).tolist()
 
 
 def _expand_segments(segments: Sequence[tuple[int, int]], vocab_size: int) -> list[int]:

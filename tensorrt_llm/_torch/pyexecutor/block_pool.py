@@ -9,9 +9,20 @@ Every primary slot is in exactly one of three sets::
 so ``num_free + num_cached + num_held == num_blocks``. A tree block may also live only in
 the host tier (``block_id is None``): it still matches, and a claim onboards it.
 
+The two LRU lists (cached primary blocks, host-only tree blocks) are deques with lazy
+removal, not ordered dicts: a block is appended each time it becomes evictable and is never
+searched for when it stops being so (a claim pins it, it is onboarded or dropped). An entry
+is live only if it is its block's last one in that deque (a count on the block) and the
+block is still evictable in that tier; eviction skips the others as it meets them. Every
+LRU operation is then an O(1) deque end operation on contiguous memory, with no hashing and
+no linked-list node per block, and the order of live entries is exactly the order an ordered
+dict would keep (a block only enters a list when it is not in it).
+
 The prefix tree is keyed by block content: a node's children are indexed by the hash of
 the child's tokens and every hit is verified against the tokens, so a hash collision can
-never hand out the wrong KV. The chain from the root is the prefix; a sequence that
+never hand out the wrong KV. A block's tokens are kept packed (:data:`BlockTokens`): the
+verification is one memcmp, and a block leaving the tree frees one object, where a tuple
+would touch the reference count of every token it holds. The chain from the root is the prefix; a sequence that
 holds a block holds all its ancestors, hence ``ref_count(parent) >= ref_count(child)``
 and evicting a block may drop its whole (unreferenced) subtree.
 """
@@ -19,12 +30,29 @@ and evicting a block may drop its whole (unreferenced) subtree.
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict, deque
-from typing import Callable, Iterable, Protocol, Sequence
+from collections import deque
+from typing import Iterable, Protocol, Sequence
 
 logger = logging.getLogger(__name__)
 
-BlockTokens = tuple[int, ...]
+# A block's token ids packed as native unsigned 32-bit ints (``array("I").tobytes()``); the
+# ids are below the vocabulary size, at most 2**32 (submission checks it).
+BlockTokens = bytes
+TOKEN_BYTES = 4
+
+
+def common_prefix_tokens(a: BlockTokens, b: BlockTokens) -> int:
+    """How many leading tokens ``a`` and ``b`` share: a bisection over slice comparisons
+    (equal prefixes are nested), a few memcmps instead of a loop over the tokens."""
+    lo, hi = 0, min(len(a), len(b)) // TOKEN_BYTES
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        end = mid * TOKEN_BYTES
+        if a[:end] == b[:end]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 class BlockStorage(Protocol):
@@ -40,7 +68,10 @@ class BlockStorage(Protocol):
 class KVBlock:
     """One block of KV content: a primary slot and/or a host slot, possibly a tree node."""
 
-    __slots__ = ("block_id", "host_id", "ref_count", "tokens", "hash", "parent", "children", "by_first", "depth")
+    __slots__ = (
+        "block_id", "host_id", "ref_count", "tokens", "hash", "parent", "children", "by_first",
+        "lru_entries", "host_lru_entries",
+    )
 
     def __init__(self, block_id: int | None, ref_count: int = 0) -> None:
         self.block_id = block_id
@@ -50,10 +81,12 @@ class KVBlock:
         self.hash = 0
         self.parent: KVBlock | None = None
         self.children: dict[int, list[KVBlock]] | None = None
-        # the same children by their first token, in commit order: partial matching looks
+        # the same children by their first token (its packed bytes), in commit order: partial matching looks
         # only at children that share at least the first token
         self.by_first: dict[int, list[KVBlock]] | None = None
-        self.depth = 0  # number of blocks before this one in its prefix
+        # entries of this block in the pool's primary / host LRU deques (the last one may be live)
+        self.lru_entries = 0
+        self.host_lru_entries = 0
 
     @property
     def in_tree(self) -> bool:
@@ -74,7 +107,7 @@ class KVBlock:
 
     def __repr__(self) -> str:
         where = f"gpu{self.block_id}" if self.block_id is not None else f"host{self.host_id}"
-        return f"KVBlock({where} ref={self.ref_count} depth={self.depth} cached={self.in_tree})"
+        return f"KVBlock({where} ref={self.ref_count} cached={self.in_tree})"
 
 
 class BlockPool:
@@ -90,19 +123,20 @@ class BlockPool:
         num_host_blocks: int = 0,
         *,
         storage: BlockStorage | None = None,
-        block_hash: Callable[[BlockTokens], int] = hash,
     ) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
         self.num_host_blocks = num_host_blocks
         self.storage = storage
-        self.block_hash = block_hash
         self.root = KVBlock(None)
         self._free: deque[int] = deque(range(num_blocks))
         self._free_host: deque[int] = deque(range(num_host_blocks))
-        self._lru: OrderedDict[KVBlock, None] = OrderedDict()  # cached primary blocks, oldest first
-        self._host_lru: OrderedDict[KVBlock, None] = OrderedDict()  # host-only tree blocks, oldest first
+        # LRU deques, oldest first, with stale entries (see the module docstring) and live counts
+        self._lru: deque[KVBlock] = deque()  # cached primary blocks
+        self._host_lru: deque[KVBlock] = deque()  # host-only tree blocks
+        self._num_cached = 0
+        self._num_host_cached = 0
         self.num_evictions = 0
         self.num_offloads = 0
         self.num_onboards = 0
@@ -114,15 +148,15 @@ class BlockPool:
 
     @property
     def num_cached(self) -> int:
-        return len(self._lru)
+        return self._num_cached
 
     @property
     def available(self) -> int:
-        return len(self._free) + len(self._lru)
+        return len(self._free) + self._num_cached
 
     @property
     def num_host_cached(self) -> int:
-        return len(self._host_lru)
+        return self._num_host_cached
 
     # ---- matching -------------------------------------------------------------------
     def match(
@@ -157,26 +191,64 @@ class BlockPool:
         if not tokens or not by_first:
             return None, 0
         best, best_len = None, 0
-        for candidate in by_first.get(tokens[0], ()):
+        for candidate in by_first.get(tokens[:TOKEN_BYTES], ()):
             if candidate.block_id is None:
                 continue
-            n = 0
-            for mine, theirs in zip(tokens, candidate.tokens):
-                if mine != theirs:
-                    break
-                n += 1
+            n = common_prefix_tokens(tokens, candidate.tokens)
             if n > best_len:
                 best, best_len = candidate, n
         return best, best_len
 
     # ---- references -----------------------------------------------------------------
     def incref(self, block: KVBlock) -> None:
-        if block.ref_count == 0:
+        if block.ref_count == 0:  # it leaves its LRU list: its entry goes stale
             if block.block_id is not None:
-                self._lru.pop(block, None)
+                self._num_cached -= 1
             else:
-                self._host_lru.pop(block, None)
+                self._num_host_cached -= 1
         block.ref_count += 1
+
+    def _to_lru(self, block: KVBlock) -> None:
+        """``block`` became evictable in primary memory: the most recently used end."""
+        self._lru.append(block)
+        block.lru_entries += 1
+        self._num_cached += 1
+        if len(self._lru) > 2 * self._num_cached + 64:
+            self._lru = self._compact(self._lru, primary=True)
+
+    def _to_host_lru(self, block: KVBlock) -> None:
+        """``block`` became evictable in the host tier: the most recently used end."""
+        self._host_lru.append(block)
+        block.host_lru_entries += 1
+        self._num_host_cached += 1
+        if len(self._host_lru) > 2 * self._num_host_cached + 64:
+            self._host_lru = self._compact(self._host_lru, primary=False)
+
+    @staticmethod
+    def _compact(lru: deque[KVBlock], *, primary: bool) -> deque[KVBlock]:
+        """``lru`` without its stale entries, in order.
+
+        Stale entries otherwise leave only when eviction reaches them: a pool that never
+        evicts, with a hot prefix pinned and released by every request, would grow its
+        deque without bound. Compacting once stale entries outnumber live ones costs O(1)
+        per append, amortised.
+        """
+        live = deque()
+        for block in lru:
+            if primary:
+                block.lru_entries -= 1
+                if block.lru_entries or block.ref_count or block.tokens is None or block.block_id is None:
+                    continue
+                block.lru_entries = 1
+            else:
+                block.host_lru_entries -= 1
+                if block.host_lru_entries or block.ref_count or block.tokens is None or block.block_id is not None:
+                    continue
+                block.host_lru_entries = 1
+            live.append(block)
+        # counts were decremented for every entry and reset to 1 for the live ones; blocks
+        # with only stale entries are at 0, as they should be
+        return live
 
     def decref(self, block: KVBlock) -> None:
         if block.ref_count <= 0:
@@ -187,14 +259,15 @@ class BlockPool:
         if not block.in_tree:
             self._free_slot(block)
         elif block.block_id is not None:
-            self._lru[block] = None  # most recently used end
+            self._to_lru(block)
         else:
-            self._host_lru[block] = None
+            self._to_host_lru(block)
 
     def release(self, blocks: list[KVBlock]) -> None:
         """:meth:`decref` each of ``blocks``, last first (leaves first: they become the
         oldest in LRU, so eviction takes a prefix's deepest blocks before its root)."""
-        lru, host_lru, free = self._lru, self._host_lru, self._free
+        lru, free = self._lru, self._free
+        cached = 0
         for block in reversed(blocks):
             if block.ref_count <= 0:
                 raise AssertionError(f"decref of unreferenced {block!r}")
@@ -204,10 +277,15 @@ class BlockPool:
             if block.tokens is None:  # not in the tree: a private block, its slot is free
                 free.append(block.block_id)
                 block.block_id = None
-            elif block.block_id is not None:
-                lru[block] = None  # most recently used end
+            elif block.block_id is not None:  # _to_lru inlined: a finished request releases every block here
+                lru.append(block)
+                block.lru_entries += 1
+                cached += 1
             else:
-                host_lru[block] = None
+                self._to_host_lru(block)
+        self._num_cached += cached
+        if len(lru) > 2 * self._num_cached + 64:
+            self._lru = self._compact(lru, primary=True)
 
     # ---- allocation -----------------------------------------------------------------
     def allocate(self) -> KVBlock | None:
@@ -267,21 +345,22 @@ class BlockPool:
             block = blocks[index]
             if existing is None:
                 block.tokens, block.hash, block.parent = tokens, block_hash, parent
-                block.depth = parent.depth + 1 if parent is not root else 0
                 bucket = children.get(block_hash)
                 if bucket is None:
                     children[block_hash] = [block]
                 else:
                     bucket.append(block)
-                siblings = parent.by_first.get(tokens[0])
+                first = tokens[:TOKEN_BYTES]
+                siblings = parent.by_first.get(first)
                 if siblings is None:
-                    parent.by_first[tokens[0]] = [block]
+                    parent.by_first[first] = [block]
                 else:
                     siblings.append(block)
                 parent = block
                 continue
             if existing.block_id is None:  # host-only: our fresh primary copy becomes its primary slot
-                self._host_lru.pop(existing, None)
+                if existing.ref_count == 0:  # it leaves the host LRU: its entry goes stale
+                    self._num_host_cached -= 1
                 self._free_host.append(existing.host_id)
                 existing.host_id, existing.block_id = None, block.block_id
                 existing.ref_count += 1
@@ -300,27 +379,51 @@ class BlockPool:
         is left to evict; returns how many were evicted. An evicted block moves to the host
         tier when it can (dropping the host's own LRU block when the tier is full);
         otherwise it leaves the tree with its subtree."""
-        free, lru, free_host, host_lru = self._free, self._lru, self._free_host, self._host_lru
+        free, free_host = self._free, self._free_host
         host_tier, storage = self.num_host_blocks > 0, self.storage
-        # popitem(False) positionally: the keyword costs more than the pop itself here
-        pop_oldest, pop_oldest_host = lru.popitem, host_lru.popitem
+        pop_oldest, pop_oldest_host, push_host = self._lru.popleft, self._host_lru.popleft, self._host_lru.append
         evicted = offloaded = 0
-        while len(free) < num_free and lru:
-            victim = pop_oldest(False)[0]
+        while len(free) < num_free and self._num_cached:
+            victim = pop_oldest()
+            victim.lru_entries -= 1
+            if victim.lru_entries or victim.ref_count or victim.tokens is None or victim.block_id is None:
+                continue  # a stale entry (see the module docstring)
+            self._num_cached -= 1
             evicted += 1
-            if host_tier and (free_host or host_lru):
+            if host_tier and (free_host or self._num_host_cached):
                 if free_host:
                     host_id = free_host.popleft()
+                    self._num_host_cached += 1  # the victim joins the host LRU below
                 else:
-                    # The tier is full: its LRU block goes. Usually a leaf (LRU order takes a
-                    # prefix's deepest blocks first), dropped inline: its host slot is the one
-                    # the victim takes, as _drop_subtree's append + popleft would hand it over.
-                    dropped = pop_oldest_host(False)[0]
+                    # The tier is full: its LRU block goes, and the victim takes its place in
+                    # the host LRU count. Usually a leaf (LRU order takes a prefix's deepest
+                    # blocks first), dropped inline: its host slot is the one the victim takes,
+                    # as _drop_subtree's append + popleft would hand it over.
+                    while True:  # the oldest live entry (_compact's test); stale ones are skipped
+                        dropped = pop_oldest_host()
+                        dropped.host_lru_entries -= 1
+                        if not (dropped.host_lru_entries or dropped.ref_count or dropped.tokens is None
+                                or dropped.block_id is not None):
+                            break
                     if dropped.children or dropped.ref_count:
+                        self._num_host_cached -= 1  # _drop_subtree counts only the descendants
                         self._drop_subtree(dropped)
                         host_id = free_host.popleft()
-                    else:
-                        self._unlink(dropped)
+                        self._num_host_cached += 1
+                    else:  # _unlink inlined
+                        parent, tokens = dropped.parent, dropped.tokens
+                        children, block_hash = parent.children, dropped.hash
+                        bucket = children[block_hash]
+                        if len(bucket) == 1:
+                            del children[block_hash]
+                        else:
+                            bucket.remove(dropped)
+                        by_first, first = parent.by_first, tokens[:TOKEN_BYTES]
+                        siblings = by_first[first]
+                        if len(siblings) == 1:
+                            del by_first[first]
+                        else:
+                            siblings.remove(dropped)
                         host_id = dropped.host_id
                         dropped.host_id = dropped.tokens = dropped.parent = dropped.children = dropped.by_first = None
                 victim.host_id = host_id
@@ -328,10 +431,13 @@ class BlockPool:
                     storage.offload(victim.block_id, host_id)
                 free.append(victim.block_id)
                 victim.block_id = None
-                host_lru[victim] = None
+                push_host(victim)  # _to_host_lru inlined (counted above), its compaction done once below
+                victim.host_lru_entries += 1
                 offloaded += 1
             else:
                 self._drop_subtree(victim)
+        if len(self._host_lru) > 2 * self._num_host_cached + 64:
+            self._host_lru = self._compact(self._host_lru, primary=False)
         self.num_evictions += evicted
         self.num_offloads += offloaded
         return evicted
@@ -339,7 +445,7 @@ class BlockPool:
     @staticmethod
     def _unlink(block: KVBlock) -> None:
         """Take ``block`` out of its parent's children (both indexes)."""
-        parent, first = block.parent, block.tokens[0]
+        parent, first = block.parent, block.tokens[:TOKEN_BYTES]
         bucket = parent.children[block.hash]
         if len(bucket) == 1:
             del parent.children[block.hash]
@@ -367,11 +473,11 @@ class BlockPool:
                 raise AssertionError(f"evicting referenced {node!r}: a child is held without its parent")
             if node.children:
                 stack.extend(node.iter_children())
-            if node is not block:  # a descendant is still in its LRU list
+            if node is not block:  # a descendant leaves its LRU list (its entry goes stale)
                 if node.block_id is not None:
-                    self._lru.pop(node, None)
+                    self._num_cached -= 1
                 else:
-                    self._host_lru.pop(node, None)
+                    self._num_host_cached -= 1
             self._release_node(node)
 
     def _release_node(self, node: KVBlock) -> None:
@@ -389,18 +495,36 @@ class BlockPool:
         block.block_id = None
 
     # ---- integrity ------------------------------------------------------------------
+    def lru_blocks(self, *, host: bool = False) -> list[KVBlock]:
+        """The live entries of the primary (or host) LRU list, oldest first (for checks; O(entries))."""
+        lru = self._host_lru if host else self._lru
+        remaining: dict[int, int] = {}
+        live = []
+        for block in lru:  # an entry is live if it is its block's last and the block is evictable there
+            left = remaining.get(id(block), block.host_lru_entries if host else block.lru_entries) - 1
+            remaining[id(block)] = left
+            if left or block.ref_count or block.tokens is None or (block.block_id is None) is not host:
+                continue
+            live.append(block)
+        return live
+
     def check_integrity(self, held_blocks: Iterable[KVBlock] = ()) -> None:
         """Raise AssertionError unless free + cached + held partition the primary slots."""
         held = {id(b): b for b in held_blocks}
         free = set(self._free)
-        cached = {b.block_id for b in self._lru}
+        lru = self.lru_blocks()
+        cached = {b.block_id for b in lru}
+        assert len(cached) == len(lru) == self._num_cached, f"{len(lru)} cached blocks, counted {self._num_cached}"
+        host_lru = self.lru_blocks(host=True)
+        assert len(host_lru) == self._num_host_cached, f"{len(host_lru)} host blocks, counted {self._num_host_cached}"
         held_ids = {b.block_id for b in held.values() if b.block_id is not None}
         assert len(free) == len(self._free), "a slot is on the free list twice"
         assert not (free & cached) and not (free & held_ids) and not (cached & held_ids), "a slot is in two sets"
         assert len(free) + len(cached) + len(held_ids) == self.num_blocks, (
             f"leak: free {len(free)} + cached {len(cached)} + held {len(held_ids)} != {self.num_blocks}"
         )
-        assert all(b.ref_count == 0 and b.in_tree for b in self._lru), "a cached block is referenced"
-        assert len(self._free_host) + len(self._host_lru) + sum(
+        assert all(b.ref_count == 0 and b.in_tree for b in lru), "a cached block is referenced"
+        assert all(b.ref_count == 0 and b.in_tree and b.host_id is not None for b in host_lru), "bad host LRU block"
+        assert len(self._free_host) + len(host_lru) + sum(
             1 for b in held.values() if b.host_id is not None
         ) == self.num_host_blocks, "host slot leak"

@@ -28,16 +28,25 @@ for what allocation may evict first. The gap between it and the claim is the bug
 from __future__ import annotations
 
 import bisect
+import functools
 import itertools
 import logging
+from array import array
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
 
-from tensorrt_llm._torch.pyexecutor.block_pool import BlockPool, BlockTokens, KVBlock
+import numpy as np
+
+from tensorrt_llm._torch.pyexecutor.block_pool import TOKEN_BYTES, BlockPool, BlockTokens, KVBlock
 from tensorrt_llm._torch.pyexecutor.config import KvCacheConfig
 from tensorrt_llm._torch.pyexecutor.forward_cost import forward_cost
 from tensorrt_llm._torch.pyexecutor.kv_storage import KVCacheStorage
-from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequest, LlmRequestState, num_in_flight_tokens
+from tensorrt_llm._torch.pyexecutor.llm_request import (
+    IN_FLIGHT_TOKEN_ID,
+    LlmRequest,
+    LlmRequestState,
+    num_in_flight_tokens,
+)
 from tensorrt_llm._torch.pyexecutor.scheduled_requests import ContextChunk, ScheduledRequests
 
 logger = logging.getLogger(__name__)
@@ -47,6 +56,42 @@ _CONTEXT_INIT = LlmRequestState.CONTEXT_INIT
 
 def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
+
+
+_PACKED = "I"  # BlockTokens: native unsigned 32-bit ids
+assert array(_PACKED).itemsize == TOKEN_BYTES
+
+
+def pack_tokens(tokens: list[int]) -> array:
+    """``tokens`` as a packed array (one C pass); ids must be ints in [0, 2**32)."""
+    packed = array(_PACKED)
+    try:
+        packed.fromlist(tokens)
+    except (OverflowError, TypeError) as error:
+        raise ValueError(f"token ids must be ints in [0, 2**32) to key the prefix tree: {error}") from None
+    return packed
+
+
+@functools.lru_cache(maxsize=8)
+def _hash_weights(tokens_per_block: int) -> np.ndarray:
+    """One fixed odd 32-bit weight per position in a block (the same in every process)."""
+    rng = np.random.default_rng(0x6B765F68617368)
+    return rng.integers(0, 1 << 31, size=tokens_per_block, dtype=np.uint32) * np.uint32(2) + np.uint32(1)
+
+
+def content_hashes(packed: array, num_blocks: int, tokens_per_block: int) -> list[int]:
+    """The default block hash of the first ``num_blocks`` blocks of ``packed``, all at once.
+
+    A multilinear hash, ``sum(w[i] * token[i]) mod 2**32`` with its high half folded into the
+    low one (dicts index by the low bits): one numpy pass over the whole prompt, with no
+    temporary, instead of a Python call per block; and the same in every process (Python's
+    ``hash`` of bytes is salted per process; tensor-parallel ranks must take identical
+    decisions). A collision costs a comparison only: every hit is verified against the tokens.
+    """
+    ids = np.frombuffer(packed, dtype=np.uint32, count=num_blocks * tokens_per_block)
+    h = ids.reshape(num_blocks, tokens_per_block) @ _hash_weights(tokens_per_block)  # uint32, wraps
+    h ^= h >> np.uint32(16)
+    return h.tolist()
 
 
 def _unreferenced(block: KVBlock) -> bool:
@@ -124,9 +169,11 @@ class KVCacheManager:
     """Block tables, prefix reuse and the host tier; optionally backed by real K/V tensors.
 
     ``storage`` is None in bookkeeping-only mode (simulation): every decision is the same,
-    only no tensor moves. ``block_hash`` keys the prefix tree; the default, ``hash`` of a
-    tuple of ints, is the same in every process (int hashing is not salted, unlike str),
-    which tensor-parallel ranks rely on to take identical decisions.
+    only no tensor moves. ``block_hash`` keys the prefix tree: a function of a block's packed
+    tokens (:data:`~block_pool.BlockTokens`), for tests that force collisions. The default
+    (``None``, or ``hash``, which older callers pass) is :func:`content_hashes`, computed
+    for a whole prompt at once and the same in every process, which tensor-parallel ranks
+    rely on to take identical decisions.
     """
 
     def __init__(
@@ -136,14 +183,16 @@ class KVCacheManager:
         num_blocks: int,
         num_host_blocks: int = 0,
         storage: KVCacheStorage | None = None,
-        block_hash: Callable[[BlockTokens], int] = hash,
+        block_hash: Callable[[BlockTokens], int] | None = None,
     ) -> None:
         self.config = config
         self.tokens_per_block = config.tokens_per_block
         self.enable_block_reuse = config.enable_block_reuse
         self.enable_partial_reuse = config.enable_block_reuse and config.enable_partial_reuse
         self.storage = storage
-        self.pool = BlockPool(num_blocks, num_host_blocks, storage=storage, block_hash=block_hash)
+        self.pool = BlockPool(num_blocks, num_host_blocks, storage=storage)
+        # Python's hash of bytes is salted per process: ``hash`` means the default here
+        self.block_hash = None if block_hash is hash else block_hash
         self._sequences: dict[int, _Sequence] = {}
         self._keys: dict[int, tuple[int, list[tuple[int, BlockTokens]]]] = {}
         # Waiting requests' matched chains from the last admission walk, keyed like _keys.
@@ -338,8 +387,14 @@ class KVCacheManager:
             seq = sequences.get(request.request_id)
             if seq is None or request.state is error:
                 continue
-            # the newest sampled token has no KV yet; neither has a token still in flight (overlap)
-            seq.num_computed = computed = len(request.tokens) - 1 - num_in_flight_tokens(request.tokens)
+            # the newest sampled token has no KV yet; neither has a token still in flight
+            # (overlap). The common case, nothing in flight, is told by the last token alone:
+            # no call per request per iteration.
+            tokens = request.tokens
+            computed = len(tokens) - 1
+            if tokens[-1] == IN_FLIGHT_TOKEN_ID:
+                computed -= num_in_flight_tokens(tokens)
+            seq.num_computed = computed
             if reuse and computed // tpb > seq.num_committed:  # a block filled up
                 self._commit_full_blocks(request, seq)
 
@@ -422,7 +477,7 @@ class KVCacheManager:
             claim.chain = self._match_prompt(request)[: claim_limit // tpb]
             if self.enable_partial_reuse and request.beam_width == 1:
                 start = len(claim.chain) * tpb
-                want = tuple(request.tokens[start : min(start + tpb, claim_limit)])
+                want = pack_tokens(request.tokens[start : min(start + tpb, claim_limit)]).tobytes()
                 if want:
                     parent = claim.chain[-1] if claim.chain else None
                     claim.partial, claim.partial_len = self.pool.match_partial(parent, want)
@@ -502,9 +557,8 @@ class KVCacheManager:
             self.pool.commit_chain(blocks, committed, keys[committed:full])
         if full > len(keys):
             begin = max(committed, len(keys))
-            tokens, block_hash = request.tokens, self.pool.block_hash
-            generated = [tuple(tokens[i * tpb : (i + 1) * tpb]) for i in range(begin, full)]
-            self.pool.commit_chain(blocks, begin, list(zip(map(block_hash, generated), generated)))
+            generated = pack_tokens(request.tokens[begin * tpb : full * tpb])
+            self.pool.commit_chain(blocks, begin, self._block_keys(generated, full - begin))
         table = seq.table
         for i in range(committed, full):
             table[i] = blocks[i].block_id
@@ -515,12 +569,19 @@ class KVCacheManager:
         cached = self._keys.get(request.request_id)
         if cached is not None and cached[0] == request.prompt_len:
             return cached[1]
-        tpb, prompt_len = self.tokens_per_block, request.prompt_len
-        tokens = request.tokens
-        source = iter(tokens) if len(tokens) == prompt_len else itertools.islice(tokens, prompt_len)
-        # zip over tpb references to one iterator builds each block's tuple in one C pass and
-        # stops before a partial last block: the full blocks, in order, with no copy in between
-        blocks = list(zip(*[source] * tpb))
-        keys = list(zip(map(self.pool.block_hash, blocks), blocks))
+        prompt_len, tokens = request.prompt_len, request.tokens
+        packed = pack_tokens(tokens if len(tokens) == prompt_len else tokens[:prompt_len])
+        keys = self._block_keys(packed, prompt_len // self.tokens_per_block)
         self._keys[request.request_id] = (prompt_len, keys)
         return keys
+
+    def _block_keys(self, packed: array, num_blocks: int) -> list[tuple[int, BlockTokens]]:
+        """(hash, tokens) of the first ``num_blocks`` full blocks of ``packed``."""
+        width = self.tokens_per_block * TOKEN_BYTES
+        buffer = packed.tobytes()
+        blocks = [buffer[i : i + width] for i in range(0, num_blocks * width, width)]
+        if self.block_hash is None:
+            hashes = content_hashes(packed, num_blocks, self.tokens_per_block) if num_blocks else []
+        else:
+            hashes = list(map(self.block_hash, blocks))
+        return list(zip(hashes, blocks))

@@ -8,6 +8,7 @@ for the real model and block contents are written and read directly.
 """
 
 import random
+from array import array
 
 import pytest
 import torch
@@ -15,8 +16,9 @@ from factories import make_batch, make_config, make_request, make_sim_executor, 
 from invariants import ExecutorChecker
 
 from tensorrt_llm._torch.models.modeling_llama import LlamaConfig, LlamaForCausalLM
+from tensorrt_llm._torch.pyexecutor.block_pool import BlockPool, common_prefix_tokens
 from tensorrt_llm._torch.pyexecutor.config import ExecutorConfig, KvCacheConfig
-from tensorrt_llm._torch.pyexecutor.kv_cache_manager import KVAllocation, KVCacheManager
+from tensorrt_llm._torch.pyexecutor.kv_cache_manager import KVAllocation, KVCacheManager, pack_tokens, content_hashes
 from tensorrt_llm._torch.pyexecutor.kv_storage import KVCacheStorage
 from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequestState
 from tensorrt_llm._torch.pyexecutor.py_executor_creator import create_kv_cache_manager
@@ -239,6 +241,31 @@ def test_eviction_takes_the_least_recently_used_prefix_first():
     assert estimate(kv, a + tokens(4, seed=13) + [1]) == 8
     hold(kv, tokens(4, seed=16))
     assert estimate(kv, a + [1]) == 4
+
+
+def test_lru_keeps_its_order_and_a_bounded_length_under_repeated_pins():
+    """The LRU lists drop entries lazily: a block pinned and released over and over leaves
+    stale entries behind, which must neither change the eviction order nor pile up."""
+    pool = BlockPool(4, 2)
+    chain = pool.allocate_many(3)
+    content = [array("I", range(i * TPB, (i + 1) * TPB)).tobytes() for i in range(3)]  # packed tokens
+    pool.commit_chain(chain, 0, [(hash(t), t) for t in content])
+    a, b, c = chain
+    pool.release(chain)  # leaves first: c, b, a from oldest
+    assert pool.lru_blocks() == [c, b, a]
+    for _ in range(1000):  # a hot block, pinned by claim after claim
+        pool.incref(b)
+        pool.decref(b)
+    assert pool.lru_blocks() == [c, a, b] and pool.num_cached == 3
+    assert len(pool._lru) <= 2 * pool.num_cached + 64
+    fresh = pool.allocate_many(3)  # 1 free slot, then c and a go to the host tier, oldest first
+    assert pool.lru_blocks() == [b] and pool.lru_blocks(host=True) == [c, a]
+    assert (a.block_id, c.block_id) == (None, None) and pool.num_host_cached == 2
+    pool.incref(a)  # a claim pins a host block: it leaves the host list at once
+    assert pool.lru_blocks(host=True) == [c] and pool.num_host_cached == 1
+    pool.decref(a)
+    assert pool.lru_blocks(host=True) == [c, a]
+    pool.check_integrity(fresh)
 
 
 def test_referenced_blocks_are_never_evicted():
@@ -488,6 +515,31 @@ def test_leak_oracle_catches_a_leaked_block():
 def test_leak_oracle_catches_a_block_in_two_sets():
     kv = manager(num_blocks=4)
     cache_prompt(kv, tokens(8, seed=47))
-    kv.pool._free.append(next(iter(kv.pool._lru)).block_id)
+    kv.pool._free.append(kv.pool.lru_blocks()[0].block_id)
     with pytest.raises(AssertionError):
         kv.check_integrity()
+
+
+# ---- block keys ---------------------------------------------------------------------
+def test_a_block_hashes_alike_alone_or_within_a_prompt():
+    """Prompt blocks are hashed a prompt at a time, generated blocks one at a time: equal
+    content must get equal hashes either way, or a generated block would never match."""
+    prompt = tokens(5 * TPB, seed=60)
+    whole = content_hashes(pack_tokens(prompt), 5, TPB)
+    alone = [content_hashes(pack_tokens(prompt[i * TPB : (i + 1) * TPB]), 1, TPB)[0] for i in range(5)]
+    assert whole == alone
+    assert len(set(whole)) == 5  # not a constant
+
+
+def test_common_prefix_counts_tokens_not_bytes():
+    a = pack_tokens([1, 2, 3, 4]).tobytes()
+    assert common_prefix_tokens(a, pack_tokens([1, 2, 3, 4]).tobytes()) == 4
+    assert common_prefix_tokens(a, pack_tokens([1, 2, 9, 4]).tobytes()) == 2
+    assert common_prefix_tokens(a, pack_tokens([1 + 256, 2, 3, 4]).tobytes()) == 0  # same low byte, other token
+    assert common_prefix_tokens(a, pack_tokens([1, 2]).tobytes()) == 2
+
+
+@pytest.mark.parametrize("bad", [-1, 1 << 32, 1.0])
+def test_tokens_the_tree_cannot_key_are_refused(bad):
+    with pytest.raises(ValueError, match="token ids"):
+        pack_tokens([1, bad, 2])
