@@ -171,9 +171,9 @@ class KVCacheManager:
     ``storage`` is None in bookkeeping-only mode (simulation): every decision is the same,
     only no tensor moves. ``block_hash`` keys the prefix tree: a function of a block's packed
     tokens (:data:`~block_pool.BlockTokens`), for tests that force collisions. The default
-    (``None``, or ``hash``, which older callers pass) is :func:`content_hashes`, computed
-    for a whole prompt at once and the same in every process, which tensor-parallel ranks
-    rely on to take identical decisions.
+    (``None``) is :func:`content_hashes`, computed for a whole prompt at once and the same in
+    every process, which tensor-parallel ranks rely on to take identical decisions (Python's
+    ``hash`` of bytes is salted per process: do not pass it where ranks must agree).
     """
 
     def __init__(
@@ -191,8 +191,7 @@ class KVCacheManager:
         self.enable_partial_reuse = config.enable_block_reuse and config.enable_partial_reuse
         self.storage = storage
         self.pool = BlockPool(num_blocks, num_host_blocks, storage=storage)
-        # Python's hash of bytes is salted per process: ``hash`` means the default here
-        self.block_hash = None if block_hash is hash else block_hash
+        self.block_hash = block_hash
         self._sequences: dict[int, _Sequence] = {}
         self._keys: dict[int, tuple[int, list[tuple[int, BlockTokens]]]] = {}
         # Waiting requests' matched chains from the last admission walk, keyed like _keys.

@@ -59,7 +59,7 @@ def create_kv_cache_manager(
     *,
     model: LlamaForCausalLM | None = None,
     kv_bytes_per_token: int | None = None,
-    block_hash: Callable[[BlockTokens], int] = hash,
+    block_hash: Callable[[BlockTokens], int] | None = None,
 ) -> KVCacheManager:
     """With ``model``: real K/V tensors shaped for it, on its device. Without: bookkeeping only,
     and ``kv_bytes_per_token`` sizes the host tier from ``host_cache_size`` bytes.
@@ -112,7 +112,7 @@ def create_py_executor(
     sampler: Sampler | None = None,
     kv_bytes_per_token: int | None = None,
     clock: Callable[[], float] = time.monotonic,
-    block_hash: Callable[[BlockTokens], int] = hash,
+    block_hash: Callable[[BlockTokens], int] | None = None,
 ) -> PyExecutor:
     """A torch executor (``model``) or one whose engine ``engine_factory`` builds (simulation)."""
     if (model is None) == (engine_factory is None):

@@ -29,7 +29,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")  # some managers hold r
 
 
 # ---- helpers ------------------------------------------------------------------------
-def manager(num_blocks=16, *, partial=True, host_blocks=0, block_hash=hash) -> KVCacheManager:
+def manager(num_blocks=16, *, partial=True, host_blocks=0, block_hash=None) -> KVCacheManager:
     """Bookkeeping-only manager (it knows no token budget: allocation alone is under test)."""
     config = KvCacheConfig(tokens_per_block=TPB, enable_partial_reuse=partial)
     return KVCacheManager(config, num_blocks=num_blocks, num_host_blocks=host_blocks, block_hash=block_hash)
@@ -38,7 +38,7 @@ def manager(num_blocks=16, *, partial=True, host_blocks=0, block_hash=hash) -> K
 FLOAT64_MODEL = LlamaConfig(dtype="float64")
 
 
-def tensor_manager(num_blocks=16, *, partial=True, host_blocks=0, block_hash=hash) -> KVCacheManager:
+def tensor_manager(num_blocks=16, *, partial=True, host_blocks=0, block_hash=None) -> KVCacheManager:
     """A manager with real K/V tensors shaped for the float64 tiny model."""
     model = LlamaForCausalLM(FLOAT64_MODEL)
     block_shape = model.kv_cache_shape(1, TPB)[1:]
