@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 from benchmarks import gpu_forward, gpu_kernels, gpu_sim_check
-from benchmarks.gpu_common import H200, measure_ceilings
+from benchmarks.gpu_common import H200, measure_ceilings, summary_footer
 from tensorrt_llm._torch.models.modeling_llama import MODEL_PRESETS, LlamaForCausalLM
 
 logger = logging.getLogger("gpu_bench")
@@ -193,10 +193,7 @@ def summary(result: dict) -> str:
         if e.get("n"):
             lines.append(f"cost model refitted {name} (checked on executor iterations): median "
                          f"{e['median_rel_err']:.1%}, p90 {e['p90_rel_err']:.1%} over {e['n']}")
-    for name, sec in result["sections"].items():
-        if isinstance(sec, dict) and ("error" in sec or "skipped" in sec):
-            lines.append(f"section {name}: {sec.get('error') or sec.get('skipped')}")
-    lines.append(f"total {result.get('total_seconds', 0):.0f} s")
+    lines.extend(summary_footer(result))
     return "\n".join(lines)
 
 

@@ -186,3 +186,12 @@ def quantile(values: list[float], q: float) -> float:
     lo = int(pos)
     hi = min(lo + 1, len(ordered) - 1)
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def summary_footer(result: dict) -> list[str]:
+    """The last lines of a GPU benchmark's summary: each section that failed or was skipped,
+    then the total time."""
+    lines = [f"section {name}: {sec.get('error') or sec.get('skipped')}"
+             for name, sec in result["sections"].items()
+             if isinstance(sec, dict) and ("error" in sec or "skipped" in sec)]
+    return lines + [f"total {result.get('total_seconds', 0):.0f} s"]

@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 
 from benchmarks import cost_model as cm
-from benchmarks.gpu_common import quantile
+from benchmarks.gpu_common import quantile, summary_footer
 from benchmarks.replay import TraceSpec, replay_trace
 from benchmarks.replay_settings import ReplaySettings
 from benchmarks.sim_engine import Engine, forward_shape, torch_model
@@ -312,10 +312,7 @@ def summary(result: dict) -> str:
         for name, e in refit.get("shared_calibration", {}).items():
             if isinstance(e, dict) and e.get("n"):
                 lines.append(f"  shared calibration vs {name}: median {e['median_rel_err']:.1%} p90 {e['p90_rel_err']:.1%}")
-    for name, sec in result["sections"].items():
-        if isinstance(sec, dict) and ("error" in sec or "skipped" in sec):
-            lines.append(f"section {name}: {sec.get('error') or sec.get('skipped')}")
-    lines.append(f"total {result.get('total_seconds', 0):.0f} s")
+    lines.extend(summary_footer(result))
     return "\n".join(lines)
 
 
