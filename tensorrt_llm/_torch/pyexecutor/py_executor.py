@@ -417,7 +417,7 @@ class PyExecutor:
             return self.active_requests
         return [
             r for r in self.active_requests
-            if r.tokens[-1] != IN_FLIGHT_TOKEN_ID or len(r.tokens) < r.orig_prompt_len + r.max_new_tokens
+            if r.tokens[-1] != IN_FLIGHT_TOKEN_ID or len(r.tokens) < r.max_total_len
         ]
 
     def _launch(
@@ -439,9 +439,7 @@ class PyExecutor:
             stats.forward_tokens, stats.overshoot = error.total_num_tokens, error.overshoot
             self._fail_batch(prepared.scheduled.all_requests, error, stats)
         except Exception as error:  # one bad batch must not take the server down
-            failed = (prepared.scheduled if prepared is not None else scheduled).all_requests
-            logger.exception("iteration %d failed; failing its %d requests", stats.iteration, len(failed))
-            self._fail_batch(failed, error, stats)
+            self._fail_iteration((prepared.scheduled if prepared is not None else scheduled).all_requests, error, stats)
         return prepared, None
 
     def _prepare_resources(self, scheduled: ScheduledRequests, stats: IterationStats) -> PreparedBatch:
@@ -506,9 +504,7 @@ class PyExecutor:
             self._update_requests(flight, output)
             self.resource_manager.update_resources(flight.batch)
         except Exception as error:  # one bad batch must not take the server down
-            failed = flight.batch.all_requests
-            logger.exception("iteration %d failed; failing its %d requests", flight.stats.iteration, len(failed))
-            self._fail_batch(failed, error, flight.stats)
+            self._fail_iteration(flight.batch.all_requests, error, flight.stats)
         self._record(flight.stats, flight.scheduled, flight.prepared)
 
     def _update_requests(self, flight: _InFlight, output: ForwardOutput) -> None:
@@ -531,8 +527,7 @@ class PyExecutor:
         next forward's placeholder (that forward's token for it will be dropped); respond."""
         sequence = request.tokens
         token = sequence[slot] = tokens[0]
-        limit = request.orig_prompt_len + request.max_new_tokens
-        finished = slot + 1 >= limit or token == request.end_id or token in request.stop_token_ids
+        finished = slot + 1 >= request.max_total_len or token == request.end_id or token in request.stop_token_ids
         if finished:
             del sequence[slot + 1 :]
         self._deliver(request, tokens[:1], finished, now)
@@ -566,6 +561,12 @@ class PyExecutor:
             callback = self._callbacks.get(request.request_id)
         if callback is not None:
             callback(request, Response(request.request_id, tokens, finished))
+
+    def _fail_iteration(self, requests: list[LlmRequest], error: Exception, stats: IterationStats) -> None:
+        """An unexpected error at launch or completion: log it with its traceback (call from the
+        ``except`` block) and fail the batch's requests."""
+        logger.exception("iteration %d failed; failing its %d requests", stats.iteration, len(requests))
+        self._fail_batch(requests, error, stats)
 
     def _fail_batch(self, requests: list[LlmRequest], error: Exception, stats: IterationStats) -> None:
         self.num_failed_batches += 1

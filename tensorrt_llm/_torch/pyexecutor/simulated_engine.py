@@ -123,6 +123,8 @@ class SyntheticSampler(Sampler):
         if output is not None and output.greedy_tokens:
             return [self.sample(r, output) for r in requests]
         modulus = self.vocab_size - 1
+        # next_token's rule inlined (a call per request costs the replay more than the rule);
+        # requests with a stop condition go through next_token below
         batch = [[1 + (r.tokens[-1] * 1_000_003 + len(r.tokens) * 7919) % modulus] for r in requests]
         for request, tokens in zip(requests, batch):  # the rare request with a stop condition
             if request.end_id is not None or request.stop_token_ids:
