@@ -109,7 +109,7 @@ async def send_one(client: openai.AsyncOpenAI, target: ReplayTarget, request: Tr
     """Wait for the request's arrival time, then stream it and time every token."""
     await asyncio.sleep(max(0.0, start + request.arrival_s - time.perf_counter()))
     record = RequestRecord(sent=time.perf_counter())
-    prompt = request.prompt_token_ids()
+    prompt = request.prompt_token_ids().tolist()
     try:
         stream = await client.completions.create(
             model=target.model, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,

@@ -41,9 +41,9 @@ Line numbers in :class:`TraceFormatError` are 1-based lines of the file.
 from __future__ import annotations
 
 import csv
+from array import array
 import dataclasses
 import datetime
-import functools
 import io
 import json
 import math
@@ -52,6 +52,8 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
+
+from tensorrt_llm._torch.pyexecutor.llm_request import TOKEN_TYPECODE, token_array
 
 __all__ = [
     "check_vocab_size",
@@ -113,38 +115,19 @@ def _mix64_inplace(z: np.ndarray) -> None:
     z ^= z >> _U(31)
 
 
-# Vocabularies up to this size get one shared int object per token id (see _token_ints).
-_MAX_INTERNED_VOCAB = 1 << 18
-
-
-@functools.lru_cache(maxsize=4)
-def _token_ints(vocab_size: int) -> np.ndarray:
-    """``[0, 1, ..., vocab_size - 1]`` as an object array of Python ints.
-
-    Prompts index it instead of calling ``tolist()`` on the ids: the same speed, but every
-    occurrence of an id is one shared int, so a replay's prompt lists allocate and free no
-    int object per token (~60 M of them in the Mooncake replay; the KV prefix tree keeps
-    packed copies, see ``block_pool.BlockTokens``).
-    """
-    return np.array(range(vocab_size), dtype=object)
-
-
-def _stream_to_tokens(z: np.ndarray, vocab_size: int) -> list[int]:
-    """Mix the stream states ``z`` (uint64, modified in place) into ids in [1, vocab_size)."""
+def _stream_to_tokens(z: np.ndarray, vocab_size: int) -> array:
+    """Mix the stream states ``z`` (uint64, modified in place) into ids in [1, vocab_size), packed
+    as ``LlmRequest.tokens`` holds them: a prompt never exists as a list of Python ints."""
     _mix64_inplace(z)
     # Multiply-shift range reduction on the top 32 bits: no 64-bit division, bias < 2**-17.
     z >>= _U(32)
     z *= _U(vocab_size - 1)
     z >>= _U(32)
     z += _U(1)
-    if vocab_size > _MAX_INTERNED_VOCAB:
-        return z.tolist()
-    # The ids are below 2**18 here: viewed as int64 (numpy's index type on 64-bit platforms),
-    # take indexes with them directly instead of first converting a uint64 copy to intp.
-    return _token_ints(vocab_size).take(z.view(np.int64)).tolist()
+    return array(TOKEN_TYPECODE, z.tobytes())  # the ids are below 2**32: the same bits as int64
 
 
-def _expand_segments(segments: Sequence[tuple[int, int]], vocab_size: int) -> list[int]:
+def _expand_segments(segments: Sequence[tuple[int, int]], vocab_size: int) -> array:
     keys = np.fromiter((k for k, _ in segments), dtype=np.uint64, count=len(segments))
     lengths = np.fromiter((n for _, n in segments), dtype=np.int64, count=len(segments))
     total = int(lengths.sum())
@@ -155,7 +138,7 @@ def _expand_segments(segments: Sequence[tuple[int, int]], vocab_size: int) -> li
     return _stream_to_tokens(z, vocab_size)
 
 
-def _expand_mooncake(hash_ids: Sequence[int], input_len: int, vocab_size: int) -> list[int]:
+def _expand_mooncake(hash_ids: Sequence[int], input_len: int, vocab_size: int) -> array:
     keys = np.array(hash_ids, dtype=np.uint64)
     keys ^= _U(_TAG_MOONCAKE)
     _mix64_inplace(keys)
@@ -214,8 +197,9 @@ class TraceRequest:
         if self.output_len < 1:
             raise ValueError(f"output_len must be >= 1, got {self.output_len}")
 
-    def prompt_token_ids(self) -> list[int]:
-        """The prompt, materialised now. The base class has no content of its own: it yields
+    def prompt_token_ids(self) -> array:
+        """The prompt, materialised now as a packed token array (what ``LlmRequest`` holds;
+        ``.tolist()`` gives a list). The base class has no content of its own: it yields
         ``input_len`` tokens unique to ``request_index`` (vocab 32000). Loaders return
         subclasses that carry the trace's real structure."""
         key = segment_key(_TAG_DEFAULT, self.request_index)
@@ -237,7 +221,7 @@ class SyntheticRequest(TraceRequest):
             raise ValueError("segment lengths must be >= 1")
         check_vocab_size(self.vocab_size)
 
-    def prompt_token_ids(self) -> list[int]:
+    def prompt_token_ids(self) -> array:
         return _expand_segments(self.segments, self.vocab_size)
 
 
@@ -255,7 +239,7 @@ class MooncakeRequest(TraceRequest):
             raise ValueError(f"input_len {self.input_len} does not fit {n} hash ids of 512 tokens")
         check_vocab_size(self.vocab_size)
 
-    def prompt_token_ids(self) -> list[int]:
+    def prompt_token_ids(self) -> array:
         return _expand_mooncake(self.hash_ids, self.input_len, self.vocab_size)
 
 
@@ -271,8 +255,8 @@ class TrtllmRequest(TraceRequest):
         if len(self.token_ids) != self.input_len:
             raise ValueError("len(token_ids) must equal input_len")
 
-    def prompt_token_ids(self) -> list[int]:
-        return list(self.token_ids)
+    def prompt_token_ids(self) -> array:
+        return token_array(self.token_ids)
 
 
 @dataclass(frozen=True, slots=True)

@@ -43,6 +43,7 @@ from tensorrt_llm._torch.pyexecutor.forward_cost import forward_cost
 from tensorrt_llm._torch.pyexecutor.kv_storage import KVCacheStorage
 from tensorrt_llm._torch.pyexecutor.llm_request import (
     IN_FLIGHT_TOKEN_ID,
+    TOKEN_TYPECODE,
     LlmRequest,
     LlmRequestState,
     num_in_flight_tokens,
@@ -58,18 +59,20 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-_PACKED = "I"  # BlockTokens: native unsigned 32-bit ids
-assert array(_PACKED).itemsize == TOKEN_BYTES
+def pack_tokens(tokens: array | Sequence[int]) -> np.ndarray:
+    """``tokens`` as the prefix tree keys them: native unsigned 32-bit ids (``.tobytes()`` of a
+    block's slice is its :data:`~block_pool.BlockTokens`).
 
-
-def pack_tokens(tokens: list[int]) -> array:
-    """``tokens`` as a packed array (one C pass); ids must be ints in [0, 2**32)."""
-    packed = array(_PACKED)
-    try:
-        packed.fromlist(tokens)
-    except (OverflowError, TypeError) as error:
-        raise ValueError(f"token ids must be ints in [0, 2**32) to key the prefix tree: {error}") from None
-    return packed
+    Takes a packed token array (``LlmRequest.tokens`` or a slice of it: viewed, one numpy
+    conversion) or a sequence of ints; raises ValueError unless every id is an int in [0, 2**32).
+    """
+    if isinstance(tokens, array) and tokens.typecode == TOKEN_TYPECODE:
+        ids = np.frombuffer(tokens, dtype=np.int64)
+    else:
+        ids = np.asarray(tokens) if len(tokens) else np.empty(0, dtype=np.int64)
+    if ids.dtype.kind not in "iu" or (ids.size and (ids.min() < 0 or ids.max() >= 1 << 32)):
+        raise ValueError(f"token ids must be ints in [0, 2**32) to key the prefix tree, got {tokens!r:.80}")
+    return ids.astype(np.uint32)
 
 
 @functools.lru_cache(maxsize=8)
@@ -79,8 +82,8 @@ def _hash_weights(tokens_per_block: int) -> np.ndarray:
     return rng.integers(0, 1 << 31, size=tokens_per_block, dtype=np.uint32) * np.uint32(2) + np.uint32(1)
 
 
-def content_hashes(packed: array, num_blocks: int, tokens_per_block: int) -> list[int]:
-    """The default block hash of the first ``num_blocks`` blocks of ``packed``, all at once.
+def content_hashes(packed: np.ndarray, num_blocks: int, tokens_per_block: int) -> list[int]:
+    """The default block hash of the first ``num_blocks`` blocks of ``packed`` (:func:`pack_tokens`), all at once.
 
     A multilinear hash, ``sum(w[i] * token[i]) mod 2**32`` with its high half folded into the
     low one (dicts index by the low bits): one numpy pass over the whole prompt, with no
@@ -88,7 +91,7 @@ def content_hashes(packed: array, num_blocks: int, tokens_per_block: int) -> lis
     ``hash`` of bytes is salted per process; tensor-parallel ranks must take identical
     decisions). A collision costs a comparison only: every hit is verified against the tokens.
     """
-    ids = np.frombuffer(packed, dtype=np.uint32, count=num_blocks * tokens_per_block)
+    ids = packed[: num_blocks * tokens_per_block]
     h = ids.reshape(num_blocks, tokens_per_block) @ _hash_weights(tokens_per_block)  # uint32, wraps
     h ^= h >> np.uint32(16)
     return h.tolist()
@@ -568,13 +571,13 @@ class KVCacheManager:
         cached = self._keys.get(request.request_id)
         if cached is not None and cached[0] == request.prompt_len:
             return cached[1]
-        prompt_len, tokens = request.prompt_len, request.tokens
-        packed = pack_tokens(tokens if len(tokens) == prompt_len else tokens[:prompt_len])
-        keys = self._block_keys(packed, prompt_len // self.tokens_per_block)
+        prompt_len = request.prompt_len
+        num_blocks = prompt_len // self.tokens_per_block
+        keys = self._block_keys(pack_tokens(request.tokens[: num_blocks * self.tokens_per_block]), num_blocks)
         self._keys[request.request_id] = (prompt_len, keys)
         return keys
 
-    def _block_keys(self, packed: array, num_blocks: int) -> list[tuple[int, BlockTokens]]:
+    def _block_keys(self, packed: np.ndarray, num_blocks: int) -> list[tuple[int, BlockTokens]]:
         """(hash, tokens) of the first ``num_blocks`` full blocks of ``packed``."""
         width = self.tokens_per_block * TOKEN_BYTES
         buffer = packed.tobytes()

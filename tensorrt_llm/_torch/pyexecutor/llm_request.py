@@ -45,13 +45,55 @@ from __future__ import annotations
 
 import enum
 import itertools
+from array import array
 from dataclasses import dataclass, field
+from typing import Iterable
 
+import numpy as np
+
+from tensorrt_llm._torch.pyexecutor.errors import InvalidRequestError
 
 IN_FLIGHT_TOKEN_ID = -1  # in ``tokens``: a token a forward in flight is sampling (overlap)
 
+# ``LlmRequest.tokens``: packed signed 64-bit ids. A prompt of tens of thousands of tokens is
+# then one buffer, not a list of int objects: it is copied, range-checked and cut into the KV
+# cache's block keys by numpy in one pass each, and freed in one piece. Signed, so that the
+# in-flight placeholder fits and a negative id reaches validation, which names it.
+TOKEN_TYPECODE = "q"
 
-def num_in_flight_tokens(tokens: list[int]) -> int:
+
+def token_array(token_ids: Iterable[int]) -> array:
+    """``token_ids`` as a new packed token array (:data:`TOKEN_TYPECODE`).
+
+    Takes a list or tuple of ints, another token array (copied with one memcpy) or an integer
+    numpy array. Raises :class:`InvalidRequestError` naming the first id that is not an
+    integer of at most 64 bits: no vocabulary holds it, and no token array can.
+    """
+    if isinstance(token_ids, array) and token_ids.typecode == TOKEN_TYPECODE:
+        return token_ids[:]
+    if isinstance(token_ids, np.ndarray):
+        if token_ids.dtype.kind not in "iu" or token_ids.ndim != 1:
+            raise InvalidRequestError(f"token ids must be a 1-D integer array, got {token_ids.dtype} of shape {token_ids.shape}")
+        if token_ids.dtype == np.uint64 and token_ids.size and int(token_ids.max()) >= 1 << 63:
+            raise InvalidRequestError(f"token id {int(token_ids.max())} is outside every vocabulary")
+        return array(TOKEN_TYPECODE, token_ids.astype(np.int64, copy=False).tobytes())
+    try:
+        return array(TOKEN_TYPECODE, token_ids)
+    except (TypeError, OverflowError) as error:
+        bad = next((t for t in token_ids if not _is_int64(t)), None) if hasattr(token_ids, "__len__") else None
+        what = f"token id {bad!r} is not an integer of at most 64 bits" if bad is not None else str(error)
+        raise InvalidRequestError(f"token ids must be integers: {what}") from None
+
+
+def _is_int64(value: object) -> bool:
+    try:
+        array(TOKEN_TYPECODE, (value,))
+    except (TypeError, OverflowError):
+        return False
+    return True
+
+
+def num_in_flight_tokens(tokens: array) -> int:
     """Trailing placeholders of tokens still being sampled by forwards in flight."""
     count = 0
     for token in reversed(tokens):
@@ -112,7 +154,7 @@ class LlmRequest:
     restarted (its generated tokens become context to recompute).
     """
 
-    input_token_ids: list[int]
+    input_token_ids: Iterable[int]  # the submitter's prompt; ``tokens`` starts as a packed copy
     max_new_tokens: int
     request_id: int = field(default_factory=lambda: next(_request_ids))
     beam_width: int = 1
@@ -128,7 +170,7 @@ class LlmRequest:
 
     # Mutable bookkeeping (not constructor arguments in practice).
     state: LlmRequestState = LlmRequestState.CONTEXT_INIT
-    tokens: list[int] = field(init=False)
+    tokens: array = field(init=False)  # packed (TOKEN_TYPECODE): prompt, then generated tokens
     prompt_len: int = field(init=False)
     orig_prompt_len: int = field(init=False)
     context_current_position: int = 0
@@ -147,7 +189,10 @@ class LlmRequest:
     finish_time: float | None = None
 
     def __post_init__(self) -> None:
-        self.tokens = list(self.input_token_ids)
+        try:
+            self.tokens = token_array(self.input_token_ids)
+        except InvalidRequestError as error:
+            raise InvalidRequestError(f"request {self.request_id}: {error}") from None
         self.prompt_len = len(self.tokens)
         self.orig_prompt_len = self.prompt_len
 
@@ -212,7 +257,7 @@ class LlmRequest:
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.tokens[self.orig_prompt_len :]
+        return self.tokens[self.orig_prompt_len :].tolist()
 
     @property
     def num_generated_tokens(self) -> int:

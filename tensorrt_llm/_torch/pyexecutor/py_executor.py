@@ -538,7 +538,7 @@ class PyExecutor:
         limit = request.orig_prompt_len + request.max_new_tokens
         finished = False
         if len(tokens) == 1 and request.end_id is None and not request.stop_token_ids:  # the usual step
-            sequence += tokens
+            sequence.extend(tokens)
             finished = len(sequence) >= limit
         else:
             for index, token in enumerate(tokens):

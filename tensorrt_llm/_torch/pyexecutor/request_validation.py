@@ -43,25 +43,13 @@ class RequestLimits:
         )
 
 
-def first_bad_token(tokens: list, vocab_size: int) -> object | None:
-    """The first token that is not an int in ``[0, vocab_size)``, or None.
-
-    Prompts run to tens of thousands of tokens: two passes in C (``sum`` stays an ``int``
-    only over ints; an unsigned 64-bit array takes only non-negative integers, whose maximum
-    numpy then checks) clear a valid prompt several times faster than a Python loop, which
-    then runs only to name the offender.
-    """
-    try:
-        if type(sum(tokens)) is int:
-            packed = array("Q")
-            # unsigned: converted about 3x faster per item than into "q", and a negative
-            # id raises OverflowError here
-            packed.fromlist(tokens)
-            if not tokens or np.frombuffer(packed, dtype=np.uint64).max() < vocab_size:
-                return None
-    except (TypeError, OverflowError):  # negative, or past 64 bits: the scan below names it
-        pass
-    return next((t for t in tokens if not isinstance(t, int) or not 0 <= t < vocab_size), None)
+def first_bad_token(tokens: array, vocab_size: int) -> int | None:
+    """The first id of a packed token array (``LlmRequest.tokens``) outside ``[0, vocab_size)``,
+    or None: two numpy reductions over the buffer, then a search only to name the offender."""
+    ids = np.frombuffer(tokens, dtype=np.int64)
+    if not ids.size or (ids.min() >= 0 and ids.max() < vocab_size):
+        return None
+    return int(ids[np.argmax((ids < 0) | (ids >= vocab_size))])
 
 
 def validate_request(request: LlmRequest, limits: RequestLimits, kv_cache_manager: "KVCacheManager") -> None:

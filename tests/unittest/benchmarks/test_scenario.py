@@ -34,7 +34,7 @@ def test_shape_and_defaults():
 
 def test_deterministic_in_seed():
     assert default_scenario() == _scenario()
-    assert default_scenario().requests[5].prompt_token_ids() == list(_tokens()[5])
+    assert default_scenario().requests[5].prompt_token_ids().tolist() == list(_tokens()[5])
     other = _scenario(seed=1)
     assert other != _scenario()
     assert _tokens(1)[0] != _tokens(0)[0]

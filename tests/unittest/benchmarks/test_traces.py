@@ -309,7 +309,7 @@ def test_trtllm_input_ids_and_prompt(tmp_path):
     ])
     trace = load_trace(path)
     assert trace.format == "trtllm"
-    assert [r.prompt_token_ids() for r in trace.requests] == [[5, 6, 7], [ord("h") + 1, 0xC3 + 1, 0xA9 + 1], [1 + 40000 % 31999, 1]]
+    assert [r.prompt_token_ids().tolist() for r in trace.requests] == [[5, 6, 7], [ord("h") + 1, 0xC3 + 1, 0xA9 + 1], [1 + 40000 % 31999, 1]]
     assert [r.output_len for r in trace.requests] == [4, 2, 1]
     assert [r.arrival_s for r in trace.requests] == [0.0, 0.0, 0.0]
     notes = " | ".join(trace.notes)

@@ -98,7 +98,7 @@ def _generate(model, prompts, graphs: bool, **config):
         executor.enqueue_request(request)
     executor.run_until_idle()
     assert all(r.error is None for r in requests), [r.error for r in requests]
-    return [r.tokens[r.orig_prompt_len :] for r in requests]
+    return [r.output_token_ids for r in requests]
 
 
 def _prompts() -> list[list[int]]:

@@ -58,7 +58,7 @@ def test_a_request_spec_builds_the_same_request_on_every_rank():
                          sampling_config=SamplingConfig(temperature=0.5, seed=3))
     spec = RequestSpec.of(request, arrival_time=12.5)
     built = spec.build()
-    assert (built.request_id, built.tokens, built.max_new_tokens, built.arrival_time) == (41, [3, 4, 5], 7, 12.5)
+    assert (built.request_id, built.tokens.tolist(), built.max_new_tokens, built.arrival_time) == (41, [3, 4, 5], 7, 12.5)
     assert built.sampling_config == request.sampling_config and built.stop_token_ids == (9,)
 
 

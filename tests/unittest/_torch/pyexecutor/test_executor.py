@@ -6,6 +6,7 @@ The overshoot scenarios run twice: on the simulated engine, stepped by hand, and
 """
 
 import random
+import re
 import threading
 from contextlib import contextmanager
 
@@ -14,8 +15,8 @@ from factories import greedy_reference, make_config, make_request, make_sim_exec
 from invariants import ExecutorChecker
 
 from tensorrt_llm import LLM, SamplingParams
-from tensorrt_llm._torch.pyexecutor.errors import ExecutorShutdown, TokenBudgetExceeded
-from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequestState
+from tensorrt_llm._torch.pyexecutor.errors import ExecutorShutdown, InvalidRequestError, TokenBudgetExceeded
+from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequest, LlmRequestState, token_array
 from tensorrt_llm.llmapi import KvCacheConfig, RequestError
 
 # ---- the evicted-discount scenario (DESIGN.md §1) -----------------------------------
@@ -412,10 +413,17 @@ def test_an_iteration_is_budget_bound_while_prompt_tokens_are_left_after_its_bat
 
 @pytest.mark.parametrize(
     "tokens, bad",
-    [([1, 2, 3], None), ([], None), ([True, 2], None), ([1, 2.5, 99], 2.5), ([1, "a"], "a"), ([3, -1, -3], -1),
-     ([1, 10, 11], 10), ([2.0], 2.0), ([1, 2**70], 2**70), ([1, 2**63], 2**63), ([2, -2**70], -2**70)],
+    [([1, 2, 3], None), ([], None), ([True, 2], None), ([3, -1, -3], -1), ([1, 10, 11], 10), ([1, 2**62], 2**62),
+     ([2, -2**62], -2**62)],
 )
 def test_first_bad_token_names_the_first_offender(tokens, bad):
     from tensorrt_llm._torch.pyexecutor.request_validation import first_bad_token
 
-    assert first_bad_token(tokens, 10) == bad
+    assert first_bad_token(token_array(tokens), 10) == bad
+
+
+@pytest.mark.parametrize("tokens, bad", [([1, 2.5, 99], 2.5), ([1, "a"], "a"), ([2.0], 2.0), ([1, 2**70], 2**70),
+                                         ([1, 2**63], 2**63), ([2, -2**70], -2**70)])
+def test_ids_that_are_not_64_bit_integers_are_refused_when_the_request_is_built(tokens, bad):
+    with pytest.raises(InvalidRequestError, match=re.escape(f"request 77: token ids must be integers: token id {bad!r}")):
+        LlmRequest(tokens, max_new_tokens=1, request_id=77)

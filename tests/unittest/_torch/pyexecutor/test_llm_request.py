@@ -106,7 +106,7 @@ def test_pause_restarts_as_context_and_keeps_generated_tokens():
 
     assert request.state is LlmRequestState.CONTEXT_INIT
     assert request.prompt_len == 9  # the generated tokens are recomputed as context
-    assert request.tokens[6:] == [11, 12, 13]
+    assert request.tokens[6:].tolist() == [11, 12, 13]
     assert request.output_token_ids == [11, 12, 13]
     assert request.num_generated_tokens == 3
     assert request.orig_prompt_len == 6

@@ -45,7 +45,7 @@ def test_context_chunk_appends_its_chunk():
     request = make_request(prompt_len=20)
     inputs = build(engine, kv, context=[(request, 8)])
     assert inputs.num_new_tokens == [8] == [forward_cost(request, 8)]
-    assert inputs.input_ids == request.tokens[:8]
+    assert inputs.input_ids == request.tokens[:8].tolist()
     assert inputs.position_ids == list(range(8))
     assert inputs.samples == [False]  # a non-last chunk produces no token
 
@@ -68,7 +68,7 @@ def test_last_chunk_carries_the_draft_tokens():
     request.py_draft_tokens = [5, 6, 7]
     inputs = build(engine, kv, context=[request])
     assert inputs.num_new_tokens == [9] == [forward_cost(request, 6)]
-    assert inputs.input_ids == request.tokens[:6] + [5, 6, 7]
+    assert inputs.input_ids == request.tokens[:6].tolist() + [5, 6, 7]
     assert inputs.position_ids == list(range(9))
 
 

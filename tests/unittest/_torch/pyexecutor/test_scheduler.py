@@ -330,13 +330,13 @@ def test_max_utilization_pauses_the_most_recently_started_request():
     checker, first, second = run_two_long_generations("MAX_UTILIZATION", num_blocks=8)
     paused_with = None
     while checker.executor.has_work:
-        before = list(second.tokens)
+        before = second.tokens.tolist()
         checker.step()
         if second.num_pauses and paused_with is None:
             paused_with = before
             # Restarted as context, generated tokens kept as prompt to recompute.
             assert second.state is LlmRequestState.CONTEXT_INIT
-            assert second.tokens == before and second.prompt_len == len(before) > 8
+            assert second.tokens.tolist() == before and second.prompt_len == len(before) > 8
             assert not checker.executor.kv_cache_manager.is_allocated(second)
     checker.check_drained()
 
@@ -346,7 +346,7 @@ def test_max_utilization_pauses_the_most_recently_started_request():
     for request in (first, second):
         assert request.state is LlmRequestState.GENERATION_COMPLETE and request.error is None
         assert request.num_generated_tokens == 16
-    assert second.tokens[: len(paused_with)] == paused_with  # the output continued where it stopped
+    assert second.tokens[: len(paused_with)].tolist() == paused_with  # the output continued where it stopped
 
     # Same tokens as a run that never pauses.
     alone, first_alone, second_alone = run_two_long_generations("MAX_UTILIZATION", num_blocks=64)
