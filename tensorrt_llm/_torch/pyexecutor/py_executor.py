@@ -56,6 +56,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import Callable, NamedTuple
 
 from tensorrt_llm._torch.pyexecutor.config import ExecutorConfig
@@ -84,6 +85,11 @@ from tensorrt_llm._torch.pyexecutor.stats import IterationStats
 
 logger = logging.getLogger(__name__)
 
+# ``LlmRequest.is_finished`` is ``state`` being one of these; the per-forward loops compare
+# identities instead (a property call, or an Enum's Python-level hash, per request per forward).
+_COMPLETE, _ERROR = LlmRequestState.GENERATION_COMPLETE, LlmRequestState.ERROR
+_request_id = attrgetter("request_id")
+
 
 class Response(NamedTuple):
     """What changed for one request: new tokens, and whether it is over (and how).
@@ -98,6 +104,10 @@ class Response(NamedTuple):
     error: str | None = None
     cancelled: bool = False
 
+
+# Response(request_id, tokens) for the one response per generated token: the named tuple's
+# own constructor is a Python function (its defaults), this is the C one.
+_new_tuple = tuple.__new__
 
 ResponseCallback = Callable[[LlmRequest, Response], None]
 IterationListener = Callable[[IterationStats], None]
@@ -470,8 +480,8 @@ class PyExecutor:
         request that samples and whose token the engine picks gets that token's placeholder."""
         sampling = [chunk.request for chunk in batch.context_chunks if chunk.is_last]
         sampling += batch.generation_requests
-        can_pick = self.model_engine.can_pick
-        picked = [self.overlap and can_pick(r) for r in sampling]  # before first-draft padding goes
+        # whether the engine picks each one's token, asked before first-draft padding goes
+        picked = list(map(self.model_engine.can_pick, sampling)) if self.overlap else None
         for chunk in batch.context_chunks:
             request = chunk.request
             request.complete_context_chunk(chunk.end)
@@ -483,12 +493,13 @@ class PyExecutor:
                 request.record_forward()
             if request.is_first_draft:
                 request.is_first_draft = False  # it runs its padded first draft step
-        slots: list[int | None] = []
-        for request, pick in zip(sampling, picked):
-            slots.append(len(request.tokens) if pick else None)
-            if pick:
-                request.tokens.append(IN_FLIGHT_TOKEN_ID)
-        ids = frozenset(r.request_id for r in batch.all_requests)
+        slots: list[int | None] = [None] * len(sampling)  # without overlap tokens are appended at completion
+        if picked is not None:
+            for index, (request, pick) in enumerate(zip(sampling, picked)):
+                if pick:
+                    slots[index] = len(request.tokens)
+                    request.tokens.append(IN_FLIGHT_TOKEN_ID)
+        ids = frozenset(map(_request_id, batch.all_requests))
         return _InFlight(pending, batch, sampling, slots, ids, stats, scheduled, prepared)
 
     def _complete_in_flight(self) -> None:
@@ -509,18 +520,34 @@ class PyExecutor:
 
     def _update_requests(self, flight: _InFlight, output: ForwardOutput) -> None:
         """Sample; write each token over its placeholder (or append it); respond. A request
-        that finished while the forward was in flight gets nothing from it (upstream drops it)."""
+        that finished while the forward was in flight gets nothing from it (upstream drops it).
+
+        The usual request (one token, appended, no stop condition, not its last) is handled in
+        the loop itself, with a call only to its callback: this runs for every generated token."""
         now = self.clock()  # one instant for every token of this forward
-        live = [(r, slot) for r, slot in zip(flight.sampling, flight.slots) if not r.is_finished]
+        live = [(r, slot) for r, slot in zip(flight.sampling, flight.slots)
+                if r.state is not _COMPLETE and r.state is not _ERROR]
         requests = [r for r, _ in live]
+        callbacks = self._callbacks
         for (request, slot), tokens in zip(live, self.sampler.sample_batch(requests, output)):
             if isinstance(tokens, NonFiniteLogitsError):  # this request's numbers are broken, not the batch's
                 logger.error("%s", tokens)
                 self._fail(request, tokens)
-            elif slot is None:
-                self._append(request, tokens, now)
-            else:
+            elif slot is not None:
                 self._fill(request, slot, tokens, now)
+            elif len(tokens) == 1 and request.end_id is None and not request.stop_token_ids:
+                sequence = request.tokens
+                sequence.append(tokens[0])
+                if len(sequence) >= request.orig_prompt_len + request.max_new_tokens:
+                    self._deliver(request, tokens, True, now)
+                    continue
+                if request.first_token_time is None:
+                    request.first_token_time = now
+                callback = callbacks.get(request.request_id)
+                if callback is not None:
+                    callback(request, _new_tuple(Response, (request.request_id, tokens, False, None, False)))
+            else:
+                self._append(request, tokens, now)
 
     def _fill(self, request: LlmRequest, slot: int, tokens: list[int], now: float) -> None:
         """Write the one sampled token over its placeholder; on EOS or a stop token drop the
@@ -533,20 +560,17 @@ class PyExecutor:
         self._deliver(request, tokens[:1], finished, now)
 
     def _append(self, request: LlmRequest, tokens: list[int], now: float) -> None:
-        """Append sampled tokens up to the first stop token or ``max_new_tokens``; respond."""
+        """Append sampled tokens up to the first stop token or ``max_new_tokens``; respond.
+        (The usual single token without a stop condition is appended by ``_update_requests``.)"""
         sequence = request.tokens
         limit = request.orig_prompt_len + request.max_new_tokens
         finished = False
-        if len(tokens) == 1 and request.end_id is None and not request.stop_token_ids:  # the usual step
-            sequence.extend(tokens)
-            finished = len(sequence) >= limit
-        else:
-            for index, token in enumerate(tokens):
-                sequence.append(token)
-                if token == request.end_id or token in request.stop_token_ids or len(sequence) >= limit:
-                    finished = True
-                    tokens = tokens[: index + 1]
-                    break
+        for index, token in enumerate(tokens):
+            sequence.append(token)
+            if token == request.end_id or token in request.stop_token_ids or len(sequence) >= limit:
+                finished = True
+                tokens = tokens[: index + 1]
+                break
         self._deliver(request, tokens, finished, now)
 
     def _deliver(self, request: LlmRequest, tokens: list[int], finished: bool, now: float) -> None:
