@@ -55,6 +55,20 @@ def common_prefix_tokens(a: BlockTokens, b: BlockTokens) -> int:
     return lo
 
 
+def _serial(block: "KVBlock") -> int:
+    return block.serial
+
+
+def _unindex(by_first: dict[bytes, list["KVBlock"]], block: "KVBlock") -> None:
+    """Take ``block``, leaving the tree, out of its parent's first-token index."""
+    first = block.tokens[:TOKEN_BYTES]
+    siblings = by_first[first]
+    if len(siblings) == 1:
+        del by_first[first]
+    else:
+        siblings.remove(block)
+
+
 class BlockStorage(Protocol):
     """Moves real K/V between slots; the pool calls it only when tensors exist."""
 
@@ -69,7 +83,7 @@ class KVBlock:
     """One block of KV content: a primary slot and/or a host slot, possibly a tree node."""
 
     __slots__ = (
-        "block_id", "host_id", "ref_count", "tokens", "hash", "parent", "children", "by_first",
+        "block_id", "host_id", "ref_count", "tokens", "hash", "parent", "children", "by_first", "serial",
         "lru_entries", "host_lru_entries",
     )
 
@@ -82,8 +96,12 @@ class KVBlock:
         self.parent: KVBlock | None = None
         self.children: dict[int, list[KVBlock]] | None = None
         # the same children by their first token (its packed bytes), in commit order: partial matching looks
-        # only at children that share at least the first token
-        self.by_first: dict[int, list[KVBlock]] | None = None
+        # only at children that share at least the first token. Built when partial matching first asks
+        # (BlockPool._first_token_index), kept up to date from then on; None until then. Only the parents
+        # of first chunks' partial blocks are ever asked (the root, mostly): the other nodes, nearly all
+        # the tree, never pay for an index at commit or drop.
+        self.by_first: dict[bytes, list[KVBlock]] | None = None
+        self.serial = 0  # commit order among the tree's blocks (orders a by_first index built late)
         # entries of this block in the pool's primary / host LRU deques (the last one may be live)
         self.lru_entries = 0
         self.host_lru_entries = 0
@@ -137,6 +155,7 @@ class BlockPool:
         self._host_lru: deque[KVBlock] = deque()  # host-only tree blocks
         self._num_cached = 0
         self._num_host_cached = 0
+        self._serial = 0  # the last commit's KVBlock.serial
         self.num_evictions = 0
         self.num_offloads = 0
         self.num_onboards = 0
@@ -187,9 +206,10 @@ class BlockPool:
         Partial reuse copies from primary memory only: onboarding a whole host block to
         salvage part of it is not worth a free slot.
         """
-        by_first = (parent or self.root).by_first
-        if not tokens or not by_first:
+        parent = parent or self.root
+        if not tokens or not parent.children:
             return None, 0
+        by_first = parent.by_first if parent.by_first is not None else self._first_token_index(parent)
         best, best_len = None, 0
         for candidate in by_first.get(tokens[:TOKEN_BYTES], ()):
             if candidate.block_id is None:
@@ -198,6 +218,15 @@ class BlockPool:
             if n > best_len:
                 best, best_len = candidate, n
         return best, best_len
+
+    @staticmethod
+    def _first_token_index(parent: KVBlock) -> dict[bytes, list[KVBlock]]:
+        """Build ``parent.by_first`` from its children, in commit order; commits and drops keep it from now on."""
+        index: dict[bytes, list[KVBlock]] = {}
+        for child in sorted(parent.iter_children(), key=_serial):
+            index.setdefault(child.tokens[:TOKEN_BYTES], []).append(child)
+        parent.by_first = index
+        return index
 
     # ---- references -----------------------------------------------------------------
     def incref(self, block: KVBlock) -> None:
@@ -331,12 +360,12 @@ class BlockPool:
         """
         root = self.root
         parent = blocks[start - 1] if start else root
+        serial = self._serial
         for index, (block_hash, tokens) in enumerate(keys, start):
             children = parent.children
             existing = None
             if children is None:
                 children = parent.children = {}
-                parent.by_first = {}
             else:  # KVBlock.child inlined: every computed block is committed here
                 for candidate in children.get(block_hash, ()):
                     if candidate.tokens == tokens:  # verified: equal hash alone proves nothing
@@ -345,17 +374,15 @@ class BlockPool:
             block = blocks[index]
             if existing is None:
                 block.tokens, block.hash, block.parent = tokens, block_hash, parent
+                serial += 1
+                block.serial = serial
                 bucket = children.get(block_hash)
                 if bucket is None:
                     children[block_hash] = [block]
                 else:
                     bucket.append(block)
-                first = tokens[:TOKEN_BYTES]
-                siblings = parent.by_first.get(first)
-                if siblings is None:
-                    parent.by_first[first] = [block]
-                else:
-                    siblings.append(block)
+                if parent.by_first is not None:  # indexed (see KVBlock.by_first)
+                    parent.by_first.setdefault(tokens[:TOKEN_BYTES], []).append(block)
                 parent = block
                 continue
             if existing.block_id is None:  # host-only: our fresh primary copy becomes its primary slot
@@ -368,6 +395,7 @@ class BlockPool:
                 self.incref(existing)
                 self.decref(block)  # private, so this frees its slot
             blocks[index] = parent = existing
+        self._serial = serial
 
     # ---- eviction -------------------------------------------------------------------
     def _evict_one(self) -> bool:
@@ -378,84 +406,85 @@ class BlockPool:
         """Evict LRU cached blocks, oldest first, until ``num_free`` slots are free or nothing
         is left to evict; returns how many were evicted. An evicted block moves to the host
         tier when it can (dropping the host's own LRU block when the tier is full);
-        otherwise it leaves the tree with its subtree."""
+        otherwise it leaves the tree with its subtree.
+
+        Every block a long replay allocates passes through here once, and usually pushes one
+        host block out of the tree: the counts are kept in locals (written back around the
+        rare calls that update them) and the usual host drop, a leaf, is inlined."""
         free, free_host = self._free, self._free_host
         host_tier, storage = self.num_host_blocks > 0, self.storage
         pop_oldest, pop_oldest_host, push_host = self._lru.popleft, self._host_lru.popleft, self._host_lru.append
-        evicted = offloaded = 0
-        while len(free) < num_free and self._num_cached:
+        num_cached, num_host_cached = self._num_cached, self._num_host_cached
+        evicted = dropped_whole = 0
+        while num_cached and len(free) < num_free:
             victim = pop_oldest()
             victim.lru_entries -= 1
             if victim.lru_entries or victim.ref_count or victim.tokens is None or victim.block_id is None:
                 continue  # a stale entry (see the module docstring)
-            self._num_cached -= 1
+            num_cached -= 1
             evicted += 1
-            if host_tier and (free_host or self._num_host_cached):
-                if free_host:
-                    host_id = free_host.popleft()
-                    self._num_host_cached += 1  # the victim joins the host LRU below
-                else:
-                    # The tier is full: its LRU block goes, and the victim takes its place in
-                    # the host LRU count. Usually a leaf (LRU order takes a prefix's deepest
-                    # blocks first), dropped inline: its host slot is the one the victim takes,
-                    # as _drop_subtree's append + popleft would hand it over.
-                    while True:  # the oldest live entry (_compact's test); stale ones are skipped
-                        dropped = pop_oldest_host()
-                        dropped.host_lru_entries -= 1
-                        if not (dropped.host_lru_entries or dropped.ref_count or dropped.tokens is None
-                                or dropped.block_id is not None):
-                            break
-                    if dropped.children or dropped.ref_count:
-                        self._num_host_cached -= 1  # _drop_subtree counts only the descendants
-                        self._drop_subtree(dropped)
-                        host_id = free_host.popleft()
-                        self._num_host_cached += 1
-                    else:  # _unlink inlined
-                        parent, tokens = dropped.parent, dropped.tokens
-                        children, block_hash = parent.children, dropped.hash
-                        bucket = children[block_hash]
-                        if len(bucket) == 1:
-                            del children[block_hash]
-                        else:
-                            bucket.remove(dropped)
-                        by_first, first = parent.by_first, tokens[:TOKEN_BYTES]
-                        siblings = by_first[first]
-                        if len(siblings) == 1:
-                            del by_first[first]
-                        else:
-                            siblings.remove(dropped)
-                        host_id = dropped.host_id
-                        dropped.host_id = dropped.tokens = dropped.parent = dropped.children = dropped.by_first = None
-                victim.host_id = host_id
-                if storage is not None:
-                    storage.offload(victim.block_id, host_id)
-                free.append(victim.block_id)
-                victim.block_id = None
-                push_host(victim)  # _to_host_lru inlined (counted above), its compaction done once below
-                victim.host_lru_entries += 1
-                offloaded += 1
+            if not host_tier or not (free_host or num_host_cached):
+                self._num_cached, self._num_host_cached = num_cached, num_host_cached
+                self._drop_subtree(victim)  # it counts the descendants it drops
+                num_cached, num_host_cached = self._num_cached, self._num_host_cached
+                dropped_whole += 1
+                continue
+            if free_host:
+                host_id = free_host.popleft()
+                num_host_cached += 1  # the victim joins the host LRU below
             else:
-                self._drop_subtree(victim)
-        if len(self._host_lru) > 2 * self._num_host_cached + 64:
+                # The tier is full: its LRU block goes, and the victim takes its place in
+                # the host LRU count. Usually a leaf (LRU order takes a prefix's deepest
+                # blocks first), dropped inline: its host slot is the one the victim takes,
+                # as _drop_subtree's append + popleft would hand it over.
+                while True:  # the oldest live entry (_compact's test); stale ones are skipped
+                    dropped = pop_oldest_host()
+                    dropped.host_lru_entries -= 1
+                    if not (dropped.host_lru_entries or dropped.ref_count or dropped.tokens is None
+                            or dropped.block_id is not None):
+                        break
+                if dropped.children:  # (unreferenced, as the loop above found it)
+                    self._num_cached, self._num_host_cached = num_cached, num_host_cached - 1  # it counts only the descendants
+                    self._drop_subtree(dropped)
+                    num_cached, num_host_cached = self._num_cached, self._num_host_cached + 1
+                    host_id = free_host.popleft()
+                else:  # _unlink inlined
+                    parent = dropped.parent
+                    children, block_hash = parent.children, dropped.hash
+                    bucket = children[block_hash]
+                    if len(bucket) == 1:
+                        del children[block_hash]
+                    else:
+                        bucket.remove(dropped)
+                    if parent.by_first is not None:
+                        _unindex(parent.by_first, dropped)
+                    host_id = dropped.host_id
+                    dropped.host_id = dropped.tokens = dropped.parent = dropped.children = dropped.by_first = None
+            victim.host_id = host_id
+            if storage is not None:
+                storage.offload(victim.block_id, host_id)
+            free.append(victim.block_id)
+            victim.block_id = None
+            push_host(victim)  # _to_host_lru inlined (counted above), its compaction done once below
+            victim.host_lru_entries += 1
+        self._num_cached, self._num_host_cached = num_cached, num_host_cached
+        if len(self._host_lru) > 2 * num_host_cached + 64:
             self._host_lru = self._compact(self._host_lru, primary=False)
         self.num_evictions += evicted
-        self.num_offloads += offloaded
+        self.num_offloads += evicted - dropped_whole
         return evicted
 
     @staticmethod
     def _unlink(block: KVBlock) -> None:
         """Take ``block`` out of its parent's children (both indexes)."""
-        parent, first = block.parent, block.tokens[:TOKEN_BYTES]
+        parent = block.parent
         bucket = parent.children[block.hash]
         if len(bucket) == 1:
             del parent.children[block.hash]
         else:
             bucket.remove(block)
-        siblings = parent.by_first[first]
-        if len(siblings) == 1:
-            del parent.by_first[first]
-        else:
-            siblings.remove(block)
+        if parent.by_first is not None:
+            _unindex(parent.by_first, block)
 
     def _drop_subtree(self, block: KVBlock) -> None:
         """Remove ``block`` (already out of its LRU list) and its descendants from the tree

@@ -543,3 +543,29 @@ def test_common_prefix_counts_tokens_not_bytes():
 def test_tokens_the_tree_cannot_key_are_refused(bad):
     with pytest.raises(ValueError, match="token ids"):
         pack_tokens([1, bad, 2])
+
+
+def test_partial_match_takes_the_earliest_committed_child_with_an_index_built_late():
+    """A parent's first-token index is built when partial matching first asks, from children
+    kept by hash: it must still list them in commit order, and commits and drops after it is
+    built must keep it up to date."""
+    pool = BlockPool(8)
+
+    def commit(block_hash, ids):
+        block = pool.allocate()
+        pool.commit_chain([block], 0, [(block_hash, array("I", ids).tobytes())])
+        return block
+
+    a1 = commit(1, [5, 1, 1, 1])
+    b1 = commit(2, [5, 6, 9, 9])
+    a2 = commit(1, [5, 6, 7, 7])  # shares a1's hash bucket: by hash it comes before b1
+    query = array("I", [5, 6, 0, 0]).tobytes()
+    assert pool.match_partial(None, query) == (b1, 2)  # b1 and a2 tie: b1 was committed first
+    pool.release([b1])
+    pool.release(pool.allocate_many(pool.num_free + 1))  # evicts b1, the one cached block (no host tier: dropped)
+    assert not b1.in_tree and pool.num_evictions == 1
+    assert pool.match_partial(None, query) == (a2, 2)
+    c = commit(3, [5, 6, 0, 7])
+    assert pool.match_partial(None, query) == (c, 3)
+    assert pool.match_partial(None, array("I", [7, 6, 0, 0]).tobytes()) == (None, 0)
+    assert a1.in_tree
