@@ -88,6 +88,7 @@ logger = logging.getLogger(__name__)
 # ``LlmRequest.is_finished`` is ``state`` being one of these; the per-forward loops compare
 # identities instead (a property call, or an Enum's Python-level hash, per request per forward).
 _COMPLETE, _ERROR = LlmRequestState.GENERATION_COMPLETE, LlmRequestState.ERROR
+_CONTEXT_INIT = LlmRequestState.CONTEXT_INIT
 _request_id = attrgetter("request_id")
 
 
@@ -467,8 +468,10 @@ class PyExecutor:
         # DESIGN.md §5: the budget, not the traffic, limited this iteration when some active
         # request still has prompt tokens to compute after this batch.
         finishing = {c.request.request_id for c in prepared.scheduled.context_chunks if c.is_last}
+        # Newest first: requests still in their prompt are the latest to arrive, so the scan
+        # usually stops at once instead of passing every generation request first.
         stats.budget_bound = any(
-            r.state is LlmRequestState.CONTEXT_INIT and r.request_id not in finishing for r in self.active_requests
+            r.state is _CONTEXT_INIT and r.request_id not in finishing for r in reversed(self.active_requests)
         )
         return prepared
 
@@ -623,7 +626,7 @@ class PyExecutor:
             store = request.state is LlmRequestState.GENERATION_COMPLETE
             self.resource_manager.free_resources(request, store_for_reuse=store)
             self.sampler.release(request)
-        self.active_requests = [r for r in self.active_requests if not r.is_finished]
+        self.active_requests = [r for r in self.active_requests if r.state is not _COMPLETE and r.state is not _ERROR]
 
     def _respond(self, request: LlmRequest, response: Response) -> None:
         callback = self._callbacks.get(request.request_id)
