@@ -2,7 +2,11 @@
 
 The capacity scheduler decides which active requests fit in KV memory and hands the
 micro-batch scheduler, with them, upstream's reuse estimate of every admitted request that
-holds no blocks yet. The micro-batch scheduler picks, among those, what runs in this
+holds no blocks yet. Within an iteration the waiting requests are admitted lazily
+(:meth:`CapacityScheduler.schedule_lazily`): the micro-batch scheduler looks at the oldest
+few only (it stops at the first context request the budget cannot take), and each waiting
+request costs a walk of the prefix tree to admit, so the capacity stage admits one when the
+micro-batch stage asks for the next. The batch is the one an eager admission gives. The micro-batch scheduler picks, among those, what runs in this
 forward under ``max_batch_size`` and ``max_num_tokens`` and chooses each context request's
 chunk. Charges come from the token-budget policy, so upstream's reuse-discounted admission
 and our full-cost path are the same code with different policies. Both stages only
@@ -15,7 +19,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from operator import attrgetter
-from typing import Sequence
+from itertools import chain, islice
+from typing import Iterable, Iterator, Sequence
 
 from tensorrt_llm._torch.pyexecutor.config import CapacitySchedulerPolicy, ContextChunkingPolicy, ExecutorConfig
 from tensorrt_llm._torch.pyexecutor.kv_cache_manager import KVCacheManager
@@ -41,6 +46,13 @@ class CapacityDecision:
     estimated_reusable: dict[int, int] = field(default_factory=dict)
 
 
+def _with_estimates(admissions: Iterable[tuple[LlmRequest, int]], estimated_reusable: dict[int, int]) -> Iterator[LlmRequest]:
+    """Each admitted request, its estimate recorded in ``estimated_reusable`` as it is read."""
+    for request, estimate in admissions:
+        estimated_reusable[request.request_id] = estimate
+        yield request
+
+
 class CapacityScheduler:
     """Admits requests into KV memory.
 
@@ -59,12 +71,28 @@ class CapacityScheduler:
         self.kv = kv_cache_manager
 
     def schedule(self, active: Sequence[LlmRequest]) -> CapacityDecision:
+        """Every request that fits: the started ones, then every waiting one admitted."""
+        decision, admissions = self.schedule_lazily(active)
+        for request, estimate in admissions:
+            decision.fitting.append(request)
+            decision.estimated_reusable[request.request_id] = estimate
+        return decision
+
+    def schedule_lazily(self, active: Sequence[LlmRequest]) -> tuple[CapacityDecision, Iterator[tuple[LlmRequest, int]]]:
+        """:meth:`schedule` with the waiting requests admitted only as far as the caller reads.
+
+        Returns the decision for the started requests (``fitting``, ``paused``) and an iterator
+        of the admitted waiting requests, oldest first, each with upstream's reuse estimate:
+        what :meth:`schedule` appends to ``fitting`` and ``estimated_reusable``. Each one is
+        admitted as it is read, against the KV state of that moment: read it before anything
+        allocates or frees.
+        """
         started, waiting = self.kv.split_allocated(active)
         if self.policy is CapacitySchedulerPolicy.GUARANTEED_NO_EVICT:
             return self._guaranteed_no_evict(started, waiting)
         return self._max_utilization(started, waiting)
 
-    def _admit(self, waiting: list[LlmRequest], available: int, decision: CapacityDecision, *, to_completion: bool) -> None:
+    def _admit(self, waiting: list[LlmRequest], available: int, *, to_completion: bool) -> Iterator[tuple[LlmRequest, int]]:
         """Admit waiting requests, oldest first, while their blocks fit ``available``."""
         kv = self.kv
         for request in waiting:
@@ -72,19 +100,21 @@ class CapacityScheduler:
             length = kv.max_sequence_len(request) if to_completion else request.prompt_len
             needed = max(0, kv.blocks_for_tokens(request, length) - shared)
             if needed > available:
-                break  # first come, first served: nobody overtakes the oldest waiting request
+                return  # first come, first served: nobody overtakes the oldest waiting request
             available -= needed
-            decision.fitting.append(request)
-            decision.estimated_reusable[request.request_id] = estimate
+            yield request, estimate
 
-    def _guaranteed_no_evict(self, started: list[LlmRequest], waiting: list[LlmRequest]) -> CapacityDecision:
-        decision = CapacityDecision(started)
-        if waiting:
-            available = self.kv.pool.available - self.kv.blocks_reserved_to_completion(started)
-            self._admit(waiting, available, decision, to_completion=True)
-        return decision
+    def _guaranteed_no_evict(
+        self, started: list[LlmRequest], waiting: list[LlmRequest]
+    ) -> tuple[CapacityDecision, Iterator[tuple[LlmRequest, int]]]:
+        if not waiting:
+            return CapacityDecision(started), iter(())
+        available = self.kv.pool.available - self.kv.blocks_reserved_to_completion(started)
+        return CapacityDecision(started), self._admit(waiting, available, to_completion=True)
 
-    def _max_utilization(self, started: list[LlmRequest], waiting: list[LlmRequest]) -> CapacityDecision:
+    def _max_utilization(
+        self, started: list[LlmRequest], waiting: list[LlmRequest]
+    ) -> tuple[CapacityDecision, Iterator[tuple[LlmRequest, int]]]:
         kv = self.kv
         available = kv.pool.available
         running = sorted(started, key=kv.allocation_stamp)
@@ -100,9 +130,9 @@ class CapacityScheduler:
             victim = running.pop()  # the most recently started request gives way
             available += kv.num_held_blocks(victim)
             paused.append(victim)
-        if not paused:  # memory is short while anything is paused: admit nothing new
-            self._admit(waiting, available, decision, to_completion=False)
-        return decision
+        if paused:  # memory is short while anything is paused: admit nothing new
+            return decision, iter(())
+        return decision, self._admit(waiting, available, to_completion=False)
 
 
 class MicroBatchScheduler:
@@ -121,9 +151,18 @@ class MicroBatchScheduler:
         self.chunking_policy = config.context_chunking_policy
         self.policy = policy
 
-    def schedule(self, candidates: Sequence[LlmRequest], estimated_reusable: dict[int, int]) -> ScheduledRequests:
+    def schedule(
+        self,
+        candidates: Sequence[LlmRequest],
+        estimated_reusable: dict[int, int],
+        admissions: Iterable[tuple[LlmRequest, int]] = (),
+    ) -> ScheduledRequests:
         """The batch among ``candidates``; ``estimated_reusable`` holds upstream's estimate for
-        every candidate that holds no blocks yet (the capacity stage's, see :class:`CapacityDecision`)."""
+        every candidate that holds no blocks yet (the capacity stage's, see :class:`CapacityDecision`).
+
+        ``admissions``: more context candidates after ``candidates``, with their estimates
+        (:meth:`CapacityScheduler.schedule_lazily`), read only as far as the batch needs them:
+        the same batch as with them appended to ``candidates``."""
         generation = [r for r in candidates if r.state is not _CONTEXT_INIT]
         contexts = [r for r in candidates if r.state is _CONTEXT_INIT] if len(generation) < len(candidates) else []
         costs = list(map(self.policy.generation_charge, generation))
@@ -136,11 +175,14 @@ class MicroBatchScheduler:
             total = sum(charges.values())
         budget -= total
         # Context requests share the slots and budget that generation left.
-        del contexts[self.max_batch_size - len(generation) :]
+        slots = self.max_batch_size - len(generation)
+        del contexts[slots:]
+        estimated_reusable = dict(estimated_reusable)  # admissions add theirs as they are read
+        admitted = _with_estimates(islice(admissions, max(0, slots - len(contexts))), estimated_reusable)
         if self.chunked and self.chunking_policy is ContextChunkingPolicy.EQUAL_PROGRESS:
-            chunks = self._equal_progress(contexts, budget, estimated_reusable, charges)
-        else:
-            chunks = self._first_come_first_served(contexts, budget, estimated_reusable, charges)
+            chunks = self._equal_progress([*contexts, *admitted], budget, estimated_reusable, charges)
+        else:  # it stops at the first request that does not fit: later admissions are never read
+            chunks = self._first_come_first_served(chain(contexts, admitted), budget, estimated_reusable, charges)
         return ScheduledRequests(
             context_chunks=chunks,
             generation_requests=generation,
@@ -182,7 +224,7 @@ class MicroBatchScheduler:
         return lo * self.unit, (charge(request, lo * self.unit, reusable) if lo else 0)
 
     def _first_come_first_served(
-        self, contexts: list[LlmRequest], budget: int, estimated_reusable: dict[int, int], charges: dict[int, int]
+        self, contexts: Iterable[LlmRequest], budget: int, estimated_reusable: dict[int, int], charges: dict[int, int]
     ) -> list[ContextChunk]:
         chunks = []
         for request in contexts:
@@ -233,8 +275,8 @@ class SimpleScheduler:
         self.micro_batch_scheduler = micro_batch_scheduler
 
     def schedule_request(self, active: Sequence[LlmRequest]) -> ScheduledRequests:
-        capacity = self.capacity_scheduler.schedule(active)
-        scheduled = self.micro_batch_scheduler.schedule(capacity.fitting, capacity.estimated_reusable)
+        capacity, admissions = self.capacity_scheduler.schedule_lazily(active)
+        scheduled = self.micro_batch_scheduler.schedule(capacity.fitting, capacity.estimated_reusable, admissions)
         if capacity.paused:
             scheduled = dataclasses.replace(scheduled, paused_requests=capacity.paused)
         return scheduled

@@ -11,7 +11,7 @@ from invariants import ExecutorChecker
 from tensorrt_llm._torch.pyexecutor.config import CapacitySchedulerPolicy
 from tensorrt_llm._torch.pyexecutor.forward_cost import forward_cost
 from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequestState
-from tensorrt_llm._torch.pyexecutor.scheduler import CapacityScheduler, MicroBatchScheduler
+from tensorrt_llm._torch.pyexecutor.scheduler import CapacityScheduler, MicroBatchScheduler, SimpleScheduler
 from tensorrt_llm._torch.pyexecutor.token_budget import make_token_budget_policy, reuse_discounted_charge
 
 POLICIES = ["none", "trim", "fit", "recheck"]
@@ -362,3 +362,39 @@ def test_guaranteed_no_evict_never_pauses_it_waits():
     assert first.num_pauses == second.num_pauses == 0
     assert all(s.num_paused_requests == 0 for s in checker.executor.iteration_stats)
     assert second.first_token_time >= first.finish_time  # it only started once the first finished
+
+
+@pytest.mark.parametrize("chunking", ["FIRST_COME_FIRST_SERVED", "EQUAL_PROGRESS"])
+@pytest.mark.parametrize("policy", ["GUARANTEED_NO_EVICT", "MAX_UTILIZATION"])
+def test_lazy_admission_schedules_the_eager_batch_and_walks_only_what_it_reads(policy, chunking):
+    """SimpleScheduler admits waiting requests as the micro-batch stage reads them: the batch
+    is the one the eager capacity decision gives, and with FCFS the requests behind the first
+    one the budget cannot take are never looked up in the prefix tree."""
+    config = make_config(
+        max_num_tokens=24, max_batch_size=8, capacity_scheduler_policy=policy, context_chunking_policy=chunking
+    )
+    kv = make_kv_cache_manager(config)
+    started = make_request(prompt_len=10, max_new_tokens=8)
+    prefill(kv, started)
+    waiting = [make_request(prompt_len=20 + i, max_new_tokens=4, seed=i) for i in range(6)]
+    active = [started, *waiting]
+    capacity = CapacityScheduler(config.capacity_scheduler_policy, kv)
+    micro = MicroBatchScheduler(config, make_policy(config))
+    eager = capacity.schedule(active)
+    assert len(eager.fitting) == 1 + len(waiting)  # all fit in KV memory; the budget takes fewer
+    expected = micro.schedule(eager.fitting, eager.estimated_reusable)
+
+    looked_up = []
+    estimate_admission = kv.estimate_admission
+    kv.estimate_admission = lambda request: looked_up.append(request) or estimate_admission(request)
+    scheduled = SimpleScheduler(capacity, micro).schedule_request(active)
+    assert [(c.request, c.start, c.size) for c in scheduled.context_chunks] == [
+        (c.request, c.start, c.size) for c in expected.context_chunks
+    ]
+    assert scheduled.generation_requests == expected.generation_requests == [started]
+    assert scheduled.charges == expected.charges and scheduled.estimated_reusable == expected.estimated_reusable
+    if chunking == "FIRST_COME_FIRST_SERVED":
+        assert len(expected.context_chunks) < len(waiting)
+        assert looked_up == waiting[: len(expected.context_chunks) + 1]  # the chunks, then the one that did not fit
+    else:
+        assert looked_up == waiting
