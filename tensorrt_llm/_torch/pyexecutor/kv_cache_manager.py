@@ -197,8 +197,9 @@ class KVCacheManager:
         self.block_hash = block_hash
         self._sequences: dict[int, _Sequence] = {}
         self._keys: dict[int, tuple[int, list[tuple[int, BlockTokens]]]] = {}
-        # Waiting requests' matched chains from the last admission walk, keyed like _keys.
-        self._matches: dict[int, tuple[int, list[KVBlock]]] = {}
+        # Waiting requests' matched chains from the last admission walk, keyed like _keys:
+        # (prompt_len, chain, the prompt keys it matched).
+        self._matches: dict[int, tuple[int, list[KVBlock], list[tuple[int, BlockTokens]]]] = {}
         self._stamps = itertools.count()
         self._claims: dict[int, PrefixClaim] = {}  # outstanding claims (pinned, not yet allocated)
         self._reserved = 0  # sum over sequences of the blocks they still need to completion
@@ -306,13 +307,13 @@ class KVCacheManager:
         are a suffix of it (found by bisection); what was committed since is found by
         walking on from the last surviving block.
         """
-        keys = self._prompt_keys(request)
         previous = self._matches.get(request.request_id)
         if previous is None or previous[0] != request.prompt_len:
+            keys = self._prompt_keys(request)
             chain = self.pool.match(keys)
-            self._matches[request.request_id] = (request.prompt_len, chain)
+            self._matches[request.request_id] = (request.prompt_len, chain, keys)
             return chain
-        chain = previous[1]  # updated in place
+        _, chain, keys = previous  # the chain is updated in place
         if chain and chain[-1].tokens is None:  # its end left the tree
             del chain[bisect.bisect_left(chain, True, key=_dropped) :]
         if len(chain) < len(keys) and (not chain or chain[-1].children):  # else nothing can extend it
