@@ -107,8 +107,11 @@ class Response(NamedTuple):
 
 
 # Response(request_id, tokens) for the one response per generated token: the named tuple's
-# own constructor is a Python function (its defaults), this is the C one.
+# own constructor is a Python function (its defaults), tuple.__new__ is the C one; the fields
+# after the first two take their declared defaults.
 _new_tuple = tuple.__new__
+_RESPONSE_DEFAULTS = tuple(Response._field_defaults.values())
+assert Response._fields[2:] == tuple(Response._field_defaults), "every Response field after the tokens has a default"
 
 ResponseCallback = Callable[[LlmRequest, Response], None]
 IterationListener = Callable[[IterationStats], None]
@@ -548,7 +551,7 @@ class PyExecutor:
                     request.first_token_time = now
                 callback = callbacks.get(request.request_id)
                 if callback is not None:
-                    callback(request, _new_tuple(Response, (request.request_id, tokens, False, None, False)))
+                    callback(request, _new_tuple(Response, (request.request_id, tokens, *_RESPONSE_DEFAULTS)))
             else:
                 self._append(request, tokens, now)
 
