@@ -2,16 +2,19 @@
 
 The capacity scheduler decides which active requests fit in KV memory and hands the
 micro-batch scheduler, with them, upstream's reuse estimate of every admitted request that
-holds no blocks yet. Within an iteration the waiting requests are admitted lazily
-(:meth:`CapacityScheduler.schedule_lazily`): the micro-batch scheduler looks at the oldest
-few only (it stops at the first context request the budget cannot take), and each waiting
-request costs a walk of the prefix tree to admit, so the capacity stage admits one when the
-micro-batch stage asks for the next. The batch is the one an eager admission gives. The micro-batch scheduler picks, among those, what runs in this
-forward under ``max_batch_size`` and ``max_num_tokens`` and chooses each context request's
-chunk. Charges come from the token-budget policy, so upstream's reuse-discounted admission
-and our full-cost path are the same code with different policies. Both stages only
-decide: they allocate nothing, free nothing and write no request field (the executor
-pauses what the capacity stage says; chunks travel in the batch).
+holds no blocks yet. The micro-batch scheduler picks, among those, what runs in this forward
+under ``max_batch_size`` and ``max_num_tokens`` and chooses each context request's chunk.
+Charges come from the token-budget policy, so upstream's reuse-discounted admission and our
+full-cost path are the same code with different policies.
+
+Within an iteration the waiting requests are admitted lazily
+(:meth:`CapacityScheduler.schedule_lazily`): admitting one costs a walk of the prefix tree,
+and the micro-batch scheduler looks at the oldest few only (it stops at the first context
+request the budget cannot take), so the capacity stage admits the next one when the
+micro-batch stage asks for it. The batch is the one an eager admission gives.
+
+Both stages only decide: they allocate nothing, free nothing and write no request field (the
+executor pauses what the capacity stage says; chunks travel in the batch).
 """
 
 from __future__ import annotations
