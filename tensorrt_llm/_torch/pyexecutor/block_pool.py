@@ -76,9 +76,6 @@ class BlockStorage(Protocol):
 
     def offload(self, block_id: int, host_id: int) -> None: ...
 
-    def offload_many(self, moves: Sequence[tuple[int, int]]) -> None:
-        """``offload`` of each ``(block_id, host_id)``, in order."""
-
     def onboard(self, host_id: int, block_id: int) -> None: ...
 
 
@@ -416,9 +413,6 @@ class BlockPool:
         rare calls that update them) and the usual host drop, a leaf, is inlined."""
         free, free_host = self._free, self._free_host
         host_tier, storage = self.num_host_blocks > 0, self.storage
-        # (primary slot, host slot) of each offload, issued together before returning: nothing
-        # reuses a freed primary slot before then (allocation comes after this call)
-        offloads: list[tuple[int, int]] | None = [] if storage is not None else None
         pop_oldest, pop_oldest_host, push_host = self._lru.popleft, self._host_lru.popleft, self._host_lru.append
         num_cached, num_host_cached = self._num_cached, self._num_host_cached
         evicted = dropped_whole = 0
@@ -467,8 +461,8 @@ class BlockPool:
                     host_id = dropped.host_id
                     dropped.host_id = dropped.tokens = dropped.parent = dropped.children = dropped.by_first = None
             victim.host_id = host_id
-            if offloads is not None:
-                offloads.append((victim.block_id, host_id))
+            if storage is not None:
+                storage.offload(victim.block_id, host_id)
             free.append(victim.block_id)
             victim.block_id = None
             push_host(victim)  # _to_host_lru inlined (counted above), its compaction done once below
@@ -478,8 +472,6 @@ class BlockPool:
             self._host_lru = self._compact(self._host_lru, primary=False)
         self.num_evictions += evicted
         self.num_offloads += evicted - dropped_whole
-        if offloads:
-            storage.offload_many(offloads)
         return evicted
 
     @staticmethod

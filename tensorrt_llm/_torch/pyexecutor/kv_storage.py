@@ -22,16 +22,7 @@ request, they absorb the writes of the padding rows of a CUDA-graph batch.
 
 from __future__ import annotations
 
-from typing import Sequence
-
-import numpy as np
 import torch
-
-from tensorrt_llm._torch.attention_backend.paged import host_to_device
-
-# Blocks gathered per staging copy by offload_many: bounds the device memory it borrows (a
-# block of a 40-layer model with 8 KV heads of 128 in bf16 and 32 tokens is 5 MiB).
-OFFLOAD_GROUP = 16
 
 
 class KVCacheStorage:
@@ -76,26 +67,6 @@ class KVCacheStorage:
 
     def offload(self, block_id: int, host_id: int) -> None:
         self.host[host_id].copy_(self.pools[:, :, block_id], non_blocking=self._async)
-
-    def offload_many(self, moves: Sequence[tuple[int, int]]) -> None:
-        """``offload(block_id, host_id)`` for each pair, in order (a host slot written twice keeps the last).
-
-        A block is strided across every layer's pool, so one offload copies it to a contiguous
-        device buffer (an allocation and a kernel) before its transfer: about 0.25 ms of host
-        time each on an H200 host, which an eviction of a hundred blocks ahead of a large
-        context chunk turned into a GPU idle gap. Here one gather per group of blocks stages
-        them contiguously (block-major, as the host tier lays them out), then each block is one
-        plain transfer. On CUDA the gather and the transfers are queued on the stream, ordered
-        with the forwards around them, and the host does not wait for them."""
-        if len(moves) == 1:
-            self.offload(*moves[0])
-            return
-        for first in range(0, len(moves), OFFLOAD_GROUP):
-            group = moves[first : first + OFFLOAD_GROUP]
-            ids = host_to_device(np.fromiter((b for b, _ in group), dtype=np.int64, count=len(group)), self.device)
-            staged = self.pools.index_select(2, ids).movedim(2, 0).contiguous()  # (n, 2, layers, *block_shape)
-            for row, (_, host_id) in zip(staged, group):
-                self.host[host_id].copy_(row, non_blocking=self._async)
 
     def onboard(self, host_id: int, block_id: int) -> None:
         self.pools[:, :, block_id].copy_(self.host[host_id], non_blocking=self._async)

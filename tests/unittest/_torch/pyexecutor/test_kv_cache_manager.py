@@ -569,23 +569,3 @@ def test_partial_match_takes_the_earliest_committed_child_with_an_index_built_la
     assert pool.match_partial(None, query) == (c, 3)
     assert pool.match_partial(None, array("I", [7, 6, 0, 0]).tobytes()) == (None, 0)
     assert a1.in_tree
-
-
-def test_offload_many_writes_what_one_offload_at_a_time_writes():
-    from tensorrt_llm._torch.pyexecutor.kv_storage import OFFLOAD_GROUP
-
-    def storage():
-        s = KVCacheStorage(num_layers=3, num_blocks=2 * OFFLOAD_GROUP + 4, num_host_blocks=2 * OFFLOAD_GROUP + 4,
-                           block_shape=(TPB, 2, 8), dtype=torch.float64)
-        torch.manual_seed(0)
-        s.pools.normal_()
-        return s
-
-    # more than one group, out of order, and host slot 5 written twice (the last write stays)
-    moves = [(b, (7 * b + 3) % (2 * OFFLOAD_GROUP + 4)) for b in range(2 * OFFLOAD_GROUP + 3)] + [(1, 5)]
-    one_by_one, batched = storage(), storage()
-    for block_id, host_id in moves:
-        one_by_one.offload(block_id, host_id)
-    batched.offload_many(moves)
-    assert torch.equal(batched.host, one_by_one.host)
-    assert torch.equal(batched.host[5], batched.pools[:, :, 1])
