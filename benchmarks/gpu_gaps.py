@@ -27,19 +27,21 @@ from benchmarks.replay import TraceSpec, replay_trace
 from benchmarks.replay_settings import ReplaySettings
 from benchmarks.sim_engine import Engine
 
-# (object attribute holding the target, method name, label); "" is the executor itself
+# (object attribute holding the target, method name, label, nested in the phase listed before it);
+# "" is the executor itself
 _PHASES = (
-    ("", "_fetch_new_requests", "fetch"),
-    ("", "_schedule", "schedule"),
-    ("", "_prepare_resources", "prepare_resources"),
-    ("kv_cache_manager", "prepare_resources", "  kv allocation"),
-    ("model_engine", "forward_async", "launch"),
-    ("model_engine", "_prepare_tp_inputs", "  prepare_tp_inputs"),
-    ("", "_complete", "complete"),
-    ("", "_update_requests", "  sample+respond"),
-    ("kv_cache_manager", "update_resources", "  kv commit"),
-    ("", "_free_finished", "free_finished"),
+    ("", "_fetch_new_requests", "fetch", False),
+    ("", "_schedule", "schedule", False),
+    ("", "_prepare_resources", "prepare_resources", False),
+    ("kv_cache_manager", "prepare_resources", "kv allocation", True),
+    ("model_engine", "forward_async", "launch", False),
+    ("model_engine", "_prepare_tp_inputs", "prepare_tp_inputs", True),
+    ("", "_complete", "complete", False),
+    ("", "_update_requests", "sample+respond", True),
+    ("kv_cache_manager", "update_resources", "kv commit", True),
+    ("", "_free_finished", "free_finished", False),
 )
+_NESTED = frozenset(label for _, _, label, nested in _PHASES if nested)
 
 
 @dataclass(slots=True)
@@ -58,7 +60,7 @@ class TimelineSettings(RecordedSettings):
         if fresh:
             spans: list[Span] = self.recorded.setdefault("_host", {}).setdefault(policy, [])
             executor = engine.executor
-            for owner, name, label in _PHASES:
+            for owner, name, label, _ in _PHASES:
                 target = getattr(executor, owner) if owner else executor
                 setattr(target, name, _timed(getattr(target, name), label, spans))
         return engine
@@ -90,7 +92,7 @@ def gap_breakdown(forwards, spans: list[Span], top: int) -> list[dict]:
             if overlap > 0:
                 per_phase[span.label] += overlap * 1e3
         window = (b.host_t - a.host_t) * 1e3
-        top_level = sum(ms for label, ms in per_phase.items() if not label.startswith(" "))
+        top_level = sum(ms for label, ms in per_phase.items() if label not in _NESTED)
         rows.append({"gap_ms": round(gap_ms, 2), "after": _kind(a), "before": _kind(b),
                      "host_between_launches_ms": round(window, 2),
                      "phases_ms": {k: round(v, 2) for k, v in sorted(per_phase.items(), key=lambda kv: -kv[1])},
@@ -117,7 +119,7 @@ def main(argv=None) -> int:
     replay_trace(trace, settings, [args.policy], spec=spec, progress=False)
     rows = gap_breakdown(recorded[args.policy], recorded["_host"][args.policy], args.top)
     for row in rows:
-        phases = ", ".join(f"{k.strip()} {v:.1f}" for k, v in row["phases_ms"].items() if v >= 0.5)
+        phases = ", ".join(f"{k} {v:.1f}" for k, v in row["phases_ms"].items() if v >= 0.5)
         print(f"gap {row['gap_ms']:.1f} ms after [{row['after']}] before [{row['before']}]: host "
               f"{row['host_between_launches_ms']:.1f} ms between the launches: {phases}; "
               f"outside the executor {row['outside_executor_ms']:.1f}")

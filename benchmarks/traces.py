@@ -41,19 +41,19 @@ Line numbers in :class:`TraceFormatError` are 1-based lines of the file.
 from __future__ import annotations
 
 import csv
-from array import array
 import dataclasses
 import datetime
 import io
 import json
 import math
+from array import array
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
-from tensorrt_llm._torch.pyexecutor.llm_request import TOKEN_TYPECODE, token_array
+from tensorrt_llm._torch.pyexecutor.llm_request import token_array
 
 __all__ = [
     "check_vocab_size",
@@ -124,7 +124,7 @@ def _stream_to_tokens(z: np.ndarray, vocab_size: int) -> array:
     z *= _U(vocab_size - 1)
     z >>= _U(32)
     z += _U(1)
-    return array(TOKEN_TYPECODE, z.tobytes())  # the ids are below 2**32: the same bits as int64
+    return token_array(z.view(np.int64))  # the ids are below 2**32: the same bits as int64
 
 
 def _expand_segments(segments: Sequence[tuple[int, int]], vocab_size: int) -> array:

@@ -544,7 +544,7 @@ class PyExecutor:
             elif len(tokens) == 1 and request.end_id is None and not request.stop_token_ids:
                 sequence = request.tokens
                 sequence.append(tokens[0])
-                if len(sequence) >= request.orig_prompt_len + request.max_new_tokens:
+                if len(sequence) >= request.max_total_len:
                     self._deliver(request, tokens, True, now)
                     continue
                 if request.first_token_time is None:
@@ -569,7 +569,7 @@ class PyExecutor:
         """Append sampled tokens up to the first stop token or ``max_new_tokens``; respond.
         (The usual single token without a stop condition is appended by ``_update_requests``.)"""
         sequence = request.tokens
-        limit = request.orig_prompt_len + request.max_new_tokens
+        limit = request.max_total_len
         finished = False
         for index, token in enumerate(tokens):
             sequence.append(token)
