@@ -29,14 +29,23 @@ class InvalidRequestError(ValueError):
     """A request the executor cannot serve; it fails alone, the loop goes on."""
 
 
-class NonFiniteLogitsError(ExecutorError):
+class SamplingError(ExecutorError):
+    """Sampling one request's next token failed (its own settings or its own logits): that
+    request fails alone, the rest of its batch goes on."""
+
+    def __init__(self, request_id: int, message: str) -> None:
+        self.request_id = request_id
+        super().__init__(message)
+
+
+class NonFiniteLogitsError(SamplingError):
     """A request's logits hold NaN or inf: it fails alone rather than sample garbage."""
 
     def __init__(self, request_id: int, position: int) -> None:
-        self.request_id = request_id
         self.position = position
         super().__init__(
-            f"request {request_id}: the logits at position {position} contain NaN or inf; refusing to sample from them"
+            request_id,
+            f"request {request_id}: the logits at position {position} contain NaN or inf; refusing to sample from them",
         )
 
 

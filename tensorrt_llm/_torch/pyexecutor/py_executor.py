@@ -64,7 +64,7 @@ from tensorrt_llm._torch.pyexecutor.errors import (
     ExecutorLoopKilled,
     ExecutorShutdown,
     InvalidRequestError,
-    NonFiniteLogitsError,
+    SamplingError,
     TokenBudgetExceeded,
 )
 from tensorrt_llm._torch.pyexecutor.kv_cache_manager import KVCacheManager
@@ -536,7 +536,7 @@ class PyExecutor:
         requests = [r for r, _ in live]
         callbacks = self._callbacks
         for (request, slot), tokens in zip(live, self.sampler.sample_batch(requests, output)):
-            if isinstance(tokens, NonFiniteLogitsError):  # this request's numbers are broken, not the batch's
+            if isinstance(tokens, SamplingError):  # this request's logits or settings are broken, not the batch's
                 logger.error("%s", tokens)
                 self._fail(request, tokens)
             elif slot is not None:

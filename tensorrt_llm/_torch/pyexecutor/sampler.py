@@ -6,7 +6,7 @@ import abc
 
 import torch
 
-from tensorrt_llm._torch.pyexecutor.errors import NonFiniteLogitsError
+from tensorrt_llm._torch.pyexecutor.errors import NonFiniteLogitsError, SamplingError
 from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequest, SamplingConfig
 from tensorrt_llm._torch.pyexecutor.model_engine import ForwardOutput
 
@@ -19,18 +19,23 @@ class Sampler(abc.ABC):
         Raises NonFiniteLogitsError when its logits are not finite; the executor fails that
         request alone."""
 
-    def sample_batch(
-        self, requests: list[LlmRequest], output: ForwardOutput
-    ) -> list[list[int] | NonFiniteLogitsError]:
-        """:meth:`sample` for each of ``requests``, in order (a sampler may do it in one go). A
-        request whose logits are not finite gets its NonFiniteLogitsError in its place, so one
-        broken row fails that request alone."""
-        tokens: list[list[int] | NonFiniteLogitsError] = []
+    def sample_batch(self, requests: list[LlmRequest], output: ForwardOutput) -> list[list[int] | SamplingError]:
+        """:meth:`sample` for each of ``requests``, in order (a sampler may do it in one go).
+
+        Whatever one request's sampling raises (logits that are not finite, a setting the
+        sampler cannot honour) is put in that request's place as a SamplingError, so it fails
+        that request alone: nothing a single request carries may fail its batch."""
+        tokens: list[list[int] | SamplingError] = []
         for request in requests:
             try:
                 tokens.append(self.sample(request, output))
-            except NonFiniteLogitsError as error:
+            except SamplingError as error:
                 tokens.append(error)
+            except Exception as error:  # noqa: BLE001 - isolate the request; the cause is in the message
+                tokens.append(SamplingError(
+                    request.request_id,
+                    f"request {request.request_id}: sampling failed: {type(error).__name__}: {error}",
+                ))
         return tokens
 
     def release(self, request: LlmRequest) -> None:
