@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import os
 import queue
 from dataclasses import dataclass, field
@@ -20,6 +21,8 @@ from tensorrt_llm._torch.pyexecutor.py_executor import PyExecutor, Response
 from tensorrt_llm._torch.pyexecutor.py_executor_creator import create_py_executor
 from tensorrt_llm.llmapi.llm_utils import describe_checkpoint, load_model, seeded_model
 from tensorrt_llm.llmapi.tokenizer import IncrementalDetokenizer, Tokenizer
+
+logger = logging.getLogger(__name__)
 
 _EXECUTOR_FIELDS = {f.name for f in dataclasses.fields(ExecutorConfig)}
 
@@ -193,8 +196,10 @@ class LLM:
     N ranks is refused before any rank starts (SmolLM2-135M: 9 query and 3 KV heads, so 3 ranks
     and not 2). On the CPU only.
 
-    ``max_seq_len`` defaults to at most the model's ``max_position_embeddings``; asking for more
-    is an error.
+    ``device="auto"`` (the default) serves on the GPU when torch sees one and on the CPU otherwise.
+    ``max_seq_len`` defaults to the model's ``max_position_embeddings``, lowered to what the KV
+    pool holds for one sequence (as upstream derives it from the checkpoint and the pool);
+    asking for more than the model's positions is an error. ``describe()`` says which won.
     """
 
     def __init__(
@@ -203,7 +208,7 @@ class LLM:
         *,
         dtype: str | None = None,
         seed: int | None = None,
-        device: str = "cpu",
+        device: str = "auto",
         tensor_parallel_size: int = 1,
         enable_attention_dp: bool = False,
         **executor_options,
@@ -214,9 +219,10 @@ class LLM:
         config = ExecutorConfig(**executor_options)
         if isinstance(tensor_parallel_size, bool) or not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be a positive integer, got {tensor_parallel_size!r}")
-        device = _resolve_device(device)
+        device = resolve_device(device, ranks=tensor_parallel_size)
         if dtype is None and device.type == "cuda":
             dtype = "bfloat16"  # DESIGN.md §7
+        self.device = device
         self._executor: PyExecutor | MultiRankExecutor
         if tensor_parallel_size > 1:
             if device.type != "cpu":
@@ -238,14 +244,34 @@ class LLM:
                 )
             except ValueError as error:  # an unshardable model: say which, before any rank starts
                 raise ValueError(f"model {self.model_id!r} cannot run on {tensor_parallel_size} ranks: {error}") from None
+            self.max_seq_len_source = _max_seq_len_source(self.config, executor_options, self.model_config, None)
         else:
             loaded = load_model(model, dtype=dtype, seed=seed, device=device)
             self.model_id = loaded.model_id  # the served name: the preset's, or the .gguf file's stem
             self.tokenizer = loaded.tokenizer  # None for random-weight models
             self.model_config = loaded.model.config
-            self.config = _cap_max_seq_len(config, executor_options, self.model_config)
-            self._executor = create_py_executor(self.config, model=loaded.model)
+            given = "max_seq_len" in executor_options
+            ceiling = _cap_max_seq_len(config, executor_options, self.model_config)
+            if not given:  # the model's positions, then lowered to what the pool holds (below)
+                ceiling = dataclasses.replace(ceiling, max_seq_len=self.model_config.max_position_embeddings)
+            self._executor = create_py_executor(ceiling, model=loaded.model, fit_max_seq_len_to_pool=not given)
+            self.config = self._executor.config
+            pool_tokens = self._executor.kv_cache_manager.num_blocks * self.config.kv_cache_config.tokens_per_block
+            self.max_seq_len_source = _max_seq_len_source(self.config, executor_options, self.model_config, pool_tokens)
+        logger.info("%s", self.describe())
         self._executor.start()
+
+    def describe(self) -> str:
+        """One line for a start-up log: the model, device, dtype, KV pool and ``max_seq_len``
+        (with the limit that set it)."""
+        kv = self.config.kv_cache_config
+        line = f"model {self.model_id} on {self.device} ({self.model_config.dtype})"
+        pool = getattr(self._executor, "kv_cache_manager", None)
+        if pool is not None:  # one rank in this process; several ranks each size their own pool
+            blocks = pool.num_blocks
+            gib = blocks * kv.tokens_per_block * self.model_config.kv_bytes_per_token / 2**30
+            line += f", KV pool {blocks} blocks x {kv.tokens_per_block} tokens = {blocks * kv.tokens_per_block} tokens ({gib:.2f} GiB)"
+        return line + f", max_seq_len {self.config.max_seq_len} ({self.max_seq_len_source})"
 
     def generate_async(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> RequestOutputHandle:
         request = self._make_request(prompt, sampling_params or SamplingParams())
@@ -343,10 +369,29 @@ def _cap_max_seq_len(config: ExecutorConfig, options: dict, model: LlamaConfig) 
     return dataclasses.replace(config, max_seq_len=limit)
 
 
-def _resolve_device(device: str | torch.device) -> torch.device:
-    device = torch.device(device)
+def _max_seq_len_source(config: ExecutorConfig, options: dict, model: LlamaConfig, pool_tokens: int | None) -> str:
+    """Which limit set ``config.max_seq_len``, in words for the start-up log."""
+    if "max_seq_len" in options:
+        return "as configured"
+    if pool_tokens is not None and config.max_seq_len == pool_tokens < model.max_position_embeddings:
+        return f"what the KV pool holds for one sequence; the model has {model.max_position_embeddings} positions"
+    return "the model's max_position_embeddings"
+
+
+def resolve_device(device: str | torch.device, *, ranks: int = 1) -> torch.device:
+    """``"auto"``: the GPU when torch sees one (as upstream serves), the CPU otherwise; several
+    ranks run on CPU gloo ranks. Otherwise ``"cpu"``, ``"cuda"`` or ``"cuda:N"``; a GPU that
+    is not there is a ValueError."""
+    if device == "auto":
+        if ranks > 1 and torch.cuda.is_available():
+            logger.warning("device auto with %d ranks: the ranks run on the CPU (gloo); NCCL ranks are not built yet", ranks)
+        return torch.device("cuda" if torch.cuda.is_available() and ranks == 1 else "cpu")
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}") from None
     if device.type not in ("cpu", "cuda"):
-        raise ValueError(f"device must be 'cpu' or 'cuda', got {str(device)!r}")
+        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {str(device)!r}")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("device='cuda' needs a CUDA GPU, and torch sees none")
     return device

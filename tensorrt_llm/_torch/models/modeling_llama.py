@@ -128,6 +128,11 @@ class LlamaConfig:
     def torch_dtype(self) -> torch.dtype:
         return _DTYPES[self.dtype]
 
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of K and V one token takes over every layer (unsharded)."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.torch_dtype.itemsize
+
 
 MODEL_PRESETS: dict[str, LlamaConfig] = {
     "tiny-random": LlamaConfig(),

@@ -184,6 +184,9 @@ class ExecutorConfig:
     # Iteration statistics kept (a ring, oldest dropped); None keeps all (replays read the whole record).
     iter_stats_max_iterations: int | None = None
     fault_injection: FaultInjectionConfig | None = None
+    # A request whose forward fails (an error raised by the engine, not a budget violation) starts
+    # over this many times, its KV recomputed, before it fails with the error; 0: fail at once.
+    max_forward_retries: int = 1
     cuda_graph_config: CudaGraphConfig | None = field(default_factory=CudaGraphConfig)  # None: no graphs
     # Upstream's overlap scheduler: schedule and prepare iteration n+1 while the engine runs n.
     # None (default): on when the engine completes asynchronously (CUDA), off on the CPU, whose
@@ -196,6 +199,7 @@ class ExecutorConfig:
         for name in ("max_batch_size", "max_num_tokens", "max_seq_len"):
             _positive(name, getattr(self, name))
         _positive_seconds("health_check_timeout_s", self.health_check_timeout_s)
+        _non_negative_int("max_forward_retries", self.max_forward_retries)
         if self.iter_stats_max_iterations is not None:
             _positive("iter_stats_max_iterations", self.iter_stats_max_iterations)
         if self.fault_injection is not None and not isinstance(self.fault_injection, FaultInjectionConfig):

@@ -17,7 +17,8 @@ field                                              written by
 ``state``, ``tokens``, ``prompt_len``,             ``PyExecutor``: sampling, completion,
                                                    the in-flight placeholder (overlap),
 ``is_first_draft``, ``error``, ``is_cancelled``,   errors, cancellation, ``pause()`` (a
-``first_token_time``, ``finish_time``              MAX_UTILIZATION preemption)
+``first_token_time``, ``finish_time``,             MAX_UTILIZATION preemption),
+``num_forward_retries``                            ``retry_after_failed_forward()``
 ``context_current_position``,                      ``PyExecutor``, after a forward: the chunk
 ``prepopulated_prompt_len``                        that ran, with the reuse its allocation found
 ``py_budget_deferred`` and the deferral counters   ``PyExecutor``, from what ``prepare_resources``
@@ -183,6 +184,7 @@ class LlmRequest:
     num_budget_deferrals: int = 0
     num_capacity_deferrals: int = 0
     num_pauses: int = 0
+    num_forward_retries: int = 0  # forwards that failed under it and were retried (PyExecutor)
     error: str | None = None
     is_cancelled: bool = False
     first_token_time: float | None = None
@@ -281,11 +283,20 @@ class LlmRequest:
         Generated tokens are kept and become part of the context to recompute, so
         the output continues where it stopped.
         """
+        self._start_over()
+        self.num_pauses += 1
+
+    def retry_after_failed_forward(self) -> None:
+        """Start over as context, as :meth:`pause` does, after a forward it was in failed:
+        the KV that forward should have written cannot be trusted, so it is recomputed."""
+        self._start_over()
+        self.num_forward_retries += 1
+
+    def _start_over(self) -> None:
         self.state = LlmRequestState.CONTEXT_INIT
         self.prompt_len = len(self.tokens)
         self.context_current_position = 0
         self.prepopulated_prompt_len = 0
-        self.num_pauses += 1
 
     def __repr__(self) -> str:  # short: property-test counter-examples print lists of these
         if self.is_context_init_state:

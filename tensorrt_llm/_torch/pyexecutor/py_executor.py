@@ -177,6 +177,9 @@ class PyExecutor:
         disabled = config.disable_overlap_scheduler
         self.overlap = not disabled if disabled is not None else model_engine.completes_asynchronously
         self._in_flight: _InFlight | None = None
+        # Requests starting over after a failed forward: a later forward already in flight was
+        # built on the failed one's tokens, so its output for them is dropped (_retry_or_fail).
+        self._dropping: frozenset[int] = frozenset()
         self.active_requests: list[LlmRequest] = []
         # A ring when iter_stats_max_iterations is set (a server); the whole record otherwise (a replay).
         self.iteration_stats: deque[IterationStats] = deque(maxlen=config.iter_stats_max_iterations)
@@ -415,16 +418,19 @@ class PyExecutor:
         for request in scheduled.paused_requests:
             self.resource_manager.free_resources(request)
             request.pause()
-            context = request.prompt_len + request.num_draft_tokens  # now with its generated tokens
-            if not self.config.enable_chunked_prefill and context > self.config.max_num_tokens:
-                # unchunked, it could never be scheduled again: fail it rather than let it (and
-                # every context request queued behind it) wait forever
-                self._fail(request, InvalidRequestError(
-                    f"request {request.request_id}: paused to free KV memory, its context of {context} tokens"
-                    f" (prompt + generated) exceeds max_num_tokens {self.config.max_num_tokens} and chunked"
-                    " prefill is off"
-                ))
+            self._check_restartable(request, "paused to free KV memory")
         return scheduled
+
+    def _check_restartable(self, request: LlmRequest, why: str) -> None:
+        """A request that starts over as context must fit one forward when chunked prefill is
+        off; fail it otherwise rather than let it (and every context request queued behind it)
+        wait forever."""
+        context = request.prompt_len + request.num_draft_tokens  # now with its generated tokens
+        if not self.config.enable_chunked_prefill and context > self.config.max_num_tokens:
+            self._fail(request, InvalidRequestError(
+                f"request {request.request_id}: {why}, its context of {context} tokens (prompt + generated)"
+                f" exceeds max_num_tokens {self.config.max_num_tokens} and chunked prefill is off"
+            ))
 
     def _schedulable(self) -> list[LlmRequest]:
         if self._in_flight is None:
@@ -453,7 +459,11 @@ class PyExecutor:
             stats.forward_tokens, stats.overshoot = error.total_num_tokens, error.overshoot
             self._fail_batch(prepared.scheduled.all_requests, error, stats)
         except Exception as error:  # one bad batch must not take the server down
-            self._fail_iteration((prepared.scheduled if prepared is not None else scheduled).all_requests, error, stats)
+            if prepared is None:  # the KV manager or the budget policy raised: a bug, not the device
+                self._fail_iteration(scheduled.all_requests, error, stats)
+            else:  # the launch failed; a forward in flight before it is still good
+                retry = self._forward_failed(prepared.scheduled.all_requests, error, stats)
+                self._start_over(retry, in_flight_output_valid=True)
         return prepared, None
 
     def _prepare_resources(self, scheduled: ScheduledRequests, stats: IterationStats) -> PreparedBatch:
@@ -518,6 +528,12 @@ class PyExecutor:
         computed, its statistics are published. A failure fails that batch's requests."""
         try:
             output = flight.pending.result()
+        except Exception as error:  # the forward failed on the device: retry its requests
+            retry = self._forward_failed(flight.batch.all_requests, error, flight.stats)
+            self._record(flight.stats, flight.scheduled, flight.prepared)  # before the forward _start_over completes
+            self._start_over(retry, in_flight_output_valid=False)
+            return
+        try:
             self._update_requests(flight, output)
             self.resource_manager.update_resources(flight.batch)
         except Exception as error:  # one bad batch must not take the server down
@@ -531,8 +547,9 @@ class PyExecutor:
         The usual request (one token, appended, no stop condition, not its last) is handled in
         the loop itself, with a call only to its callback: this runs for every generated token."""
         now = self.clock()  # one instant for every token of this forward
+        dropping = self._dropping
         live = [(r, slot) for r, slot in zip(flight.sampling, flight.slots)
-                if r.state is not _COMPLETE and r.state is not _ERROR]
+                if r.state is not _COMPLETE and r.state is not _ERROR and (not dropping or r.request_id not in dropping)]
         requests = [r for r, _ in live]
         callbacks = self._callbacks
         for (request, slot), tokens in zip(live, self.sampler.sample_batch(requests, output)):
@@ -597,6 +614,49 @@ class PyExecutor:
         ``except`` block) and fail the batch's requests."""
         logger.exception("iteration %d failed; failing its %d requests", stats.iteration, len(requests))
         self._fail_batch(requests, error, stats)
+
+    def _forward_failed(self, requests: list[LlmRequest], error: Exception, stats: IterationStats) -> list[LlmRequest]:
+        """A forward failed at launch or on the device (call from the ``except`` block). The batch
+        counts as failed; its requests with a retry left (``max_forward_retries``) are returned
+        to :meth:`_start_over`, the others fail with the error."""
+        logger.exception("iteration %d: the forward failed; retrying or failing its %d requests",
+                         stats.iteration, len(requests))
+        self.num_failed_batches += 1
+        self.last_error = stats.error = str(error)
+        live = [r for r in requests if not r.is_finished and r.request_id not in self._dropping]
+        limit = self.config.max_forward_retries
+        retry = [r for r in live if r.num_forward_retries < limit]
+        failed = [r for r in live if r.num_forward_retries >= limit]
+        stats.num_failed_requests, stats.num_retried_requests = len(failed), len(retry)
+        for request in failed:
+            self._fail(request, error)
+        return retry
+
+    def _start_over(self, requests: list[LlmRequest], *, in_flight_output_valid: bool) -> None:
+        """The requests of a failed forward start over as context: KV freed (what the forward
+        should have written cannot be trusted), generated tokens kept and recomputed, so a
+        streamed output goes on where it stopped.
+
+        Under overlap another forward in flight may hold the same requests: it completes first
+        (their blocks cannot be freed under it), and ``in_flight_output_valid`` says whether its
+        tokens for them count (it was launched before a launch that failed) or are dropped (it
+        was built on the failed forward's tokens)."""
+        if not requests:
+            return
+        ids = frozenset(map(_request_id, requests))
+        if self._in_flight is not None and not ids.isdisjoint(self._in_flight.request_ids):
+            self._dropping = frozenset() if in_flight_output_valid else ids
+            try:
+                self._complete_in_flight()
+            finally:
+                self._dropping = frozenset()
+        for request in requests:
+            if request.is_finished:  # finished by the forward that just completed
+                continue
+            _drop_in_flight_tokens(request)
+            self.resource_manager.free_resources(request, store_for_reuse=False)
+            request.retry_after_failed_forward()
+            self._check_restartable(request, "its forward failed and it starts over")
 
     def _fail_batch(self, requests: list[LlmRequest], error: Exception, stats: IterationStats) -> None:
         self.num_failed_batches += 1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import Callable
@@ -113,12 +114,20 @@ def create_py_executor(
     kv_bytes_per_token: int | None = None,
     clock: Callable[[], float] = time.monotonic,
     block_hash: Callable[[BlockTokens], int] | None = None,
+    fit_max_seq_len_to_pool: bool = False,
 ) -> PyExecutor:
-    """A torch executor (``model``) or one whose engine ``engine_factory`` builds (simulation)."""
+    """A torch executor (``model``) or one whose engine ``engine_factory`` builds (simulation).
+
+    ``fit_max_seq_len_to_pool``: ``config.max_seq_len`` is a ceiling (the model's positions),
+    lowered to what the KV pool holds for one sequence once the pool is sized (on a GPU that
+    is only known after the weights are loaded). The executor's ``config`` has the result."""
     if (model is None) == (engine_factory is None):
         raise ValueError("give exactly one of model (torch engine) or engine_factory")
     token_budget = token_budget_policy_for(config)
     kv = create_kv_cache_manager(config, model=model, kv_bytes_per_token=kv_bytes_per_token, block_hash=block_hash)
+    if fit_max_seq_len_to_pool:
+        pool_tokens = kv.num_blocks * config.kv_cache_config.tokens_per_block
+        config = dataclasses.replace(config, max_seq_len=min(config.max_seq_len, pool_tokens))
     if model is not None:
         engine: ModelEngine = TorchModelEngine(
             model,

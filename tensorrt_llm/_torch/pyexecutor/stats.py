@@ -38,6 +38,7 @@ class IterationStats:
     reuse_claimed_tokens: int = 0
     reuse_query_tokens: int = 0  # prompt tokens of the first chunks whose prefix was looked up
     num_failed_requests: int = 0
+    num_retried_requests: int = 0  # requests of a failed forward that start over instead of failing
     error: str | None = None
 
     @property

@@ -109,8 +109,11 @@ def test_fault_injection_every_request_ends_and_health_tells_the_truth(one_torch
         print(f"\nfault injection: injected {injected}; outcomes {dict(outcomes)}; hangs 0")
 
         assert sum(outcomes.values()) == num_requests  # no hang: each one ended, with output or an error
-        assert outcomes["completed:length"] > 0 and outcomes["failed:nan"] > 0 and outcomes["failed:forward"] > 0
-        assert set(outcomes) <= {"completed:length", "failed:nan", "failed:forward"}, outcomes
+        assert outcomes["completed:length"] > 0 and outcomes["failed:nan"] > 0
+        # a failed forward's requests start over once (max_forward_retries=1); forwards fail 23
+        # apart and a request here lives fewer forwards than that, so none fails twice
+        assert set(outcomes) <= {"completed:length", "failed:nan"}, outcomes
+        assert sum(s.num_retried_requests for s in server.executor.iteration_stats) > 0
         assert outcomes["failed:nan"] == injected["nan_logits"]  # a NaN fails its request alone
         assert all(injected[kind] > 0 for kind in FAULT_KINDS)
         assert unhealthy_reasons and all("has not finished an iteration" in r for r in unhealthy_reasons)
