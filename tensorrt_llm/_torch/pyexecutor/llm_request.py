@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import math
 from array import array
 from dataclasses import dataclass, field
 from typing import Iterable
@@ -121,26 +122,46 @@ class DeferReason(enum.Enum):
     CAPACITY = "capacity"  # its KV blocks could not be had at allocation time
 
 
+#: Below this temperature sampling is greedy, as vLLM has it (its ``_SAMPLING_EPS``): dividing logits
+#: by a temperature this small only sharpens the distribution onto its argmax, and a subnormal one
+#: (``5e-324``) would overflow them to inf.
+GREEDY_BELOW_TEMPERATURE = 1e-5
+#: Seeds are unsigned 64-bit, as upstream's ``random_seed``: [0, SEED_LIMIT).
+SEED_LIMIT = 2**64
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingConfig:
-    """Per-request sampling settings; greedy when ``temperature == 0`` or ``top_k == 1``."""
+    """Per-request sampling settings; greedy when ``temperature < GREEDY_BELOW_TEMPERATURE`` (0
+    included) or ``top_k == 1``. Raises ValueError for any setting the sampler cannot honour, so a
+    request that holds one is refused before it is queued."""
 
     temperature: float = 0.0
     top_k: int = 0  # 0 = no top-k filter
     top_p: float = 1.0
-    seed: int | None = None
+    seed: int | None = None  # None: the request id seeds the request's generator
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not _is_number(self.temperature) or not 0 <= self.temperature < math.inf:
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not _is_int(self.top_k) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0, got {self.top_k!r}")
+        if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < SEED_LIMIT):
+            raise ValueError(f"seed must be an integer in [0, 2**64), got {self.seed!r}")
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        return self.temperature < GREEDY_BELOW_TEMPERATURE or self.top_k == 1
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
 
 
 _request_ids = itertools.count()

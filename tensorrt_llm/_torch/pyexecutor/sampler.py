@@ -69,6 +69,9 @@ class TorchSampler(Sampler):
         self._generators.pop(request.request_id, None)
 
     def _generator(self, request: LlmRequest) -> torch.Generator:
+        """The request's own generator, seeded once. Any seed in [0, 2**64) is taken (``manual_seed``
+        reads it as unsigned 64-bit); the CPU generator (mt19937) keeps its low 32 bits, so seeds
+        that differ only above them draw the same tokens."""
         generator = self._generators.get(request.request_id)
         if generator is None:
             seed = request.sampling_config.seed
@@ -79,7 +82,11 @@ class TorchSampler(Sampler):
 
     @staticmethod
     def _filtered_probs(logits: torch.Tensor, config: SamplingConfig) -> torch.Tensor:
-        logits = logits / config.temperature
+        """Float64 probabilities after temperature, top-k and top-p; finite for finite logits
+        and any temperature > 0: the largest logit is subtracted *before* dividing, so the
+        scaled logits are <= 0 with a 0 among them (a tiny temperature sends the others to
+        -inf, never inf - inf = NaN), and the softmax always has mass to normalise."""
+        logits = (logits - logits.max()) / config.temperature
         if config.top_k:
             kth = torch.topk(logits, min(config.top_k, logits.numel())).values[-1]
             logits = logits.masked_fill(logits < kth, float("-inf"))
