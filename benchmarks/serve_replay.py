@@ -62,6 +62,9 @@ class RequestRecord:
     itl_s: list[float] = field(default_factory=list)
     error: str | None = None
     status: int | None = None  # HTTP status of a refused or failed request
+    # how it failed: "http" (a status: refused, or failed before streaming), "stream" (an error
+    # event in the stream), "transport" (the connection failed), "timeout" (no answer in time)
+    error_kind: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,9 +135,13 @@ async def send_one(client: openai.AsyncOpenAI, target: ReplayTarget, request: Tr
                 record.itl_s.extend([(now - last) / count] * count)
             last = now
     except openai.APIStatusError as error:
-        record.error, record.status = error.message, error.status_code
-    except openai.APIError as error:  # a streamed error event, or the connection failed
-        record.error = error.message
+        record.error, record.status, record.error_kind = error.message, error.status_code, "http"
+    except openai.APITimeoutError as error:
+        record.error, record.error_kind = error.message, "timeout"
+    except openai.APIConnectionError as error:
+        record.error, record.error_kind = f"{error.message} ({type(error.__cause__).__name__})", "transport"
+    except openai.APIError as error:  # a streamed error event
+        record.error, record.error_kind = error.message, "stream"
     record.done = time.perf_counter()
     return record
 
@@ -179,6 +186,8 @@ def summarize(records: Sequence[RequestRecord], wall_s: float, server: dict | No
         # beyond DESIGN.md §6
         "refused": sum(1 for r in records if r.status is not None and 400 <= r.status < 500),
         "errors": dict(errors.most_common(5)),
+        "error_kinds": dict(collections.Counter(r.error_kind for r in records if r.error_kind)),
+        "statuses": {str(k): v for k, v in sorted(collections.Counter(r.status for r in records if r.status).items())},
         "output_tokens": output_tokens,
         "e2e_ms": percentiles([(r.done - r.sent) * 1e3 for r in completed]),
     }
