@@ -40,7 +40,7 @@ def perplexity(model, token_sequences: Sequence[Sequence[int]]) -> float:
     model's no-cache reference forward (``forward_full``), log-softmax in float64."""
     total_nll, count = 0.0, 0
     for ids in token_sequences:
-        ids = torch.tensor(list(ids), dtype=torch.long)  # (L,)
+        ids = torch.tensor(list(ids), dtype=torch.long, device=model.device)  # (L,)
         logits = model.forward_full(ids).double()  # (L, vocab)
         log_probs = torch.log_softmax(logits[:-1], dim=-1)  # (L-1, vocab): position t predicts token t+1
         total_nll -= float(log_probs.gather(1, ids[1:, None]).sum())
