@@ -11,16 +11,47 @@ layer and pool. The host tier holds each block in one piece::
 
     host: (num_host_blocks, 2, num_layers, tokens_per_block, num_kv_heads, head_dim)
 
-on the CPU, pinned when the pools are on CUDA: there an offload or onboard is one asynchronous
-DMA ordered on the device's stream with the forwards around it, and the host never waits for it
-(the host never reads the tier itself; a later onboard from the same host block is ordered after
-the offload into it).
+on the CPU, pinned when the pools are on CUDA. Scratch blocks follow the ``num_blocks`` blocks the
+KV manager hands out: never allocated to a request, they absorb the writes of the padding rows of a
+CUDA-graph batch.
 
-Scratch blocks follow the ``num_blocks`` blocks the KV manager hands out: never allocated to a
-request, they absorb the writes of the padding rows of a CUDA-graph batch.
+On CUDA with a host tier, offloads (device to host) and onboards (host to device) run on a copy
+stream of their own, ordered with the compute stream (the current stream, where forwards and
+``copy_block`` run) by events; the host never waits for either. Under the overlap scheduler the KV
+manager evicts and onboards for forward n+1 while forward n runs::
+
+    host     launch n ─┬─ allocate for n+1: offload x, onboard y ─┬─ launch n+1
+                       │                                          │
+    compute  ──────────M_n[ forward n, tables T_n ]···············(wait C)[ forward n+1 ]
+    copy     ─────────────(wait M_n)[ offload x ][ onboard y ]C
+
+* ``M_n``: recorded on the compute stream by :meth:`before_compute` just before forward n's
+  kernels. A copy waits for it, i.e. for every earlier forward, which wrote what it offloads and
+  last used the slot it onboards into; it does not wait for forward n itself, so it runs beside
+  it. A copy whose block is in ``T_n`` (the tables forward n reads and writes), or was touched by
+  a ``copy_block`` since, waits for the compute stream's tail instead (forward n included). The
+  executor frees no block of a forward in flight, so under overlap this is rare; without overlap
+  forward n has completed by then and the wait costs nothing.
+* ``C``: recorded on the copy stream by the next :meth:`before_compute` (forward n+1's, or
+  ``copy_block``'s), which makes the compute stream wait for it: a slot whose offload is pending
+  is not overwritten, and an onboarded block is in place, before anything on the compute stream
+  touches the pools again. ``copy_block`` runs on the compute stream after the same wait.
+* The host tier is written only by offloads and read only by onboards, all on the copy stream,
+  so they run in issue order: a host slot freed by an onboard can be handed to the next offload
+  at once (its source is read before it is overwritten), and no host event is needed. The host
+  itself never reads or writes the tier (:meth:`synchronize` first, for a test that does).
+
+So nothing here waits on the host, and the compute stream waits only for copies issued before
+the forward that needs them. Work on the compute stream that touches the pools other than
+through a forward (:meth:`before_compute` with its tables) or ``copy_block`` — a test writing a
+block — calls :meth:`before_compute` with no tables first; then the next copy waits for all of it.
+On the CPU every copy is a plain synchronous one.
 """
 
 from __future__ import annotations
+
+import itertools
+from typing import Sequence
 
 import torch
 
@@ -46,11 +77,22 @@ class KVCacheStorage:
         self.pools = torch.zeros((2, num_layers, rows, *block_shape), dtype=dtype, device=self.device)
         pin = self.device.type == "cuda" and num_host_blocks > 0
         self.host = torch.zeros((num_host_blocks, 2, num_layers, *block_shape), dtype=dtype, pin_memory=pin)
-        self._async = pin
         self.k_cache = list(self.pools[0])  # (rows, tokens_per_block, num_kv_heads, head_dim) per layer
         self.v_cache = list(self.pools[1])
         self.k_host = list(self.host[:, 0].transpose(0, 1))  # (num_host_blocks, tokens_per_block, ...) per layer
         self.v_host = list(self.host[:, 1].transpose(0, 1))
+        # The copy stream and its ordering state (module docstring); None on the CPU or without a tier.
+        self._copy_stream = torch.cuda.Stream(self.device) if pin else None
+        if pin:
+            self._mark = torch.cuda.Event()  # M: compute stream, before the newest forward
+            self._tail = torch.cuda.Event()  # the compute stream's tail, when a copy must wait for all of it
+            self._copied = torch.cuda.Event()  # C: copy stream, after the copies so far
+        self._mark_waited = True  # the copy stream waits for M already (or there is none)
+        self._any_busy = True  # compute work of unknown extent since M (the pools' zeroing, to begin with)
+        self._busy_tables: Sequence[Sequence[int]] = ()  # T: the newest forward's block tables
+        self._busy: set[int] | None = set()  # blocks of T and of copy_block since M; None: not built from T yet
+        self._copies_unjoined = False  # copies issued that the compute stream does not wait for yet
+        self.num_copy_stream_tail_waits = 0  # copies that had to wait for the forward in flight (see docstring)
 
     @property
     def scratch_block_ids(self) -> range:
@@ -62,11 +104,78 @@ class KVCacheStorage:
         tokens_per_block, num_kv_heads, head_dim = block_shape
         return 2 * num_layers * tokens_per_block * num_kv_heads * head_dim * dtype.itemsize
 
+    # ---- moving blocks -----------------------------------------------------------------
     def copy_block(self, src_block_id: int, dst_block_id: int) -> None:
+        """Copy a block's K/V on the compute stream (after every copy of the tier issued so far)."""
+        if self._copy_stream is not None:
+            self._join_copies(torch.cuda.current_stream(self.device))
+            self._busy_blocks().update((src_block_id, dst_block_id))
         self.pools[:, :, dst_block_id].copy_(self.pools[:, :, src_block_id])
 
     def offload(self, block_id: int, host_id: int) -> None:
-        self.host[host_id].copy_(self.pools[:, :, block_id], non_blocking=self._async)
+        if self._copy_stream is None:
+            self.host[host_id].copy_(self.pools[:, :, block_id])
+            return
+        with self._on_copy_stream(block_id):
+            # a gather of the block's 2 * num_layers pieces on the device, then one transfer
+            self.host[host_id].copy_(self.pools[:, :, block_id], non_blocking=True)
 
     def onboard(self, host_id: int, block_id: int) -> None:
-        self.pools[:, :, block_id].copy_(self.host[host_id], non_blocking=self._async)
+        if self._copy_stream is None:
+            self.pools[:, :, block_id].copy_(self.host[host_id])
+            return
+        with self._on_copy_stream(block_id):
+            # one transfer into a device buffer, then a scatter into the block's pieces
+            self.pools[:, :, block_id].copy_(self.host[host_id], non_blocking=True)
+
+    # ---- ordering with the compute stream ---------------------------------------------
+    def before_compute(self, block_tables: Sequence[Sequence[int]] | None = None) -> None:
+        """Work that touches the pools is about to be enqueued on the current (compute) stream:
+        make it wait for every copy of the tier issued so far (on the device; the host does not
+        wait). ``block_tables``: the blocks a forward reads and writes (its requests' tables;
+        the list is kept, not copied, until the next call); None: any block, for the rest of
+        the compute stream's work until the next forward (then the next copy waits for all of it).
+        A no-op on the CPU or without a host tier."""
+        if self._copy_stream is None:
+            return
+        compute = torch.cuda.current_stream(self.device)
+        self._join_copies(compute)
+        if block_tables is None:
+            self._any_busy = True
+            return
+        self._mark.record(compute)
+        self._mark_waited = False
+        self._any_busy = False
+        self._busy_tables, self._busy = block_tables, None
+
+    def synchronize(self) -> None:
+        """Wait on the host for every copy of the tier issued so far (tests; the step path never does)."""
+        if self._copy_stream is not None:
+            self._copy_stream.synchronize()
+
+    def _join_copies(self, compute: torch.cuda.Stream) -> None:
+        if self._copies_unjoined:
+            self._copied.record(self._copy_stream)
+            compute.wait_event(self._copied)
+            self._copies_unjoined = False
+
+    def _busy_blocks(self) -> set[int]:
+        if self._busy is None:
+            self._busy = set(itertools.chain.from_iterable(self._busy_tables))
+            self._busy_tables = ()
+        return self._busy
+
+    def _on_copy_stream(self, block_id: int) -> torch.cuda.StreamContext:
+        """Order the copy stream after the compute work that may touch ``block_id``; enter it."""
+        copy = self._copy_stream
+        if self._any_busy or block_id in self._busy_blocks():
+            self._tail.record(torch.cuda.current_stream(self.device))
+            copy.wait_event(self._tail)  # covers M and everything since: nothing is left to wait for
+            self._any_busy, self._mark_waited = False, True
+            self._busy_tables, self._busy = (), set()
+            self.num_copy_stream_tail_waits += 1
+        elif not self._mark_waited:
+            copy.wait_event(self._mark)
+            self._mark_waited = True
+        self._copies_unjoined = True
+        return torch.cuda.stream(copy)

@@ -298,7 +298,9 @@ class TorchModelEngine(ModelEngine):
     rows and their greedy pick, then a copy of the picked tokens to pinned host memory, and
     returns a :class:`PendingForward` without waiting for the GPU; ``result()`` waits for that
     copy alone. A decode batch (every request computes one token) replays a CUDA graph when
-    ``cuda_graph_config`` allows (see ``cuda_graph_runner``).
+    ``cuda_graph_config`` allows (see ``cuda_graph_runner``). The forward waits on the device,
+    never on the host, for the KV storage's host-tier copies issued before it
+    (``KVCacheStorage.before_compute``).
 
     ``time_forwards``: on CUDA, each ``PendingForward`` also carries the device time of its
     forward (from its first kernel, after the host has prepared the inputs, to the greedy pick):
@@ -397,6 +399,7 @@ class TorchModelEngine(ModelEngine):
         Raises ValueError, before anything is enqueued, for token ids outside the vocabulary
         or positions past the model's (the device forward does not check them). In-flight
         inputs (overlap) take the previous launch's picks on the device, never via the host.
+        The forward waits on the device for the KV storage's pending host-tier copies.
         """
         if self.device.type == "cpu":
             return PendingForward.ready(self._run_cpu(inputs))
@@ -423,15 +426,18 @@ class TorchModelEngine(ModelEngine):
         size = None
         if self.graph_runner is not None and all(inputs.samples):
             size = self.graph_runner.graph_size(inputs.num_new_tokens, inputs.num_cached_tokens)
+        storage = self.kv_cache_manager.storage
         start = None
         if size is not None:
             # A decode batch: every request samples, its one row in order.
             step = self.graph_runner.prepare(size, ids, inputs.num_cached_tokens, inputs.block_tables)
+            storage.before_compute(inputs.block_tables)  # before the first kernel that touches the pools
             if self.time_forwards:
                 start = _record_event()
             logits, tokens = self.graph_runner.replay(step, fill)
         else:
             plan = self._plan(inputs)
+            storage.before_compute(inputs.block_tables)
             if self.time_forwards:
                 start = _record_event()
             logits, tokens = self._forward_eager(plan, ids, positions, rows, fill)

@@ -176,11 +176,110 @@ def test_host_tier_round_trip_on_cuda() -> None:
 
     storage = KVCacheStorage(num_layers=3, num_blocks=6, num_host_blocks=4, block_shape=(8, 2, 16),
                              dtype=torch.bfloat16, device=CUDA)
+    storage.before_compute()  # the test writes the pools itself
     storage.pools.normal_()
     before = storage.pools[:, :, 2].clone()
-    storage.offload(2, 3)  # asynchronous
-    storage.pools[:, :, 2].zero_()  # ordered after the copy on the stream
-    storage.onboard(3, 5)
-    storage.copy_block(5, 1)
+    storage.offload(2, 3)  # on the copy stream, after the writes above
+    storage.before_compute()
+    storage.pools[:, :, 2].zero_()  # ordered after the offload
+    storage.onboard(3, 5)  # after the zeroing (the copy stream waits for it), from the offloaded copy
+    storage.copy_block(5, 1)  # on the compute stream, after the onboard
     assert torch.equal(storage.pools[:, :, 5], before) and torch.equal(storage.pools[:, :, 1], before)
+    storage.synchronize()  # before the host reads the tier
     assert torch.equal(storage.k_host[1][3].to(CUDA), before[0, 1])
+
+
+# ---- the host tier's copy stream (kv_storage's module docstring) ------------------------------------
+
+_SLEEP_CYCLES = 2_000_000_000  # about a second of one GPU thread: a forward that runs long
+
+
+def _tier_storage(**sizes):
+    """A host tier with blocks of 4 MiB (float32), so that a copy takes long enough to race with."""
+    from tensorrt_llm._torch.pyexecutor.kv_storage import KVCacheStorage
+
+    shape = dict(num_layers=8, num_blocks=8, num_host_blocks=4, block_shape=(64, 8, 128)) | sizes
+    storage = KVCacheStorage(**shape, dtype=torch.float32, device=CUDA)
+    storage.before_compute()  # the test writes the pools itself
+    storage.pools.normal_()
+    return storage
+
+
+def test_host_tier_copies_wait_for_the_compute_work_on_their_blocks() -> None:
+    """An offload of a block the forward in flight writes waits for that forward; the next forward
+    does not overwrite the slot before the offload has read it, and reads an onboarded block only
+    once it has landed. Each wrong order would race with a copy of 4 MiB behind a long kernel."""
+    storage = _tier_storage()
+    storage.before_compute([[1, 2]])  # forward n uses blocks 1 and 2 ...
+    torch.cuda._sleep(_SLEEP_CYCLES)  # ... runs long ...
+    storage.pools[:, :, 1].fill_(7.0)  # ... and writes block 1 last
+    storage.offload(1, 0)  # block 1 is forward n's: the offload waits for all of it
+    storage.before_compute([[1]])  # forward n+1 takes block 1's slot
+    storage.pools[:, :, 1].fill_(-1.0)
+    storage.onboard(0, 3)  # block 1's offloaded content into block 3
+    storage.before_compute([[3]])  # forward n+2 reads block 3
+    got = storage.pools[:, :, 3].clone()
+    storage.synchronize()
+    torch.cuda.synchronize()
+    assert bool((storage.host[0] == 7.0).all()), "the offload read block 1 before forward n wrote it, or after n+1 did"
+    assert bool((got == 7.0).all()), "forward n+2 read block 3 before its onboard landed"
+    assert bool((storage.pools[:, :, 1] == -1.0).all())
+    assert storage.num_copy_stream_tail_waits == 1  # the offload of forward n's block; the onboard waited for M only
+
+
+def test_host_tier_copies_run_beside_the_forward_in_flight() -> None:
+    """Offloads and onboards of blocks the forward in flight does not use run while it runs (the
+    copy stream waits for the forwards before it only), and the next forward sees their result."""
+    storage = _tier_storage()
+    expected = storage.pools[:, :, 5].clone()
+    storage.offload(5, 1)  # warms the copy path up (the copy stream's device buffers)
+    storage.synchronize()
+    storage.before_compute([[0, 1]])  # forward n uses blocks 0 and 1, for about a second
+    torch.cuda._sleep(_SLEEP_CYCLES)
+    forward_done = torch.cuda.Event()
+    forward_done.record()
+    storage.offload(5, 2)
+    storage.onboard(2, 6)
+    storage.synchronize()  # the host waits for the copies alone
+    assert not forward_done.query(), "the copies waited for the forward in flight"
+    storage.before_compute([[6]])  # forward n+1 reads block 6
+    assert torch.equal(storage.pools[:, :, 6], expected)
+    assert storage.num_copy_stream_tail_waits == 1  # the first copy only (after the test's own writes)
+
+
+def _tier_prompts() -> list[list[int]]:
+    """Prompts sharing a prefix, each followed by a long one that evicts it (to the host tier)."""
+    rng = random.Random(11)
+    shared = [rng.randrange(2048) for _ in range(70)]
+    prompts = []
+    for _ in range(4):
+        prompts.append(shared + [rng.randrange(2048) for _ in range(rng.randrange(10, 40))])
+        prompts.append([rng.randrange(2048) for _ in range(290)])
+    return prompts
+
+
+@pytest.mark.parametrize("graphs, overlap", [(True, True), (False, True), (True, False)])
+def test_host_tier_under_eviction_gives_the_cpu_tokens(graphs: bool, overlap: bool) -> None:
+    """A pool of 40 blocks and a host tier: prefixes are offloaded and onboarded again while
+    forwards run (overlap), and the greedy tokens are the CPU's with a pool that never evicts."""
+    from tensorrt_llm._torch.pyexecutor.kv_storage import KVCacheStorage
+
+    prompts = _tier_prompts()
+    cpu = _generate(_small("float32"), prompts, graphs=False)
+    model = _small("float32").to(CUDA)
+    bytes_per_block = KVCacheStorage.bytes_per_block(model.config.num_layers, model.kv_cache_shape(1, 8)[1:],
+                                                     torch.float32)
+    config = make_config(
+        max_num_tokens=96, tokens_per_block=8, num_blocks=40, max_batch_size=8,
+        cuda_graph_config=CudaGraphConfig() if graphs else None, disable_overlap_scheduler=not overlap,
+    )
+    kv_config = dataclasses.replace(config.kv_cache_config, host_cache_size=64 * bytes_per_block)
+    executor = create_py_executor(dataclasses.replace(config, kv_cache_config=kv_config), model=model)
+    requests = [make_request(p, max_new_tokens=12) for p in prompts]
+    for request in requests:
+        executor.enqueue_request(request)
+    executor.run_until_idle()
+    assert all(r.error is None for r in requests), [r.error for r in requests]
+    pool = executor.kv_cache_manager.pool
+    assert pool.num_offloads > 0 and pool.num_onboards > 0, (pool.num_offloads, pool.num_onboards)
+    assert [r.output_token_ids for r in requests] == cpu
