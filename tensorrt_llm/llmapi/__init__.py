@@ -1,8 +1,9 @@
-"""User-facing API in upstream's style: ``LLM``, ``SamplingParams``, ``KvCacheConfig``."""
+"""User-facing API in upstream's style: ``LLM``, ``SamplingParams``, ``KvCacheConfig``.
 
-from tensorrt_llm._torch.pyexecutor.config import KvCacheConfig
-from tensorrt_llm._torch.pyexecutor.errors import RequestError
-from tensorrt_llm.llmapi.llm import LLM, CompletionOutput, RequestOutput, RequestOutputHandle, SamplingParams
+The names are imported on first use, so that the argument descriptions (``llm_args``,
+``config_fields``) load without torch: ``trtllm-serve`` checks its flags and options file
+before torch and the model load.
+"""
 
 __all__ = [
     "LLM",
@@ -13,3 +14,19 @@ __all__ = [
     "RequestOutputHandle",
     "SamplingParams",
 ]
+
+
+def __getattr__(name: str):
+    if name == "KvCacheConfig":
+        from tensorrt_llm._torch.pyexecutor.config import KvCacheConfig
+
+        return KvCacheConfig
+    if name == "RequestError":
+        from tensorrt_llm._torch.pyexecutor.errors import RequestError
+
+        return RequestError
+    if name in __all__:
+        from tensorrt_llm.llmapi import llm
+
+        return getattr(llm, name)
+    raise AttributeError(f"module 'tensorrt_llm.llmapi' has no attribute {name!r}")

@@ -1,25 +1,23 @@
 """``--extra_llm_api_options FILE.yaml``: a mapping of ``LLM(...)`` keyword arguments.
 
-Keys are the LLM's keywords (every ``ExecutorConfig`` field, ``dtype``, ``seed``,
-``tensor_parallel_size``, ``enable_attention_dp``);
-``kv_cache_config`` and ``fault_injection`` are nested mappings of their dataclasses' fields.
-A key that is not one of them is an error naming it (``kv_cache_config.foo`` for a nested
-one), as is a value its dataclass refuses — at start-up, before the model loads.
+The keys are ``LlmArgs``'s (``tensorrt_llm.llmapi.llm_args``), generated from the config
+dataclasses' fields: every ``ExecutorConfig`` field, ``dtype``, ``seed``, ``device``,
+``tensor_parallel_size``, ``enable_attention_dp``; ``kv_cache_config``, ``cuda_graph_config``
+and ``fault_injection`` are nested mappings of their dataclasses' fields (``null`` where the
+field may be None). A key that is not one of them is an error naming it
+(``kv_cache_config.foo`` for a nested one), as is a value of the wrong type or one its
+dataclass refuses — at start-up, before the model loads.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import yaml
 
-from tensorrt_llm._torch.pyexecutor.config import ExecutorConfig, FaultInjectionConfig, KvCacheConfig
-
-_NESTED = {"kv_cache_config": KvCacheConfig, "fault_injection": FaultInjectionConfig}
-_MODEL_KEYS = ("dtype", "seed", "tensor_parallel_size", "enable_attention_dp")
-ACCEPTED_KEYS = tuple(sorted({f.name for f in dataclasses.fields(ExecutorConfig)} | set(_MODEL_KEYS)))
+from tensorrt_llm.llmapi.config_fields import from_mapping, parse_mapping
+from tensorrt_llm.llmapi.llm_args import LlmArgs
 
 
 class LlmOptionsError(ValueError):
@@ -28,6 +26,12 @@ class LlmOptionsError(ValueError):
 
 def load_llm_options(path: str | Path) -> dict[str, Any]:
     """Read ``path`` and return ``LLM`` keyword arguments (nested mappings built into their dataclasses)."""
+    return llm_options(read_llm_options(path))
+
+
+def read_llm_options(path: str | Path) -> dict[str, Any]:
+    """The mapping in ``path``, checked as ``llm_options`` checks it but left as plain data, so
+    that it can be merged over other options (flags) before it is built."""
     path = Path(path)
     try:
         data = yaml.safe_load(path.read_text())
@@ -35,31 +39,20 @@ def load_llm_options(path: str | Path) -> dict[str, Any]:
         raise LlmOptionsError(f"{path}: cannot read it: {error.strerror or error}") from None
     except yaml.YAMLError as error:
         raise LlmOptionsError(f"{path}: not valid YAML: {error}") from None
+    data = data if data is not None else {}
     try:
-        return llm_options(data if data is not None else {})
-    except (TypeError, ValueError) as error:
+        llm_options(data)
+    except ValueError as error:
         raise LlmOptionsError(f"{path}: {error}") from None
+    return data
 
 
 def llm_options(data: Any) -> dict[str, Any]:
-    """Validate a mapping of LLM options; raises ValueError naming what is wrong."""
-    if not isinstance(data, dict):
+    """``LLM`` keyword arguments from a mapping of them: only the keys given, each converted to
+    its field's type. The whole set is checked now (an ``LlmArgs`` is built from it), so a bad
+    value or combination fails before the model loads; raises ValueError naming the key."""
+    if not isinstance(data, Mapping):
         raise ValueError(f"expected a mapping of LLM options, got {type(data).__name__}")
-    options = {}
-    for key, value in data.items():
-        if key not in ACCEPTED_KEYS:
-            raise ValueError(f"unknown key {key!r} (accepted: {', '.join(ACCEPTED_KEYS)})")
-        kind = _NESTED.get(key)
-        options[key] = value if kind is None else _build(key, kind, value)
-    ExecutorConfig(**{k: v for k, v in options.items() if k not in _MODEL_KEYS})  # refuse bad values now
-    return options
-
-
-def _build(name: str, kind: type, value: Any):
-    if not isinstance(value, dict):
-        raise ValueError(f"{name} must be a mapping, got {type(value).__name__}")
-    fields = {f.name for f in dataclasses.fields(kind)}
-    for key in value:
-        if key not in fields:
-            raise ValueError(f"unknown key '{name}.{key}' (accepted: {', '.join(sorted(fields))})")
-    return kind(**value)
+    kwargs = parse_mapping(LlmArgs, data)
+    from_mapping(LlmArgs, data)  # refuse bad values and combinations now
+    return kwargs

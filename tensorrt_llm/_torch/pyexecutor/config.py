@@ -58,13 +58,13 @@ class KvCacheConfig:
     activations, CUDA graphs and the allocator. On the CPU the fraction is not used.
     """
 
-    tokens_per_block: int = 32
-    max_tokens: int | None = None
-    num_blocks: int | None = None
-    enable_block_reuse: bool = True
-    enable_partial_reuse: bool = True
-    host_cache_size: int = 0
-    free_gpu_memory_fraction: float = 0.9
+    tokens_per_block: int = 32  # tokens per KV block, the unit of allocation and of prefix reuse
+    max_tokens: int | None = None  # the pool's size in tokens (or num_blocks, not both)
+    num_blocks: int | None = None  # the pool's size in blocks (or max_tokens, not both)
+    enable_block_reuse: bool = True  # a prompt claims the cached blocks of its prefix instead of recomputing them
+    enable_partial_reuse: bool = True  # a partly matching block is copied and reused too
+    host_cache_size: int = 0  # the host (offload) tier, in bytes; 0: none
+    free_gpu_memory_fraction: float = 0.9  # GPU, neither size given: the share of free memory the pool takes
 
     def __post_init__(self) -> None:
         _positive("KvCacheConfig.tokens_per_block", self.tokens_per_block)
@@ -113,11 +113,11 @@ class FaultInjectionConfig:
     ``seed`` picks which request gets the NaN logits.
     """
 
-    forward_error_every: int = 0
-    nan_logits_every: int = 0
-    slow_forward_every: int = 0
-    slow_forward_s: float = 1.0
-    seed: int = 0
+    forward_error_every: int = 0  # every N-th forward raises, failing its batch; 0: never
+    nan_logits_every: int = 0  # every N-th forward gives one request NaN logits, failing it; 0: never
+    slow_forward_every: int = 0  # every N-th forward first sleeps slow_forward_s; 0: never
+    slow_forward_s: float = 1.0  # how long a slow forward sleeps, in seconds
+    seed: int = 0  # picks the request that gets NaN logits
 
     def __post_init__(self) -> None:
         for name in ("forward_error_every", "nan_logits_every", "slow_forward_every"):
@@ -144,9 +144,9 @@ class CudaGraphConfig:
     Ignored on the CPU.
     """
 
-    batch_sizes: list[int] | None = None
-    max_batch_size: int = 0
-    enable_padding: bool = True
+    batch_sizes: list[int] | None = None  # the batch sizes with a graph; default: see above
+    max_batch_size: int = 0  # the largest batch size with a graph; 0: the executor's max_batch_size
+    enable_padding: bool = True  # a decode batch of a size without a graph is padded up to the next one
 
     def __post_init__(self) -> None:
         if self.batch_sizes is not None:
@@ -170,24 +170,28 @@ class CudaGraphConfig:
 class ExecutorConfig:
     """Scheduling and budget settings of one executor."""
 
-    max_batch_size: int = 64
-    max_num_tokens: int = 8192
-    max_seq_len: int = 4096
-    enable_chunked_prefill: bool = False
-    chunk_unit_size: int | None = None  # default: tokens_per_block
+    max_batch_size: int = 64  # requests in one forward
+    max_num_tokens: int = 8192  # the token budget: positions in one forward
+    max_seq_len: int = 4096  # prompt and output tokens of one request
+    enable_chunked_prefill: bool = False  # a long prompt is computed in chunks that fit the token budget
+    chunk_unit_size: int | None = None  # context chunks are multiples of it (but the last); None: tokens_per_block
+    # How the micro-batch scheduler splits the token budget between context requests.
     context_chunking_policy: ContextChunkingPolicy = ContextChunkingPolicy.FIRST_COME_FIRST_SERVED
+    # How the capacity scheduler admits requests into KV memory.
     capacity_scheduler_policy: CapacitySchedulerPolicy = CapacitySchedulerPolicy.GUARANTEED_NO_EVICT
+    # The guard that keeps a forward within max_num_tokens (recheck: the full-cost re-check).
     token_budget_policy: TokenBudgetPolicyName = TokenBudgetPolicyName.RECHECK
-    kv_cache_config: KvCacheConfig = field(default_factory=KvCacheConfig)
+    kv_cache_config: KvCacheConfig = field(default_factory=KvCacheConfig)  # the paged KV cache
     # Serving: /health reports the loop stalled when, with work, no iteration finished for this long.
     health_check_timeout_s: float = 60.0
     # Iteration statistics kept (a ring, oldest dropped); None keeps all (replays read the whole record).
     iter_stats_max_iterations: int | None = None
-    fault_injection: FaultInjectionConfig | None = None
+    fault_injection: FaultInjectionConfig | None = None  # chaos testing: faults injected into forwards; None: off
     # A request whose forward fails (an error raised by the engine, not a budget violation) starts
     # over this many times, its KV recomputed, before it fails with the error; 0: fail at once.
     max_forward_retries: int = 1
-    cuda_graph_config: CudaGraphConfig | None = field(default_factory=CudaGraphConfig)  # None: no graphs
+    # Decode steps replayed from CUDA graphs (ignored on the CPU); None: no graphs.
+    cuda_graph_config: CudaGraphConfig | None = field(default_factory=CudaGraphConfig)
     # Upstream's overlap scheduler: schedule and prepare iteration n+1 while the engine runs n.
     # None (default): on when the engine completes asynchronously (CUDA), off on the CPU, whose
     # engine is synchronous (nothing to hide the host's work behind). See PyExecutor.

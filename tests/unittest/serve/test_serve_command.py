@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from tensorrt_llm._torch.pyexecutor.config import FaultInjectionConfig, KvCacheConfig
+from tensorrt_llm._torch.pyexecutor.config import FaultInjectionConfig, KvCacheConfig, TokenBudgetPolicyName
 from tensorrt_llm.serve.llm_options import LlmOptionsError, load_llm_options
 
 FULL_OPTIONS = """\
@@ -45,7 +45,7 @@ def test_options_file_builds_typed_llm_keywords(tmp_path):
     assert options["kv_cache_config"] == KvCacheConfig(tokens_per_block=16, max_tokens=4096, enable_partial_reuse=False)
     assert options["fault_injection"] == FaultInjectionConfig(forward_error_every=7, slow_forward_every=3,
                                                               slow_forward_s=0.1, seed=1)
-    assert options["token_budget_policy"] == "none" and options["dtype"] == "float64"
+    assert options["token_budget_policy"] is TokenBudgetPolicyName.NONE and options["dtype"] == "float64"
     assert options["health_check_timeout_s"] == 2.5 and options["enable_chunked_prefill"] is True
 
 

@@ -1,0 +1,39 @@
+"""``LLM(...)``'s arguments, described once (upstream's ``llm_args``).
+
+``LlmArgs``'s fields are the LLM's own keywords, and its inlined ``executor`` field stands for
+``ExecutorConfig``'s fields, which ``LLM(...)`` takes as keywords at the same level. The
+options file of ``trtllm-serve`` (its keys), its flags and the checks on both are generated
+from this one description (``config_fields``); nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from tensorrt_llm._torch.pyexecutor.config import ExecutorConfig
+from tensorrt_llm.llmapi.config_fields import nested
+
+DEVICES = ("auto", "cuda", "cpu")
+_DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
+
+
+@dataclass(frozen=True, slots=True)
+class LlmArgs:
+    """Every ``LLM(...)`` keyword, validated at construction (``LLM`` resolves the device)."""
+
+    # The weights' and activations' dtype (float32, float16, bfloat16, ...); default: the model's on the CPU, bfloat16 on a GPU.
+    dtype: str | None = None
+    seed: int | None = None  # random-weight models: the seed the weights are drawn from
+    # auto: the GPU when torch sees one, else the CPU; also cuda:N.
+    device: str = field(default="auto", metadata={"metavar": "{" + ",".join(DEVICES) + "}"})
+    tensor_parallel_size: int = 1  # tensor parallelism over N rank processes (CPU, gloo on loopback)
+    enable_attention_dp: bool = False  # with several ranks: each serves its own requests on a full replica
+    executor: ExecutorConfig = nested(ExecutorConfig, inline=True)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.device, str) or not _DEVICE.fullmatch(self.device):
+            raise ValueError(f"device must be one of {', '.join(map(repr, DEVICES))} (or 'cuda:N'), got {self.device!r}")
+        size = self.tensor_parallel_size
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"tensor_parallel_size must be a positive integer, got {size!r}")
