@@ -112,17 +112,29 @@ class RequestOutputHandle:
             pass
 
     def _apply(self, response: Response) -> None:
+        """Fold one executor response into ``output``. Text that cannot be decoded (an id the
+        tokenizer does not know) fails this request alone, as an executor error would: it is
+        cancelled in the executor and its output finishes with a DetokenizationError."""
         completion = self.output.outputs[0]
         completion.token_ids.extend(response.new_token_ids)
+        finished, error = response.finished, response.error
         if self._detokenizer is not None:
-            completion.text_diff = self._detokenizer.step(response.new_token_ids)
-            if response.finished:
-                completion.text_diff += self._detokenizer.flush()
+            try:
+                completion.text_diff = self._detokenizer.step(response.new_token_ids)
+                if finished:
+                    completion.text_diff += self._detokenizer.flush()
+            except Exception as failure:  # noqa: BLE001 - whatever decoding raises is this request's alone
+                completion.text_diff = ""
+                error = error or f"DetokenizationError: request {self.request_id}: {type(failure).__name__}: {failure}"
+                logging.getLogger(__name__).error("%s", error)
+                if not finished:
+                    finished = True
+                    self.abort()  # the executor stops generating for it; what it still sends is not read
             completion.text += completion.text_diff
-        if response.finished:
+        if finished:
             self.output.finished = True
-            self.output.error = response.error
-            if response.error:
+            self.output.error = error
+            if error:
                 completion.finish_reason = "error"
             elif response.cancelled:
                 completion.finish_reason = "cancelled"

@@ -7,7 +7,9 @@ Three sources, each pushed or pulled once:
   and budget utilization;
 - every request, on the event loop (:class:`RequestMetrics`): prompt and generated tokens,
   time to first token, inter-token latency, end-to-end latency, how it finished;
-- at scrape time: running and waiting requests, KV-cache usage, health, injected faults.
+- at scrape time: running and waiting requests, KV-cache usage, health, injected faults;
+- admission, on the event loop: requests refused with 503 before they were queued
+  (``trtllm_requests_rejected_total{reason}``: ``unhealthy``, ``queue_full``).
 
 prometheus-client objects are thread-safe, so the two writers need no lock of their own.
 
@@ -15,12 +17,14 @@ Several ranks (``--tp_size``): the iteration listener runs on ``MultiRankExecuto
 dispatcher thread. Under TP it sees rank 0's iterations only: the ranks make one decision,
 so each rank's counters would be the same, and summing them would count every deferral N
 times. Under attention DP it sees every rank's iterations: each rank's batch is its own, so
-the counters are sums over ranks. The gauges come from the ranks' last reported load.
+the counters are sums over ranks. The gauges come from the ranks' last reported load; requests
+submitted that no rank holds yet count as waiting.
 """
 
 from __future__ import annotations
 
 import time
+from typing import NamedTuple
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily
@@ -32,6 +36,7 @@ from tensorrt_llm._torch.pyexecutor.py_executor import PyExecutor
 from tensorrt_llm._torch.pyexecutor.stats import IterationStats
 
 FINISH_REASONS = ("stop", "length", "error", "cancelled")
+REJECT_REASONS = ("unhealthy", "queue_full")
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _E2E_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
@@ -48,6 +53,12 @@ def _token_buckets(max_num_tokens: int) -> tuple[float, ...]:
     return tuple(sorted(buckets))
 
 
+class Load(NamedTuple):
+    running: int  # active requests holding KV blocks
+    waiting: int  # queued, or active without KV blocks yet
+    kv_usage: float  # share of KV blocks requests reference (0..1)
+
+
 class ServerMetrics:
     """The registry and every metric; :meth:`request` starts one request's metrics."""
 
@@ -56,11 +67,11 @@ class ServerMetrics:
         self._executor = executor
 
         Gauge("trtllm_num_requests_running", "Requests holding KV blocks in the executor", registry=registry
-              ).set_function(lambda: self._load()[0])
+              ).set_function(lambda: self.load().running)
         Gauge("trtllm_num_requests_waiting", "Requests queued or active without KV blocks yet", registry=registry
-              ).set_function(lambda: self._load()[1])
+              ).set_function(lambda: self.load().waiting)
         Gauge("trtllm_kv_cache_usage_ratio", "Fraction of KV blocks referenced by requests (0..1)", registry=registry
-              ).set_function(lambda: self._load()[2])
+              ).set_function(lambda: self.load().kv_usage)
         Gauge("trtllm_executor_healthy", "1 while /health answers 200", registry=registry
               ).set_function(lambda: float(executor.health()["healthy"]))
 
@@ -86,6 +97,11 @@ class ServerMetrics:
             registry=registry)
         for reason in FINISH_REASONS:
             self.request_success.labels(reason)
+        self.requests_rejected = Counter(
+            "trtllm_requests_rejected_total", "Requests refused with 503 before they were queued, by reason",
+            ["reason"], registry=registry)
+        for reason in REJECT_REASONS:
+            self.requests_rejected.labels(reason)
 
         self.forward_tokens = Histogram(
             "trtllm_iteration_forward_tokens", "Positions in each forward pass",
@@ -125,19 +141,22 @@ class ServerMetrics:
     def request(self) -> "RequestMetrics":
         return RequestMetrics(self)
 
-    def _load(self) -> tuple[int, int, float]:
-        """(running, waiting, KV usage): active requests with and without KV blocks (queued ones
-        wait too) and the share of KV blocks requests reference. Several ranks: as the ranks
-        last reported it (``MultiRankExecutor.load``: rank 0's under TP, summed under attention DP)."""
+    def rejected(self, reason: str) -> None:
+        """A request was refused at admission (``reason`` in REJECT_REASONS)."""
+        self.requests_rejected.labels(reason).inc()
+
+    def load(self) -> Load:
+        """The executor's load now; callable from any thread. Several ranks: as the ranks last
+        reported it (``MultiRankExecutor.load``: rank 0's under TP, summed under attention DP)."""
         executor = self._executor
         if isinstance(executor, MultiRankExecutor):
             load = executor.load()
-            return load.running, load.waiting, load.kv_usage
+            return Load(load.running, load.waiting + executor.health()["queued_requests"], load.kv_usage)
         active = list(executor.active_requests)  # a copy: the executor thread replaces the list
         kv = executor.kv_cache_manager
         running = sum(kv.is_allocated(request) for request in active)
         usage = 1.0 - (kv.pool.num_free + kv.pool.num_cached) / kv.pool.num_blocks
-        return running, len(active) - running + executor.health()["queued_requests"], usage
+        return Load(running, len(active) - running + executor.health()["queued_requests"], usage)
 
 
 class RequestMetrics:

@@ -1,76 +1,155 @@
-"""ASGI guards that run before any handler parses anything: the API key and the body-size limit.
+"""The ASGI guard in front of the app: what is refused before any handler parses anything.
 
-:class:`RequestGuard` answers 401 to a ``/v1/*`` request without ``Authorization: Bearer KEY``
-(when a key is set) and 413 to a body over ``max_body_bytes`` — from ``Content-Length``
-alone when the client sends it, otherwise after reading at most ``max_body_bytes + 1``
-bytes. An accepted body is read here once and handed on unchanged; after it, ``receive``
-is the server's own, so handlers still see ``http.disconnect`` when the client leaves.
+:class:`RequestGuard`, in the order it checks (each refusal carries the OpenAI error body and
+logs one line):
+
+1. a request head larger than ``max_header_bytes`` -> 431 (h11 refuses a head that arrives in
+   pieces past that size itself, see ``http_server``; one that arrives whole is caught here);
+2. a ``/v1/*`` request without ``Authorization: Bearer KEY``, when a key is set -> 401;
+3. a body over ``max_body_bytes`` -> 413, from ``Content-Length`` alone when the client sends
+   it, otherwise once that many bytes have come. The body is read and discarded first, up
+   to ``DRAIN_FACTOR`` times the limit and within ``body_timeout_s``, as nginx's lingering
+   close does: closing a socket with unread data makes the kernel reset the connection, and a
+   client still sending (httpx, the ``openai`` client) then sees the reset instead of the 413.
+   A client that sent ``Expect: 100-continue`` has sent no body yet and is answered at once;
+4. a body not complete within ``body_timeout_s`` of its head -> 408, connection closed.
+
+An accepted body is read here once and handed on unchanged; after it, ``receive`` is the
+server's own, so handlers still see ``http.disconnect`` when the client leaves.
+
+Errors the app does not handle end here too: logged once (with the traceback: they are bugs),
+answered 500 with the error body when no response has started, never re-raised into the
+server (which would log them again).
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
-import json
+import logging
 
-from tensorrt_llm.serve.errors import error_body
+from tensorrt_llm.serve.errors import error_json
+from tensorrt_llm.serve.server_config import ServerConfig
 
-MAX_BODY_BYTES = 16 * 1024 * 1024
+logger = logging.getLogger(__name__)
+
+DRAIN_FACTOR = 4  # a body over the limit is drained up to this many times the limit, then the connection closed
 
 
 def _is_protected(path: str) -> bool:
     return path == "/v1" or path.startswith("/v1/")
 
 
+def head_size(scope) -> int:
+    """Bytes of the request head as sent, near enough: request line and header lines."""
+    line = len(scope["method"]) + len(scope.get("raw_path") or b"") + len(scope.get("query_string") or b"") + 12
+    return line + sum(len(name) + len(value) + 4 for name, value in scope["headers"])
+
+
+class _BodyTooLarge(Exception):
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+
 class RequestGuard:
-    def __init__(self, app, *, api_key: str | None, max_body_bytes: int = MAX_BODY_BYTES) -> None:
+    def __init__(self, app, config: ServerConfig) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode() if api_key else None
-        self.max_body_bytes = max_body_bytes
+        self.config = config
+        self.expected = f"Bearer {config.api_key}".encode() if config.api_key else None
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        started = False
+
+        async def tracked_send(message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self._guard(scope, receive, tracked_send)
+        except Exception:  # noqa: BLE001 - the last stop: nothing above this logs or answers
+            logger.exception("unhandled error serving %s %s", scope["method"], scope["path"])
+            if not started:
+                await _reply(send, 500, "internal error: see the server log", close=True)
+
+    async def _guard(self, scope, receive, send) -> None:
+        method, path = scope["method"], scope["path"]
+        config = self.config
+        if (size := head_size(scope)) > config.max_header_bytes:
+            await _refuse(send, scope, 431, f"the request head of {size} bytes exceeds the limit of"
+                                            f" {config.max_header_bytes} bytes")
+            return
         headers = dict(scope["headers"])  # header names arrive lower-cased
-        if self.expected is not None and _is_protected(scope["path"]):
+        if self.expected is not None and _is_protected(path):
             given = headers.get(b"authorization", b"")
             if not hmac.compare_digest(given, self.expected):
                 reason = "missing" if not given else "wrong"
-                await _reply(send, 401, f"{reason} API key: send the header 'Authorization: Bearer <key>'")
+                await _refuse(send, scope, 401, f"{reason} API key: send the header 'Authorization: Bearer <key>'",
+                              close=False)
                 return
+        deadline = asyncio.get_running_loop().time() + config.body_timeout_s
         declared = headers.get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
-            await _reply(send, 413, self._too_large(int(declared)), close=True)
+        if declared is not None and declared.isdigit() and int(declared) > config.max_body_bytes:
+            await self._too_large(scope, receive, send, int(declared), deadline, sent=0)
             return
-        if scope["method"] not in ("POST", "PUT", "PATCH"):
+        if method not in ("POST", "PUT", "PATCH"):
             await self.app(scope, receive, send)
             return
-        body, size = await self._read_body(receive)
-        if size > self.max_body_bytes:
-            await _reply(send, 413, self._too_large(size), close=True)
+        try:
+            async with asyncio.timeout_at(deadline):
+                body = await self._read_body(receive)
+        except TimeoutError:
+            await _refuse(send, scope, 408, f"the request body did not arrive within {config.body_timeout_s:g} s")
+            return
+        except _BodyTooLarge as too_large:
+            await self._too_large(scope, receive, send, too_large.size, deadline, sent=too_large.size)
             return
         if body is None:
             return  # the client left while sending: nobody to answer
         await self.app(scope, _replay(body, receive), send)
 
-    async def _read_body(self, receive) -> tuple[bytes | None, int]:
-        """(the body, its size); the body is None past the limit (size then shows how far it
-        got) or when the client leaves before sending all of it."""
+    async def _read_body(self, receive) -> bytes | None:
+        """The whole body; None when the client leaves before sending all of it. Raises
+        _BodyTooLarge once more than ``max_body_bytes`` have come."""
         chunks, size = [], 0
         while True:
             message = await receive()
             if message["type"] == "http.disconnect":
-                return None, size
+                return None
             chunk = message.get("body", b"")
             size += len(chunk)
-            if size > self.max_body_bytes:
-                return None, size
+            if size > self.config.max_body_bytes:
+                raise _BodyTooLarge(size)
             chunks.append(chunk)
             if not message.get("more_body", False):
-                return b"".join(chunks), size
+                return b"".join(chunks)
 
-    def _too_large(self, size: int) -> str:
-        return f"request body of {size} bytes or more exceeds the limit of {self.max_body_bytes} bytes"
+    async def _too_large(self, scope, receive, send, size: int, deadline: float, *, sent: int) -> None:
+        """413, after draining what the client is still sending when that is bounded (see the
+        module docstring); ``sent``: body bytes already read."""
+        limit = self.config.max_body_bytes
+        declared = dict(scope["headers"]).get(b"content-length", b"")
+        expects_continue = dict(scope["headers"]).get(b"expect", b"").lower() == b"100-continue"
+        drain_limit = DRAIN_FACTOR * limit
+        if not expects_continue and not (declared.isdigit() and int(declared) > drain_limit):
+            try:
+                async with asyncio.timeout_at(deadline):
+                    await _drain(receive, drain_limit - sent)
+            except TimeoutError:
+                pass  # what is left unread resets the connection: the client was too slow to matter
+        await _refuse(send, scope, 413, f"request body of {size} bytes or more exceeds the limit of {limit} bytes")
+
+
+async def _drain(receive, budget: int) -> None:
+    """Read and discard the rest of the body, at most ``budget`` bytes of it."""
+    while budget > 0:
+        message = await receive()
+        if message["type"] == "http.disconnect" or not message.get("more_body", False):
+            return
+        budget -= len(message.get("body", b""))
 
 
 def _replay(body: bytes, receive):
@@ -86,10 +165,17 @@ def _replay(body: bytes, receive):
     return replayed
 
 
-async def _reply(send, status: int, message: str, *, close: bool = False) -> None:
-    payload = json.dumps(error_body(status, message)).encode()
+async def _refuse(send, scope, status: int, message: str, *, close: bool = True) -> None:
+    logger.info("refused %s %s: %d %s", scope["method"], scope["path"], status, message)
+    await _reply(send, status, message, close=close)
+
+
+async def _reply(send, status: int, message: str, *, close: bool) -> None:
+    """The error body; ``close``: the connection closes after it (the rest of the request is
+    not worth reading, or cannot be trusted)."""
+    payload = error_json(status, message)
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]
-    if close:  # the unread rest of the body is not worth reading
+    if close:
         headers.append((b"connection", b"close"))
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": payload})

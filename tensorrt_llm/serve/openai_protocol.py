@@ -1,10 +1,26 @@
 """Pydantic models of the OpenAI completions and chat completions API, as this server supports it.
 
-Requests refuse what the server does not do rather than ignore it: an argument it does not
-know is an error naming it (``extra="forbid"``), and ``n``, ``best_of``, ``echo``,
-``logprobs``, penalties and ``logit_bias`` must keep their neutral values. Responses follow
-OpenAI's shapes; a choice also carries ``token_ids`` (the generated ids), which is the only
-output a model without a tokenizer has.
+Requests are validated strictly at the edge, so that nothing a client sends can reach the
+executor in a form it cannot serve (issue 21):
+
+* Types are not coerced (pydantic strict mode): ``"stream": "yes"``, ``1`` or ``"true"``,
+  ``"n": true``, ``"seed": "1"`` are refused. An integer is taken where a number is expected
+  (``"temperature": 1``), as OpenAI takes it; ``null`` is taken where OpenAI's schema allows it
+  and means the default. ``NaN`` and ``Infinity`` (which Python's JSON parser reads) are refused.
+* Numbers are bounded: ``seed`` in [0, 2**64) (upstream's unsigned 64-bit seed), counts
+  (``max_tokens``, ``max_completion_tokens``) in [1, 2**31), ``temperature`` in [0, 2],
+  ``top_p`` in (0, 1]. A ``temperature`` below 1e-5 (``GREEDY_BELOW_TEMPERATURE``: 5e-324, 1e-310
+  ...) is taken and sampled greedily, as vLLM's ``_SAMPLING_EPS`` did; see ``SamplingConfig``.
+* Text must be valid Unicode: a lone surrogate (JSON ``"\\ud800"``) anywhere in a request, in
+  ``prompt``, ``stop``, ``messages`` or any other field, is refused naming the field; the
+  tokenizer would fail on it.
+* An argument the server does not know is an error naming it (``extra="forbid"``), and ``n``,
+  ``best_of``, ``echo``, ``logprobs``, penalties and ``logit_bias`` must keep their neutral
+  values.
+
+Every refusal is a 400 with the OpenAI error body. Responses follow OpenAI's shapes; a choice
+also carries ``token_ids`` (the generated ids), which is the only output a model without a
+tokenizer has.
 """
 
 from __future__ import annotations
@@ -15,61 +31,94 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from tensorrt_llm._torch.pyexecutor.llm_request import SEED_LIMIT
+
 MAX_STOP_STRINGS = 4  # OpenAI's limit
+MAX_COUNT = 2**31 - 1  # a token count beyond int32 is no count any model serves
 
 
 #: Arguments accepted only at a neutral value: name -> (the values accepted, why no other is).
 _ONLY_NEUTRAL: dict[str, tuple[tuple, str]] = {
-    "n": ((1,), "this server returns exactly one choice per request (n must be 1)"),
+    "n": ((None, 1), "this server returns exactly one choice per request (n must be 1)"),
     "best_of": ((None, 1), "this server generates one sequence per request"),
-    "echo": ((False,), "this server does not echo the prompt"),
+    "echo": ((None, False), "this server does not echo the prompt"),
     "logprobs": ((None, False), "this server does not compute log-probabilities"),
     "top_logprobs": ((None,), "this server does not compute log-probabilities"),
     "suffix": ((None, ""), "this server does not insert text"),
-    "presence_penalty": ((0, 0.0), "this server applies no penalties"),
-    "frequency_penalty": ((0, 0.0), "this server applies no penalties"),
+    "presence_penalty": ((None, 0, 0.0), "this server applies no penalties"),
+    "frequency_penalty": ((None, 0, 0.0), "this server applies no penalties"),
     "logit_bias": ((None, {}), "this server applies no logit bias"),
 }
 
 
+def _first_invalid_text(value: Any) -> str | None:
+    """The first string in ``value`` (nested lists and dicts, keys included) that is not valid
+    Unicode, i.e. that holds a lone surrogate and so cannot be encoded to UTF-8. Iterative: JSON
+    nests as deep as its parser lets it, deeper than a recursion here could follow."""
+    pending = [value]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                return item
+        elif isinstance(item, dict):
+            pending.extend(reversed([part for pair in item.items() for part in pair]))
+        elif isinstance(item, (list, tuple)):
+            pending.extend(reversed(item))
+    return None
+
+
+def _same(value: Any, neutral: Any) -> bool:
+    """Equal and both booleans or neither: ``logprobs: 0`` is a count, not ``false``."""
+    return value == neutral and isinstance(value, bool) == isinstance(neutral, bool)
+
+
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
     @field_validator("*")
     @classmethod
-    def _only_neutral(cls, value: Any, info) -> Any:
+    def _valid_and_neutral(cls, value: Any, info) -> Any:
+        if (bad := _first_invalid_text(value)) is not None:
+            surrogate = next(ch for ch in bad if 0xD800 <= ord(ch) <= 0xDFFF)
+            raise ValueError(f"{info.field_name} is not valid Unicode: it holds the lone surrogate"
+                             f" {surrogate!r} (send UTF-8 text)")
         accepted, why = _ONLY_NEUTRAL.get(info.field_name, (None, None))
-        if accepted is not None and value not in accepted:
+        if accepted is not None and not any(_same(value, neutral) for neutral in accepted):
             raise ValueError(f"{info.field_name}={value!r} is not supported: {why}")
         return value
 
 
 class StreamOptions(_Request):
-    include_usage: bool = False
+    include_usage: bool | None = False
 
 
 class _SamplingRequest(_Request):
     """The fields completions and chat completions share."""
 
     model: str
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, le=MAX_COUNT)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stream: bool = False
+    seed: int | None = Field(None, ge=0, lt=SEED_LIMIT)
+    stop: Any = None  # a string or a list of strings (checked by hand: a union would name its branches in errors)
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
-    n: int = 1
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    n: int | None = 1
+    presence_penalty: float | None = 0.0
+    frequency_penalty: float | None = 0.0
     logit_bias: dict[str, float] | None = None
     user: str | None = None  # an end-user id for the operator's logs; does not change the output
-    ignore_eos: bool = False  # extension (as vLLM): generate max_tokens whatever end-of-generation tokens come
+    ignore_eos: bool | None = False  # extension (as vLLM): generate max_tokens whatever end-of-generation tokens come
 
     @field_validator("stop")
     @classmethod
-    def _stop_strings(cls, stop: str | list[str] | None) -> list[str]:
-        strings = [stop] if isinstance(stop, str) else list(stop or [])
+    def _stop_strings(cls, stop: Any) -> list[str]:
+        strings = [stop] if isinstance(stop, str) else [] if stop is None else stop
+        if not isinstance(strings, list) or not all(isinstance(s, str) for s in strings):
+            raise ValueError("stop must be a string or a list of strings")
         if len(strings) > MAX_STOP_STRINGS:
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop sequences are allowed, got {len(strings)}")
         if any(s == "" for s in strings):
@@ -82,7 +131,7 @@ class _SamplingRequest(_Request):
 
     @property
     def include_usage(self) -> bool:
-        return self.stream_options is not None and self.stream_options.include_usage
+        return self.stream_options is not None and bool(self.stream_options.include_usage)
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self):
@@ -95,7 +144,7 @@ class CompletionRequest(_SamplingRequest):
     """``prompt``: a string or a list of token ids (one prompt; a batch of prompts is refused)."""
 
     prompt: Any
-    echo: bool = False
+    echo: bool | None = False
     logprobs: int | None = None
     best_of: int | None = None
     suffix: str | None = None
@@ -115,35 +164,36 @@ class CompletionRequest(_SamplingRequest):
         raise ValueError("prompt must be a string or a list of integer token ids")
 
 
-class TextContentPart(_Request):
-    type: Literal["text"]
-    text: str
-
-
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[dict[str, Any]] | None = None
+    content: Any = None  # a string, a list of text parts, or null (checked by hand, as ``stop``)
     name: str | None = None
 
     @field_validator("content")
     @classmethod
-    def _text_only(cls, content: str | list[dict] | None) -> str:
+    def _text_only(cls, content: Any) -> str:
+        """The message's text: a string, or the text parts joined (``{"type": "text", "text": str}``)."""
         if content is None:
             return ""
         if isinstance(content, str):
             return content
-        parts = []
+        if not isinstance(content, list):
+            raise ValueError("content must be a string, a list of content parts or null")
+        texts = []
         for part in content:
-            if part.get("type") != "text":
-                raise ValueError(f"only text content parts are supported, got type {part.get('type')!r}")
-            parts.append(TextContentPart.model_validate(part).text)
-        return "".join(parts)
+            if not isinstance(part, dict) or part.get("type") != "text":
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise ValueError(f"only text content parts are supported, got type {kind!r}")
+            if set(part) != {"type", "text"} or not isinstance(part["text"], str):
+                raise ValueError('a text content part is {"type": "text", "text": <string>}')
+            texts.append(part["text"])
+        return "".join(texts)
 
 
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool = False
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_COUNT)
+    logprobs: bool | None = False
     top_logprobs: int | None = None
     response_format: dict[str, Any] | None = None
 

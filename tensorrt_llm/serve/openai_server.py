@@ -2,12 +2,19 @@
 
 Request path::
 
-    RequestGuard (401 / 413, before any parsing) -> FastAPI (pydantic: 400 on bad fields)
+    EdgeProtocol (http_server: framing 400, head 408 / 431, connections 503)
+      -> RequestGuard (head 431, key 401, body 408 / 413, before any parsing)
+      -> FastAPI (pydantic, strict: 400 on bad fields)
       -> handler: model check (404), prompt -> token ids (text through the tokenizer, on a
-         worker thread), sampling params, LLM.generate_async (executor validation: 400;
-         dead or shut down executor: 503)
+         worker thread), sampling params, admission (executor unhealthy or its queue at
+         ``max_queue_size``: 503 with Retry-After), LLM.generate_async (executor
+         validation: 400; dead or shut down executor: 503)
       -> Generation.deltas() on the event loop -> one JSON response, or SSE chunks ending
          in ``data: [DONE]``
+
+Admission fails fast rather than queueing: a load balancer in front of several replicas
+reads a 503 with ``Retry-After`` as "send it elsewhere", where a request queued behind a
+stalled loop would only time out.
 
 Nothing on the event loop waits on the executor thread: responses cross with
 ``call_soon_threadsafe`` (see ``RequestOutputHandle``). A client that disconnects has its
@@ -24,6 +31,7 @@ import importlib.metadata
 import json
 import logging
 import re
+import reprlib
 import time
 from typing import AsyncIterator, Callable
 
@@ -39,7 +47,7 @@ from tensorrt_llm.llmapi import LLM, SamplingParams
 from tensorrt_llm.serve.errors import OpenAIError, bad_request, error_body
 from tensorrt_llm.serve.generation import Delta, Generation, GenerationFailed
 from tensorrt_llm.serve.metrics import ServerMetrics
-from tensorrt_llm.serve.middleware import MAX_BODY_BYTES, RequestGuard
+from tensorrt_llm.serve.middleware import RequestGuard
 from tensorrt_llm.serve.openai_protocol import (
     ChatCompletionChoice,
     ChatCompletionMessage,
@@ -57,10 +65,13 @@ from tensorrt_llm.serve.openai_protocol import (
     chat_completion_id,
     completion_id,
 )
+from tensorrt_llm.serve.server_config import ServerConfig
 
 logger = logging.getLogger(__name__)
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+RETRY_AFTER_QUEUE_FULL_S = 1  # the queue drains by a request an iteration: come back soon (or elsewhere)
+RETRY_AFTER_UNHEALTHY_S = 10  # a stalled loop may recover; a dead one will not: go elsewhere
 _REQUEST_PREFIX = re.compile(r"^request \d+: ")  # the executor's internal id means nothing to a client
 
 
@@ -72,10 +83,14 @@ def _version() -> str:
 
 
 class OpenAIServer:
-    """Build with an LLM; serve ``server.app`` with any ASGI server. The app owns the LLM: it
-    shuts it down when the app shuts down."""
+    """Build with an LLM and the front's settings; serve ``server.app`` (with
+    ``http_server.uvicorn_config`` for the edge limits). The app owns the LLM: it shuts it down
+    when the app shuts down. ``api_key`` is short for ``ServerConfig(api_key=...)``."""
 
-    def __init__(self, llm: LLM, *, api_key: str | None = None, max_body_bytes: int = MAX_BODY_BYTES) -> None:
+    def __init__(self, llm: LLM, config: ServerConfig | None = None, *, api_key: str | None = None) -> None:
+        if config is not None and api_key is not None:
+            raise TypeError("give the API key in config or as api_key, not both")
+        self.config = config = config if config is not None else ServerConfig(api_key=api_key)
         self.llm = llm
         self.executor = llm.executor
         self.model_id: str = llm.model_id
@@ -95,7 +110,7 @@ class OpenAIServer:
         app.get("/metrics")(self.iteration_metrics)
         app.get("/prometheus/metrics")(self.prometheus_metrics)
         app.get("/version")(self.get_version)
-        self.app = RequestGuard(app, api_key=api_key, max_body_bytes=max_body_bytes)
+        self.app = RequestGuard(app, config)
 
     @contextlib.asynccontextmanager
     async def _lifespan(self, app: FastAPI):
@@ -182,19 +197,22 @@ class OpenAIServer:
         if model != self.model_id:
             raise OpenAIError(404, f"the model {model!r} does not exist; this server serves {self.model_id!r}", "model")
 
-    async def _encode_prompt(self, prompt: str | list[int]) -> list[int]:
+    async def _encode_prompt(self, prompt: str | list[int], param: str = "prompt") -> list[int]:
         if isinstance(prompt, list):
             if not prompt:
-                raise bad_request("the prompt is empty", "prompt")
+                raise bad_request("the prompt is empty", param)
             return prompt  # range-checked against the vocabulary by the executor's validation
         if self.tokenizer is None:
             raise bad_request(f"model {self.model_id!r} has no tokenizer: send the prompt as a list of token ids",
-                              "prompt")
+                              param)
         if not prompt:
-            raise bad_request("the prompt is empty", "prompt")
-        token_ids = await asyncio.to_thread(self.tokenizer.encode, prompt)  # long texts take a while
+            raise bad_request("the prompt is empty", param)
+        try:
+            token_ids = await asyncio.to_thread(self.tokenizer.encode, prompt)  # long texts take a while
+        except ValueError as error:  # text the tokenizer cannot take (the edge refuses what it knows of)
+            raise bad_request(f"{param}: {error}", param) from None
         if not token_ids:
-            raise bad_request("the prompt encodes to no tokens", "prompt")
+            raise bad_request("the prompt encodes to no tokens", param)
         return token_ids
 
     async def _render_chat(self, body: ChatCompletionRequest) -> list[int]:
@@ -206,7 +224,7 @@ class OpenAIServer:
             text = await asyncio.to_thread(self.tokenizer.apply_chat_template, messages, add_generation_prompt=True)
         except ValueError as error:  # a conversation the template refuses (e.g. roles out of order)
             raise bad_request(str(error), "messages") from None
-        return await self._encode_prompt(text)
+        return await self._encode_prompt(text, "messages")
 
     def _submit(self, body: CompletionRequest | ChatCompletionRequest, prompt_ids: list[int],
                 max_tokens: int) -> Generation:
@@ -217,17 +235,35 @@ class OpenAIServer:
             temperature=1.0 if body.temperature is None else body.temperature,
             top_p=1.0 if body.top_p is None else body.top_p,
             seed=body.seed,
-            ignore_eos=body.ignore_eos,
+            ignore_eos=bool(body.ignore_eos),
         )
+        self._admit()  # no await from here to the enqueue: the queue bound holds exactly
         metrics = self.metrics.request()
         try:
             handle = self.llm.generate_async(prompt_ids, params)
         except ExecutorShutdown as error:
-            raise OpenAIError(503, f"the server cannot take requests: {error}") from None
+            raise self._reject("unhealthy", f"the server cannot take requests: {error}", RETRY_AFTER_UNHEALTHY_S) from None
         except ValueError as error:  # InvalidRequestError included: the executor could never serve it
             raise bad_request(_REQUEST_PREFIX.sub("", str(error))) from None
         return Generation(handle, has_text=self.tokenizer is not None, stop_strings=body.stop_strings,
                           metrics=metrics)
+
+    def _admit(self) -> None:
+        """Refuse (503, Retry-After) instead of queueing behind an executor that is unhealthy
+        (its loop stalled past ``health_check_timeout_s``, died or shut down: what ``/health``
+        reports) or whose waiting requests have reached ``max_queue_size``."""
+        report = self.executor.health()
+        if not report["healthy"]:
+            raise self._reject("unhealthy", f"the server cannot take requests: {report['reason']}",
+                               RETRY_AFTER_UNHEALTHY_S)
+        limit = self.config.max_queue_size
+        if limit is not None and (waiting := self.metrics.load().waiting) >= limit:
+            raise self._reject("queue_full", f"the server cannot take requests: {waiting} are waiting"
+                                             f" (max_queue_size={limit})", RETRY_AFTER_QUEUE_FULL_S)
+
+    def _reject(self, reason: str, message: str, retry_after_s: int) -> OpenAIError:
+        self.metrics.rejected(reason)
+        return OpenAIError(503, message, headers={"Retry-After": str(retry_after_s)})
 
     @staticmethod
     def _usage(generation: Generation) -> UsageInfo:
@@ -260,6 +296,10 @@ class OpenAIServer:
                     yield _sse(usage_chunk(self._usage(generation)).model_dump_json())
             except GenerationFailed as error:
                 yield _sse(json.dumps(error_body(error.status, error.message)))
+            except Exception as error:  # noqa: BLE001 - a bug: the stream still ends, with the error
+                logger.exception("request %d: the stream failed", generation.handle.request_id)
+                generation.abort()
+                yield _sse(json.dumps(error_body(500, f"internal error: {type(error).__name__}: {error}")))
             finally:
                 watcher.cancel()
             yield _sse("[DONE]")
@@ -267,19 +307,28 @@ class OpenAIServer:
         return StreamingResponse(events(), media_type="text/event-stream")
 
     # ------------------------------------------------------------------------------ errors
+    # Each refusal logs one line; an unexpected error is logged once, with its traceback, by
+    # RequestGuard (starlette re-raises it after this handler's answer).
     async def _on_openai_error(self, request: Request, error: OpenAIError) -> JSONResponse:
+        _log_refusal(request, error.status, error.message)
         return error.response()
 
     async def _on_validation_error(self, request: Request, error: RequestValidationError) -> JSONResponse:
         message, param = _describe_validation_error(error.errors())
+        _log_refusal(request, 400, message)
         return JSONResponse(error_body(400, message, param), status_code=400)
 
     async def _on_http_error(self, request: Request, error: StarletteHTTPException) -> JSONResponse:
-        return JSONResponse(error_body(error.status_code, str(error.detail)), status_code=error.status_code)
+        _log_refusal(request, error.status_code, str(error.detail))
+        return JSONResponse(error_body(error.status_code, str(error.detail)), status_code=error.status_code,
+                            headers=error.headers)
 
     async def _on_unexpected_error(self, request: Request, error: Exception) -> JSONResponse:
-        logger.exception("unhandled error serving %s %s", request.method, request.url.path)
         return JSONResponse(error_body(500, f"internal error: {type(error).__name__}: {error}"), status_code=500)
+
+
+def _log_refusal(request: Request, status: int, message: str) -> None:
+    logger.info("refused %s %s: %d %.300s", request.method, request.url.path, status, message)
 
 
 def _sse(data: str) -> str:
@@ -316,4 +365,14 @@ def _describe_validation_error(errors) -> tuple[str, str | None]:
         return msg, param
     if param is None:
         return f"invalid request body: {msg}", None
-    return f"{param}: {msg} (got {first.get('input')!r:.100})", param
+    return f"{param}: {msg} (got {_short_repr(first.get('input'))})", param
+
+
+_REPR = reprlib.Repr()
+_REPR.maxstring = _REPR.maxother = 100
+_REPR.maxlevel = 3
+
+
+def _short_repr(value) -> str:
+    """``repr`` bounded in length and depth (an input may be a 16 MiB list, or nested 1000 deep)."""
+    return _REPR.repr(value)

@@ -122,9 +122,9 @@ class DeferReason(enum.Enum):
     CAPACITY = "capacity"  # its KV blocks could not be had at allocation time
 
 
-#: Below this temperature sampling is greedy, as vLLM has it (its ``_SAMPLING_EPS``): dividing logits
-#: by a temperature this small only sharpens the distribution onto its argmax, and a subnormal one
-#: (``5e-324``) would overflow them to inf.
+#: Below this temperature sampling is greedy, as vLLM's ``_SAMPLING_EPS`` made it (newer vLLM raises
+#: 0 < t < 0.01 to 0.01 instead): dividing logits by a temperature this small only sharpens the
+#: distribution onto its argmax. The sampler stays finite below it too (see ``TorchSampler``).
 GREEDY_BELOW_TEMPERATURE = 1e-5
 #: Seeds are unsigned 64-bit, as upstream's ``random_seed``: [0, SEED_LIMIT).
 SEED_LIMIT = 2**64

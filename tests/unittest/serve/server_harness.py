@@ -2,11 +2,14 @@
 
 ``RunningServer`` runs uvicorn in a background thread of the test process, so a test can
 drive it over HTTP with the ``openai`` client and also look inside the executor (KV pool,
-kill hook). Stopping it runs the app's shutdown, which shuts the LLM down.
+kill hook). uvicorn is configured by ``http_server.uvicorn_config``, as ``trtllm-serve`` is, so
+the tests go through the real edge (timeouts, size limits, JSON error answers). Stopping it
+runs the app's shutdown, which shuts the LLM down.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 
@@ -15,18 +18,23 @@ import openai
 import uvicorn
 
 from tensorrt_llm.llmapi import LLM
+from tensorrt_llm.serve.http_server import uvicorn_config
 from tensorrt_llm.serve.openai_server import OpenAIServer
+from tensorrt_llm.serve.server_config import ServerConfig
 
 API_KEY = "test-key"
 
 
 class RunningServer:
-    def __init__(self, llm: LLM, *, api_key: str | None = API_KEY) -> None:
+    """``config``: the front's settings (host and port are always 127.0.0.1 and a free port);
+    ``api_key`` overrides its key (the default one, unless None is given)."""
+
+    def __init__(self, llm: LLM, *, api_key: str | None = API_KEY, config: ServerConfig | None = None) -> None:
         self.llm = llm
         self.api_key = api_key
-        self.server = OpenAIServer(llm, api_key=api_key)
-        config = uvicorn.Config(self.server.app, host="127.0.0.1", port=0, log_level="warning")
-        self._uvicorn = uvicorn.Server(config)
+        self.config = dataclasses.replace(config or ServerConfig(), host="127.0.0.1", port=0, api_key=api_key)
+        self.server = OpenAIServer(llm, self.config)
+        self._uvicorn = uvicorn.Server(uvicorn_config(self.server.app, self.config, log_level="warning"))
         self._thread = threading.Thread(target=self._uvicorn.run, name="uvicorn", daemon=True)
         self._thread.start()
         deadline = time.monotonic() + 60
@@ -34,8 +42,8 @@ class RunningServer:
             if not self._thread.is_alive() or time.monotonic() > deadline:
                 raise RuntimeError("the test server did not start")
             time.sleep(0.01)
-        port = self._uvicorn.servers[0].sockets[0].getsockname()[1]
-        self.url = f"http://127.0.0.1:{port}"
+        self.port = self._uvicorn.servers[0].sockets[0].getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
 
     @property
     def executor(self):
@@ -45,6 +53,10 @@ class RunningServer:
     def model(self) -> str:
         return self.llm.model_id
 
+    @property
+    def auth_headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
     def client(self, **kwargs) -> openai.OpenAI:
         return openai.OpenAI(base_url=f"{self.url}/v1", api_key=self.api_key or "none", max_retries=0,
                              timeout=60, **kwargs)
@@ -53,8 +65,7 @@ class RunningServer:
         return openai.AsyncOpenAI(base_url=f"{self.url}/v1", api_key=self.api_key or "none", max_retries=0, timeout=60)
 
     def http(self) -> httpx.Client:
-        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-        return httpx.Client(base_url=self.url, headers=headers, timeout=60)
+        return httpx.Client(base_url=self.url, headers=self.auth_headers, timeout=60)
 
     def wait_idle(self, timeout: float = 30.0) -> None:
         """Until the executor holds no request (bounded)."""

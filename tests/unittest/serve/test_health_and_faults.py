@@ -4,7 +4,8 @@
   /v1/models stays 200, in-flight requests end with an error instead of hanging, new ones get 503.
 - Fault injection (forward errors, NaN logits, slow forwards): every request ends with output
   or an error, NaN logits fail only their request, /health is 503 while a forward stalls
-  past health_check_timeout_s and 200 otherwise, with the failed batches in its body.
+  past health_check_timeout_s and 200 otherwise, with the failed batches in its body; a
+  request that arrives during such a stall is refused (503, Retry-After) rather than queued.
 - After shutdown /health is 503.
 """
 
@@ -27,6 +28,10 @@ NO_HANG_S = 120  # every request of a test must end well within this
 
 def prompt_of(length: int, seed: int) -> list[int]:
     return [1 + (seed * 97 + i * 41) % 500 for i in range(length)]
+
+
+def failure_kind(error: openai.APIError) -> str:
+    return "nan" if "NaN" in error.message else "forward" if "fault injection" in error.message else error.message
 
 
 def test_dead_executor_loop_is_unhealthy_and_fails_in_flight_requests(one_torch_thread):
@@ -84,9 +89,14 @@ def test_fault_injection_every_request_ends_and_health_tells_the_truth(one_torch
                 else:
                     finish = (await client.completions.create(**kwargs)).choices[0].finish_reason
                 outcomes[f"completed:{finish}"] += 1
-            except openai.APIError as error:
-                kind = "nan" if "NaN" in error.message else "forward" if "fault injection" in error.message else error.message
-                outcomes[f"failed:{kind}"] += 1
+            except openai.APIStatusError as error:
+                if error.status_code == 503:  # arrived during a stall: refused at admission
+                    assert error.response.headers["retry-after"] and "has not finished an iteration" in error.message
+                    outcomes["rejected:unhealthy"] += 1
+                else:
+                    outcomes[f"failed:{failure_kind(error)}"] += 1
+            except openai.APIError as error:  # a streamed request's error event
+                outcomes[f"failed:{failure_kind(error)}"] += 1
 
         async def watch_health(done: asyncio.Event) -> None:
             async with httpx.AsyncClient(base_url=server.url) as http:
@@ -112,7 +122,7 @@ def test_fault_injection_every_request_ends_and_health_tells_the_truth(one_torch
         assert outcomes["completed:length"] > 0 and outcomes["failed:nan"] > 0
         # a failed forward's requests start over once (max_forward_retries=1); forwards fail 23
         # apart and a request here lives fewer forwards than that, so none fails twice
-        assert set(outcomes) <= {"completed:length", "failed:nan"}, outcomes
+        assert set(outcomes) <= {"completed:length", "failed:nan", "rejected:unhealthy"}, outcomes
         assert sum(s.num_retried_requests for s in server.executor.iteration_stats) > 0
         assert outcomes["failed:nan"] == injected["nan_logits"]  # a NaN fails its request alone
         assert all(injected[kind] > 0 for kind in FAULT_KINDS)
@@ -124,7 +134,9 @@ def test_fault_injection_every_request_ends_and_health_tells_the_truth(one_torch
         assert health.json()["failed_batches"] == injected["forward_error"]  # ... but they show
         metrics = httpx.get(f"{server.url}/prometheus/metrics").text
         assert f'trtllm_faults_injected_total{{kind="nan_logits"}} {float(injected["nan_logits"])}' in metrics
-        assert f'trtllm_request_success_total{{finished_reason="error"}} {float(num_requests - outcomes["completed:length"])}' in metrics
+        admitted = num_requests - outcomes["rejected:unhealthy"]
+        assert f'trtllm_request_success_total{{finished_reason="error"}} {float(admitted - outcomes["completed:length"])}' in metrics
+        assert f'trtllm_requests_rejected_total{{reason="unhealthy"}} {float(outcomes["rejected:unhealthy"])}' in metrics
         kv = server.executor.kv_cache_manager
         kv.check_integrity()
         assert kv.pool.num_free + kv.pool.num_cached == kv.pool.num_blocks
