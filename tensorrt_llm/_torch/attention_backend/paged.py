@@ -40,6 +40,7 @@ import numpy as np
 import torch
 
 from tensorrt_llm._torch.attention_backend.kernels import context_attention, decode_attention
+from tensorrt_llm._torch.attention_backend.staging import PinnedStaging
 
 __all__ = ["ContextBatch", "DecodeBatch", "PagedAttentionPlan", "PagedLayerKV", "build_plan", "host_to_device", "num_sms"]
 
@@ -159,12 +160,14 @@ def decode_num_splits(num_seqs: int, num_kv_heads: int, device: torch.device, ma
     return splits
 
 
-def host_to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    """Host array -> device tensor without blocking the host (through pinned memory on CUDA)."""
-    tensor = torch.from_numpy(array)
+def host_to_device(array: np.ndarray, device: torch.device, staging: PinnedStaging | None = None) -> torch.Tensor:
+    """Host array -> device tensor without blocking the host (through pinned memory on CUDA:
+    ``staging``'s persistent buffers inside its ``step()``, else a pinned copy of the array)."""
     if device.type == "cuda":
-        return tensor.pin_memory().to(device, non_blocking=True)
-    return tensor.to(device)
+        if staging is not None:
+            return staging.to_device(array)
+        return torch.from_numpy(array).pin_memory().to(device, non_blocking=True)
+    return torch.from_numpy(array).to(device)
 
 
 def decode_tables(block_tables: Sequence[Sequence[int]], width: int | None = None) -> np.ndarray:
@@ -186,12 +189,15 @@ def build_plan(
     num_blocks: int,
     num_kv_heads: int,
     device: torch.device | str,
+    staging: PinnedStaging | None = None,
 ) -> PagedAttentionPlan:
     """The plan of one flat forward (request ``r`` owns the next ``num_new_tokens[r]`` rows).
 
     Checks what a wrong table would silently corrupt on a GPU: every table covers its
     positions, names blocks in ``[0, num_blocks)``, and no two new tokens share a slot.
-    Raises ValueError naming the request otherwise.
+    Raises ValueError naming the request otherwise, before anything is copied to the device.
+    ``staging``: on CUDA, the engine's pinned buffers (inside its ``step()``) the index
+    arrays travel through; without it each is pinned on its own.
     """
     device = torch.device(device)
     tpb = tokens_per_block
@@ -227,22 +233,22 @@ def build_plan(
 
     is_ctx = new >= 2
     is_dec = new == 1
-    context = _context_batch(np.flatnonzero(is_ctx), new, cached, starts, tables, tpb, device)
+    context = _context_batch(np.flatnonzero(is_ctx), new, cached, starts, tables, tpb, device, staging)
     decode = None
     if is_dec.any():
         dec = np.flatnonzero(is_dec)
         decode = DecodeBatch(
-            rows=host_to_device(starts[dec], device),
-            block_tables=host_to_device(np.ascontiguousarray(tables[dec]), device),
-            seq_lens=host_to_device((cached[dec] + 1).astype(np.int32), device),
+            rows=host_to_device(starts[dec], device, staging),
+            block_tables=host_to_device(np.ascontiguousarray(tables[dec]), device, staging),
+            seq_lens=host_to_device((cached[dec] + 1).astype(np.int32), device, staging),
             num_splits=decode_num_splits(len(dec), num_kv_heads, device),
         )
-    return PagedAttentionPlan(tpb, total, host_to_device(new_slots, device), context, decode)
+    return PagedAttentionPlan(tpb, total, host_to_device(new_slots, device, staging), context, decode)
 
 
 def _context_batch(
     ctx: np.ndarray, new: np.ndarray, cached: np.ndarray, starts: np.ndarray, tables: np.ndarray, tpb: int,
-    device: torch.device,
+    device: torch.device, staging: PinnedStaging | None,
 ) -> ContextBatch | None:
     if ctx.size == 0:
         return None
@@ -256,12 +262,14 @@ def _context_batch(
         owner = np.repeat(np.arange(ctx.size), k_lens)  # (sum k_lens,)
         k_starts = np.concatenate(([0], np.cumsum(k_lens)))
         position = np.arange(int(k_starts[-1])) - k_starts[owner]
-        kv_slots = host_to_device(tables[ctx[owner], position // tpb].astype(np.int64) * tpb + position % tpb, device)
+        kv_slots = host_to_device(
+            tables[ctx[owner], position // tpb].astype(np.int64) * tpb + position % tpb, device, staging
+        )
     return ContextBatch(
-        rows=None if in_order else host_to_device(rows, device),
+        rows=None if in_order else host_to_device(rows, device, staging),
         num_tokens=num_tokens,
-        cu_seqlens_q=host_to_device(np.concatenate(([0], np.cumsum(q_lens))).astype(np.int32), device),
-        cu_seqlens_k=host_to_device(np.concatenate(([0], np.cumsum(k_lens))).astype(np.int32), device),
+        cu_seqlens_q=host_to_device(np.concatenate(([0], np.cumsum(q_lens))).astype(np.int32), device, staging),
+        cu_seqlens_k=host_to_device(np.concatenate(([0], np.cumsum(k_lens))).astype(np.int32), device, staging),
         q_lens=tuple(int(x) for x in q_lens),
         k_lens=tuple(int(x) for x in k_lens),
         kv_slots=kv_slots,

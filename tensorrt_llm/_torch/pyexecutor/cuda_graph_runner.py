@@ -10,8 +10,9 @@ A graph replays fixed addresses and shapes, so each batch size gets static buffe
     rows                    (B,) int64      0..B-1, constant
     -> logits (B, vocab), tokens (B,) int64 (greedy pick, on the device)
 
-Each step copies its values in (three small host-to-device copies of only the table columns
-in use; stale columns past a sequence's length are never read) and replays. A batch of ``n <
+Each step copies its values in (three small host-to-device copies, through the engine's
+persistent pinned buffers, ``attention_backend.staging``; of the tables only the columns in
+use: stale columns past a sequence's length are never read) and replays. A batch of ``n <
 B`` requests is padded: rows ``n..B-1`` decode token 0 at position 0 into the storage's scratch
 block, which no request holds, so padding never touches real KV; their outputs are dropped.
 The attention plan's split count depends on ``B`` only, so the graph is valid for any lengths.
@@ -32,6 +33,7 @@ import numpy as np
 import torch
 
 from tensorrt_llm._torch.attention_backend.paged import DecodeBatch, PagedAttentionPlan, decode_num_splits
+from tensorrt_llm._torch.attention_backend.staging import PinnedStaging
 from tensorrt_llm._torch.models.modeling_llama import LlamaForCausalLM
 from tensorrt_llm._torch.pyexecutor.kv_storage import KVCacheStorage
 
@@ -75,6 +77,7 @@ class CudaGraphRunner:
         batch_sizes: Sequence[int],
         enable_padding: bool,
         max_seq_len: int,
+        staging: PinnedStaging,
     ) -> None:
         if not storage.num_scratch_blocks:
             raise ValueError("CUDA graphs need a scratch block in the KV storage for padding rows")
@@ -86,6 +89,7 @@ class CudaGraphRunner:
         self.max_blocks = -(-max_seq_len // tokens_per_block)
         self.scratch_block = storage.scratch_block_ids[0]
         self.device = model.device
+        self.staging = staging  # the engine's pinned buffers: replay() runs inside its step()
         self._graphs: dict[int, _DecodeGraph] = {}
         self._pool = None
         self.num_replays = 0
@@ -129,14 +133,16 @@ class CudaGraphRunner:
     def replay(self, step: "_Step", fill: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Copy the step in and replay (capturing the size first if needed); returns device views
         (logits (n, vocab), tokens (n,)) valid until the next replay of that size. ``fill``:
-        (rows, tokens) on the device written over the step's ids (overlap: tokens still in flight)."""
+        (rows, tokens) on the device written over the step's ids (overlap: tokens still in flight).
+        Called inside the staging's ``step()``."""
         g = self._graphs.get(step.size) or self._capture(step.size)
         used = step.tables.shape[1]
-        g.longs.copy_(torch.from_numpy(step.longs).pin_memory(), non_blocking=True)
+        staging = self.staging
+        staging.copy_to(g.longs, step.longs)
         if fill is not None:
             g.longs[0].index_copy_(0, *fill)
-        g.seq_lens.copy_(torch.from_numpy(step.seq_lens).pin_memory(), non_blocking=True)
-        g.tables[:, :used].copy_(torch.from_numpy(step.tables).pin_memory(), non_blocking=True)
+        staging.copy_to(g.seq_lens, step.seq_lens)
+        staging.copy_to(g.tables[:, :used], step.tables)  # a strided destination: torch goes through a device buffer
         g.graph.replay()
         self.num_replays += 1
         return g.logits[: step.num_requests], g.tokens[: step.num_requests]

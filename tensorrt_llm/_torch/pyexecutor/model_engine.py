@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from tensorrt_llm._torch.attention_backend.paged import PagedAttentionPlan, build_plan, host_to_device
+from tensorrt_llm._torch.attention_backend.staging import PinnedStaging
 from tensorrt_llm._torch.models.modeling_llama import AttentionMetadata, LlamaForCausalLM
 from tensorrt_llm._torch.pyexecutor.config import CudaGraphConfig
 from tensorrt_llm._torch.pyexecutor.cuda_graph_runner import CudaGraphRunner
@@ -298,9 +299,11 @@ class TorchModelEngine(ModelEngine):
     rows and their greedy pick, then a copy of the picked tokens to pinned host memory, and
     returns a :class:`PendingForward` without waiting for the GPU; ``result()`` waits for that
     copy alone. A decode batch (every request computes one token) replays a CUDA graph when
-    ``cuda_graph_config`` allows (see ``cuda_graph_runner``). The forward waits on the device,
-    never on the host, for the KV storage's host-tier copies issued before it
-    (``KVCacheStorage.before_compute``).
+    ``cuda_graph_config`` allows (see ``cuda_graph_runner``). A launch's inputs travel through
+    persistent pinned buffers (``attention_backend.staging``), and the forward waits on the
+    device, never on the host, for the KV storage's host-tier copies issued before it
+    (``KVCacheStorage.before_compute``; ``benchmarks/results/h200/serving/sync_audit.md`` lists
+    every point where the step path waits for the device, and why).
 
     ``time_forwards``: on CUDA, each ``PendingForward`` also carries the device time of its
     forward (from its first kernel, after the host has prepared the inputs, to the greedy pick):
@@ -331,6 +334,8 @@ class TorchModelEngine(ModelEngine):
         self.graph_runner: CudaGraphRunner | None = None
         # The previous CUDA launch's picks, on the device: request id -> row, and the tokens.
         self._device_picks: tuple[dict[int, int], torch.Tensor] | None = None
+        # Every host array a CUDA launch ships goes through these pinned buffers (one per launch, in turn).
+        self._staging = PinnedStaging(self.device) if self.device.type == "cuda" else None
         if self.device.type == "cuda" and cuda_graph_config is not None:
             self.graph_runner = CudaGraphRunner(
                 model,
@@ -339,6 +344,7 @@ class TorchModelEngine(ModelEngine):
                 batch_sizes=cuda_graph_config.resolve_batch_sizes(max_batch_size or 1),
                 enable_padding=cuda_graph_config.enable_padding,
                 max_seq_len=max_seq_len or model.config.max_position_embeddings,
+                staging=self._staging,
             )
 
     @property
@@ -399,16 +405,17 @@ class TorchModelEngine(ModelEngine):
         Raises ValueError, before anything is enqueued, for token ids outside the vocabulary
         or positions past the model's (the device forward does not check them). In-flight
         inputs (overlap) take the previous launch's picks on the device, never via the host.
-        The forward waits on the device for the KV storage's pending host-tier copies.
+        The host does not wait for the device here: the inputs are copied from pinned buffers,
+        and the forward waits on the device for the KV storage's pending host-tier copies (the
+        exceptions, a graph captured at first use and a staging buffer still in use, are listed
+        in ``benchmarks/results/h200/serving/sync_audit.md``).
         """
         if self.device.type == "cpu":
             return PendingForward.ready(self._run_cpu(inputs))
         ids = np.asarray(inputs.input_ids, dtype=np.int64)
-        fill = None
-        if inputs.in_flight:
-            slots = [flat for flat, _ in inputs.in_flight]
-            ids[slots] = 0
-            fill = self._in_flight_fill(inputs, slots)
+        slots = [flat for flat, _ in inputs.in_flight]
+        if slots:
+            ids[slots] = 0  # the previous launch's picks are written over them on the device
         positions = np.asarray(inputs.position_ids, dtype=np.int64)
         config = self.model.config
         if ids.size and (ids.min() < 0 or ids.max() >= config.vocab_size):
@@ -428,19 +435,21 @@ class TorchModelEngine(ModelEngine):
             size = self.graph_runner.graph_size(inputs.num_new_tokens, inputs.num_cached_tokens)
         storage = self.kv_cache_manager.storage
         start = None
-        if size is not None:
-            # A decode batch: every request samples, its one row in order.
-            step = self.graph_runner.prepare(size, ids, inputs.num_cached_tokens, inputs.block_tables)
-            storage.before_compute(inputs.block_tables)  # before the first kernel that touches the pools
-            if self.time_forwards:
-                start = _record_event()
-            logits, tokens = self.graph_runner.replay(step, fill)
-        else:
-            plan = self._plan(inputs)
-            storage.before_compute(inputs.block_tables)
-            if self.time_forwards:
-                start = _record_event()
-            logits, tokens = self._forward_eager(plan, ids, positions, rows, fill)
+        with self._staging.step():
+            fill = self._in_flight_fill(inputs, slots) if slots else None
+            if size is not None:
+                # A decode batch: every request samples, its one row in order.
+                step = self.graph_runner.prepare(size, ids, inputs.num_cached_tokens, inputs.block_tables)
+                storage.before_compute(inputs.block_tables)  # before the first kernel that touches the pools
+                if self.time_forwards:
+                    start = _record_event()
+                logits, tokens = self.graph_runner.replay(step, fill)
+            else:
+                plan = self._plan(inputs)
+                storage.before_compute(inputs.block_tables)
+                if self.time_forwards:
+                    start = _record_event()
+                logits, tokens = self._forward_eager(plan, ids, positions, rows, fill)
         self._device_picks = (dict(zip(sampling, range(len(sampling)))), tokens)
         return PendingForward.launch(sampling, logits, tokens, start)
 
@@ -450,8 +459,12 @@ class TorchModelEngine(ModelEngine):
             raise RuntimeError("a forward has in-flight inputs but no forward was launched before it")
         index, tokens = self._device_picks
         rows = [index[inputs.requests[i].request_id] for _, i in inputs.in_flight]
-        picked = tokens.index_select(0, host_to_device(np.asarray(rows, dtype=np.int64), self.device))
-        return host_to_device(np.asarray(slots, dtype=np.int64), self.device), picked
+        picked = tokens.index_select(0, self._to_device(np.asarray(rows, dtype=np.int64)))
+        return self._to_device(np.asarray(slots, dtype=np.int64)), picked
+
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        """A host array on the device, through the launch's pinned buffer (inside ``_staging.step()``)."""
+        return host_to_device(array, self.device, self._staging)
 
     def _plan(self, inputs: TpInputs) -> PagedAttentionPlan:
         return build_plan(
@@ -462,22 +475,23 @@ class TorchModelEngine(ModelEngine):
             num_blocks=self.kv_cache_manager.num_blocks,
             num_kv_heads=self.model.num_local_kv_heads,
             device=self.device,
+            staging=self._staging,
         )
 
     def _forward_eager(self, plan: PagedAttentionPlan, ids: np.ndarray, positions: np.ndarray, rows: list[int], fill=None):
         storage = self.kv_cache_manager.storage
-        ids_device = host_to_device(ids, self.device)
+        ids_device = self._to_device(ids)
         if fill is not None:
             ids_device.index_copy_(0, *fill)
         hidden = self.model.forward_with_plan(
-            ids_device, host_to_device(positions, self.device), plan, storage.k_cache, storage.v_cache
+            ids_device, self._to_device(positions), plan, storage.k_cache, storage.v_cache
         )  # (T, hidden)
         if not rows:
             return hidden.new_empty((0, self.vocab_size)), torch.empty(0, dtype=torch.int64, device=self.device)
         if rows == list(range(len(rows))) and len(rows) == hidden.shape[0]:
             sampled = hidden  # every row samples (a decode batch)
         else:
-            sampled = hidden.index_select(0, host_to_device(np.asarray(rows, dtype=np.int64), self.device))
+            sampled = hidden.index_select(0, self._to_device(np.asarray(rows, dtype=np.int64)))
         logits = self.model.compute_logits(sampled)  # (rows, vocab)
         return logits, logits.argmax(dim=-1)
 

@@ -283,3 +283,32 @@ def test_host_tier_under_eviction_gives_the_cpu_tokens(graphs: bool, overlap: bo
     pool = executor.kv_cache_manager.pool
     assert pool.num_offloads > 0 and pool.num_onboards > 0, (pool.num_offloads, pool.num_onboards)
     assert [r.output_token_ids for r in requests] == cpu
+
+
+# ---- pinned staging of a launch's inputs ------------------------------------------------------------
+
+
+def test_pinned_staging_copies_arrays_and_never_rewrites_a_pending_buffer() -> None:
+    import numpy as np
+
+    from tensorrt_llm._torch.attention_backend.staging import PinnedStaging
+
+    staging = PinnedStaging(CUDA, capacity=1024)  # small: the third array makes it grow
+    arrays = [np.arange(10, dtype=np.int64), np.arange(12, dtype=np.int32).reshape(3, 4),
+              np.arange(500, dtype=np.int64), np.zeros((0,), dtype=np.int64)]
+    with staging.step():
+        torch.cuda._sleep(_SLEEP_CYCLES // 4)  # the copies below wait behind this on the stream
+        first = [staging.to_device(a) for a in arrays]
+        into = torch.full((3, 8), -1, dtype=torch.int32, device=CUDA)
+        staging.copy_to(into[:, :4], arrays[1])  # a strided destination
+    with staging.step():  # the other buffer
+        second = staging.to_device(arrays[0] + 100)
+    with staging.step():  # the first buffer again: its copies may still be pending, so it waits
+        third = staging.to_device(arrays[0] + 200)
+    assert staging.num_waits == 1
+    for array, tensor in zip(arrays, first):
+        assert tensor.device.type == "cuda" and tensor.shape == array.shape
+        assert torch.equal(tensor.cpu(), torch.from_numpy(array))
+    assert torch.equal(into[:, :4].cpu(), torch.from_numpy(arrays[1])) and bool((into[:, 4:] == -1).all())
+    assert torch.equal(second.cpu(), torch.from_numpy(arrays[0] + 100))
+    assert torch.equal(third.cpu(), torch.from_numpy(arrays[0] + 200))
