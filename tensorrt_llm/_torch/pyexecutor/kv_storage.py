@@ -32,17 +32,17 @@ manager evicts and onboards for forward n+1 while forward n runs::
   a ``copy_block`` since, waits for the compute stream's tail instead (forward n included). The
   executor frees no block of a forward in flight, so under overlap this is rare; without overlap
   forward n has completed by then and the wait costs nothing.
-* ``C``: recorded on the copy stream by the next :meth:`before_compute` (forward n+1's, or
-  ``copy_block``'s), which makes the compute stream wait for it: a slot whose offload is pending
+* ``C``: recorded on the copy stream by the next :meth:`before_compute` (forward n+1's) or
+  ``copy_block``, which then make the compute stream wait for it: a slot whose offload is pending
   is not overwritten, and an onboarded block is in place, before anything on the compute stream
-  touches the pools again. ``copy_block`` runs on the compute stream after the same wait.
+  touches the pools again.
 * The host tier is written only by offloads and read only by onboards, all on the copy stream,
   so they run in issue order: a host slot freed by an onboard can be handed to the next offload
   at once (its source is read before it is overwritten), and no host event is needed. The host
   itself never reads or writes the tier (:meth:`synchronize` first, for a test that does).
 
-So nothing here waits on the host, and the compute stream waits only for copies issued before
-the forward that needs them. Work on the compute stream that touches the pools other than
+So the host waits for nothing here, and the compute stream waits, on the device, only for the
+copies issued before the work that follows. Work on the compute stream that touches the pools other than
 through a forward (:meth:`before_compute` with its tables) or ``copy_block`` — a test writing a
 block — calls :meth:`before_compute` with no tables first; then the next copy waits for all of it.
 On the CPU every copy is a plain synchronous one.
