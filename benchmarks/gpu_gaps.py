@@ -24,7 +24,6 @@ import torch
 
 from benchmarks.gpu_phase_b import RecordedSettings, _kind
 from benchmarks.replay import TraceSpec, replay_trace
-from benchmarks.replay_settings import ReplaySettings
 from benchmarks.sim_engine import Engine
 
 # (object attribute holding the target, method name, label, nested in the phase listed before it);
@@ -114,8 +113,7 @@ def main(argv=None) -> int:
     spec = TraceSpec(num_requests=args.requests)
     trace = spec.load_for(vocab_size=32000, tokens_per_block=32)
     recorded: dict = {}
-    settings = TimelineSettings(engine="torch", model=args.model, device="cuda", recorded=recorded,
-                                kv_blocks=ReplaySettings().kv_blocks)
+    settings = TimelineSettings(engine="torch", model=args.model, device="cuda", recorded=recorded)
     replay_trace(trace, settings, [args.policy], spec=spec, progress=False)
     rows = gap_breakdown(recorded[args.policy], recorded["_host"][args.policy], args.top)
     for row in rows:

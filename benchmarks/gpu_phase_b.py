@@ -194,11 +194,11 @@ def replay_section(args, out_dir: Path, t0: float) -> dict:
     model_name = "tiny-random" if args.quick else args.model
     spec = TraceSpec(num_requests=args.requests, time_scale=args.time_scale)
     trace = spec.load_for(vocab_size=32000 if not args.quick else 500, tokens_per_block=32)
-    common = dict(max_num_tokens=args.max_num_tokens, kv_blocks=args.kv_blocks)
+    common = dict(max_num_tokens=args.max_num_tokens, kv_cache_config={"num_blocks": args.kv_blocks})
     recorded: dict = {}
     # the quick CPU check runs the overlap loop too (its default is off on the CPU)
-    gpu = RecordedSettings(engine="torch", model=model_name, device=device, recorded=recorded,
-                           disable_overlap_scheduler=False if args.quick else None, **common)
+    gpu = RecordedSettings.from_options(engine="torch", model=model_name, device=device, recorded=recorded,
+                                        disable_overlap_scheduler=False if args.quick else None, **common)
     policies = args.policies
     result: dict = {"trace": {"requests": len(trace), "time_scale": args.time_scale,
                               "prompt_tokens": sum(r.input_len for r in trace.requests),
@@ -209,13 +209,13 @@ def replay_section(args, out_dir: Path, t0: float) -> dict:
     (out_dir / "replay_gpu.json").write_text(json.dumps(gpu_run.to_json(), indent=2, default=str))
     result["gpu"] = {name: run.metrics for name, run in gpu_run.runs.items()}
     result["config"] = gpu_run.config
-    sim_run = replay_trace(trace, ReplaySettings(engine="sim", **common), policies, spec=spec, progress=False)
+    sim_run = replay_trace(trace, ReplaySettings.from_options(engine="sim", **common), policies, spec=spec, progress=False)
     (out_dir / "replay_sim.json").write_text(json.dumps(sim_run.to_json(), indent=2, default=str))
     result["sim"] = {name: run.metrics for name, run in sim_run.runs.items()}
     result["idle"] = {name: idle_fraction(forwards) for name, forwards in recorded.items()}
     if "recheck" in policies and time.perf_counter() - t0 < args.budget_s:
-        plain = RecordedSettings(engine="torch", model=model_name, device=device, recorded=recorded,
-                                 disable_overlap_scheduler=True, tag="no-overlap ", **common)
+        plain = RecordedSettings.from_options(engine="torch", model=model_name, device=device, recorded=recorded,
+                                              disable_overlap_scheduler=True, tag="no-overlap ", **common)
         start = time.perf_counter()
         plain_run = replay_trace(trace, plain, ["recheck"], spec=spec, progress=False)
         result["gpu_no_overlap"] = {"recheck": plain_run.runs["recheck"].metrics,
@@ -399,7 +399,7 @@ def main(argv=None) -> int:
     p.add_argument("--requests", type=int, default=150)
     p.add_argument("--time-scale", type=float, default=1.0)
     p.add_argument("--max-num-tokens", type=int, default=4096)
-    p.add_argument("--kv-blocks", type=int, default=ReplaySettings().kv_blocks)
+    p.add_argument("--kv-blocks", type=int, default=ReplaySettings().executor.kv_cache_config.num_blocks)
     p.add_argument("--policies", type=lambda s: s.split(","), default=["none", "fit", "recheck", "claim"])
     p.add_argument("--sections", type=lambda s: s.split(","), default=["decode", "replay"])
     p.add_argument("--decode-context", type=int, default=2048)

@@ -14,7 +14,6 @@ wall time of the whole iteration (what a simulated replay advances its clock by)
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from dataclasses import dataclass, field
 
@@ -97,7 +96,7 @@ def sim_vs_engine(model: LlamaForCausalLM, model_name: str, *, num_requests: int
     out = {
         "trace": {"requests": len(trace), "seed": seed, "prompt_tokens": sum(r.input_len for r in trace.requests),
                   "output_tokens": sum(r.output_len for r in trace.requests)},
-        "settings": {k: v for k, v in dataclasses.asdict(ReplaySettings()).items()},
+        "settings": ReplaySettings().options(),
         "policy": policy,
         "gpu_metrics": gpu_run.metrics,
         "sim_metrics": sim_run.metrics,

@@ -37,7 +37,7 @@ import argparse
 import json
 import math
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
@@ -45,18 +45,17 @@ from benchmarks import replay_ranks, replay_report
 from benchmarks.replay_diagnosis import MECHANISMS, Overshoot, classify_claim, diagnose_overshoot
 from benchmarks.replay_loop import PolicyRun, ReplayResult, replay_policy
 from benchmarks.replay_ranks import RankLayout, RanksJob, RanksResult, ranks_config, run_on_ranks
-from benchmarks.replay_settings import ReplaySettings, max_seq_len_for
+from benchmarks.replay_settings import SET_BY_THE_REPLAY, ReplaySettings, max_seq_len_for
 from benchmarks.scenario import ScenarioConfig, default_scenario
-from benchmarks.sim_engine import ENGINES
 from benchmarks.traces import Trace, load_trace
 from tensorrt_llm._torch.distributed.launcher import LaunchOptions
-from tensorrt_llm._torch.models.modeling_llama import MODEL_PRESETS
 from tensorrt_llm._torch.pyexecutor.config import TokenBudgetPolicyName
+from tensorrt_llm.llmapi.config_fields import add_arguments, from_mapping, overrides_from_args
 
 __all__ = [
     "DEFAULT_SCENARIO_REQUESTS", "KNOWN_POLICIES", "MECHANISMS", "POLICIES", "Overshoot", "PolicyRun", "ReplayResult",
     "ReplaySettings", "TraceSpec", "build_parser", "classify_claim", "diagnose_overshoot", "main", "max_seq_len_for",
-    "rank_layout", "replay_on_ranks", "replay_policy", "replay_trace", "run_replay", "settings_from_args",
+    "parse_args", "rank_layout", "replay_on_ranks", "replay_policy", "replay_trace", "run_replay", "settings_from_args",
 ]
 
 POLICIES = ("none", "trim", "fit", "recheck", "claim")  # DESIGN.md §5 set, plus claim-then-charge
@@ -72,20 +71,38 @@ DEFAULT_SCENARIO_REQUESTS = 700
 # ---------------------------------------------------------------------------------------
 
 
+TRACE_FORMATS = ("auto", "mooncake", "azure", "trtllm")
+
+
 @dataclass(frozen=True, slots=True)
 class TraceSpec:
-    """Where the requests come from and how they are re-timed."""
+    """Where the requests come from and how they are re-timed; the replay's trace flags are
+    generated from these fields (``path`` is ``--trace``)."""
 
-    path: str | None = None  # None: the built-in default scenario
-    format: str = "auto"
-    num_requests: int | None = None
-    seed: int = 0
-    qps: float | None = None
-    time_scale: float = 1.0
-    system_prompt_len: int = 0  # azure only
+    path: str | None = field(default=None, metadata={"metavar": "FILE"})  # trace file; None: the built-in default scenario
+    format: str = field(default="auto", metadata={"choices": TRACE_FORMATS})  # the trace file's format (auto: detected)
+    num_requests: int | None = None  # keep the first N requests
+    seed: int = 0  # scenario seed; Azure content seed; --qps arrival seed
+    qps: float | None = None  # replace arrivals by Poisson arrivals at this rate
+    time_scale: float = 1.0  # multiply arrival times (< 1 = more load)
+    system_prompt_len: int = 0  # azure: a shared synthetic system prompt of this many tokens
+
+    def __post_init__(self) -> None:
+        if self.format not in TRACE_FORMATS:
+            raise ValueError(f"format must be one of {TRACE_FORMATS}, got {self.format!r}")
+        if self.num_requests is not None and not _is_int(self.num_requests, minimum=1):
+            raise ValueError(f"num_requests must be None or an int >= 1, got {self.num_requests!r}")
+        if not _is_int(self.seed, minimum=None):
+            raise ValueError(f"seed must be an int, got {self.seed!r}")
+        if self.qps is not None and not (_is_number(self.qps) and self.qps > 0):
+            raise ValueError(f"qps must be None or a finite number > 0, got {self.qps!r}")
+        if not (_is_number(self.time_scale) and self.time_scale >= 0):
+            raise ValueError(f"time_scale must be a finite number >= 0, got {self.time_scale!r}")
+        if not _is_int(self.system_prompt_len, minimum=0):
+            raise ValueError(f"system_prompt_len must be an int >= 0, got {self.system_prompt_len!r}")
 
     def load(self, settings: ReplaySettings) -> Trace:
-        return self.load_for(vocab_size=settings.vocab_size, tokens_per_block=settings.tokens_per_block)
+        return self.load_for(vocab_size=settings.vocab_size, tokens_per_block=settings.executor.kv_cache_config.tokens_per_block)
 
     def load_for(self, *, vocab_size: int, tokens_per_block: int) -> Trace:
         """The trace with token ids in ``[1, vocab_size)``; the default scenario block-aligns its
@@ -110,11 +127,20 @@ class TraceSpec:
         return trace
 
 
+def _is_int(value: object, *, minimum: int | None) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and (minimum is None or value >= minimum)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def describe_config(trace: Trace, spec: TraceSpec, settings: ReplaySettings, policies: Sequence[str], engine: dict) -> dict:
     """Every setting the replay used, for the JSON's ``config``."""
     kv_bytes = engine["kv_bytes_per_token"]
-    tpb = settings.tokens_per_block
+    tpb = settings.executor.kv_cache_config.tokens_per_block
     executor_config = settings.executor_config(policies[0], max_seq_len=settings.max_seq_len(trace), kv_bytes_per_token=kv_bytes)
+    kv = executor_config.kv_cache_config
     gib = 1 << 30
     return {
         "trace": {
@@ -147,16 +173,17 @@ def describe_config(trace: Trace, spec: TraceSpec, settings: ReplaySettings, pol
         },
         "kv_cache": {
             "tokens_per_block": tpb,
-            "num_blocks": settings.kv_blocks,
-            "num_tokens": settings.kv_blocks * tpb,
-            "enable_block_reuse": settings.enable_block_reuse,
-            "enable_partial_reuse": settings.enable_partial_reuse,
+            "num_blocks": kv.num_blocks,
+            "num_tokens": kv.num_blocks * tpb,
+            "enable_block_reuse": kv.enable_block_reuse,
+            "enable_partial_reuse": kv.enable_partial_reuse,
             "host_cache_blocks": settings.host_cache_blocks,
-            "host_cache_size": executor_config.kv_cache_config.host_cache_size,
+            "host_cache_size": kv.host_cache_size,
             "kv_bytes_per_token": kv_bytes,
-            "device_pool_gib": settings.kv_blocks * tpb * kv_bytes / gib,
-            "host_pool_gib": executor_config.kv_cache_config.host_cache_size / gib,
+            "device_pool_gib": kv.num_blocks * tpb * kv_bytes / gib,
+            "host_pool_gib": kv.host_cache_size / gib,
         },
+        "settings": settings.options(),  # every setting, by the names the flags and from_options take
     }
 
 
@@ -183,7 +210,7 @@ def replay_trace(
     spec = spec or TraceSpec(path=None)
     max_seq_len = settings.max_seq_len(trace)
     runs = {policy: replay_policy(trace, settings, policy, max_seq_len=max_seq_len, progress=progress) for policy in policies}
-    _utilization_before_crash(runs, settings.max_num_tokens)
+    _utilization_before_crash(runs, settings.executor.max_num_tokens)
     probe = settings.build_engine(policies[0], max_seq_len)  # only to describe it; nothing runs on it
     engine = {**probe.description, "kv_bytes_per_token": probe.kv_bytes_per_token}
     del probe
@@ -224,13 +251,6 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def _non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
-
-
 def _positive_float(text: str) -> float:
     value = float(text)
     if not (math.isfinite(value) and value > 0):
@@ -238,41 +258,33 @@ def _positive_float(text: str) -> float:
     return value
 
 
+TRACE_FLAG_NAMES = {"path": ["--trace"]}  # DESIGN.md §5
+# The replay's flag names from before they were generated, kept (the generated ones work too).
+SETTINGS_FLAG_ALIASES = {
+    "kv_cache_config.tokens_per_block": ["--tokens-per-block"],
+    "kv_cache_config.num_blocks": ["--kv-blocks"],
+    "kv_cache_config.enable_block_reuse": ["--enable-block-reuse"],
+    "kv_cache_config.enable_partial_reuse": ["--enable-partial-reuse"],
+}
+
+
 def build_parser() -> argparse.ArgumentParser:
-    d = ReplaySettings()
+    """The replay's flags: the trace's (``TraceSpec``) and the settings' (``ReplaySettings``:
+    ``ExecutorConfig``'s fields but ``SET_BY_THE_REPLAY``, then the replay's own), generated
+    from their fields with hyphens (``--max-num-tokens``, ``--kv-cache-config.tokens-per-block``
+    alias ``--tokens-per-block``); the policies, the outputs and the ranks are the CLI's own."""
     p = argparse.ArgumentParser(
         prog="python -m benchmarks.replay",
         description="Replay a request trace under each token-budget policy (DESIGN.md §5).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--trace", help="trace file; default: the built-in default scenario")
-    p.add_argument("--format", default="auto", choices=("auto", "mooncake", "azure", "trtllm"))
     p.add_argument("--policies", type=_policies, default=list(POLICIES), help="comma-separated subset of " + ",".join(KNOWN_POLICIES))
-    p.add_argument("--engine", default=d.engine, choices=ENGINES)
-    p.add_argument("--model", default=d.model, choices=sorted(MODEL_PRESETS), help="torch engine's model")
-    p.add_argument("--device", default=d.device, choices=("cpu", "cuda"), help="torch engine's device")
-    p.add_argument("--disable-overlap-scheduler", action=argparse.BooleanOptionalAction, default=None,
-                   help="default: upstream's (overlap on CUDA, off on the CPU)")
-    p.add_argument("--cost-model", metavar="MODEL.json", default=None,
-                   help="sim engine: a cost model saved by `python -m benchmarks.cost_model refit` (default: the fit to "
-                        "benchmarks/calibration/)")
-    p.add_argument("--max-num-tokens", type=_positive_int, default=d.max_num_tokens)
-    p.add_argument("--num-requests", type=_positive_int, default=None, help="keep the first N requests")
-    p.add_argument("--seed", type=int, default=0, help="scenario seed; Azure content seed; --qps arrival seed")
     p.add_argument("--json", metavar="OUT.json", help="write the results (DESIGN.md §5 schema)")
     p.add_argument("--plot", metavar="OUT.png", help="forward tokens per iteration and TTFT CDF per policy")
-    p.add_argument("--kv-blocks", type=_positive_int, default=d.kv_blocks, help="device KV pool, in blocks")
-    p.add_argument("--host-cache-blocks", type=_non_negative_int, default=d.host_cache_blocks,
-                   help="host (offload) tier, in blocks; 0 disables it")
-    p.add_argument("--tokens-per-block", type=_positive_int, default=d.tokens_per_block)
-    p.add_argument("--max-batch-size", type=_positive_int, default=d.max_batch_size)
-    p.add_argument("--enable-partial-reuse", action=argparse.BooleanOptionalAction, default=d.enable_partial_reuse)
-    p.add_argument("--enable-block-reuse", action=argparse.BooleanOptionalAction, default=d.enable_block_reuse)
-    p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=d.enable_chunked_prefill)
-    p.add_argument("--time-scale", type=float, default=1.0, help="multiply arrival times (< 1 = more load)")
-    p.add_argument("--qps", type=_positive_float, default=None, help="replace arrivals by Poisson arrivals at this rate")
-    p.add_argument("--system-prompt-len", type=_non_negative_int, default=0,
-                   help="azure: a shared synthetic system prompt of this many tokens")
+    trace = p.add_argument_group("the trace (TraceSpec)")
+    add_arguments(trace, TraceSpec, spell="-", names=TRACE_FLAG_NAMES)
+    settings = p.add_argument_group("the executor and the engine (ReplaySettings)")
+    add_arguments(settings, ReplaySettings, spell="-", aliases=SETTINGS_FLAG_ALIASES, exclude=SET_BY_THE_REPLAY)
     ranks = p.add_argument_group("several ranks (sim engine, one process per rank)")
     layout = ranks.add_mutually_exclusive_group()
     layout.add_argument("--tp-size", type=_positive_int, metavar="N", help="tensor parallelism over N ranks")
@@ -295,33 +307,21 @@ def rank_layout(args: argparse.Namespace) -> RankLayout | None:
 
 
 def settings_from_args(args: argparse.Namespace) -> tuple[TraceSpec, ReplaySettings, list[str]]:
-    settings = ReplaySettings(
-        engine=args.engine,
-        model=args.model,
-        max_num_tokens=args.max_num_tokens,
-        max_batch_size=args.max_batch_size,
-        tokens_per_block=args.tokens_per_block,
-        kv_blocks=args.kv_blocks,
-        host_cache_blocks=args.host_cache_blocks,
-        enable_block_reuse=args.enable_block_reuse,
-        enable_partial_reuse=args.enable_partial_reuse,
-        enable_chunked_prefill=args.enable_chunked_prefill,
-        device=args.device,
-        disable_overlap_scheduler=args.disable_overlap_scheduler,
-        cost_model=args.cost_model,
-    )
-    if not (math.isfinite(args.time_scale) and args.time_scale >= 0):
-        raise SystemExit(f"--time-scale must be finite and >= 0, got {args.time_scale}")
-    spec = TraceSpec(
-        path=args.trace,
-        format=args.format,
-        num_requests=args.num_requests,
-        seed=args.seed,
-        qps=args.qps,
-        time_scale=args.time_scale,
-        system_prompt_len=args.system_prompt_len,
-    )
+    """The trace, the settings and the policies the flags give; raises ValueError naming a
+    value that the dataclasses refuse (``main`` turns it into a usage error)."""
+    spec = from_mapping(TraceSpec, overrides_from_args(args, TraceSpec))
+    settings = ReplaySettings.from_options(**overrides_from_args(args, ReplaySettings, exclude=SET_BY_THE_REPLAY))
     return spec, settings, args.policies
+
+
+def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, TraceSpec, ReplaySettings, list[str]]:
+    """The flags parsed and built, or exit status 2 with the reason (argparse's usage error)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return (args, *settings_from_args(args))
+    except ValueError as error:
+        parser.error(str(error))
 
 
 def replay_on_ranks(
@@ -344,8 +344,8 @@ def replay_on_ranks(
     return result
 
 
-def _main_on_ranks(args: argparse.Namespace, layout: RankLayout) -> int:
-    spec, settings, policies = settings_from_args(args)
+def _main_on_ranks(args: argparse.Namespace, spec: TraceSpec, settings: ReplaySettings, policies: list[str],
+                   layout: RankLayout) -> int:
     if settings.engine != "sim":
         raise SystemExit("--tp-size / --attention-dp replay the sim engine only (--engine sim)")
     result = replay_on_ranks(
@@ -357,7 +357,7 @@ def _main_on_ranks(args: argparse.Namespace, layout: RankLayout) -> int:
         raise AssertionError("multi-rank replay JSON breaks DESIGN.md §5: " + "; ".join(errors))
     trace = result.config["trace"]
     print(f"trace: {trace['name']} ({trace['format']}), {trace['requests']} requests over {trace['arrival_span_s']:.1f} s;"
-          f" {layout.label}, sim engine, {settings.kv_blocks} KV blocks and max_num_tokens={settings.max_num_tokens}"
+          f" {layout.label}, sim engine, {settings.executor.kv_cache_config.num_blocks} KV blocks and max_num_tokens={settings.executor.max_num_tokens}"
           " per rank\n")
     print(replay_ranks.format_table(result))
     if args.json:
@@ -368,11 +368,10 @@ def _main_on_ranks(args: argparse.Namespace, layout: RankLayout) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args, spec, settings, policies = parse_args(argv)
     layout = rank_layout(args)
     if layout is not None:
-        return _main_on_ranks(args, layout)
-    spec, settings, policies = settings_from_args(args)
+        return _main_on_ranks(args, spec, settings, policies, layout)
     result = run_replay(spec, settings, policies)
     print(replay_report.format_report(result))
     if args.json:

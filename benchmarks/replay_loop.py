@@ -170,7 +170,7 @@ def replay_policy(
     executor's per-iteration scans) when a trace overloads the engine. Default:
     ``max_batch_size``, the smallest window that is exact; 0 disables it.
     """
-    window = settings.max_batch_size if admission_window is None else admission_window
+    window = settings.executor.max_batch_size if admission_window is None else admission_window
     with _without_cyclic_gc():
         replay = _PolicyReplay(trace, settings, TokenBudgetPolicyName(policy).value, max_seq_len or settings.max_seq_len(trace))
         bar = Progress(replay.policy, len(trace), enabled=progress)
@@ -270,7 +270,7 @@ class _PolicyReplay:
         """Record an overshooting iteration; True when the replay stops here (``none``: upstream crashes)."""
         executor, stats = self.executor, iteration.stats
         event = diagnose_overshoot(
-            iteration.batch, iteration.scheduled.charges, iteration.prepared.claims, self.settings.tokens_per_block,
+            iteration.batch, iteration.scheduled.charges, iteration.prepared.claims, self.settings.executor.kv_cache_config.tokens_per_block,
             iteration=stats.iteration, time_s=stats.start_time, forward_tokens=stats.forward_tokens,
             overshoot=stats.overshoot,
         )
@@ -341,10 +341,10 @@ class _PolicyReplay:
             "max_forward_tokens": max_forward,
             "deferrals": o.deferrals,
             "max_consecutive_deferrals": o.max_consecutive_deferrals,
-            "budget_utilization": forward_sum / busy / self.settings.max_num_tokens if busy else 0.0,
+            "budget_utilization": forward_sum / busy / self.settings.executor.max_num_tokens if busy else 0.0,
             # DESIGN.md §5: over the busy iterations after which some active request still had
             # prompt tokens to compute (the budget, not the traffic, was the limit)
-            "budget_utilization_when_bound": bound_sum / bound / self.settings.max_num_tokens if bound else 0.0,
+            "budget_utilization_when_bound": bound_sum / bound / self.settings.executor.max_num_tokens if bound else 0.0,
             "iterations": busy,
             "ttft_ms": percentiles(ttft),
             "tpot_ms": percentiles(tpot),

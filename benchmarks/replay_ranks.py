@@ -28,7 +28,6 @@ iteration late.
 
 from __future__ import annotations
 
-import dataclasses
 import runpy
 import sys
 import time
@@ -309,7 +308,7 @@ def run_on_ranks(job: RanksJob, *, options: LaunchOptions = LaunchOptions()) -> 
     per_rank = launch(replay_on_rank, job.layout.size, job, options=options)
     first = job.trace.requests[0].arrival_s
     results = {
-        policy: summarize([runs[policy] for runs in per_rank], job.layout, job.settings.max_num_tokens, len(job.trace),
+        policy: summarize([runs[policy] for runs in per_rank], job.layout, job.settings.executor.max_num_tokens, len(job.trace),
                           first)
         for policy in job.policies
     }
@@ -318,9 +317,14 @@ def run_on_ranks(job: RanksJob, *, options: LaunchOptions = LaunchOptions()) -> 
 
 def ranks_config(job: RanksJob) -> dict:
     """The ``config["ranks"]`` entry of the JSON."""
+    kv = job.settings.executor.kv_cache_config
+    # The settings' options, and the flat KV keys this entry had before the settings held an ExecutorConfig.
+    settings = job.settings.options() | {"tokens_per_block": kv.tokens_per_block, "kv_blocks": kv.num_blocks,
+                                         "enable_block_reuse": kv.enable_block_reuse,
+                                         "enable_partial_reuse": kv.enable_partial_reuse}
     return {"size": job.layout.size, "attention_dp": job.layout.attention_dp, "tp_size": job.layout.size,
-            "check_decisions": job.check_decisions, "kv_blocks_per_rank": job.settings.kv_blocks,
-            "max_num_tokens_per_rank": job.settings.max_num_tokens, "settings": dataclasses.asdict(job.settings)}
+            "check_decisions": job.check_decisions, "kv_blocks_per_rank": kv.num_blocks,
+            "max_num_tokens_per_rank": job.settings.executor.max_num_tokens, "settings": settings}
 
 
 def schema_errors(result: RanksResult) -> list[str]:

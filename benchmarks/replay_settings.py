@@ -6,19 +6,30 @@ report (``replay_report``) all depend on it and none of them on another's caller
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from benchmarks.cost_model import CostModel, FittedCostModel, ModelShape, default_cost_model
 from benchmarks.sim_engine import ENGINES, Engine, build_sim_engine, build_torch_engine, torch_kv_bytes_per_token, torch_vocab_size
 from benchmarks.traces import DEFAULT_VOCAB_SIZE, Trace
 from tensorrt_llm._torch.models.modeling_llama import MODEL_PRESETS
-from tensorrt_llm._torch.pyexecutor.config import (
-    CapacitySchedulerPolicy,
-    ContextChunkingPolicy,
-    ExecutorConfig,
-    KvCacheConfig,
-)
+from tensorrt_llm._torch.pyexecutor.config import ExecutorConfig
+from tensorrt_llm.llmapi.config_fields import from_mapping, nested, to_mapping
+
+# ExecutorConfig keys the replay sets itself: neither flags nor options of a replay.
+SET_BY_THE_REPLAY = frozenset({
+    "max_seq_len",  # the trace's longest request (ReplaySettings.max_seq_len)
+    "token_budget_policy",  # one executor per policy replayed (--policies)
+    "kv_cache_config.host_cache_size",  # host_cache_blocks, in bytes of the engine's KV
+    "kv_cache_config.max_tokens",  # the pool is sized in blocks (kv_cache_config.num_blocks)
+    "kv_cache_config.free_gpu_memory_fraction",  # likewise, on a GPU too
+    "iter_stats_max_iterations",  # the replay reads every iteration's statistics
+    "health_check_timeout_s",  # serving: nothing asks the replay's executor for its health
+    "fault_injection",  # the replay measures the budget policies, not failure handling
+})
 
 
 def max_seq_len_for(trace: Trace) -> int:
@@ -28,7 +39,8 @@ def max_seq_len_for(trace: Trace) -> int:
 
 @dataclass(frozen=True, slots=True)
 class ReplaySettings:
-    """Every executor and KV setting a replay uses; one executor per policy is built from it.
+    """The executor every policy of a replay runs, and the replay's own settings; one executor
+    per policy is built from it.
 
     The defaults are the default scenario's: upstream's reproduction setting
     (``max_num_tokens=4096``, chunked prefill, block reuse, partial reuse, a host tier) with
@@ -36,23 +48,21 @@ class ReplaySettings:
     token: about nine of the scenario's ~4.4k-token prompts) and a host tier of 512 blocks
     (2.5 GiB), small enough that the prefix counted at admission is regularly evicted (or
     dropped from the host) before it is claimed. See README.md, "Replay".
+
+    The keys (``from_options``, the replay's flags, ``options()``) are generated from the
+    fields: ``ExecutorConfig``'s at the top level (but ``SET_BY_THE_REPLAY``), then the
+    replay's own.
     """
 
-    engine: str = "sim"
-    model: str = "tiny-random"  # torch engine only
-    max_num_tokens: int = 4096
-    max_batch_size: int = 64
-    tokens_per_block: int = 32
-    kv_blocks: int = 1280
-    host_cache_blocks: int = 512
-    enable_block_reuse: bool = True
-    enable_partial_reuse: bool = True
-    enable_chunked_prefill: bool = True
-    capacity_scheduler_policy: str = CapacitySchedulerPolicy.GUARANTEED_NO_EVICT.value
-    context_chunking_policy: str = ContextChunkingPolicy.FIRST_COME_FIRST_SERVED.value
-    device: str = "cpu"  # torch engine: where the model and the KV pool live ("cuda": the GPU engine)
-    disable_overlap_scheduler: bool | None = None  # None: upstream's default (overlap on CUDA)
-    cost_model: str | None = None  # sim engine: a saved FittedCostModel (JSON); None: the default fit
+    # The executor's settings; max_seq_len, token_budget_policy and the host tier's bytes are set per replay.
+    executor: ExecutorConfig = nested(ExecutorConfig, inline=True, max_num_tokens=4096, enable_chunked_prefill=True,
+                                      kv_cache_config={"num_blocks": 1280})
+    engine: str = field(default="sim", metadata={"choices": ENGINES})  # sim: the cost model's clock; torch: a real model
+    model: str = field(default="tiny-random", metadata={"choices": tuple(sorted(MODEL_PRESETS))})  # torch engine's model
+    host_cache_blocks: int = 512  # the host (offload) tier, in blocks; 0 disables it
+    device: str = field(default="cpu", metadata={"choices": ("cpu", "cuda")})  # torch engine's device (cuda: the GPU engine)
+    # Sim engine: a cost model saved by `python -m benchmarks.cost_model refit` (default: the fit to benchmarks/calibration/).
+    cost_model: str | None = field(default=None, metadata={"metavar": "MODEL.json"})
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda"):
@@ -65,32 +75,38 @@ class ReplaySettings:
             raise ValueError("cost_model prices the sim engine's forwards; the torch engine runs them")
         if self.model not in MODEL_PRESETS:
             raise ValueError(f"model must be one of {sorted(MODEL_PRESETS)}, got {self.model!r}")
-        for name in ("max_num_tokens", "max_batch_size", "tokens_per_block", "kv_blocks"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if not isinstance(self.executor, ExecutorConfig):
+            raise ValueError(f"executor must be an ExecutorConfig, got {type(self.executor).__name__}")
+        if self.executor.kv_cache_config.num_blocks is None:
+            raise ValueError("the replay sizes the KV pool in blocks: kv_cache_config.num_blocks is required")
         if isinstance(self.host_cache_blocks, bool) or not isinstance(self.host_cache_blocks, int) or self.host_cache_blocks < 0:
             raise ValueError(f"host_cache_blocks must be an int >= 0, got {self.host_cache_blocks!r}")
 
+    @classmethod
+    def from_options(cls, **options: Any) -> ReplaySettings:
+        """Settings from the replay's option names over the defaults: ``ExecutorConfig``'s keys
+        (``max_num_tokens=2048``, ``kv_cache_config={"num_blocks": 640}``) and the replay's own
+        (``host_cache_blocks=0``, ``engine="torch"``), checked as the flags are. A subclass's own
+        fields pass through as they are."""
+        extra_fields = {f.name for f in dataclasses.fields(cls)} - {f.name for f in dataclasses.fields(ReplaySettings)}
+        extra = {name: options.pop(name) for name in extra_fields if name in options}
+        base = from_mapping(ReplaySettings, options, exclude=SET_BY_THE_REPLAY)
+        return cls(**{f.name: getattr(base, f.name) for f in dataclasses.fields(ReplaySettings)}, **extra)
+
+    def options(self) -> dict[str, Any]:
+        """The settings as option names and plain values: what ``from_options`` takes back."""
+        return to_mapping(self, exclude=SET_BY_THE_REPLAY)
+
     def executor_config(self, policy: str, *, max_seq_len: int, kv_bytes_per_token: int) -> ExecutorConfig:
-        host_bytes = self.host_cache_blocks * self.tokens_per_block * kv_bytes_per_token
-        kv = KvCacheConfig(
-            tokens_per_block=self.tokens_per_block,
-            num_blocks=self.kv_blocks,
-            enable_block_reuse=self.enable_block_reuse,
-            enable_partial_reuse=self.enable_partial_reuse,
-            host_cache_size=host_bytes,
-        )
-        return ExecutorConfig(
-            max_batch_size=self.max_batch_size,
-            max_num_tokens=self.max_num_tokens,
+        """The executor of one policy's replay: a fresh copy of ``executor`` with the values the
+        replay sets (``SET_BY_THE_REPLAY``)."""
+        kv = self.executor.kv_cache_config
+        host_bytes = self.host_cache_blocks * kv.tokens_per_block * kv_bytes_per_token
+        return dataclasses.replace(
+            copy.deepcopy(self.executor),
             max_seq_len=max_seq_len,
-            enable_chunked_prefill=self.enable_chunked_prefill,
-            context_chunking_policy=self.context_chunking_policy,
-            capacity_scheduler_policy=self.capacity_scheduler_policy,
             token_budget_policy=policy,
-            kv_cache_config=kv,
-            disable_overlap_scheduler=self.disable_overlap_scheduler,
+            kv_cache_config=dataclasses.replace(kv, host_cache_size=host_bytes),
         )
 
     @property

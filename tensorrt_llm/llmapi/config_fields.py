@@ -261,26 +261,28 @@ def _construct(cls: type, kwargs: dict[str, Any]) -> Any:
         raise ValueError(str(error)) from None
 
 
-def to_mapping(obj: Any) -> dict[str, Any]:
-    """The mapping ``from_mapping`` takes back to ``obj``: enums by value, nested dataclasses as
-    mappings, an inlined one's keys at its parent's level. Plain data (JSON-ready)."""
+def to_mapping(obj: Any, *, exclude: Iterable[str] = (), path: str = "") -> dict[str, Any]:
+    """The mapping ``from_mapping`` takes back to ``obj`` (but the dotted keys in ``exclude``):
+    enums by value, nested dataclasses as mappings, an inlined one's keys at its parent's level.
+    Plain data, ready for JSON."""
+    exclude = frozenset(exclude)
     out: dict[str, Any] = {}
     for field in dataclasses.fields(obj):
         value = getattr(obj, field.name)
         if field.metadata.get("inline"):
-            out |= to_mapping(value)
-        else:
-            out[field.name] = _plain(value)
+            out |= to_mapping(value, exclude=exclude, path=path)
+        elif _join(path, field.name) not in exclude:
+            out[field.name] = _plain(value, exclude, _join(path, field.name))
     return out
 
 
-def _plain(value: Any) -> Any:
+def _plain(value: Any, exclude: frozenset[str], path: str) -> Any:
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return to_mapping(value)
+        return to_mapping(value, exclude=exclude, path=path)
     if isinstance(value, enum.Enum):
         return value.value
     if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
+        return [_plain(v, exclude, path) for v in value]
     return value
 
 
@@ -349,6 +351,7 @@ def add_arguments(
     *,
     spell: str = "_",
     aliases: Mapping[str, Iterable[str]] | None = None,
+    names: Mapping[str, Iterable[str]] | None = None,
     defaults: Mapping[str, Any] | None = None,
     exclude: Iterable[str] = (),
 ) -> list[argparse.Action]:
@@ -356,14 +359,19 @@ def add_arguments(
     in the namespace, so that ``overrides_from_args`` returns only what was given.
 
     ``spell`` joins words in flag names (``"_"``: upstream's ``--max_num_tokens``; ``"-"``:
-    ``--max-num-tokens``); ``aliases`` adds option strings by dotted key (``{"tensor_parallel_size":
-    ["--tp_size"]}``); ``defaults`` changes the defaults the help shows (the caller applies them).
+    ``--max-num-tokens``). By dotted key, ``aliases`` adds option strings
+    (``{"tensor_parallel_size": ["--tp_size"]}``) and ``names`` replaces the generated one.
+    ``defaults`` changes the defaults the help shows (the caller applies them).
     """
-    aliases = aliases or {}
+    aliases, names = aliases or {}, names or {}
+    specs = list(walk(cls, defaults=defaults, exclude=exclude))
+    unknown = (set(aliases) | set(names)) - {spec.path for spec in specs}
+    if unknown:
+        raise ValueError(f"flag names for keys {cls.__name__} does not have: {sorted(unknown)}")
     actions = []
-    for spec in walk(cls, defaults=defaults, exclude=exclude):
-        names = ["--" + spec.path.replace("_", spell), *aliases.get(spec.path, ())]
-        actions.append(parser.add_argument(*names, dest=spec.path, default=argparse.SUPPRESS, help=_flag_help(spec),
+    for spec in specs:
+        own = names.get(spec.path, ["--" + spec.path.replace("_", spell)])
+        actions.append(parser.add_argument(*own, *aliases.get(spec.path, ()), dest=spec.path, default=argparse.SUPPRESS, help=_flag_help(spec),
                                            **_flag_kind(spec)))
     return actions
 
@@ -424,7 +432,7 @@ def _yaml_value(spec: FieldSpec):
 
 
 def _flag_help(spec: FieldSpec) -> str:
-    text = spec.help
+    text = spec.help.rstrip(".")
     if spec.is_nested:
         what = f"{spec.kind.__name__}'s keys as a YAML mapping" + (" (null: none)" if spec.optional else "")
         text = f"{text}; {what}" if text else what

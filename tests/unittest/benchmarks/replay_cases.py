@@ -38,6 +38,6 @@ def evicted_discount_trace() -> Trace:
     ))
 
 
-EVICTED_SETTINGS = ReplaySettings(
-    max_num_tokens=48, tokens_per_block=4, kv_blocks=20, host_cache_blocks=0, max_batch_size=8,
+EVICTED_SETTINGS = ReplaySettings.from_options(
+    max_num_tokens=48, kv_cache_config={"tokens_per_block": 4, "num_blocks": 20}, host_cache_blocks=0, max_batch_size=8,
 )

@@ -19,11 +19,13 @@ from benchmarks.replay import (
     TraceSpec,
     build_parser,
     main,
+    parse_args,
     replay_policy,
     replay_trace,
     settings_from_args,
 )
 from benchmarks.traces import SyntheticRequest, Trace, segment_key
+from tensorrt_llm._torch.pyexecutor.config import KvCacheConfig
 from replay_cases import EVICTED_SETTINGS, evicted_discount_trace
 from replay_cases import request as _request
 
@@ -44,8 +46,9 @@ def whole_prompt_hit_trace() -> Trace:
     ))
 
 
-WHOLE_SETTINGS = ReplaySettings(
-    max_num_tokens=64, tokens_per_block=4, kv_blocks=200, host_cache_blocks=0, enable_partial_reuse=False,
+WHOLE_SETTINGS = ReplaySettings.from_options(
+    max_num_tokens=64, kv_cache_config={"tokens_per_block": 4, "num_blocks": 200, "enable_partial_reuse": False},
+    host_cache_blocks=0,
 )
 
 
@@ -135,7 +138,7 @@ def test_utilization_when_bound_averages_the_iterations_that_left_prompt_tokens_
     bound = [s.forward_tokens for s in stats if s.budget_bound]
     metrics = replay.result().metrics
     assert 0 < len(bound) < len(stats) == metrics["iterations"]
-    assert metrics["budget_utilization_when_bound"] == sum(bound) / len(bound) / settings.max_num_tokens
+    assert metrics["budget_utilization_when_bound"] == sum(bound) / len(bound) / settings.executor.max_num_tokens
     # the long prompt is chunked at the full budget while anything waits: bound iterations are full
     assert metrics["budget_utilization_when_bound"] > metrics["budget_utilization"]
 
@@ -186,6 +189,8 @@ def test_a_saved_cost_model_prices_the_sim_engine(tmp_path):
     assert priced["results"]["recheck"]["tpot_ms"]["p50"] > 1.5 * plain["results"]["recheck"]["tpot_ms"]["p50"]
     with pytest.raises(ValueError, match="sim engine"):
         ReplaySettings(engine="torch", cost_model=str(path))
+    with pytest.raises(SystemExit):
+        main(["--engine", "torch", "--cost-model", str(path)])
 
 
 def test_cli_parses_every_flag():
@@ -200,11 +205,16 @@ def test_cli_parses_every_flag():
     assert policies == ["fit", "recheck"] and args.json == "o.json" and args.plot == "o.png"
     assert spec == TraceSpec(path="t.jsonl", format="mooncake", num_requests=10, seed=7, qps=3.5, time_scale=0.5,
                              system_prompt_len=100)
-    assert settings == ReplaySettings(
-        engine="torch", model="small-random", max_num_tokens=2048, max_batch_size=12, tokens_per_block=16,
-        kv_blocks=300, host_cache_blocks=50, enable_block_reuse=False, enable_partial_reuse=False,
+    assert settings == ReplaySettings.from_options(
+        engine="torch", model="small-random", max_num_tokens=2048, max_batch_size=12, host_cache_blocks=50,
+        kv_cache_config={"tokens_per_block": 16, "num_blocks": 300, "enable_block_reuse": False,
+                         "enable_partial_reuse": False},
         enable_chunked_prefill=False,
     )
+    executor = settings.executor
+    assert (executor.max_num_tokens, executor.max_batch_size, executor.enable_chunked_prefill) == (2048, 12, False)
+    assert executor.kv_cache_config == KvCacheConfig(tokens_per_block=16, num_blocks=300, enable_block_reuse=False,
+                                                     enable_partial_reuse=False)
     config = settings.executor_config("fit", max_seq_len=100, kv_bytes_per_token=10)
     assert config.kv_cache_config.host_cache_size == 50 * 16 * 10  # blocks x tokens_per_block x bytes per token
 
@@ -212,11 +222,19 @@ def test_cli_parses_every_flag():
 def test_cli_defaults_and_bad_values():
     spec, settings, policies = settings_from_args(build_parser().parse_args([]))
     assert spec.path is None and policies == list(POLICIES) and settings == ReplaySettings()
-    assert settings.max_num_tokens == 4096 and settings.enable_chunked_prefill and settings.enable_partial_reuse
-    assert settings.enable_block_reuse and settings.host_cache_blocks > 0
-    for bad in (["--policies", "none,best"], ["--engine", "gpu"], ["--kv-blocks", "0"], ["--qps", "-1"]):
+    executor = settings.executor
+    assert executor.max_num_tokens == 4096 and executor.enable_chunked_prefill
+    assert executor.kv_cache_config.enable_partial_reuse and executor.kv_cache_config.enable_block_reuse
+    assert executor.kv_cache_config.num_blocks == 1280 and settings.host_cache_blocks > 0
+    for bad in (["--policies", "none,best"], ["--engine", "gpu"], ["--device", "tpu"], ["--max-num-tokens", "x"]):
         with pytest.raises(SystemExit):
             build_parser().parse_args(bad)
+    # values the dataclasses refuse: a usage error (status 2) before anything is replayed
+    for bad in (["--kv-blocks", "0"], ["--kv-blocks", "none"], ["--qps", "-1"], ["--time-scale", "nan"],
+                ["--num-requests", "0"], ["--tokens-per-block", "48", "--chunk-unit-size", "32"]):
+        with pytest.raises(SystemExit) as error:
+            parse_args(bad)
+        assert error.value.code == 2
 
 
 def test_main_writes_table_json_and_plot(tmp_path, capsys):
@@ -234,8 +252,8 @@ def test_torch_engine_runs_a_tiny_trace_end_to_end():
         SyntheticRequest(i, 0.05 * i, 24 + 8 * (i % 3), 4, ((segment_key(0xB0, i % 2), 16), (segment_key(0xB1, i), 8 + 8 * (i % 3))), 512)
         for i in range(6)
     ))
-    settings = ReplaySettings(engine="torch", model="tiny-random", max_num_tokens=32, tokens_per_block=4, kv_blocks=64,
-                              host_cache_blocks=8, max_batch_size=4)
+    settings = ReplaySettings.from_options(engine="torch", model="tiny-random", max_num_tokens=32, host_cache_blocks=8,
+                                           kv_cache_config={"tokens_per_block": 4, "num_blocks": 64}, max_batch_size=4)
     document = replay_trace(trace, settings, ("none", "recheck"), progress=False).to_json()
     _check_schema(document)
     assert document["config"]["engine"]["engine"] == "torch"
@@ -247,7 +265,7 @@ def test_torch_engine_runs_a_tiny_trace_end_to_end():
 def test_admission_window_changes_no_decision():
     # 120 requests in 3 s overload the engine: a long queue forms behind a batch of 4.
     trace = TraceSpec(num_requests=120, seed=5, qps=40.0).load(ReplaySettings())
-    settings = ReplaySettings(max_batch_size=4)
+    settings = ReplaySettings.from_options(max_batch_size=4)
     for policy in ("none", "recheck"):
         gated = replay_policy(trace, settings, policy, progress=False, admission_window=4).metrics
         ungated = replay_policy(trace, settings, policy, progress=False, admission_window=0).metrics
@@ -272,7 +290,7 @@ def test_resumed_admission_walk_equals_fresh_walks(monkeypatch):
         return got
 
     monkeypatch.setattr(KVCacheManager, "estimate_admission", checked)
-    settings = ReplaySettings(kv_blocks=400, host_cache_blocks=64)
+    settings = ReplaySettings.from_options(kv_cache_config={"num_blocks": 400}, host_cache_blocks=64)
     trace = TraceSpec(num_requests=120, seed=2).load(settings)
     replay_policy(trace, settings, "recheck", progress=False)
     assert len(calls) > 500 and any(calls)
@@ -287,7 +305,8 @@ def test_torch_engine_refuses_a_request_longer_than_the_model_alone():
         SyntheticRequest(0, 0.0, limit, 4, ((segment_key(0xC0, 0), limit),), 512),
         SyntheticRequest(1, 0.0, 20, 4, ((segment_key(0xC0, 1), 20),), 512),
     ))
-    settings = ReplaySettings(engine="torch", max_num_tokens=64, tokens_per_block=4, kv_blocks=2100, host_cache_blocks=0)
+    settings = ReplaySettings.from_options(engine="torch", max_num_tokens=64, host_cache_blocks=0,
+                                           kv_cache_config={"tokens_per_block": 4, "num_blocks": 2100})
     assert settings.max_seq_len(trace) == limit
     result = replay_trace(trace, settings, ("recheck",), progress=False).to_json()["results"]["recheck"]
     assert result["errored"] == 1 and result["completed"] == 1  # the short request is not collateral damage

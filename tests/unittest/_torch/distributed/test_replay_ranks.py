@@ -17,7 +17,7 @@ from replay_cases import EVICTED_SETTINGS, evicted_discount_trace
 pytestmark = [pytest.mark.timeout(240), pytest.mark.usefixtures("one_torch_thread")]
 
 SPEC = TraceSpec(num_requests=24, time_scale=0.3)
-SETTINGS = ReplaySettings(max_num_tokens=2048, kv_blocks=640, host_cache_blocks=128)
+SETTINGS = ReplaySettings.from_options(max_num_tokens=2048, kv_cache_config={"num_blocks": 640}, host_cache_blocks=128)
 
 
 @pytest.mark.parametrize("attention_dp", [False, True], ids=["tensor parallel", "attention DP"])
@@ -26,10 +26,10 @@ def test_replay_on_two_ranks(rank_group, attention_dp):
     job = RanksJob(SPEC.load(SETTINGS), SETTINGS, ("recheck",), layout, check_decisions=True)
     per_rank = rank_group(2).run_ok(replay_on_rank, job, timeout_s=JOB_TIMEOUT_S)
     runs = [runs["recheck"] for runs in per_rank]
-    group = summarize(runs, layout, SETTINGS.max_num_tokens, SPEC.num_requests, 0.0)
+    group = summarize(runs, layout, SETTINGS.executor.max_num_tokens, SPEC.num_requests, 0.0)
     assert group["completed"] == SPEC.num_requests and group["errored"] == 0 and group["unserved"] == 0
-    assert group["overshoots"] == 0 and group["max_forward_tokens"] <= SETTINGS.max_num_tokens
-    assert all(rank["max_forward_tokens"] <= SETTINGS.max_num_tokens for rank in group["ranks"])
+    assert group["overshoots"] == 0 and group["max_forward_tokens"] <= SETTINGS.executor.max_num_tokens
+    assert all(rank["max_forward_tokens"] <= SETTINGS.executor.max_num_tokens for rank in group["ranks"])
     assert not schema_errors(RanksResult(layout, {"recheck": group}))
     assert [rank["rank"] for rank in group["ranks"]] == [0, 1]
     assert sum(rank["requests"] for rank in group["ranks"]) == SPEC.num_requests * (1 if attention_dp else 2)
