@@ -1,19 +1,31 @@
 """``trtllm-serve``: an OpenAI-compatible server for one model (DESIGN.md §6).
 
-    trtllm-serve [MODEL] [--host 127.0.0.1] [--port 8000] [--max_batch_size N] [--max_num_tokens N]
-                 [--max_seq_len N] [--tp_size N] [--extra_llm_api_options FILE.yaml] [--api_key KEY]
-                 [--log_level info]
+    trtllm-serve [MODEL] [--host 127.0.0.1] [--port 8000] [--device auto|cuda|cpu] [--max_batch_size N]
+                 [--max_num_tokens N] [--max_seq_len N] [--tp_size N] [--extra_llm_api_options FILE.yaml]
+                 [--api_key KEY] [--log_level info] ...
 
+The flags are generated (``config_fields``): one per ``LLM(...)`` keyword (``LlmArgs``: the
+LLM's own and every ``ExecutorConfig`` field; nested ones dotted, e.g.
+``--kv_cache_config.tokens_per_block 64``; ``--tp_size`` is ``--tensor_parallel_size``) and one
+per ``ServerConfig`` field (the HTTP front: ``--host``, ``--port``, ``--api_key``, timeouts and
+limits). ``--extra_llm_api_options`` is a YAML mapping of the same ``LLM(...)`` keywords; its
+values override the flags', key by key (nested mappings merged). A flag or key that is unknown,
+of the wrong type or refused by its dataclass stops start-up with its name, before the model
+loads.
+
+``--device auto`` (the default) serves on the GPU when torch sees one, else on the CPU.
 ``--tp_size N`` (or ``tensor_parallel_size: N`` in the YAML file; ``enable_attention_dp: true``
 there too) serves over N rank processes on the CPU (``MultiRankExecutor``); a model whose
-heads do not split over N ranks is refused at start-up. Options from the YAML file are ``LLM(...)`` keywords and override the flags. Statistics are
-kept for the last ``DEFAULT_ITER_STATS`` iterations (``/metrics``).
-``--port 0`` takes a free port; the log line "serving ... at http://HOST:PORT" gives it.
+heads do not split over N ranks is refused at start-up. Statistics are kept for the last
+``DEFAULT_ITER_STATS`` iterations (``/metrics``) unless ``iter_stats_max_iterations`` says
+otherwise. ``--port 0`` takes a free port; the log line "serving ... at http://HOST:PORT"
+gives it.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import ipaddress
 import logging
 import os
@@ -24,7 +36,10 @@ from typing import Sequence
 import prometheus_client
 import uvicorn
 
-from tensorrt_llm.serve.llm_options import LlmOptionsError, load_llm_options
+from tensorrt_llm.llmapi.config_fields import add_arguments, deep_merge, from_mapping, overrides_from_args
+from tensorrt_llm.llmapi.llm_args import LlmArgs
+from tensorrt_llm.serve.llm_options import llm_options, read_llm_options
+from tensorrt_llm.serve.server_config import ServerConfig
 
 logger = logging.getLogger("trtllm-serve")
 
@@ -32,36 +47,43 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 DEFAULT_ITER_STATS = 1000
 API_KEY_ENV = "TRTLLM_API_KEY"
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+# trtllm-serve's own defaults for LLM keywords, under the flags and the options file.
+LLM_DEFAULTS = {"iter_stats_max_iterations": DEFAULT_ITER_STATS}
+FLAG_ALIASES = {"tensor_parallel_size": ["--tp_size"]}  # upstream's spelling
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="trtllm-serve", description="OpenAI-compatible server for one model.")
     p.add_argument("model", nargs="?", default=DEFAULT_MODEL,
                    help="smollm2-135m-instruct, a llama-architecture .gguf file, tiny-random or small-random")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000, help="0 takes a free port")
-    p.add_argument("--max_batch_size", type=int, default=None)
-    p.add_argument("--max_num_tokens", type=int, default=None)
-    p.add_argument("--max_seq_len", type=int, default=None)
-    p.add_argument("--tp_size", type=int, default=None,
-                   help="tensor parallelism over N rank processes (CPU, gloo on loopback)")
     p.add_argument("--extra_llm_api_options", metavar="FILE.yaml", default=None,
-                   help="YAML mapping of LLM(...) keywords; overrides the flags")
-    p.add_argument("--api_key", default=None, help=f"require 'Authorization: Bearer KEY' on /v1/* (or ${API_KEY_ENV})")
+                   help="YAML mapping of LLM(...) keywords (the flags below); overrides the flags")
     p.add_argument("--log_level", default="info", choices=LOG_LEVELS)
+    server = p.add_argument_group("HTTP server (ServerConfig)")
+    for action in add_arguments(server, ServerConfig):
+        if action.dest == "api_key":
+            action.help += f"; or ${API_KEY_ENV}"
+    llm = p.add_argument_group("LLM(...) keywords", "also the keys of --extra_llm_api_options, which override these")
+    add_arguments(llm, LlmArgs, aliases=FLAG_ALIASES, defaults=LLM_DEFAULTS)
     return p
 
 
 def llm_kwargs(args: argparse.Namespace) -> dict:
-    """The LLM's keywords: the flags given, then the YAML file's options over them."""
-    kwargs = {name: getattr(args, name) for name in ("max_batch_size", "max_num_tokens", "max_seq_len")
-              if getattr(args, name) is not None}
-    if args.tp_size is not None:
-        kwargs["tensor_parallel_size"] = args.tp_size
-    kwargs["iter_stats_max_iterations"] = DEFAULT_ITER_STATS
+    """The LLM's keywords: trtllm-serve's defaults, the flags given over them, then the YAML
+    file's options over those. Raises ValueError (``LlmOptionsError`` for the file) naming what
+    is wrong."""
+    options = deep_merge(LLM_DEFAULTS, overrides_from_args(args, LlmArgs))
     if args.extra_llm_api_options:
-        kwargs.update(load_llm_options(args.extra_llm_api_options))
-    return kwargs
+        options = deep_merge(options, read_llm_options(args.extra_llm_api_options))
+    return llm_options(options)
+
+
+def server_config(args: argparse.Namespace) -> ServerConfig:
+    """The HTTP front's settings from the flags given (the API key also from ``$TRTLLM_API_KEY``)."""
+    overrides = overrides_from_args(args, ServerConfig)
+    if "api_key" not in overrides and os.environ.get(API_KEY_ENV):
+        overrides["api_key"] = os.environ[API_KEY_ENV]
+    return from_mapping(ServerConfig, overrides)
 
 
 def _is_loopback(host: str) -> bool:
@@ -80,37 +102,50 @@ def main(argv: Sequence[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         kwargs = llm_kwargs(args)
-    except LlmOptionsError as error:
+        config = server_config(args)
+    except ValueError as error:  # LlmOptionsError names the file too
         parser.error(str(error))
-    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
-    if not api_key and not _is_loopback(args.host):
-        logger.warning("listening on %s without an API key: anyone who can reach it can use it", args.host)
+    if not config.api_key and not _is_loopback(config.host):
+        logger.warning("listening on %s without an API key: anyone who can reach it can use it", config.host)
 
     prometheus_client.disable_created_metrics()  # no *_created series: this process serves one app
     from tensorrt_llm.llmapi import LLM  # torch and the model load only once the arguments are good
+    from tensorrt_llm.serve.http_server import uvicorn_config
     from tensorrt_llm.serve.openai_server import OpenAIServer
 
     try:
         llm = LLM(args.model, **kwargs)
     except (TypeError, ValueError, FileNotFoundError) as error:
         parser.error(f"cannot load model {args.model!r}: {error}")
-    server = OpenAIServer(llm, api_key=api_key)
-    family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((args.host, args.port))
-    except OSError as error:
-        llm.shutdown()
-        parser.error(f"cannot listen on {args.host}:{args.port}: {error.strerror}")
+    server = OpenAIServer(llm, config)
+    if config.freeze_gc_heap:  # see ServerConfig: no full collection walks the model and the app again
+        gc.collect()
+        gc.freeze()
+    sock = _listen(config, parser, llm)
     host, port = sock.getsockname()[:2]
     ranks = kwargs.get("tensor_parallel_size", 1)
     logger.info("serving %s at http://%s:%d (token budget policy %s%s)", llm.model_id,
-                f"[{host}]" if family == socket.AF_INET6 else host, port, llm.config.token_budget_policy.value,
+                f"[{host}]" if sock.family == socket.AF_INET6 else host, port, llm.config.token_budget_policy.value,
                 f", {ranks} ranks" if ranks > 1 else "")
-    config = uvicorn.Config(server.app, log_level=args.log_level, timeout_graceful_shutdown=5)
-    uvicorn.Server(config).run(sockets=[sock])
+    uvicorn.Server(uvicorn_config(server.app, config, log_level=args.log_level, timeout_graceful_shutdown=5)).run(
+        sockets=[sock])
     return 0
+
+
+def _listen(config: ServerConfig, parser: argparse.ArgumentParser, llm) -> socket.socket:
+    """A socket listening on ``config.host:config.port`` (port 0: a free one), so that a client
+    told the address connects even before uvicorn accepts; on failure the LLM is shut down and
+    the command exits with the reason."""
+    family = socket.AF_INET6 if ":" in config.host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((config.host, config.port))
+        sock.listen(config.backlog)
+    except OSError as error:
+        llm.shutdown()
+        parser.error(f"cannot listen on {config.host}:{config.port}: {error.strerror}")
+    return sock
 
 
 if __name__ == "__main__":
