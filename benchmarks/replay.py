@@ -26,9 +26,14 @@ engine (``benchmarks.replay_ranks``): the table and the JSON give, per policy, t
 balance; the single-rank replay of the same trace runs beside it unless ``--no-single-rank``
 (JSON ``single_rank``). ``none`` stops the whole group at its first overshoot on any rank.
 
-Modules: this one holds the settings, the trace spec and the CLI; ``replay_loop`` replays
-one policy; ``replay_diagnosis`` names the overshoot mechanism; ``replay_report`` prints the
-table and writes the JSON and the plot; ``sim_engine`` builds the engines.
+The trace flags are generated from ``TraceSpec``'s fields, the settings flags from
+``ReplaySettings``'s (``ExecutorConfig``'s fields, hyphenated and dotted, then the replay's
+own; ``--help`` lists them): a new executor setting is a replay flag at once.
+
+Modules: this one holds the trace spec and the CLI; ``replay_settings`` the settings;
+``replay_loop`` replays one policy; ``replay_diagnosis`` names the overshoot mechanism;
+``replay_report`` prints the table and writes the JSON and the plot; ``sim_engine`` builds the
+engines.
 """
 
 from __future__ import annotations

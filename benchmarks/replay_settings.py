@@ -1,4 +1,4 @@
-"""The replay's settings: every executor and KV setting one replay uses, and the engines built from them.
+"""The replay's settings: the executor every policy runs plus the replay's own, and the engines built from them.
 
 Its own module so that the CLI (``replay``), one policy's loop (``replay_loop``) and the
 report (``replay_report``) all depend on it and none of them on another's caller.
