@@ -81,12 +81,12 @@ class FieldSpec:
         return dataclasses.is_dataclass(self.kind)
 
 
-def nested(cls: type, /, *, inline: bool = False, help: str | None = None, **defaults: Any) -> Any:
+def nested(cls: type, /, *, inline: bool = False, **defaults: Any) -> Any:
     """A dataclass field holding a ``cls``, by default ``cls`` built from ``defaults`` (keyword
     overrides of its class defaults; a nested mapping for a nested field). A mapping given for
     the field is merged over ``defaults``. With ``inline``, ``cls``'s keys are keys of the parent.
     """
-    metadata = {"defaults": dict(defaults), "inline": inline} | ({"help": help} if help else {})
+    metadata = {"defaults": dict(defaults), "inline": inline}
     return dataclasses.field(default_factory=lambda: from_mapping(cls, defaults), metadata=metadata)
 
 
@@ -135,6 +135,7 @@ def _keys(cls: type) -> dict[str, tuple[dataclasses.Field, Any]]:
     return keys
 
 
+@functools.cache
 def _owner(cls: type, key: str) -> type:
     """The dataclass that declares ``key`` (``cls`` itself, an inlined one, or a base class)."""
     hints = typing.get_type_hints(cls)
@@ -161,7 +162,7 @@ def _analyse(hint: Any, where: str) -> tuple[type, bool, type | None]:
         if len(args) == 1 and len(typing.get_args(hint)) == 2:
             kind, _, item = _analyse(args[0], where)
             return kind, True, item
-    elif typing.get_origin(hint) is list and typing.get_args(hint)[0] in _SCALARS:
+    elif typing.get_origin(hint) is list and typing.get_args(hint)[0] in (int, float, str):
         return list, False, typing.get_args(hint)[0]
     elif hint in _SCALARS or dataclasses.is_dataclass(hint) or (isinstance(hint, type) and issubclass(hint, enum.Enum)):
         return hint, False, None
@@ -370,9 +371,9 @@ def add_arguments(
         raise ValueError(f"flag names for keys {cls.__name__} does not have: {sorted(unknown)}")
     actions = []
     for spec in specs:
-        own = names.get(spec.path, ["--" + spec.path.replace("_", spell)])
-        actions.append(parser.add_argument(*own, *aliases.get(spec.path, ()), dest=spec.path, default=argparse.SUPPRESS, help=_flag_help(spec),
-                                           **_flag_kind(spec)))
+        option_strings = [*names.get(spec.path, ["--" + spec.path.replace("_", spell)]), *aliases.get(spec.path, ())]
+        actions.append(parser.add_argument(*option_strings, dest=spec.path, default=argparse.SUPPRESS,
+                                           help=_flag_help(spec), **_flag_kind(spec)))
     return actions
 
 

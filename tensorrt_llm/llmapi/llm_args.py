@@ -22,7 +22,8 @@ _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 class LlmArgs:
     """Every ``LLM(...)`` keyword, validated at construction (``LLM`` resolves the device)."""
 
-    # The weights' and activations' dtype (float32, float16, bfloat16, ...); default: the model's on the CPU, bfloat16 on a GPU.
+    # The weights' and activations' dtype (float32, float16, bfloat16, ...);
+    # default: the model's on the CPU, bfloat16 on a GPU.
     dtype: str | None = None
     seed: int | None = None  # random-weight models: the seed the weights are drawn from
     # auto: the GPU when torch sees one, else the CPU; also cuda:N.
