@@ -190,19 +190,23 @@ class ChatMessage(_Request):
         return "".join(texts)
 
 
+class ResponseFormat(_Request):
+    type: str
+
+    @field_validator("type")
+    @classmethod
+    def _text_only(cls, kind: str) -> str:
+        if kind != "text":
+            raise ValueError(f"response_format {kind!r} is not supported: only 'text'")
+        return kind
+
+
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_COUNT)
     logprobs: bool | None = False
     top_logprobs: int | None = None
-    response_format: dict[str, Any] | None = None
-
-    @field_validator("response_format")
-    @classmethod
-    def _text_format(cls, value: dict | None) -> dict | None:
-        if value is not None and value.get("type") != "text":
-            raise ValueError(f"response_format {value.get('type')!r} is not supported: only 'text'")
-        return value
+    response_format: ResponseFormat | None = None
 
     @model_validator(mode="after")
     def _one_length_limit(self):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -75,3 +77,36 @@ def test_bad_text_requests_get_a_clear_error(smollm2_server, path, body, message
         response = http.post(path, json={"model": smollm2_server.model, "max_tokens": 2, **body})
     assert response.status_code == 400, response.text
     assert message in response.json()["error"]["message"]
+
+
+def test_a_detokenizer_error_fails_its_request_alone(smollm2_server, monkeypatch, caplog):
+    """Text that cannot be decoded (here: the tokenizer made to fail on one id) ends that request
+    with an error, a 500 body or, streamed, an error event and then [DONE]; the next request is
+    served, and the log has one line for it, no traceback."""
+    client, tokenizer = smollm2_server.client(), smollm2_server.llm.tokenizer
+    kwargs = dict(model=smollm2_server.model, prompt="The capital of France is", max_tokens=6, temperature=0)
+    poison = client.completions.create(**kwargs).choices[0].token_ids[2]
+    other = dict(kwargs, prompt="One, two, three,", max_tokens=4)
+    expected = client.completions.create(**other).choices[0].token_ids
+    assert poison not in expected
+    decode = tokenizer.decode
+
+    def failing_decode(ids, **options):
+        if poison in ids:
+            raise ValueError(f"token id {poison} cannot be decoded")
+        return decode(ids, **options)
+
+    monkeypatch.setattr(tokenizer, "decode", failing_decode)
+    with smollm2_server.http() as http:
+        whole = http.post("/v1/completions", json=kwargs)
+        streamed = http.post("/v1/completions", json=dict(kwargs, stream=True))
+        served = http.post("/v1/completions", json=other)
+    assert whole.status_code == 500
+    assert "DetokenizationError" in whole.json()["error"]["message"] and f"token id {poison}" in whole.json()["error"]["message"]
+    events = [line[6:] for line in streamed.text.splitlines() if line.startswith("data: ")]
+    assert streamed.status_code == 200 and events[-1] == "[DONE]"
+    assert "DetokenizationError" in json.loads(events[-2])["error"]["message"]
+    assert served.status_code == 200 and served.json()["choices"][0]["token_ids"] == expected
+    smollm2_server.wait_idle()  # the failed requests were cancelled in the executor
+    assert "Traceback" not in caplog.text
+    assert sum("DetokenizationError" in r.getMessage() for r in caplog.records) == 2  # one line per request
