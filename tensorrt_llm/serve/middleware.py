@@ -7,12 +7,15 @@ logs one line):
    pieces past that size itself, see ``http_server``; one that arrives whole is caught here);
 2. a ``/v1/*`` request without ``Authorization: Bearer KEY``, when a key is set -> 401;
 3. a body over ``max_body_bytes`` -> 413, from ``Content-Length`` alone when the client sends
-   it, otherwise once that many bytes have come. The body is read and discarded first, up
-   to ``DRAIN_FACTOR`` times the limit and within ``body_timeout_s``, as nginx's lingering
-   close does: closing a socket with unread data makes the kernel reset the connection, and a
-   client still sending (httpx, the ``openai`` client) then sees the reset instead of the 413.
-   A client that sent ``Expect: 100-continue`` has sent no body yet and is answered at once;
-4. a body not complete within ``body_timeout_s`` of its head -> 408, connection closed.
+   it, otherwise once that many bytes have come;
+4. a body not complete within ``body_timeout_s`` of its head -> 408.
+
+Every refusal closes the connection. One made before the body has all been read (1-3) first
+reads and discards the rest of it, up to ``DRAIN_FACTOR`` times ``max_body_bytes`` and within
+``body_timeout_s``, as nginx's lingering close does: closing a socket with unread data makes
+the kernel reset the connection, and a client still sending then fails its write (a broken
+pipe, a reset) instead of reading the answer. A client that sent ``Expect: 100-continue`` has
+sent no body yet (it waits for the server's go-ahead) and is answered at once.
 
 An accepted body is read here once and handed on unchanged; after it, ``receive`` is the
 server's own, so handlers still see ``http.disconnect`` when the client leaves.
@@ -76,26 +79,12 @@ class RequestGuard:
                 await _reply(send, 500, "internal error: see the server log", close=True)
 
     async def _guard(self, scope, receive, send) -> None:
-        method, path = scope["method"], scope["path"]
         config = self.config
-        if (size := head_size(scope)) > config.max_header_bytes:
-            await _refuse(send, scope, 431, f"the request head of {size} bytes exceeds the limit of"
-                                            f" {config.max_header_bytes} bytes")
-            return
-        headers = dict(scope["headers"])  # header names arrive lower-cased
-        if self.expected is not None and _is_protected(path):
-            given = headers.get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
-                reason = "missing" if not given else "wrong"
-                await _refuse(send, scope, 401, f"{reason} API key: send the header 'Authorization: Bearer <key>'",
-                              close=False)
-                return
         deadline = asyncio.get_running_loop().time() + config.body_timeout_s
-        declared = headers.get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > config.max_body_bytes:
-            await self._too_large(scope, receive, send, int(declared), deadline, sent=0)
+        if (refusal := self._refusal(scope)) is not None:
+            await self._refuse_unread(scope, receive, send, *refusal, deadline=deadline, read=0)
             return
-        if method not in ("POST", "PUT", "PATCH"):
+        if scope["method"] not in ("POST", "PUT", "PATCH"):
             await self.app(scope, receive, send)
             return
         try:
@@ -105,11 +94,28 @@ class RequestGuard:
             await _refuse(send, scope, 408, f"the request body did not arrive within {config.body_timeout_s:g} s")
             return
         except _BodyTooLarge as too_large:
-            await self._too_large(scope, receive, send, too_large.size, deadline, sent=too_large.size)
+            await self._refuse_unread(scope, receive, send, 413, self._too_large(too_large.size), deadline=deadline,
+                                      read=too_large.size)
             return
         if body is None:
             return  # the client left while sending: nobody to answer
         await self.app(scope, _replay(body, receive), send)
+
+    def _refusal(self, scope) -> tuple[int, str] | None:
+        """(status, message) when the head alone decides: its size, the API key, a declared
+        body length over the limit."""
+        config = self.config
+        if (size := head_size(scope)) > config.max_header_bytes:
+            return 431, f"the request head of {size} bytes exceeds the limit of {config.max_header_bytes} bytes"
+        headers = dict(scope["headers"])  # header names arrive lower-cased
+        if self.expected is not None and _is_protected(scope["path"]):
+            given = headers.get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                return 401, f"{'missing' if not given else 'wrong'} API key: send the header 'Authorization: Bearer <key>'"
+        declared = headers.get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > config.max_body_bytes:
+            return 413, self._too_large(int(declared))
+        return None
 
     async def _read_body(self, receive) -> bytes | None:
         """The whole body; None when the client leaves before sending all of it. Raises
@@ -127,20 +133,24 @@ class RequestGuard:
             if not message.get("more_body", False):
                 return b"".join(chunks)
 
-    async def _too_large(self, scope, receive, send, size: int, deadline: float, *, sent: int) -> None:
-        """413, after draining what the client is still sending when that is bounded (see the
-        module docstring); ``sent``: body bytes already read."""
-        limit = self.config.max_body_bytes
-        declared = dict(scope["headers"]).get(b"content-length", b"")
-        expects_continue = dict(scope["headers"]).get(b"expect", b"").lower() == b"100-continue"
-        drain_limit = DRAIN_FACTOR * limit
+    async def _refuse_unread(self, scope, receive, send, status: int, message: str, *, deadline: float,
+                             read: int) -> None:
+        """Refuse a request whose body is not wanted, after draining what the client still sends
+        when that is bounded (see the module docstring); ``read``: body bytes already read."""
+        headers = dict(scope["headers"])
+        declared = headers.get(b"content-length", b"")
+        drain_limit = DRAIN_FACTOR * self.config.max_body_bytes
+        expects_continue = headers.get(b"expect", b"").lower() == b"100-continue"  # nothing sent until told
         if not expects_continue and not (declared.isdigit() and int(declared) > drain_limit):
             try:
                 async with asyncio.timeout_at(deadline):
-                    await _drain(receive, drain_limit - sent)
+                    await _drain(receive, drain_limit - read)
             except TimeoutError:
                 pass  # what is left unread resets the connection: the client was too slow to matter
-        await _refuse(send, scope, 413, f"request body of {size} bytes or more exceeds the limit of {limit} bytes")
+        await _refuse(send, scope, status, message)
+
+    def _too_large(self, size: int) -> str:
+        return f"request body of {size} bytes or more exceeds the limit of {self.config.max_body_bytes} bytes"
 
 
 async def _drain(receive, budget: int) -> None:
@@ -165,9 +175,9 @@ def _replay(body: bytes, receive):
     return replayed
 
 
-async def _refuse(send, scope, status: int, message: str, *, close: bool = True) -> None:
+async def _refuse(send, scope, status: int, message: str) -> None:
     logger.info("refused %s %s: %d %s", scope["method"], scope["path"], status, message)
-    await _reply(send, status, message, close=close)
+    await _reply(send, status, message, close=True)
 
 
 async def _reply(send, status: int, message: str, *, close: bool) -> None:
