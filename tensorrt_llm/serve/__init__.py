@@ -3,7 +3,8 @@
 ``openai_server`` builds the FastAPI app, ``openai_protocol`` holds the request and
 response models, ``generation`` turns an executor request into text deltas (detokenization,
 stop strings, timing), ``metrics`` the Prometheus registry, ``middleware`` the API key and
-body-size guards, ``llm_options`` the ``--extra_llm_api_options`` YAML, ``errors`` the error
-format. Import ``OpenAIServer`` from ``tensorrt_llm.serve.openai_server``: this package does
+body guards, ``http_server`` uvicorn's HTTP protocol with the edge limits (``uvicorn_config``),
+``server_config`` the front's settings, ``llm_options`` the ``--extra_llm_api_options`` YAML,
+``errors`` the error format. Import ``OpenAIServer`` from ``tensorrt_llm.serve.openai_server``: this package does
 not import it, so that checking the options file needs neither torch nor the model.
 """
