@@ -185,6 +185,26 @@ class Poller:
 # ------------------------------------------------------------------------------- one rate
 
 
+async def with_loop_lag(coro, lags: list[float], period_s: float = 0.05):
+    """Await ``coro`` while measuring how late this event loop wakes up (appended to ``lags``).
+    A client whose own loop stalls sends late and reads late: its latencies are then its own,
+    and a connection it opened may wait long enough for a server to close it as idle."""
+    done = False
+
+    async def monitor() -> None:
+        while not done:
+            began = time.perf_counter()
+            await asyncio.sleep(period_s)
+            lags.append((time.perf_counter() - began - period_s) * 1e3)
+
+    task = asyncio.create_task(monitor())
+    try:
+        return await coro
+    finally:
+        done = True
+        await task
+
+
 def run_rate(server: ServerProcess, rate: float, duration_s: float, max_output_tokens: int | None,
              interval_s: float, out_dir: Path, timeout_s: float) -> dict:
     url = server.url
@@ -197,8 +217,9 @@ def run_rate(server: ServerProcess, rate: float, duration_s: float, max_output_t
     poller = Poller(url, interval_s, out_dir / f"polls_{rate:g}x.jsonl")
     before, labelled_before = scrape_counters(url), scrape_labelled(url)
     progress = Progress(f"{rate:g}x", len(trace))
+    lags: list[float] = []
     try:
-        records, first, last = asyncio.run(replay(trace, target, max_output_tokens, progress))
+        records, first, last = asyncio.run(with_loop_lag(replay(trace, target, max_output_tokens, progress), lags))
     finally:
         polls = poller.stop()
     after, labelled_after = scrape_counters(url), scrape_labelled(url)
@@ -209,6 +230,7 @@ def run_rate(server: ServerProcess, rate: float, duration_s: float, max_output_t
     return {
         "rate": rate, "requests": len(trace), "arrival_span_s": trace.requests[-1].arrival_s if trace.requests else 0.0,
         "result": result, "polls": polls,
+        "client_loop_lag_ms": {**percentiles(lags), "max": max(lags, default=0.0)},
         "memory": {"start": start_memory, "end": {"gpu_mib": gpu_memory_mib(), "server_rss_mib": server.rss_mib()}},
     }
 
@@ -223,6 +245,7 @@ def line_of(run: dict) -> str:
             f" ITL p50/p99 {r['itl_ms']['p50']:.1f}/{r['itl_ms']['p99']:.1f} ms, {r['output_tokens_per_s']:.0f} tok/s;"
             f" /health p99/max {health.get('p99', 0):.1f}/{health.get('max', 0):.1f} ms {health.get('statuses')},"
             f" /prometheus/metrics p99/max {metrics.get('p99', 0):.1f}/{metrics.get('max', 0):.1f} ms;"
+            f" client loop lag p99/max {run['client_loop_lag_ms']['p99']:.0f}/{run['client_loop_lag_ms']['max']:.0f} ms;"
             f" server {r['server']}")
 
 
