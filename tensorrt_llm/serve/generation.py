@@ -26,7 +26,8 @@ class Delta:
 
 
 class GenerationFailed(Exception):
-    """The executor ended the request with an error (a failed batch, NaN logits, a dead loop)."""
+    """The request ended with an error: the executor's (a failed batch, NaN logits, a dead loop) or its
+    text's (an id the tokenizer cannot decode, see ``RequestOutputHandle._apply``)."""
 
     def __init__(self, message: str, status: int) -> None:
         super().__init__(message)
