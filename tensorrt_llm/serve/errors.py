@@ -16,6 +16,7 @@ _ERROR_TYPES = {
     400: "BadRequestError",
     401: "AuthenticationError",
     404: "NotFoundError",
+    405: "MethodNotAllowedError",
     408: "RequestTimeoutError",
     413: "RequestTooLargeError",
     431: "RequestHeaderFieldsTooLargeError",
