@@ -188,7 +188,8 @@ class ExecutorConfig:
     iter_stats_max_iterations: int | None = None
     fault_injection: FaultInjectionConfig | None = None  # chaos testing: faults injected into forwards; None: off
     # A request whose forward fails (an error raised by the engine, not a budget violation) starts
-    # over this many times, its KV recomputed, before it fails with the error; 0: fail at once.
+    # over, its KV recomputed, up to this many times in a row (without a token generated in
+    # between) before it fails with the error; 0: fail at once.
     max_forward_retries: int = 1
     # Decode steps replayed from CUDA graphs (ignored on the CPU); None: no graphs.
     cuda_graph_config: CudaGraphConfig | None = field(default_factory=CudaGraphConfig)

@@ -18,7 +18,7 @@ field                                              written by
                                                    the in-flight placeholder (overlap),
 ``is_first_draft``, ``error``, ``is_cancelled``,   errors, cancellation, ``pause()`` (a
 ``first_token_time``, ``finish_time``,             MAX_UTILIZATION preemption),
-``num_forward_retries``                            ``retry_after_failed_forward()``
+the forward-retry counters                          ``retry_after_failed_forward()``
 ``context_current_position``,                      ``PyExecutor``, after a forward: the chunk
 ``prepopulated_prompt_len``                        that ran, with the reuse its allocation found
 ``py_budget_deferred`` and the deferral counters   ``PyExecutor``, from what ``prepare_resources``
@@ -206,6 +206,10 @@ class LlmRequest:
     num_capacity_deferrals: int = 0
     num_pauses: int = 0
     num_forward_retries: int = 0  # forwards that failed under it and were retried (PyExecutor)
+    # Retries since it last generated a token, and its length at the last one: a forward that
+    # keeps failing under it (a poison request, a broken device) is not retried forever.
+    forward_retries_without_progress: int = 0
+    retried_at_len: int = 0
     error: str | None = None
     is_cancelled: bool = False
     first_token_time: float | None = None
@@ -307,11 +311,25 @@ class LlmRequest:
         self._start_over()
         self.num_pauses += 1
 
+    def can_retry_forward(self, max_retries: int) -> bool:
+        """Whether a failed forward may retry this request: fewer than ``max_retries`` retries
+        since it last generated a token (failures far apart are independent; failures in a row
+        are not)."""
+        if max_retries < 1:
+            return False
+        progressed = len(self.tokens) - num_in_flight_tokens(self.tokens) > self.retried_at_len
+        return progressed or self.forward_retries_without_progress < max_retries
+
     def retry_after_failed_forward(self) -> None:
         """Start over as context, as :meth:`pause` does, after a forward it was in failed:
-        the KV that forward should have written cannot be trusted, so it is recomputed."""
+        the KV that forward should have written cannot be trusted, so it is recomputed. Call it
+        once the failed forward's placeholders are dropped."""
+        if len(self.tokens) > self.retried_at_len:
+            self.forward_retries_without_progress = 0
         self._start_over()
         self.num_forward_retries += 1
+        self.forward_retries_without_progress += 1
+        self.retried_at_len = len(self.tokens)
 
     def _start_over(self) -> None:
         self.state = LlmRequestState.CONTEXT_INIT

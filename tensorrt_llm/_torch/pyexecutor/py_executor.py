@@ -617,16 +617,17 @@ class PyExecutor:
 
     def _forward_failed(self, requests: list[LlmRequest], error: Exception, stats: IterationStats) -> list[LlmRequest]:
         """A forward failed at launch or on the device (call from the ``except`` block). The batch
-        counts as failed; its requests with a retry left (``max_forward_retries``) are returned
-        to :meth:`_start_over`, the others fail with the error."""
+        counts as failed; its requests with a retry left (``max_forward_retries`` in a row, see
+        ``LlmRequest.can_retry_forward``) are returned to :meth:`_start_over`, the others fail
+        with the error."""
         logger.exception("iteration %d: the forward failed; retrying or failing its %d requests",
                          stats.iteration, len(requests))
         self.num_failed_batches += 1
         self.last_error = stats.error = str(error)
         live = [r for r in requests if not r.is_finished and r.request_id not in self._dropping]
         limit = self.config.max_forward_retries
-        retry = [r for r in live if r.num_forward_retries < limit]
-        failed = [r for r in live if r.num_forward_retries >= limit]
+        retry = [r for r in live if r.can_retry_forward(limit)]
+        failed = [r for r in live if not r.can_retry_forward(limit)]
         stats.num_failed_requests, stats.num_retried_requests = len(failed), len(retry)
         for request in failed:
             self._fail(request, error)

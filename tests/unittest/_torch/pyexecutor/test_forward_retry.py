@@ -23,7 +23,9 @@ PARAMS = SamplingParams(max_tokens=10, ignore_eos=True)
 
 
 def _generate(**options) -> tuple[list[list[int]], LLM]:
-    with LLM(MODEL, max_num_tokens=64, max_seq_len=128, enable_chunked_prefill=True, **options) as llm:
+    # every request fits one forward, so a request that starts over is prefilled (and samples)
+    # in the forward right after the failed one
+    with LLM(MODEL, max_num_tokens=512, max_seq_len=128, enable_chunked_prefill=True, **options) as llm:
         handles = [llm.generate_async(prompt, PARAMS) for prompt in PROMPTS]
         outputs = [handle.result(timeout=60).outputs[0].token_ids for handle in handles]
     return outputs, llm
@@ -33,8 +35,10 @@ def _generate(**options) -> tuple[list[list[int]], LLM]:
 @pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap"])
 def test_retried_requests_produce_the_tokens_of_a_run_without_faults(overlap):
     reference, _ = _generate(disable_overlap_scheduler=not overlap)
+    # forwards fail 4 apart: every request generates tokens between two failures, so each
+    # failure is a first one in a row for it and the default single retry covers them all
     faults = FaultInjectionConfig(forward_error_every=4)
-    outputs, llm = _generate(disable_overlap_scheduler=not overlap, fault_injection=faults, max_forward_retries=100)
+    outputs, llm = _generate(disable_overlap_scheduler=not overlap, fault_injection=faults)
     assert outputs == reference
     retried = sum(s.num_retried_requests for s in llm.executor.iteration_stats)
     assert llm.health()["failed_batches"] == llm.executor.model_engine.faults_injected["forward_error"] > 0
@@ -42,6 +46,18 @@ def test_retried_requests_produce_the_tokens_of_a_run_without_faults(overlap):
     kv = llm.executor.kv_cache_manager
     kv.check_integrity()
     assert kv.pool.num_free + kv.pool.num_cached == kv.pool.num_blocks
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+def test_a_forward_that_keeps_failing_fails_its_requests_after_their_retries():
+    faults = FaultInjectionConfig(forward_error_every=1)  # every forward fails
+    with LLM(MODEL, max_num_tokens=64, max_seq_len=128, fault_injection=faults, max_forward_retries=2) as llm:
+        handles = [llm.generate_async(prompt, PARAMS) for prompt in PROMPTS]
+        for handle in handles:
+            with pytest.raises(RequestError, match="fault injection"):
+                handle.result(timeout=60)
+        retried = sum(s.num_retried_requests for s in llm.executor.iteration_stats)
+        assert retried == 2 * len(PROMPTS)  # each started over twice, then failed
 
 
 @pytest.mark.usefixtures("one_torch_thread")

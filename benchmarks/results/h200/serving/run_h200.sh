@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# The H200 serving runs of benchmarks/results/h200/serving/README.md, one phase per device call.
+#   bash benchmarks/results/h200/serving/run_h200.sh PHASE OUT_DIR
+# PHASE: setup | cuda-tests | load RATES | smollm2 | faults DURATION_S | gaps
+# The H200 image lacks fastapi, uvicorn, openai and gguf: setup installs the wheels in .whl
+# (README: "Serving on a GPU" says how to fetch them) into /tmp/site.
+set -uo pipefail
+PY=${PY:-python3}
+phase=$1; out=$2; shift 2
+here=$(cd "$(dirname "$0")/../../../.." && pwd)
+cd "$here"
+export PYTHONPATH="$here:/tmp/site" PYTHONUNBUFFERED=1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+mkdir -p "$out"
+MODEL=${MODEL:-mistral-nemo-12b-random}
+NEMO=("$MODEL" --extra_llm_api_options benchmarks/results/h200/serving/nemo.yaml --max_queue_size 128)
+
+case $phase in
+  setup)
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+    python3 -c "import fastapi, uvicorn, openai, gguf, torch; print('torch', torch.__version__, torch.cuda.get_device_name())"
+    ;;
+  cuda-tests)
+    timeout 300 "$PY" -m pytest tests/unittest/_torch/attention/test_cuda.py -q -x -p no:cacheprovider 2>&1 | tail -15 | tee "$out/pytest_cuda.log"
+    ;;
+  load)
+    "$PY" -m benchmarks.serve_soak --out "$out" --rates "$1" --duration-s "${2:-180}" -- "${NEMO[@]}"
+    ;;
+  smollm2)
+    "$PY" -m benchmarks.gpu_smollm2 --out "$out" --model "$1"
+    ;;
+  faults)
+    "$PY" -m benchmarks.serve_soak --out "$out" --rates 1 --duration-s "$1" --health-interval-s 0.5 -- \
+      "$MODEL" --extra_llm_api_options benchmarks/results/h200/serving/nemo_faults.yaml --max_queue_size 128
+    ;;
+  gaps)
+    "$PY" -m benchmarks.gpu_gaps --requests "${1:-150}" --policy recheck --top 10 --json "$out/gaps.json" 2>&1 | tail -30
+    ;;
+  *) echo "unknown phase $phase"; exit 2 ;;
+esac
