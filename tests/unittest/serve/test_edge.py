@@ -132,12 +132,31 @@ def test_a_head_that_stops_arriving_on_a_kept_alive_connection_gets_408(edge_ser
     assert answer.status == 408 and answer.error()["code"] == 408
 
 
-def test_a_connection_that_sends_nothing_is_closed_silently(edge_server):
-    start = time.monotonic()
-    with socket.create_connection(("127.0.0.1", edge_server.port)) as sock:
-        sock.settimeout(READ_S)
-        assert read_to_close(sock) == b""
-    assert time.monotonic() - start < TIMEOUT_S + 5
+def test_a_new_connection_is_idle_until_its_first_byte(one_torch_thread):
+    """A loaded client may connect long before it writes its request. Until its first byte the
+    connection is idle (the keep-alive time), not a head arriving slowly (the head timeout):
+    closing it at the head timeout lost those requests without a trace. One that never sends
+    is closed silently once the keep-alive time is up."""
+    keep_alive_s = 1.5
+    config = ServerConfig(header_timeout_s=0.2, timeout_keep_alive_s=keep_alive_s)
+    server = RunningServer(tiny_llm(), api_key=None, config=config)
+    try:
+        start = time.monotonic()
+        with socket.create_connection(("127.0.0.1", server.port)) as sock:
+            sock.settimeout(READ_S)
+            assert read_to_close(sock) == b""
+        assert keep_alive_s * 0.8 <= time.monotonic() - start < keep_alive_s + 5
+        with socket.create_connection(("127.0.0.1", server.port)) as sock:
+            sock.settimeout(READ_S)
+            time.sleep(1.0)  # five head timeouts
+            sock.sendall(post_head(len(VALID), b"Connection: close\r\n") + VALID)
+            answer = Answer(read_to_close(sock), 0.0)
+        assert answer.status == 200, answer.raw
+        # once its head has begun, the head timeout applies
+        half = exchange(server, b"POST /v1/completions HTTP/1.1\r\nHost: t")
+        assert half.status == 408 and half.elapsed_s < 5
+    finally:
+        server.stop()
 
 
 def test_a_body_that_stops_arriving_gets_408(edge_server):
