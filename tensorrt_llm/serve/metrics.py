@@ -87,6 +87,9 @@ class ServerMetrics:
             registry=registry)
         self.failed_batches = Counter(
             "trtllm_failed_batches_total", "Executor iterations whose batch failed", registry=registry)
+        self.requests_retried = Counter(
+            "trtllm_requests_retried_total", "Requests of a failed forward that started over instead of failing",
+            registry=registry)
         self.iterations = Counter("trtllm_iterations_total", "Executor iterations", registry=registry)
         self.prompt_tokens = Counter(
             "trtllm_prompt_tokens_total", "Prompt tokens of requests that got their first token", registry=registry)
@@ -134,6 +137,7 @@ class ServerMetrics:
             self.budget_overshoots.inc()
         if stats.error is not None:
             self.failed_batches.inc()
+        self.requests_retried.inc(stats.num_retried_requests)
         if stats.forward_tokens > 0:
             self.forward_tokens.observe(stats.forward_tokens)
             self.budget_utilization.observe(stats.budget_utilization)

@@ -134,6 +134,8 @@ def test_fault_injection_every_request_ends_and_health_tells_the_truth(one_torch
         assert health.json()["failed_batches"] == injected["forward_error"]  # ... but they show
         metrics = httpx.get(f"{server.url}/prometheus/metrics").text
         assert f'trtllm_faults_injected_total{{kind="nan_logits"}} {float(injected["nan_logits"])}' in metrics
+        retried = sum(s.num_retried_requests for s in server.executor.iteration_stats)
+        assert f"trtllm_requests_retried_total {float(retried)}" in metrics
         admitted = num_requests - outcomes["rejected:unhealthy"]
         assert f'trtllm_request_success_total{{finished_reason="error"}} {float(admitted - outcomes["completed:length"])}' in metrics
         assert f'trtllm_requests_rejected_total{{reason="unhealthy"}} {float(outcomes["rejected:unhealthy"])}' in metrics
