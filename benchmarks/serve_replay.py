@@ -1,14 +1,16 @@
 """Replay a request trace against a running server over HTTP (DESIGN.md §6).
 
     python -m benchmarks.serve_replay --url http://127.0.0.1:8000 [--trace FILE --format ...] \
-        [--num-requests N] [--time-scale X] [--qps R] [--max-output-tokens N] [--json OUT.json]
+        [--num-requests N] [--time-scale X | --qps R | --concurrency N] [--max-output-tokens N] [--json OUT.json]
 
 Without ``--trace`` it sends the built-in default scenario (``benchmarks.scenario``), loaded
 and re-timed exactly as ``benchmarks.replay`` loads it. Each request is sent at its trace
 timestamp (after ``--time-scale`` / ``--qps``) with the ``openai`` async client, as a
 streamed ``/v1/completions`` call whose prompt is the trace's token ids — so the prefix
 structure the trace describes reaches the server exactly — asking for the trace's output
-length (``ignore_eos``, greedy). Time to first token and inter-token latency are measured at
+length (``ignore_eos``, greedy). ``--concurrency N`` replaces the timestamps by a closed loop: N
+users, each sending the trace's next request as soon as its previous one is answered (requests
+in trace order; arrival times ignored). Time to first token and inter-token latency are measured at
 the client; ``output_tokens_per_s`` is every delivered token over the wall time from the
 first send to the last answer. The server's budget counters are the difference of its
 ``/prometheus/metrics`` before and after the run.
@@ -108,9 +110,11 @@ def discover(url: str, api_key: str | None) -> tuple[str, int | None]:
 
 
 async def send_one(client: openai.AsyncOpenAI, target: ReplayTarget, request: TraceRequest, max_tokens: int,
-                   start: float) -> RequestRecord:
-    """Wait for the request's arrival time, then stream it and time every token."""
-    await asyncio.sleep(max(0.0, start + request.arrival_s - time.perf_counter()))
+                   start: float | None) -> RequestRecord:
+    """Wait for the request's arrival time (``start`` + its ``arrival_s``; None: send now), then
+    stream it and time every token."""
+    if start is not None:
+        await asyncio.sleep(max(0.0, start + request.arrival_s - time.perf_counter()))
     record = RequestRecord(sent=time.perf_counter())
     prompt = request.prompt_token_ids().tolist()
     try:
@@ -147,17 +151,23 @@ async def send_one(client: openai.AsyncOpenAI, target: ReplayTarget, request: Tr
 
 
 async def replay(trace: Trace, target: ReplayTarget, max_output_tokens: int | None,
-                 progress: Progress) -> tuple[list[RequestRecord], float, float]:
-    """Every request of ``trace`` at its time; returns (records, first send, last answer)."""
+                 progress: Progress, concurrency: int | None = None) -> tuple[list[RequestRecord], float, float]:
+    """Every request of ``trace`` at its time, or (``concurrency``) in trace order by that many
+    users in a closed loop; returns (records, first send, last answer)."""
     async with openai.AsyncOpenAI(base_url=f"{target.url}/v1", api_key=target.api_key or "none", max_retries=0,
                                   timeout=target.timeout_s) as client:
         start = time.perf_counter()
         done = 0
+        users = asyncio.Semaphore(concurrency) if concurrency else None  # FIFO: requests go in trace order
 
         async def tracked(request: TraceRequest) -> RequestRecord:
             nonlocal done
             max_tokens = min(request.output_len, max_output_tokens or request.output_len)
-            record = await send_one(client, target, request, max_tokens, start)
+            if users is None:
+                record = await send_one(client, target, request, max_tokens, start)
+            else:
+                async with users:
+                    record = await send_one(client, target, request, max_tokens, None)
             done += 1
             progress.update(done)
             return record
@@ -212,6 +222,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-requests", type=int, default=None, help="keep the first N requests")
     p.add_argument("--time-scale", type=float, default=1.0, help="multiply arrival times (> 1 = less load)")
     p.add_argument("--qps", type=float, default=None, help="replace arrivals by Poisson arrivals at this rate")
+    p.add_argument("--concurrency", type=int, default=None,
+                   help="closed loop: N users, each sends the next request when its previous one is answered")
     p.add_argument("--max-output-tokens", type=int, default=None, help="cap each request's output length")
     p.add_argument("--json", metavar="OUT.json", help="write the result")
     p.add_argument("--seed", type=int, default=0, help="scenario seed; Azure content seed; --qps arrival seed")
@@ -224,7 +236,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    for name in ("num_requests", "max_output_tokens", "vocab_size", "tokens_per_block"):
+    for name in ("num_requests", "max_output_tokens", "vocab_size", "tokens_per_block", "concurrency"):
         value = getattr(args, name)
         if value is not None and value < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
@@ -234,6 +246,8 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
         value = getattr(args, name)
         if value is not None and not (math.isfinite(value) and value > 0):
             parser.error(f"--{name} must be a finite number > 0, got {value}")
+    if args.concurrency is not None and (args.qps is not None or args.time_scale != 1.0):
+        parser.error("--concurrency replaces the arrival times: it does not go with --qps or --time-scale")
 
 
 def format_table(document: dict) -> str:
@@ -272,7 +286,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     before = scrape_counters(url)
     progress = Progress("serve", len(trace))
-    records, first, last = asyncio.run(replay(trace, target, args.max_output_tokens, progress))
+    records, first, last = asyncio.run(replay(trace, target, args.max_output_tokens, progress, args.concurrency))
     after = scrape_counters(url)
     result = summarize(records, last - first, counter_diff(before, after))
     progress.close(result["completed"] + result["errored"], f"{result['errored']} errored")
@@ -283,6 +297,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "config": {
             "url": url, "model": model, "trace": args.trace or "default-scenario", "format": trace.format,
             "requests": len(trace), "num_requests": args.num_requests, "time_scale": args.time_scale, "qps": args.qps,
+            "concurrency": args.concurrency,
             "seed": args.seed, "max_output_tokens": args.max_output_tokens, "vocab_size": vocab_size,
             "tokens_per_block": args.tokens_per_block, "timeout_s": args.timeout, "notes": notes,
         },

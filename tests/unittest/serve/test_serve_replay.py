@@ -36,6 +36,35 @@ def test_serve_replay_over_a_mooncake_trace_completes_every_request(tiny_server,
     assert "serve_replay:" in capsys.readouterr().out
 
 
+def test_serve_replay_closed_loop_never_has_more_than_n_requests_in_flight(tiny_server, tmp_path, monkeypatch):
+    rows = [{"task_id": i, "input_ids": [1 + (i * 7 + j) % 500 for j in range(20 + i)], "output_tokens": 3} for i in range(8)]
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    in_flight, peak, order = 0, 0, []
+    send_one = serve_replay.send_one
+
+    async def counting(client, target, request, max_tokens, start):
+        nonlocal in_flight, peak
+        assert start is None  # a closed loop sends at once
+        in_flight += 1
+        peak = max(peak, in_flight)
+        order.append(request.request_index)
+        try:
+            return await send_one(client, target, request, max_tokens, start)
+        finally:
+            in_flight -= 1
+
+    monkeypatch.setattr(serve_replay, "send_one", counting)
+    out = tmp_path / "replay.json"
+    assert serve_replay.main(["--url", tiny_server.url, "--trace", str(trace), "--api-key", tiny_server.api_key,
+                              "--concurrency", "3", "--json", str(out)]) == 0
+    document = json.loads(out.read_text())
+    assert document["config"]["concurrency"] == 3 and document["result"]["completed"] == 8
+    assert peak == 3 and order == list(range(8))  # three users, requests in trace order
+    with pytest.raises(SystemExit):
+        serve_replay.main(["--url", tiny_server.url, "--concurrency", "2", "--qps", "3"])
+
+
 def whole_prompt_hit_trace(path, num_requests: int = 60) -> None:
     """Block-aligned prompts (8 blocks of 32) sent again and again, between unrelated prompts:
     without partial reuse a fully cached repeat is charged 1 token and recomputes its last block."""
