@@ -10,6 +10,11 @@ a ``LlamaConfig``              drawn from its seed                          none
 =============================  ===========================================  =========
 
 The served model id is the name, or the file's stem for a path.
+
+Without a ``dtype``, a checkpoint on the CPU runs as ``float16-weights`` (the linear layers'
+weights in float16, everything else float32: :func:`default_checkpoint_dtype`), the fastest
+format whose perplexity stays within 2% of float32 (``benchmarks/decode_speed.py``); random-weight
+presets keep their own dtype.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from tensorrt_llm._torch.models.checkpoints import (
     open_gguf,
     packaged_checkpoint_path,
 )
-from tensorrt_llm._torch.models.modeling_llama import MODEL_PRESETS, LlamaConfig, LlamaForCausalLM
+from tensorrt_llm._torch.models.modeling_llama import FLOAT16_WEIGHTS, MODEL_PRESETS, LlamaConfig, LlamaForCausalLM
 from tensorrt_llm.llmapi.tokenizer import Tokenizer, UnsupportedTokenizer
 
 logger = logging.getLogger(__name__)
@@ -44,6 +49,18 @@ class LoadedModel:
     model: LlamaForCausalLM
     tokenizer: Tokenizer | None  # None: the model takes token ids only
     from_seed: bool = False  # random weights drawn from the config's seed (any rank can redraw them)
+
+
+def default_checkpoint_dtype(device: torch.device | str = "cpu") -> str:
+    """A checkpoint's dtype when none is asked for: on the CPU, ``float16-weights`` where fbgemm's
+    float16 GEMM runs (x86 with AVX2 or better), else ``float32``; elsewhere ``float32`` (``LLM``
+    asks for bfloat16 on a GPU itself)."""
+    if torch.device(device).type != "cpu":
+        return "float32"
+    fbgemm = "fbgemm" in torch.backends.quantized.supported_engines
+    if fbgemm and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):
+        return FLOAT16_WEIGHTS
+    return "float32"
 
 
 def seeded_model(
@@ -77,7 +94,7 @@ def describe_checkpoint(
     path, model_id = _checkpoint_path(model)
     if seed is not None:
         raise ValueError("seed chooses random weights; a checkpoint has its own")
-    config = llama_config_from_gguf(open_gguf(path), dtype=dtype or "float32")
+    config = llama_config_from_gguf(open_gguf(path), dtype=dtype or default_checkpoint_dtype())
     return CheckpointModel(model_id, path, config, _tokenizer(path, config))
 
 
@@ -106,8 +123,10 @@ def load_model(
         model_id, config = seeded
         return LoadedModel(model_id, LlamaForCausalLM(config, device=device), None, from_seed=True)
     path, model_id = _checkpoint_path(model)
-    loaded = _load_gguf(path, model_id, dtype, seed)
+    loaded = _load_gguf(path, model_id, dtype or default_checkpoint_dtype(device), seed)
     if torch.device(device).type != "cpu":
+        if loaded.model.config.packs_linear_weights:
+            raise ValueError(f"dtype {FLOAT16_WEIGHTS!r} runs on the CPU only, not on {torch.device(device).type}")
         loaded.model.to(device)  # dequantised on the CPU, then moved (RoPE frequencies keep their dtype)
     return loaded
 
@@ -117,10 +136,10 @@ def _override(config: LlamaConfig, dtype: str | None, seed: int | None) -> Llama
     return dataclasses.replace(config, **overrides)
 
 
-def _load_gguf(path: Path, model_id: str, dtype: str | None, seed: int | None) -> LoadedModel:
+def _load_gguf(path: Path, model_id: str, dtype: str, seed: int | None) -> LoadedModel:
     if seed is not None:
         raise ValueError("seed chooses random weights; a checkpoint has its own")
-    model = load_llama_from_gguf(path, dtype=dtype or "float32")
+    model = load_llama_from_gguf(path, dtype=dtype)
     return LoadedModel(model_id, model, _tokenizer(path, model.config))
 
 

@@ -1,7 +1,6 @@
 """Paged attention for accelerators: a per-forward plan built once on the host, read by every layer.
 
-The CPU path of the model (``modeling_llama``) builds slot indices per request and loops over
-requests in every layer. On a GPU that loop, and any read of a device value on the host, would
+On a GPU a loop over requests in every layer, or any read of a device value on the host, would
 stall the device, so this backend moves all of it into :func:`build_plan`, which runs once per
 forward on the host from plain ints, ships a handful of index tensors to the device, and decides
 which kernel serves which request:

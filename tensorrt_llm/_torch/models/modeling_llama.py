@@ -50,17 +50,24 @@ import torch.nn.functional as F
 from torch import nn
 
 from tensorrt_llm._torch.attention_backend.kernels import fused_rope_applies, rotate_qk_
+from tensorrt_llm._torch.attention_backend.cpu_paged import CpuLayerKV, build_cpu_plan
 from tensorrt_llm._torch.attention_backend.paged import PagedAttentionPlan, PagedLayerKV, build_plan
 from tensorrt_llm._torch.modules.linear import Linear, TensorParallelMode
 from tensorrt_llm.mapping import Mapping
 
 WeightMap = WeightMapping[str, torch.Tensor]
+FLOAT16_WEIGHTS = "float16-weights"
+LayerKV = CpuLayerKV | PagedLayerKV  # one layer's paged KV on the CPU / an accelerator: ``attend(q, k, v, scale)``
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "float64": torch.float64,
     "bfloat16": torch.bfloat16,  # the default on CUDA (DESIGN.md §7)
     "float16": torch.float16,
+    # The linear layers' weights stored in float16 and multiplied in float32 (fbgemm, CPU only):
+    # half the bytes a decode step reads; activations, norms, embedding and KV stay float32.
+    # The CPU default for a GGUF checkpoint (llm_utils.default_dtype).
+    FLOAT16_WEIGHTS: torch.float32,
 }
 
 
@@ -85,7 +92,7 @@ class LlamaConfig:
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-6
     max_position_embeddings: int = 8192
-    dtype: str = "float32"  # "float32" | "float64" | "bfloat16" | "float16"
+    dtype: str = "float32"  # "float32" | "float64" | "bfloat16" | "float16" | "float16-weights"
     seed: int = 0
     tie_word_embeddings: bool = False  # the LM head is the embedding matrix (SmolLM2 and most small models)
 
@@ -126,7 +133,13 @@ class LlamaConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
+        """The activations' and the KV cache's dtype (and the weights', unless packed)."""
         return _DTYPES[self.dtype]
+
+    @property
+    def packs_linear_weights(self) -> bool:
+        """The linear layers keep their weights packed in float16 (``Linear.pack_float16``)."""
+        return self.dtype == FLOAT16_WEIGHTS
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -259,54 +272,6 @@ def _as_index(value: object) -> int | None:
         return None
 
 
-@dataclass(frozen=True, slots=True)
-class _PagedLayout:
-    """Flat slot indices derived once per forward from the metadata, shared by every layer."""
-
-    new_slots: torch.Tensor  # (T,) slot written by each new token
-    # One entry per request: its range in the flat input and the slots of all its positions.
-    requests: list[tuple[int, int, torch.Tensor]]
-
-    @staticmethod
-    def build(meta: AttentionMetadata, num_blocks: int) -> _PagedLayout:
-        tpb = meta.tokens_per_block
-        new_slots: list[torch.Tensor] = []
-        requests: list[tuple[int, int, torch.Tensor]] = []
-        start = 0
-        for r in range(meta.num_requests):
-            table = torch.tensor(
-                [_as_index(b) for b in meta.block_tables[r][: meta.num_blocks_needed(r)]],
-                dtype=torch.int64,
-            )
-            if table.numel() and int(table.max()) >= num_blocks:
-                raise ValueError(
-                    f"AttentionMetadata.block_tables[{r}] refers to block {int(table.max())}, "
-                    f"but the KV pools hold {num_blocks} blocks"
-                )
-            positions = torch.arange(meta.context_len(r))  # (ctx,)
-            slots = table[positions // tpb] * tpb + positions % tpb  # (ctx,)
-            end = start + meta.num_new_tokens[r]
-            new_slots.append(slots[meta.num_cached_tokens[r] :])  # (new,)
-            requests.append((start, end, slots))
-            start = end
-        flat = torch.cat(new_slots) if new_slots else torch.empty(0, dtype=torch.int64)  # (T,)
-        if flat.numel() != torch.unique(flat).numel():
-            raise ValueError(
-                "AttentionMetadata maps two new tokens of this forward to the same KV slot "
-                "(a block that is being written is shared)"
-            )
-        return _PagedLayout(new_slots=flat, requests=requests)
-
-
-@dataclass(frozen=True, slots=True)
-class _PagedKV:
-    """What one attention layer needs for a paged forward: the layout and its own pools."""
-
-    layout: _PagedLayout
-    k_pool: torch.Tensor  # (num_blocks * tokens_per_block, n_kv_head, head_dim), a view
-    v_pool: torch.Tensor  # (num_blocks * tokens_per_block, n_kv_head, head_dim), a view
-
-
 # --------------------------------------------------------------------------- modules
 
 
@@ -419,7 +384,7 @@ class Attention(nn.Module):
         position_ids: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        paged: _PagedKV | PagedLayerKV | None,
+        paged: LayerKV | None,
     ) -> torch.Tensor:
         T = x.shape[0]
         q = self.q_proj(x).view(T, self.n_head, self.head_dim)  # (T, n_head, head_dim)
@@ -434,36 +399,10 @@ class Attention(nn.Module):
             # One sequence, no cache: key j is visible to query i iff j <= i.
             mask = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()  # (T, T)
             y = self._attend(q, k, v, mask)  # (T, n_head, head_dim)
-        elif isinstance(paged, _PagedKV):
-            y = self._attend_paged(q, k, v, position_ids, paged)  # (T, n_head, head_dim)
-        else:  # an accelerator: the paged attention backend, no host synchronisation
+        else:  # the paged attention backend of the pools' device (attention_backend)
             y = paged.attend(q, k, v, self.scale)  # (T, n_head, head_dim)
         y = y.reshape(T, self.n_head * self.head_dim)  # (T, n_head * head_dim)
         return self.o_proj(y)  # (T, hidden), summed over the ranks' heads
-
-    def _attend_paged(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        position_ids: torch.Tensor,
-        paged: _PagedKV,
-    ) -> torch.Tensor:
-        layout = paged.layout
-        # Write first, so each request's new tokens see each other through the cache.
-        paged.k_pool[layout.new_slots] = k
-        paged.v_pool[layout.new_slots] = v
-        y = torch.empty_like(q)  # (T, n_head, head_dim)
-        for start, end, slots in layout.requests:
-            if start == end:
-                continue
-            keys = paged.k_pool[slots]  # (ctx, n_kv_head, head_dim)
-            values = paged.v_pool[slots]  # (ctx, n_kv_head, head_dim)
-            # Slot i of a request holds position i; mask by the caller's positions.
-            key_pos = torch.arange(slots.numel())  # (ctx,)
-            mask = key_pos[None, :] <= position_ids[start:end, None]  # (new, ctx)
-            y[start:end] = self._attend(q[start:end], keys, values, mask)
-        return y
 
     def _attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
@@ -509,7 +448,7 @@ class DecoderLayer(nn.Module):
         position_ids: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        paged: _PagedKV | PagedLayerKV | None,
+        paged: LayerKV | None,
     ) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), position_ids, cos, sin, paged)
         return x + self.mlp(self.post_attention_layernorm(x))
@@ -532,7 +471,7 @@ class LlamaModel(nn.Module):
         self,
         input_ids: torch.Tensor,
         position_ids: torch.Tensor,
-        paged: list[_PagedKV] | list[PagedLayerKV] | None,
+        paged: list[LayerKV] | None,
     ) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # (T, hidden)
         cos, sin = self.rotary_emb(position_ids)  # (T, head_dim/2) each
@@ -598,6 +537,12 @@ class LlamaForCausalLM(nn.Module):
         else:
             self._load_weights(weights)
         self.requires_grad_(False)
+        if config.packs_linear_weights:
+            if self.device.type != "cpu":
+                raise ValueError(f"dtype {FLOAT16_WEIGHTS!r} runs on the CPU only (fbgemm), not on {self.device.type}")
+            for module in self.modules():
+                if isinstance(module, Linear):
+                    module.pack_float16()
 
     @property
     def device(self) -> torch.device:
@@ -678,14 +623,15 @@ class LlamaForCausalLM(nn.Module):
                 device=k_cache[0].device,
             )
             return self.forward_with_plan(input_ids, position_ids, plan, k_cache, v_cache)
-        layout = _PagedLayout.build(attn_metadata, num_blocks)
-        num_slots = num_blocks * attn_metadata.tokens_per_block
-        flat = (num_slots, self.num_local_kv_heads, self.config.head_dim)
-        paged = [
-            _PagedKV(layout, k.view(flat), v.view(flat))  # (num_slots, n_kv_head, head_dim)
-            for k, v in zip(k_cache, v_cache)
-        ]
-        return self.model(input_ids, position_ids, paged)
+        plan = build_cpu_plan(
+            attn_metadata.num_new_tokens,
+            attn_metadata.num_cached_tokens,
+            attn_metadata.block_tables,
+            tokens_per_block=attn_metadata.tokens_per_block,
+            num_blocks=num_blocks,
+            dtype=self.config.torch_dtype,
+        )
+        return self.model(input_ids, position_ids, [plan.layer(k, v) for k, v in zip(k_cache, v_cache)])
 
     def forward_with_plan(
         self,

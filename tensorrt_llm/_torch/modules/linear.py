@@ -10,6 +10,12 @@ shape ``(out_features, in_features)``::
 
 A column layer followed by a row layer needs one collective for the pair: the column
 layer's output slice is exactly the row layer's input slice.
+
+On the CPU a layer may keep its weight packed in float16 (:meth:`Linear.pack_float16`, the
+``float16-weights`` dtype): fbgemm's fp16 GEMM reads half the bytes and widens them to float32
+in registers, so activations and accumulation stay float32. A decode step reads every weight
+once, so it reads half as much, and fbgemm's kernel also outruns the float32 GEMM at batch 16-64
+on this project's AVX2 machine (``benchmarks/decode_speed.py`` measures both).
 """
 
 from __future__ import annotations
@@ -85,6 +91,8 @@ class Linear(nn.Module):
             TensorParallelMode.ROW: (out_features, local),
         }[mode]
         self.weight = nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
+        # fbgemm's packed float16 copy of ``weight`` (pack_float16); what forward multiplies by when set.
+        self._packed: torch.ScriptObject | None = None
 
     @property
     def full_shape(self) -> tuple[int, int]:
@@ -100,8 +108,23 @@ class Linear(nn.Module):
             return full[:, self.start : self.stop]
         return full
 
+    def pack_float16(self) -> None:
+        """Multiply by ``weight`` rounded to float16 from now on (fbgemm, CPU, float32 ``weight``).
+        ``weight`` itself stays as it is (a checkpoint's cached tensor, shared): it is not read."""
+        if self.weight.device.type != "cpu" or self.weight.dtype != torch.float32:
+            raise ValueError(f"float16 packing needs a float32 weight on the CPU, got {self.weight.dtype} "
+                             f"on {self.weight.device.type}")
+        self._packed = torch.ops.quantized.linear_prepack_fp16(self.weight.detach(), None)
+
+    @property
+    def packed_float16(self) -> bool:
+        return self._packed is not None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)  # (T, local out) or (T, out) partial sum
+        if self._packed is not None:
+            y = torch.ops.quantized.linear_dynamic_fp16(x, self._packed)  # (T, local out), float32
+        else:
+            y = F.linear(x, self.weight)  # (T, local out) or (T, out) partial sum
         if self.tensor_parallel_mode is TensorParallelMode.ROW:
             return ops.allreduce(y)  # (T, out)
         if self.gather_output:

@@ -117,13 +117,14 @@ def test_default_kv_pool_of_a_real_model_is_capped():
 
 
 # --------------------------------------------------------------------------- the executor == the reference
-# The executor serves in float32 (the production dtype, and the weights it shares with the
-# loader's cache); the reference is float64 ``forward_full`` (no KV cache, plain causal
+# The executor serves in its CPU default, ``float16-weights`` (the linear layers' weights rounded
+# to float16, activations and KV in float32: what users get; ``float32`` is held to the same
+# reference below); the reference is float64 ``forward_full`` (no KV cache, plain causal
 # attention). Output o is the reference's greedy decoding exactly when, at every step i, the
 # reference's argmax after prompt + o[:i] is o[i]; causal attention gives all those argmaxes
-# from ONE forward over prompt + o[:-1]. Float32 moves SmolLM2's logits by ~1e-4, so the check
-# also requires the reference's best token to lead the next by far more: a near-tie shows up
-# as a clear failure, never as a flake.
+# from ONE forward over prompt + o[:-1]. Float32 moves SmolLM2's logits by ~1e-4 and float16
+# weights by ~1e-2, so the check also requires the reference's best token to lead the next by
+# far more: a near-tie shows up as a clear failure, never as a flake.
 MIN_MARGIN = 0.05
 MAX_TOKENS = 4
 
@@ -143,12 +144,13 @@ def reference_greedy(smollm2_path):
     return greedy
 
 
-@pytest.mark.parametrize("policy", POLICIES)
-def test_greedy_output_equals_the_float64_reference_under_every_policy(smollm2_tokenizer, reference_greedy, policy):
+@pytest.mark.parametrize("policy, dtype", [*((p, None) for p in POLICIES), ("recheck", "float32")])
+def test_greedy_output_equals_the_float64_reference_under_every_policy(smollm2_tokenizer, reference_greedy, policy, dtype):
     prompts = [smollm2_tokenizer.encode(chat(smollm2_tokenizer, q)) for q in QUESTIONS]
     params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
     options = small_pool(max_num_tokens=16, enable_chunked_prefill=True, token_budget_policy=policy)
-    with LLM(MODEL, **options) as llm:
+    with LLM(MODEL, dtype=dtype, **options) as llm:
+        assert llm.model_config.dtype == (dtype or "float16-weights")
         # The ~30-token prompts run in chunks of at most 16; the later two reuse the system prompt.
         outputs = [llm.generate(prompts[0], params), *llm.generate(prompts[1:], params)]
         stats = llm.iteration_stats

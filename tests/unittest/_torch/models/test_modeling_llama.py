@@ -16,6 +16,7 @@ import torch
 from hypothesis import given, note, settings
 from hypothesis import strategies as st
 
+from tensorrt_llm._torch.modules.linear import Linear
 from tensorrt_llm._torch.models import (
     MODEL_PRESETS,
     AttentionMetadata,
@@ -288,6 +289,73 @@ def test_two_requests_in_one_forward_do_not_affect_each_other(model: LlamaForCau
     assert max_diff(out_b2, full_logits(model, b_other)) < TOL
 
 
+def _batched_schedule_matches_full(model: LlamaForCausalLM, schedule: list[dict[str, int]], lengths: dict[str, int]) -> None:
+    """Run ``schedule`` (per step: request -> new tokens) on NaN-filled pools; every request's
+    logits must equal the reference on its whole sequence (a stray read, even a masked one of
+    another request's padding, would turn them into NaN)."""
+    seqs = {rid: random_tokens(n, seed=i + 40) for i, (rid, n) in enumerate(lengths.items())}
+    runner = PagedRunner(model, num_blocks=sum(-(-n // 4) for n in lengths.values()) + 2, tokens_per_block=4,
+                         seed=9, fill=float("nan"))
+    for rid in seqs:
+        runner.add(rid)
+    done = dict.fromkeys(seqs, 0)
+    outs: dict[str, list[torch.Tensor]] = {rid: [] for rid in seqs}
+    for step in schedule:
+        chunks = {rid: seqs[rid][done[rid] : done[rid] + n] for rid, n in step.items()}
+        for rid, logits in runner.step(chunks).items():
+            outs[rid].append(logits)
+            done[rid] += len(chunks[rid])
+    for rid, tokens in seqs.items():
+        assert done[rid] == len(tokens), rid
+        assert max_diff(torch.cat(outs[rid]), full_logits(model, tokens)) < TOL, rid
+
+
+def test_batched_cpu_attention_over_mixed_lengths(model: LlamaForCausalLM) -> None:
+    # Step 1: prefills of very different lengths (one group each where padding would be wasteful,
+    # shared where not). Step 2: decodes of lengths 2 to 61 beside a chunk over a cached prefix
+    # and an empty request: several decode groups, padded keys and queries in each.
+    lengths = {"long": 62, "mid": 24, "short": 3, "tiny": 2, "chunked": 30, "idle": 5}
+    schedule = [
+        {"long": 60, "mid": 22, "short": 1, "tiny": 1, "chunked": 10, "idle": 5},
+        {"tiny": 1, "long": 1, "chunked": 12, "short": 1, "mid": 1, "idle": 0},
+        {"chunked": 8, "long": 1, "mid": 1, "short": 1},
+    ]
+    _batched_schedule_matches_full(model, schedule, lengths)
+
+
+@settings(max_examples=25, deadline=None)
+@given(data=st.data())
+def test_property_any_batch_of_requests_matches_full(model: LlamaForCausalLM, data) -> None:
+    """Several requests, each split into chunks at random, advanced together in random steps."""
+    lengths = data.draw(st.lists(st.integers(1, 40), min_size=1, max_size=6), label="lengths")
+    rids = [f"r{i}" for i in range(len(lengths))]
+    remaining = dict(zip(rids, lengths))
+    schedule = []
+    while any(remaining.values()):
+        step = {}
+        for rid in data.draw(st.permutations(rids), label="order"):
+            if remaining[rid] and not data.draw(st.booleans(), label=f"{rid} waits"):
+                step[rid] = data.draw(st.integers(1, remaining[rid]), label=f"{rid} chunk")
+                remaining[rid] -= step[rid]
+        if step:
+            schedule.append(step)
+    note(f"lengths {dict(zip(rids, lengths))}, steps (request: new tokens) {schedule}")
+    _batched_schedule_matches_full(model, schedule, dict(zip(rids, lengths)))
+
+
+def test_decode_groups_bound_their_padding() -> None:
+    from tensorrt_llm._torch.attention_backend.cpu_paged import build_cpu_plan
+
+    # 60 decodes of ~100 positions and two of 4,000: padding every short one to 4,000 would read
+    # 40x their keys; the plan keeps the long ones apart.
+    k_lens = [100 + i for i in range(60)] + [4000, 3990]
+    tables = [list(range(sum(-(-k // 32) for k in k_lens[:r]), sum(-(-k // 32) for k in k_lens[: r + 1]))) for r in range(62)]
+    plan = build_cpu_plan([1] * 62, [k - 1 for k in k_lens], tables, tokens_per_block=32, num_blocks=10_000)
+    padded = sum(g.num_seqs * g.k_len for g in plan.groups)
+    assert padded <= 1.5 * sum(k_lens) + 4096 * len(plan.groups) and len(plan.groups) <= 3
+    assert sorted(int(r) for g in plan.groups for r in (range(62)[g.out_rows] if isinstance(g.out_rows, slice) else g.out_rows)) == list(range(62))
+
+
 def test_reused_prefix_blocks_give_full_logits(model: LlamaForCausalLM) -> None:
     prefix = random_tokens(12, seed=4)  # three full blocks of 4
     first = prefix + random_tokens(5, seed=5)
@@ -402,3 +470,31 @@ def test_forward_rejects_mismatched_inputs(model: LlamaForCausalLM) -> None:
 def test_kv_cache_shape(model: LlamaForCausalLM) -> None:
     cfg = model.config
     assert model.kv_cache_shape(10, 16) == (10, 16, cfg.num_kv_heads, cfg.head_dim)
+
+
+# --------------------------------------------------------------------------- float16 weights (CPU)
+
+
+def test_float16_weights_multiply_by_the_float32_weights_rounded() -> None:
+    # float16-weights keeps activations, norms, embedding and KV in float32 and rounds only the
+    # linear layers' weights: it computes what float32 computes on weights rounded to float16.
+    config = LlamaConfig(seed=5, dtype="float16-weights")
+    assert config.torch_dtype == torch.float32 and config.packs_linear_weights
+    packed = LlamaForCausalLM(config)
+    rounded = LlamaForCausalLM(dataclasses.replace(config, dtype="float32"))
+    assert not rounded.config.packs_linear_weights
+    with torch.no_grad():
+        for name, param in rounded.named_parameters():
+            if name.endswith("proj.weight") or name == "lm_head.weight":
+                param.copy_(param.half().float())
+    tokens = torch.tensor(random_tokens(20, seed=14))
+    assert all(m.packed_float16 for m in packed.modules() if isinstance(m, Linear))
+    assert max_diff(packed.forward_full(tokens), rounded.forward_full(tokens)) < 1e-4
+    # The paged path runs the same packed layers.
+    paged = run_chunked(PagedRunner(packed, tokens_per_block=4), "r", tokens.tolist(), [9, 1, 10])
+    assert max_diff(paged, packed.forward_full(tokens)) < 1e-4
+
+
+def test_float16_packing_needs_float32_on_the_cpu() -> None:
+    with pytest.raises(ValueError, match="float32 weight on the CPU"):
+        Linear(8, 8, dtype=torch.float64).pack_float16()
