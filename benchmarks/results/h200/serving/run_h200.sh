@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The H200 serving runs of benchmarks/results/h200/serving/README.md, one phase per device call.
 #   bash benchmarks/results/h200/serving/run_h200.sh PHASE OUT_DIR
-# PHASE: setup | cuda-tests | load RATES | smollm2 | faults DURATION_S | gaps
+# PHASE: setup | cuda-tests | load RATES [DURATION_S] | smollm2 MODEL | faults DURATION_S [SERVE_FLAGS] | gaps
 # The H200 image lacks fastapi, uvicorn, openai and gguf: setup installs the wheels in .whl
 # (README: "Serving on a GPU" says how to fetch them) into /tmp/site.
 set -uo pipefail
@@ -29,9 +29,10 @@ case $phase in
   smollm2)
     "$PY" -m benchmarks.gpu_smollm2 --out "$out" --model "$1"
     ;;
-  faults)
-    "$PY" -m benchmarks.serve_soak --out "$out" --rates 1 --duration-s "$1" --health-interval-s 0.5 -- \
-      "$MODEL" --extra_llm_api_options benchmarks/results/h200/serving/nemo_faults.yaml --max_queue_size 128
+  faults)  # faults DURATION_S [more trtllm-serve flags]
+    duration=$1; shift
+    "$PY" -m benchmarks.serve_soak --out "$out" --rates 1 --duration-s "$duration" --health-interval-s 0.5 -- \
+      "$MODEL" --extra_llm_api_options benchmarks/results/h200/serving/nemo_faults.yaml --max_queue_size 128 "$@"
     ;;
   gaps)
     "$PY" -m benchmarks.gpu_gaps --requests "${1:-150}" --policy recheck --top 10 --json "$out/gaps.json" 2>&1 | tail -30
