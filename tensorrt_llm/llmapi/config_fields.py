@@ -49,6 +49,8 @@ from typing import Any, Iterable, Iterator, Mapping
 
 import yaml
 
+from tensorrt_llm._torch.pyexecutor.config import parse_enum
+
 __all__ = [
     "FieldSpec", "add_arguments", "deep_merge", "from_mapping", "nested", "overrides_from_args", "parse_mapping",
     "to_mapping", "walk",
@@ -318,13 +320,7 @@ def _convert(field: dataclasses.Field, hint: Any, value: Any, path: str, exclude
             raise ValueError(f"{path} must be a list, got {value!r}")
         return [_scalar(item, v, f"{path}[]") for v in value]
     if isinstance(kind, type) and issubclass(kind, enum.Enum):
-        if isinstance(value, kind):
-            return value
-        try:
-            return kind(value)
-        except ValueError:
-            choices = ", ".join(repr(member.value) for member in kind)
-            raise ValueError(f"{path} must be one of {choices}, got {value!r}") from None
+        return parse_enum(kind, value, path)
     return _scalar(kind, value, path)
 
 

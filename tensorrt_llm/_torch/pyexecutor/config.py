@@ -30,7 +30,9 @@ class TokenBudgetPolicyName(enum.Enum):
     CLAIM = "claim"  # ours, later work: pin every matched prefix first, then charge exact costs
 
 
-def _enum(kind: type[enum.Enum], value: object, name: str) -> enum.Enum:
+def parse_enum(kind: type[enum.Enum], value: object, name: str) -> enum.Enum:
+    """``value`` as a member of ``kind`` (a member, or a member's value); ValueError naming
+    ``name`` and the choices otherwise."""
     if isinstance(value, kind):
         return value
     try:
@@ -209,11 +211,11 @@ class ExecutorConfig:
             _positive("iter_stats_max_iterations", self.iter_stats_max_iterations)
         if self.fault_injection is not None and not isinstance(self.fault_injection, FaultInjectionConfig):
             raise ValueError(f"fault_injection must be a FaultInjectionConfig, got {type(self.fault_injection).__name__}")
-        self.context_chunking_policy = _enum(ContextChunkingPolicy, self.context_chunking_policy, "context_chunking_policy")
-        self.capacity_scheduler_policy = _enum(
+        self.context_chunking_policy = parse_enum(ContextChunkingPolicy, self.context_chunking_policy, "context_chunking_policy")
+        self.capacity_scheduler_policy = parse_enum(
             CapacitySchedulerPolicy, self.capacity_scheduler_policy, "capacity_scheduler_policy"
         )
-        self.token_budget_policy = _enum(TokenBudgetPolicyName, self.token_budget_policy, "token_budget_policy")
+        self.token_budget_policy = parse_enum(TokenBudgetPolicyName, self.token_budget_policy, "token_budget_policy")
         if self.cuda_graph_config is not None and not isinstance(self.cuda_graph_config, CudaGraphConfig):
             raise ValueError(
                 f"cuda_graph_config must be a CudaGraphConfig or None, got {type(self.cuda_graph_config).__name__}"
