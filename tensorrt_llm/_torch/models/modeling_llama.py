@@ -66,7 +66,7 @@ _DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
     # The linear layers' weights stored in float16 and multiplied in float32 (fbgemm, CPU only):
     # half the bytes a decode step reads; activations, norms, embedding and KV stay float32.
-    # The CPU default for a GGUF checkpoint (llm_utils.default_dtype).
+    # The CPU default for a GGUF checkpoint (llm_utils.default_checkpoint_dtype).
     FLOAT16_WEIGHTS: torch.float32,
 }
 
@@ -605,8 +605,11 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, position_ids: (T,) int64 flat over requests. k_cache[layer], v_cache[layer]:
         the paged pools (kv_cache_shape). Writes the new tokens' K/V into their slots, then each
         new token attends causally to all positions <= its own position of the same request
-        (cached prefix + new tokens). Returns hidden states (T, hidden) after the final norm.
-        Never reads slots beyond a request's own length."""
+        (cached prefix + new tokens); request r's new tokens sit at positions num_cached_tokens[r],
+        num_cached_tokens[r] + 1, ... (position_ids must say so: they drive RoPE, the masks follow
+        the metadata). Returns hidden states (T, hidden) after the final norm. Never reads slots
+        beyond a request's own length. The attention is ``attention_backend.cpu_paged``'s batched
+        calls on the CPU, ``build_plan``'s kernels on an accelerator (``forward_with_plan``)."""
         T = attn_metadata.num_tokens
         self._check_ids(input_ids, "input_ids", T)
         self._check_ids(position_ids, "position_ids", T)
