@@ -126,7 +126,7 @@ class RequestOutputHandle:
             except Exception as failure:  # noqa: BLE001 - whatever decoding raises is this request's alone
                 completion.text_diff = ""
                 error = error or f"DetokenizationError: request {self.request_id}: {type(failure).__name__}: {failure}"
-                logging.getLogger(__name__).error("%s", error)
+                logger.error("%s", error)
                 if not finished:
                     finished = True
                     self.abort()  # the executor stops generating for it; what it still sends is not read
@@ -385,9 +385,11 @@ def _max_seq_len_source(config: ExecutorConfig, options: dict, model: LlamaConfi
     """Which limit set ``config.max_seq_len``, in words for the start-up log."""
     if "max_seq_len" in options:
         return "as configured"
-    if pool_tokens is not None and config.max_seq_len == pool_tokens < model.max_position_embeddings:
+    if config.max_seq_len == model.max_position_embeddings:
+        return "the model's max_position_embeddings"
+    if config.max_seq_len == pool_tokens:
         return f"what the KV pool holds for one sequence; the model has {model.max_position_embeddings} positions"
-    return "the model's max_position_embeddings"
+    return "ExecutorConfig's default"  # several ranks keep it (each rank sizes its own pool)
 
 
 def resolve_device(device: str | torch.device, *, ranks: int = 1) -> torch.device:

@@ -178,7 +178,7 @@ class PyExecutor:
         self.overlap = not disabled if disabled is not None else model_engine.completes_asynchronously
         self._in_flight: _InFlight | None = None
         # Requests starting over after a failed forward: a later forward already in flight was
-        # built on the failed one's tokens, so its output for them is dropped (_retry_or_fail).
+        # built on the failed one's tokens, so its output for them is dropped (_start_over).
         self._dropping: frozenset[int] = frozenset()
         self.active_requests: list[LlmRequest] = []
         # A ring when iter_stats_max_iterations is set (a server); the whole record otherwise (a replay).
@@ -525,7 +525,8 @@ class PyExecutor:
 
     def _complete(self, flight: _InFlight) -> None:
         """Wait for the forward; its tokens reach the requests, the KV manager records what it
-        computed, its statistics are published. A failure fails that batch's requests."""
+        computed, its statistics are published. A forward that failed on the device retries its
+        requests (:meth:`_forward_failed`); a failure after it fails that batch's requests."""
         try:
             output = flight.pending.result()
         except Exception as error:  # the forward failed on the device: retry its requests
@@ -625,9 +626,9 @@ class PyExecutor:
         self.num_failed_batches += 1
         self.last_error = stats.error = str(error)
         live = [r for r in requests if not r.is_finished and r.request_id not in self._dropping]
-        limit = self.config.max_forward_retries
-        retry = [r for r in live if r.can_retry_forward(limit)]
-        failed = [r for r in live if not r.can_retry_forward(limit)]
+        retry, failed = [], []
+        for request in live:
+            (retry if request.can_retry_forward(self.config.max_forward_retries) else failed).append(request)
         stats.num_failed_requests, stats.num_retried_requests = len(failed), len(retry)
         for request in failed:
             self._fail(request, error)
