@@ -1,4 +1,5 @@
-"""``LLM``: a torch model served by a background :class:`PyExecutor`, driven with text or token ids."""
+"""``LLM``: a torch model served by a background executor (an ``ExecutorClient``: one rank or
+several), driven with text or token ids."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from tensorrt_llm._torch.models.modeling_llama import LlamaConfig
 from tensorrt_llm._torch.pyexecutor.config import ExecutorConfig, KvCacheConfig
 from tensorrt_llm._torch.pyexecutor.errors import RequestError
 from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequest, SamplingConfig
-from tensorrt_llm._torch.pyexecutor.py_executor import PyExecutor, Response
+from tensorrt_llm._torch.pyexecutor.executor_client import ExecutorClient, Health, Response
 from tensorrt_llm._torch.pyexecutor.py_executor_creator import create_py_executor
 from tensorrt_llm.llmapi.llm_utils import describe_checkpoint, load_model, seeded_model
 from tensorrt_llm.llmapi.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -182,7 +183,7 @@ class RequestOutputHandle:
             raise RuntimeError(f"request {self.request_id}: this handle is consumed with {how}")
 
     def abort(self) -> None:
-        self._llm._executor.cancel_request(self.request_id)
+        self._llm.executor.cancel_request(self.request_id)
 
 
 Prompt = str | Sequence[int]
@@ -235,7 +236,8 @@ class LLM:
         if dtype is None and device.type == "cuda":
             dtype = "bfloat16"  # DESIGN.md §7
         self.device = device
-        self._executor: PyExecutor | MultiRankExecutor
+        self._executor: ExecutorClient
+        self._pool_blocks: int | None = None  # one rank: its pool, sized here (several ranks size their own)
         if tensor_parallel_size > 1:
             if device.type != "cpu":
                 raise ValueError(f"tensor_parallel_size={tensor_parallel_size} runs on the CPU only (gloo ranks),"
@@ -266,9 +268,10 @@ class LLM:
             ceiling = _cap_max_seq_len(config, executor_options, self.model_config)
             if not given:  # the model's positions, then lowered to what the pool holds (below)
                 ceiling = dataclasses.replace(ceiling, max_seq_len=self.model_config.max_position_embeddings)
-            self._executor = create_py_executor(ceiling, model=loaded.model, fit_max_seq_len_to_pool=not given)
-            self.config = self._executor.config
-            pool_tokens = self._executor.kv_cache_manager.num_blocks * self.config.kv_cache_config.tokens_per_block
+            executor = create_py_executor(ceiling, model=loaded.model, fit_max_seq_len_to_pool=not given)
+            self._executor, self.config = executor, executor.config
+            self._pool_blocks = executor.kv_cache_manager.num_blocks
+            pool_tokens = self._pool_blocks * self.config.kv_cache_config.tokens_per_block
             self.max_seq_len_source = _max_seq_len_source(self.config, executor_options, self.model_config, pool_tokens)
         logger.info("%s", self.describe())
         self._executor.start()
@@ -278,9 +281,8 @@ class LLM:
         (with the limit that set it)."""
         kv = self.config.kv_cache_config
         line = f"model {self.model_id} on {self.device} ({self.model_config.dtype})"
-        pool = getattr(self._executor, "kv_cache_manager", None)
-        if pool is not None:  # one rank in this process; several ranks each size their own pool
-            blocks = pool.num_blocks
+        blocks = self._pool_blocks
+        if blocks is not None:
             gib = blocks * kv.tokens_per_block * self.model_config.kv_bytes_per_token / 2**30
             line += f", KV pool {blocks} blocks x {kv.tokens_per_block} tokens = {blocks * kv.tokens_per_block} tokens ({gib:.2f} GiB)"
         return line + f", max_seq_len {self.config.max_seq_len} ({self.max_seq_len_source})"
@@ -288,7 +290,7 @@ class LLM:
     def generate_async(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> RequestOutputHandle:
         request = self._make_request(prompt, sampling_params or SamplingParams())
         self._executor.validate(request)
-        return self._submit(request, prompt)
+        return self._submit([request], [prompt])[0]
 
     def generate(
         self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | None = None
@@ -301,7 +303,7 @@ class LLM:
         requests = [self._make_request(prompt, params) for prompt in batch]
         for request in requests:
             self._executor.validate(request)
-        handles = [self._submit(request, prompt) for request, prompt in zip(requests, batch)]
+        handles = self._submit(requests, batch)
         outputs, first_error = [], None
         for handle in handles:
             try:
@@ -312,17 +314,18 @@ class LLM:
             raise first_error
         return outputs[0] if single else outputs
 
-    def health(self) -> dict:
+    def health(self) -> Health:
         return self._executor.health()
 
     @property
-    def executor(self) -> PyExecutor:
-        """The executor serving this LLM (health, statistics, iteration listeners)."""
+    def executor(self) -> ExecutorClient:
+        """The executor serving this LLM, one rank or several alike (health, load, statistics,
+        iteration listeners)."""
         return self._executor
 
     @property
     def iteration_stats(self):
-        return list(self._executor.iteration_stats)
+        return self._executor.iteration_stats
 
     def shutdown(self) -> None:
         self._executor.shutdown()
@@ -333,10 +336,11 @@ class LLM:
     def __exit__(self, *exc) -> None:
         self.shutdown()
 
-    def _submit(self, request: LlmRequest, prompt: Prompt) -> RequestOutputHandle:
-        handle = RequestOutputHandle(self, request, prompt if isinstance(prompt, str) else None)
-        self._executor.enqueue_request(request, handle._on_response)
-        return handle
+    def _submit(self, requests: list[LlmRequest], prompts: list[Prompt]) -> list[RequestOutputHandle]:
+        """One submission: the executor fetches all of ``requests`` in the same iteration."""
+        handles = [RequestOutputHandle(self, r, p if isinstance(p, str) else None) for r, p in zip(requests, prompts)]
+        self._executor.enqueue_requests([(r, h._on_response) for r, h in zip(requests, handles)])
+        return handles
 
     def _make_request(self, prompt: Prompt, params: SamplingParams) -> LlmRequest:
         if isinstance(prompt, str):

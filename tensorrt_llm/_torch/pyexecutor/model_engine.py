@@ -233,6 +233,11 @@ class ModelEngine(abc.ABC):
             and request.sampling_config.is_greedy
         )
 
+    @property
+    def faults_injected(self) -> Mapping[str, int]:
+        """Faults injected so far, by kind: none (``FaultInjectingEngine`` counts its own)."""
+        return {}
+
     #: whether forwards carry ``greedy_tokens`` (the engine's own pick for each sampling request)
     picks_tokens: bool = False
 

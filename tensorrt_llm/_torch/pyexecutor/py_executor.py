@@ -57,7 +57,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 from operator import attrgetter
-from typing import Callable, NamedTuple
+from typing import Callable, Mapping, Sequence
 
 from tensorrt_llm._torch.pyexecutor.config import ExecutorConfig
 from tensorrt_llm._torch.pyexecutor.errors import (
@@ -66,6 +66,13 @@ from tensorrt_llm._torch.pyexecutor.errors import (
     InvalidRequestError,
     SamplingError,
     TokenBudgetExceeded,
+)
+from tensorrt_llm._torch.pyexecutor.executor_client import (
+    Health,
+    IterationListener,
+    Load,
+    Response,
+    ResponseCallback,
 )
 from tensorrt_llm._torch.pyexecutor.kv_cache_manager import KVCacheManager
 from tensorrt_llm._torch.pyexecutor.llm_request import (
@@ -92,29 +99,12 @@ _CONTEXT_INIT = LlmRequestState.CONTEXT_INIT
 _request_id = attrgetter("request_id")
 
 
-class Response(NamedTuple):
-    """What changed for one request: new tokens, and whether it is over (and how).
-
-    A tuple: one is built per request per iteration, and a frozen dataclass costs several
-    times as much to build.
-    """
-
-    request_id: int
-    new_token_ids: list[int]
-    finished: bool = False
-    error: str | None = None
-    cancelled: bool = False
-
-
 # Response(request_id, tokens) for the one response per generated token: the named tuple's
 # own constructor is a Python function (its defaults), tuple.__new__ is the C one; the fields
 # after the first two take their declared defaults.
 _new_tuple = tuple.__new__
 _RESPONSE_DEFAULTS = tuple(Response._field_defaults.values())
 assert Response._fields[2:] == tuple(Response._field_defaults), "every Response field after the tokens has a default"
-
-ResponseCallback = Callable[[LlmRequest, Response], None]
-IterationListener = Callable[[IterationStats], None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,7 +172,7 @@ class PyExecutor:
         self._dropping: frozenset[int] = frozenset()
         self.active_requests: list[LlmRequest] = []
         # A ring when iter_stats_max_iterations is set (a server); the whole record otherwise (a replay).
-        self.iteration_stats: deque[IterationStats] = deque(maxlen=config.iter_stats_max_iterations)
+        self._stats: deque[IterationStats] = deque(maxlen=config.iter_stats_max_iterations)
         self.num_budget_violations = 0
         self.num_failed_batches = 0
         self.last_error: str | None = None
@@ -204,6 +194,10 @@ class PyExecutor:
     # ---- submission (any thread) ----------------------------------------------------
     def enqueue_request(self, request: LlmRequest, on_response: ResponseCallback | None = None) -> int:
         """Queue ``request``; an invalid one fails alone at the next iteration, with the reason."""
+        return self.enqueue_requests([(request, on_response)])[0]
+
+    def enqueue_requests(self, requests: Sequence[tuple[LlmRequest, ResponseCallback | None]]) -> list[int]:
+        """Queue several requests under one lock: the next iteration fetches them all."""
         with self._wakeup:
             if self._shutdown:
                 raise ExecutorShutdown("the executor is shut down")
@@ -211,11 +205,12 @@ class PyExecutor:
                 raise ExecutorShutdown(f"the executor loop died: {self._loop_error}")
             if not self.has_work:  # a stall is timed from when work arrives, not from the last idle iteration
                 self._heartbeat = time.monotonic()
-            if on_response is not None:
-                self._callbacks[request.request_id] = on_response
-            self._new_requests.append(request)
+            for request, on_response in requests:
+                if on_response is not None:
+                    self._callbacks[request.request_id] = on_response
+                self._new_requests.append(request)
             self._wakeup.notify()
-        return request.request_id
+        return [request.request_id for request, _ in requests]
 
     def cancel_request(self, request_id: int) -> None:
         with self._wakeup:
@@ -233,6 +228,12 @@ class PyExecutor:
             self.active_requests or self._new_requests or self._cancelled or self._in_flight is not None
             or self._finished
         )
+
+    @property
+    def in_flight_request_ids(self) -> frozenset[int]:
+        """The requests of the forward in flight (overlap; none without): the next :meth:`step`
+        completes it, and their blocks stay held until then."""
+        return self._in_flight.request_ids if self._in_flight is not None else frozenset()
 
     def step(self) -> Iteration | None:
         """Run one iteration; None when there was nothing to schedule.
@@ -296,13 +297,27 @@ class PyExecutor:
         An exception it raises is logged and ignored."""
         self._iteration_listeners.append(listener)
 
-    def health(self) -> dict:
-        """Liveness and the batch failures a load balancer should see; callable from any thread.
+    @property
+    def iteration_stats(self) -> list[IterationStats]:
+        """The iteration statistics kept (a ring of ``iter_stats_max_iterations``, or all), oldest first."""
+        return list(self._stats)
 
-        ``healthy`` is False once the loop has died or shut down, or while it has work and
-        has not finished an iteration for ``health_check_timeout_s`` (``reason`` says which).
-        Failed batches do not make it unhealthy: the loop goes on serving.
-        """
+    def iteration_stats_by_rank(self) -> list[tuple[int, IterationStats]]:
+        """:attr:`iteration_stats`, each as rank 0's (the interface of several ranks)."""
+        return [(0, stats) for stats in self.iteration_stats]
+
+    def faults_injected(self) -> Mapping[str, int]:
+        return dict(self.model_engine.faults_injected)
+
+    def load(self) -> Load:
+        """Requests holding blocks, requests waiting for them (queued included), the pool; any thread."""
+        active = list(self.active_requests)  # a copy: the executor thread replaces the list
+        kv = self.kv_cache_manager
+        running = sum(map(kv.is_allocated, active))
+        return Load(running, len(active) - running + len(self._new_requests), kv.pool.stats())
+
+    def health(self) -> Health:
+        """Liveness and the batch failures a load balancer should see (:class:`Health`); any thread."""
         alive = self._thread is None or self._thread.is_alive()
         stalled_s = time.monotonic() - self._heartbeat if self.has_work else 0.0
         reason = None
@@ -317,18 +332,18 @@ class PyExecutor:
                 f"the executor loop has not finished an iteration for {stalled_s:.1f} s while it has work"
                 f" (health_check_timeout_s={self.config.health_check_timeout_s:g})"
             )
-        return {
-            "healthy": reason is None,
-            "reason": reason,
-            "alive": alive,
-            "seconds_since_progress": round(stalled_s, 3),
-            "iterations": self._iteration,
-            "active_requests": len(self.active_requests),
-            "queued_requests": len(self._new_requests),
-            "failed_batches": self.num_failed_batches,
-            "budget_violations": self.num_budget_violations,
-            "last_error": self.last_error,
-        }
+        return Health(
+            healthy=reason is None,
+            reason=reason,
+            alive=alive,
+            seconds_since_progress=round(stalled_s, 3),
+            iterations=self._iteration,
+            active_requests=len(self.active_requests),
+            queued_requests=len(self._new_requests),
+            failed_batches=self.num_failed_batches,
+            budget_violations=self.num_budget_violations,
+            last_error=self.last_error,
+        )
 
     def kill_loop_for_testing(self) -> None:
         """Test hook: the loop thread dies at its next iteration, as upstream's did on its assertion."""
@@ -726,7 +741,7 @@ class PyExecutor:
         self._publish(stats)
 
     def _publish(self, stats: IterationStats) -> None:
-        self.iteration_stats.append(stats)
+        self._stats.append(stats)
         for listener in self._iteration_listeners:
             try:
                 listener(stats)

@@ -205,6 +205,13 @@ def run_alone(kv: KVCacheManager, request: LlmRequest, sampler: Sampler, *, chun
     return True
 
 
+def served_model(model, *, dtype: str | None = None):
+    """The torch model ``LLM(model, dtype=dtype)`` serves (same preset or file, same seed)."""
+    from tensorrt_llm.llmapi.llm_utils import load_model
+
+    return load_model(model, dtype=dtype).model
+
+
 def greedy_reference(model, prompt: Sequence[int], max_tokens: int) -> list[int]:
     """Greedy decoding with ``forward_full``: the whole sequence every step, no KV cache."""
     import torch

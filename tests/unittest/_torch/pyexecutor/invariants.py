@@ -327,8 +327,7 @@ class ExecutorChecker:
         can_shift = {r.request_id: kv.reuse_can_shift(r) for r in open_requests}
         # a generation step's cost is taken now: the step moves the request on (first-draft padding goes)
         step_cost = {r.request_id: forward_cost(r) for r in open_requests if not r.is_context_init_state}
-        in_flight = self.executor._in_flight  # overlap: its forward completes during this step
-        completed = in_flight.request_ids if in_flight is not None else frozenset()
+        completed = self.executor.in_flight_request_ids  # overlap: its forward completes during this step
         iteration = self.executor.step()
         self.steps += 1
         if 6 in check:

@@ -257,7 +257,7 @@ def test_lru_keeps_its_order_and_a_bounded_length_under_repeated_pins():
         pool.incref(b)
         pool.decref(b)
     assert pool.lru_blocks() == [c, a, b] and pool.num_cached == 3
-    assert len(pool._lru) <= 2 * pool.num_cached + 64
+    assert pool.lru_length <= 2 * pool.num_cached + 64
     fresh = pool.allocate_many(3)  # 1 free slot, then c and a go to the host tier, oldest first
     assert pool.lru_blocks() == [b] and pool.lru_blocks(host=True) == [c, a]
     assert (a.block_id, c.block_id) == (None, None) and pool.num_host_cached == 2
@@ -430,7 +430,7 @@ def test_allocation_is_all_or_nothing(shared):
     assert allocation.scheduled.is_empty and allocation.claims == []
     assert not kv.is_allocated(request)
     assert counts(kv) == before  # nothing stays claimed
-    assert all(block.ref_count == 0 for block in kv.pool._lru)
+    assert all(block.ref_count == 0 for block in kv.pool.lru_blocks() + kv.pool.lru_blocks(host=True))
     assert (request.context_current_position, request.prepopulated_prompt_len) == (0, 0)
     kv.check_integrity()
 
@@ -507,7 +507,7 @@ def test_leak_oracle_catches_a_leaked_block():
     kv = manager(num_blocks=4)
     cache_prompt(kv, tokens(8, seed=46))
     kv.check_integrity()
-    kv.pool._free.pop()  # a slot that is neither free, cached nor held
+    kv.pool.allocate()  # taken from the pool, held by no request: neither free, cached nor held
     with pytest.raises(AssertionError, match="leak"):
         kv.check_integrity()
 
@@ -515,9 +515,8 @@ def test_leak_oracle_catches_a_leaked_block():
 def test_leak_oracle_catches_a_block_in_two_sets():
     kv = manager(num_blocks=4)
     cache_prompt(kv, tokens(8, seed=47))
-    kv.pool._free.append(kv.pool.lru_blocks()[0].block_id)
-    with pytest.raises(AssertionError):
-        kv.check_integrity()
+    with pytest.raises(AssertionError, match="two sets"):  # a cached block that something says it holds
+        kv.pool.check_integrity(held_blocks=kv.pool.lru_blocks()[:1])
 
 
 # ---- block keys ---------------------------------------------------------------------
