@@ -13,7 +13,7 @@ from typing import AsyncIterator, Iterator, Sequence
 
 import torch
 
-from tensorrt_llm._torch.distributed.proxy import MultiRankExecutor
+from tensorrt_llm._torch.distributed.multi_rank_executor import MultiRankExecutor
 from tensorrt_llm._torch.models.modeling_llama import LlamaConfig
 from tensorrt_llm._torch.pyexecutor.config import ExecutorConfig, KvCacheConfig
 from tensorrt_llm._torch.pyexecutor.errors import RequestError

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from tensorrt_llm._torch.distributed.launcher import RankContext
 from tensorrt_llm._torch.distributed.rank_executor import RankExecutor
-from tensorrt_llm._torch.distributed.requests import RequestSpec
+from tensorrt_llm._torch.distributed.request_spec import RequestSpec
 from tensorrt_llm._torch.models.checkpoints import llama_weights_from_gguf, open_gguf
 from tensorrt_llm._torch.models.modeling_llama import LlamaConfig, LlamaForCausalLM
 from tensorrt_llm._torch.pyexecutor.config import ExecutorConfig

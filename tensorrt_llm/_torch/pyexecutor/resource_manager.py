@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from tensorrt_llm._torch.pyexecutor.budget import BudgetDecision
+from tensorrt_llm._torch.pyexecutor.token_budget_recheck import BudgetDecision
 from tensorrt_llm._torch.pyexecutor.kv_cache_manager import ClaimRecord, KVCacheManager, PrefixClaim
 from tensorrt_llm._torch.pyexecutor.llm_request import DeferReason, LlmRequest
 from tensorrt_llm._torch.pyexecutor.scheduled_requests import ContextChunk, Deferral, ScheduledRequests

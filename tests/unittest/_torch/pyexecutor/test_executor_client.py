@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 from factories import make_config, make_request, make_sim_executor
 
-from tensorrt_llm._torch.distributed.proxy import MultiRankExecutor
+from tensorrt_llm._torch.distributed.multi_rank_executor import MultiRankExecutor
 from tensorrt_llm._torch.pyexecutor.executor_client import ExecutorClient, Health
 from tensorrt_llm._torch.pyexecutor.py_executor import PyExecutor
 

@@ -28,7 +28,7 @@ import time
 from typing import Mapping, Sequence
 
 from tensorrt_llm._torch.distributed.launcher import LaunchOptions, RankGroup, RankResult
-from tensorrt_llm._torch.distributed.requests import RequestSpec
+from tensorrt_llm._torch.distributed.request_spec import RequestSpec
 from tensorrt_llm._torch.distributed.worker import ServeConfig, serve_rank
 from tensorrt_llm._torch.models.modeling_llama import HeadShard, LlamaConfig
 from tensorrt_llm._torch.pyexecutor.config import ExecutorConfig
