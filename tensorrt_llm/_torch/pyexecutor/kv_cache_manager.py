@@ -33,14 +33,13 @@ import itertools
 import logging
 from array import array
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
 import numpy as np
 
 from tensorrt_llm._torch.pyexecutor.block_pool import TOKEN_BYTES, BlockPool, BlockTokens, KVBlock
 from tensorrt_llm._torch.pyexecutor.config import KvCacheConfig
 from tensorrt_llm._torch.pyexecutor.forward_cost import forward_cost
-from tensorrt_llm._torch.pyexecutor.kv_storage import KVCacheStorage
 from tensorrt_llm._torch.pyexecutor.llm_request import (
     IN_FLIGHT_TOKEN_ID,
     TOKEN_TYPECODE,
@@ -49,6 +48,9 @@ from tensorrt_llm._torch.pyexecutor.llm_request import (
     num_in_flight_tokens,
 )
 from tensorrt_llm._torch.pyexecutor.scheduled_requests import ContextChunk, ScheduledRequests
+
+if TYPE_CHECKING:  # the tensors: only engines that run a model read them (the KV manager imports no torch)
+    from tensorrt_llm._torch.pyexecutor.kv_storage import KVCacheStorage
 
 logger = logging.getLogger(__name__)
 

@@ -82,13 +82,14 @@ from tensorrt_llm._torch.pyexecutor.llm_request import (
     LlmRequestState,
     num_in_flight_tokens,
 )
-from tensorrt_llm._torch.pyexecutor.model_engine import ForwardOutput, ModelEngine, PendingForward
+from tensorrt_llm._torch.pyexecutor.engine import ForwardOutput, ModelEngine, PendingForward
 from tensorrt_llm._torch.pyexecutor.request_validation import RequestLimits, validate_request
 from tensorrt_llm._torch.pyexecutor.resource_manager import KV_CACHE_MANAGER, PreparedBatch, ResourceManager
 from tensorrt_llm._torch.pyexecutor.sampler import Sampler
 from tensorrt_llm._torch.pyexecutor.scheduled_requests import ScheduledRequests
 from tensorrt_llm._torch.pyexecutor.scheduler import SimpleScheduler
 from tensorrt_llm._torch.pyexecutor.stats import IterationStats
+from tensorrt_llm._torch.pyexecutor.stop_rule import finish
 
 logger = logging.getLogger(__name__)
 
@@ -559,9 +560,10 @@ class PyExecutor:
     def _update_requests(self, flight: _InFlight, output: ForwardOutput) -> None:
         """Sample; write each token over its placeholder (or append it); respond. A request
         that finished while the forward was in flight gets nothing from it (upstream drops it).
+        Whether a request is over is :func:`~stop_rule.finish`'s answer, on every path.
 
-        The usual request (one token, appended, no stop condition, not its last) is handled in
-        the loop itself, with a call only to its callback: this runs for every generated token."""
+        The usual request (tokens appended, not its last, not its first) is answered in the
+        loop itself, with a call only to its callback: this runs for every generated token."""
         now = self.clock()  # one instant for every token of this forward
         dropping = self._dropping
         live = [(r, slot) for r, slot in zip(flight.sampling, flight.slots)
@@ -572,45 +574,31 @@ class PyExecutor:
             if isinstance(tokens, SamplingError):  # this request's logits or settings are broken, not the batch's
                 logger.error("%s", tokens)
                 self._fail(request, tokens)
-            elif slot is not None:
+                continue
+            if slot is not None:
                 self._fill(request, slot, tokens, now)
-            elif len(tokens) == 1 and request.end_id is None and not request.stop_token_ids:
-                sequence = request.tokens
-                sequence.append(tokens[0])
-                if len(sequence) >= request.max_total_len:
-                    self._deliver(request, tokens, True, now)
-                    continue
-                if request.first_token_time is None:
-                    request.first_token_time = now
-                callback = callbacks.get(request.request_id)
-                if callback is not None:
-                    callback(request, _new_tuple(Response, (request.request_id, tokens, *_RESPONSE_DEFAULTS)))
-            else:
-                self._append(request, tokens, now)
+                continue
+            sequence = request.tokens
+            kept, finished = finish(request, tokens, len(sequence))
+            if kept < len(tokens):
+                tokens = tokens[:kept]
+            sequence.extend(tokens)
+            if finished or request.first_token_time is None:
+                self._deliver(request, tokens, finished, now)
+                continue
+            callback = callbacks.get(request.request_id)
+            if callback is not None:
+                callback(request, _new_tuple(Response, (request.request_id, tokens, *_RESPONSE_DEFAULTS)))
 
     def _fill(self, request: LlmRequest, slot: int, tokens: list[int], now: float) -> None:
-        """Write the one sampled token over its placeholder; on EOS or a stop token drop the
+        """Write the one sampled token over its placeholder; when it ends the request drop the
         next forward's placeholder (that forward's token for it will be dropped); respond."""
         sequence = request.tokens
-        token = sequence[slot] = tokens[0]
-        finished = slot + 1 >= request.max_total_len or token == request.end_id or token in request.stop_token_ids
+        sequence[slot] = tokens[0]
+        _, finished = finish(request, tokens[:1], slot)
         if finished:
             del sequence[slot + 1 :]
         self._deliver(request, tokens[:1], finished, now)
-
-    def _append(self, request: LlmRequest, tokens: list[int], now: float) -> None:
-        """Append sampled tokens up to the first stop token or ``max_new_tokens``; respond.
-        (The usual single token without a stop condition is appended by ``_update_requests``.)"""
-        sequence = request.tokens
-        limit = request.max_total_len
-        finished = False
-        for index, token in enumerate(tokens):
-            sequence.append(token)
-            if token == request.end_id or token in request.stop_token_ids or len(sequence) >= limit:
-                finished = True
-                tokens = tokens[: index + 1]
-                break
-        self._deliver(request, tokens, finished, now)
 
     def _deliver(self, request: LlmRequest, tokens: list[int], finished: bool, now: float) -> None:
         if request.first_token_time is None:

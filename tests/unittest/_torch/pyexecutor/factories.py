@@ -19,7 +19,8 @@ from tensorrt_llm._torch.pyexecutor.resource_manager import KV_CACHE_MANAGER, Re
 from tensorrt_llm._torch.pyexecutor.sampler import Sampler
 from tensorrt_llm._torch.pyexecutor.scheduled_requests import ContextChunk, ScheduledRequests
 from tensorrt_llm._torch.pyexecutor.scheduler import CapacityScheduler, MicroBatchScheduler, SimpleScheduler
-from tensorrt_llm._torch.pyexecutor.simulated_engine import SimulatedModelEngine, SyntheticSampler
+from tensorrt_llm._torch.pyexecutor.simulated_engine import SimulatedModelEngine
+from tensorrt_llm._torch.pyexecutor.synthetic_sampler import SyntheticSampler
 from tensorrt_llm._torch.pyexecutor.token_budget import TokenBudgetPolicy, token_budget_policy_for
 
 VOCAB = 1000

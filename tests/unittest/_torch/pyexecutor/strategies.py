@@ -52,7 +52,7 @@ from tensorrt_llm._torch.pyexecutor.model_engine import ModelEngine
 from tensorrt_llm._torch.pyexecutor.resource_manager import ResourceManager
 from tensorrt_llm._torch.pyexecutor.scheduled_requests import ContextChunk, ScheduledRequests
 from tensorrt_llm._torch.pyexecutor.scheduler import SimpleScheduler
-from tensorrt_llm._torch.pyexecutor.simulated_engine import SyntheticSampler
+from tensorrt_llm._torch.pyexecutor.synthetic_sampler import SyntheticSampler
 from tensorrt_llm._torch.pyexecutor.token_budget import reuse_discounted_charge
 
 POLICIES = ("none", "trim", "fit", "recheck", "claim")
