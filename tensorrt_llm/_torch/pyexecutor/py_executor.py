@@ -1,8 +1,13 @@
-"""``PyExecutor``: the serving loop.
+"""``PyExecutor``: the executor's iteration, driven by an :class:`~executor_loop.ExecutorLoop`.
 
-One iteration (:meth:`PyExecutor.step`) is upstream's, as a chain of values::
+``PyExecutor`` is the stepper: it holds the requests, the scheduler, the resource manager,
+the engine and the sampler, and runs one iteration per :meth:`PyExecutor.step`. The thread,
+the submission queue, cancellations, health and the loop's death are
+:class:`~executor_loop.ExecutorLoop`'s (``self.loop``); ``PyExecutor`` answers the
+:class:`~executor_client.ExecutorClient` interface by asking it. One iteration is
+upstream's, as a chain of values::
 
-    fetch + cancel ─► scheduler.schedule_request(active) ─► ScheduledRequests
+    arrivals + cancelled (from the loop) ─► scheduler.schedule_request(active) ─► ScheduledRequests
         ─► pause what the capacity stage preempts
         ─► resource_manager.prepare_resources(scheduled) ─► PreparedBatch
                (re-check ─► allocation ─► after-allocation fix-ups; see resource_manager)
@@ -38,31 +43,25 @@ Under overlap, upstream's rules for what n+1 cannot know:
   its output from that forward is dropped.
 
 Each phase takes what the previous one returned; only the executor writes request state
-(see ``llm_request``). The loop never dies on a batch: whatever a batch raises —
+(see ``llm_request``). An iteration never fails as a whole: whatever a batch raises —
 ``TokenBudgetExceeded`` from ``_prepare_tp_inputs`` included — fails that batch's requests
 with the error, is counted in the iteration's statistics and in :meth:`health`, and the
 next iteration serves everyone else; a request whose logits are not finite fails alone.
-The background thread calls the same ``step`` that a replay with a virtual clock calls
-directly.
-
-Should the thread die all the same (upstream's failure mode; a test hook reproduces it),
-every request it held ends with an error, new ones are refused, and :meth:`health` says so.
+Whether a request is over is :func:`~stop_rule.finish`'s answer on every delivery path.
+The loop's thread calls the same ``step`` that a replay with a virtual clock calls directly.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections import deque
 from dataclasses import dataclass
 from operator import attrgetter
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Collection, Mapping, Sequence
 
 from tensorrt_llm._torch.pyexecutor.config import ExecutorConfig
 from tensorrt_llm._torch.pyexecutor.errors import (
-    ExecutorLoopKilled,
-    ExecutorShutdown,
     InvalidRequestError,
     SamplingError,
     TokenBudgetExceeded,
@@ -74,6 +73,7 @@ from tensorrt_llm._torch.pyexecutor.executor_client import (
     Response,
     ResponseCallback,
 )
+from tensorrt_llm._torch.pyexecutor.executor_loop import Arrival, ExecutorLoop, StepCounts
 from tensorrt_llm._torch.pyexecutor.kv_cache_manager import KVCacheManager
 from tensorrt_llm._torch.pyexecutor.llm_request import (
     IN_FLIGHT_TOKEN_ID,
@@ -179,56 +179,52 @@ class PyExecutor:
         self.last_error: str | None = None
         self._callbacks: dict[int, ResponseCallback] = {}
         self._finished: list[LlmRequest] = []  # finished since the last _free_finished
-        self._new_requests: deque[LlmRequest] = deque()
-        self._cancelled: set[int] = set()
-        self._wakeup = threading.Condition()
-        self._thread: threading.Thread | None = None
-        self._shutdown = False
         self._iteration = 0
         self._iteration_listeners: list[IterationListener] = []
-        # Health: when the loop last showed progress (wall clock, whatever ``clock`` is), and
-        # why it died, if it did.
-        self._heartbeat = time.monotonic()
-        self._loop_error: str | None = None
-        self._kill_requested = False
+        # The thread, the submission queue, cancellations, health and death: the loop's.
+        self.loop = ExecutorLoop(self, health_check_timeout_s=config.health_check_timeout_s)
 
-    # ---- submission (any thread) ----------------------------------------------------
+    # ---- ExecutorClient: submission, health (any thread); the loop keeps the queue --------
     def enqueue_request(self, request: LlmRequest, on_response: ResponseCallback | None = None) -> int:
         """Queue ``request``; an invalid one fails alone at the next iteration, with the reason."""
         return self.enqueue_requests([(request, on_response)])[0]
 
     def enqueue_requests(self, requests: Sequence[tuple[LlmRequest, ResponseCallback | None]]) -> list[int]:
-        """Queue several requests under one lock: the next iteration fetches them all."""
-        with self._wakeup:
-            if self._shutdown:
-                raise ExecutorShutdown("the executor is shut down")
-            if self._loop_error is not None:
-                raise ExecutorShutdown(f"the executor loop died: {self._loop_error}")
-            if not self.has_work:  # a stall is timed from when work arrives, not from the last idle iteration
-                self._heartbeat = time.monotonic()
-            for request, on_response in requests:
-                if on_response is not None:
-                    self._callbacks[request.request_id] = on_response
-                self._new_requests.append(request)
-            self._wakeup.notify()
+        """Queue several requests at once: the next iteration fetches them all."""
+        self.loop.enqueue(requests)
         return [request.request_id for request, _ in requests]
 
     def cancel_request(self, request_id: int) -> None:
-        with self._wakeup:
-            self._cancelled.add(request_id)
-            self._wakeup.notify()
+        self.loop.cancel(request_id)
+
+    def start(self) -> None:
+        self.loop.start()
+
+    def shutdown(self) -> None:
+        """Stop the loop; unfinished requests get an ExecutorShutdown error."""
+        self.loop.shutdown()
+
+    def health(self) -> Health:
+        return self.loop.health()
+
+    def kill_loop_for_testing(self) -> None:
+        """Test hook: the loop thread dies at its next iteration, as upstream's did on its assertion."""
+        self.loop.kill_for_testing()
 
     def validate(self, request: LlmRequest) -> None:
         """Raise InvalidRequestError if this executor could never serve ``request``."""
         validate_request(request, self.limits, self.kv_cache_manager)
 
-    # ---- the loop -------------------------------------------------------------------
+    # ---- the step (the loop's thread, or a replay stepping by hand) -------------------
     @property
     def has_work(self) -> bool:
-        return bool(
-            self.active_requests or self._new_requests or self._cancelled or self._in_flight is not None
-            or self._finished
-        )
+        """Anything queued, to cancel, active, in flight or to free."""
+        return self.loop.has_work
+
+    @property
+    def busy(self) -> bool:
+        """Requests active, a forward in flight, or finished requests still to free (queue aside)."""
+        return bool(self.active_requests or self._in_flight is not None or self._finished)
 
     @property
     def in_flight_request_ids(self) -> frozenset[int]:
@@ -236,16 +232,21 @@ class PyExecutor:
         completes it, and their blocks stay held until then."""
         return self._in_flight.request_ids if self._in_flight is not None else frozenset()
 
-    def step(self) -> Iteration | None:
-        """Run one iteration; None when there was nothing to schedule.
+    def step(
+        self, arrivals: Sequence[Arrival] | None = None, cancelled: Collection[int] = ()
+    ) -> Iteration | None:
+        """Run one iteration; None when there was nothing to schedule. Called with no
+        ``arrivals``, it takes what the loop has queued (and cancelled) first.
 
-        The phases, in order (each takes what the one before returned): schedule,
-        prepare_resources, launch; then complete the previous launch (overlap) or this one
-        (sample, respond, update_resources); free. Returns the iteration launched here; its
-        statistics are published when its forward completes.
+        The phases, in order (each takes what the one before returned): admit the arrivals,
+        end the cancelled, schedule, prepare_resources, launch; then complete the previous
+        launch (overlap) or this one (sample, respond, update_resources); free. Returns the
+        iteration launched here; its statistics are published when its forward completes.
         """
-        self._fetch_new_requests()
-        self._handle_cancellations()
+        if arrivals is None:
+            return self.loop.step()
+        self._fetch_new_requests(arrivals)
+        self._handle_cancellations(cancelled)
         if self._in_flight is not None and not self._in_flight.overlappable:
             self._complete_in_flight()  # only the host's sampler knows a token the next batch needs
             self._free_finished()
@@ -275,24 +276,6 @@ class PyExecutor:
             self.step()
         raise RuntimeError(f"still busy after {max_iterations} iterations: {self.active_requests[:5]}")
 
-    def start(self) -> None:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._executor_loop, name="PyExecutor", daemon=True)
-            self._thread.start()
-
-    def shutdown(self) -> None:
-        """Stop the loop; unfinished requests get an ExecutorShutdown error."""
-        with self._wakeup:
-            self._shutdown = True
-            self._wakeup.notify()
-        if self._thread is not None:
-            self._thread.join()
-        self._complete_in_flight()
-        self._fetch_new_requests()
-        for request in self.active_requests:
-            self._fail(request, ExecutorShutdown("the executor shut down before the request finished"))
-        self._free_finished()
-
     def add_iteration_listener(self, listener: IterationListener) -> None:
         """Call ``listener(stats)`` on the executor thread after every iteration; it must be quick.
         An exception it raises is logged and ignored."""
@@ -315,86 +298,38 @@ class PyExecutor:
         active = list(self.active_requests)  # a copy: the executor thread replaces the list
         kv = self.kv_cache_manager
         running = sum(map(kv.is_allocated, active))
-        return Load(running, len(active) - running + len(self._new_requests), kv.pool.stats())
+        return Load(running, len(active) - running + self.loop.num_queued, kv.pool.stats())
 
-    def health(self) -> Health:
-        """Liveness and the batch failures a load balancer should see (:class:`Health`); any thread."""
-        alive = self._thread is None or self._thread.is_alive()
-        stalled_s = time.monotonic() - self._heartbeat if self.has_work else 0.0
-        reason = None
-        if self._loop_error is not None:
-            reason = f"the executor loop died: {self._loop_error}"
-        elif self._shutdown:
-            reason = "the executor is shut down"
-        elif not alive:
-            reason = "the executor loop thread is not running"
-        elif stalled_s > self.config.health_check_timeout_s:
-            reason = (
-                f"the executor loop has not finished an iteration for {stalled_s:.1f} s while it has work"
-                f" (health_check_timeout_s={self.config.health_check_timeout_s:g})"
-            )
-        return Health(
-            healthy=reason is None,
-            reason=reason,
-            alive=alive,
-            seconds_since_progress=round(stalled_s, 3),
-            iterations=self._iteration,
-            active_requests=len(self.active_requests),
-            queued_requests=len(self._new_requests),
-            failed_batches=self.num_failed_batches,
-            budget_violations=self.num_budget_violations,
-            last_error=self.last_error,
-        )
+    # ---- what the loop asks of its stepper ------------------------------------------
+    def counts(self) -> StepCounts:
+        return StepCounts(self._iteration, len(self.active_requests), self.num_failed_batches,
+                          self.num_budget_violations, self.last_error)
 
-    def kill_loop_for_testing(self) -> None:
-        """Test hook: the loop thread dies at its next iteration, as upstream's did on its assertion."""
-        with self._wakeup:
-            self._kill_requested = True
-            self._wakeup.notify()
+    def recover(self, error: Exception) -> None:
+        """A bug outside any batch: fail what is active, keep serving."""
+        self.last_error = repr(error)
+        for request in self.active_requests:
+            self._fail(request, error)
+        self._free_finished()
 
-    def _executor_loop(self) -> None:
-        try:
-            self._serve_forever()
-        except BaseException as error:  # the thread is dying: nothing may be left waiting on it
-            logger.critical("the executor loop died", exc_info=True)
-            self._die(error)
+    def fail_all(self, error: Exception, queued: Sequence[Arrival]) -> None:
+        """Every request held or ``queued`` (never admitted) ends with ``error``."""
+        for request, on_response in queued:
+            if on_response is not None:
+                self._callbacks[request.request_id] = on_response
+        for request in (*self.active_requests, *(request for request, _ in queued)):
+            self._fail(request, error)
+        self._free_finished()
 
-    def _serve_forever(self) -> None:
-        while True:
-            with self._wakeup:
-                while not self._shutdown and not self.has_work and not self._kill_requested:
-                    self._wakeup.wait()
-                if self._kill_requested:
-                    raise ExecutorLoopKilled("killed by kill_loop_for_testing()")
-                if self._shutdown:
-                    return
-                self._heartbeat = time.monotonic()
-            try:
-                self.step()
-            except Exception as error:  # a bug outside any batch: fail what is active, keep serving
-                logger.exception("executor iteration crashed outside a batch")
-                self.last_error = repr(error)
-                for request in self.active_requests:
-                    self._fail(request, error)
-                self._free_finished()
-            self._heartbeat = time.monotonic()
-
-    def _die(self, error: BaseException) -> None:
-        """Every request the dead loop held or had queued ends with an error; later ones are refused."""
-        with self._wakeup:
-            self._loop_error = f"{type(error).__name__}: {error}"
-            queued = list(self._new_requests)
-            self._new_requests.clear()
-        failure = ExecutorShutdown(f"the executor loop died: {self._loop_error}")
-        for request in (*self.active_requests, *queued):
-            self._fail(request, failure)
+    def close(self) -> None:
+        """The loop stopped: complete the forward in flight (its blocks are freed with its requests)."""
+        self._complete_in_flight()
 
     # ---- iteration parts ------------------------------------------------------------
-    def _fetch_new_requests(self) -> None:
-        with self._wakeup:
-            new = list(self._new_requests)
-            self._new_requests.clear()
-        for request in new:
+    def _fetch_new_requests(self, arrivals: Sequence[Arrival]) -> None:
+        for request, on_response in arrivals:
+            if on_response is not None:
+                self._callbacks[request.request_id] = on_response
             request.arrival_time = request.arrival_time or self.clock()
             try:
                 self.validate(request)
@@ -404,9 +339,7 @@ class PyExecutor:
                 continue
             self.active_requests.append(request)
 
-    def _handle_cancellations(self) -> None:
-        with self._wakeup:
-            cancelled, self._cancelled = self._cancelled, set()
+    def _handle_cancellations(self, cancelled: Collection[int]) -> None:
         if not cancelled:
             return  # nothing to do: every path that finishes a request frees it before returning
         for request in self.active_requests:
