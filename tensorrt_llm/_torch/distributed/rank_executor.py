@@ -224,7 +224,7 @@ class RankExecutor:
         values = (
             int(executor.has_work),
             len(executor.active_requests),
-            executor.kv_cache_manager.pool.available,
+            executor.kv_cache_manager.available_blocks,
             self._check_value,
             _float_bits(executor.clock()),
             int(self._overshot),

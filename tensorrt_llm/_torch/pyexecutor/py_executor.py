@@ -84,7 +84,7 @@ from tensorrt_llm._torch.pyexecutor.llm_request import (
 )
 from tensorrt_llm._torch.pyexecutor.engine import ForwardOutput, ModelEngine, PendingForward
 from tensorrt_llm._torch.pyexecutor.request_validation import RequestLimits, validate_request
-from tensorrt_llm._torch.pyexecutor.resource_manager import KV_CACHE_MANAGER, PreparedBatch, ResourceManager
+from tensorrt_llm._torch.pyexecutor.resource_manager import PreparedBatch, ResourceManager
 from tensorrt_llm._torch.pyexecutor.sampler import Sampler
 from tensorrt_llm._torch.pyexecutor.scheduled_requests import ScheduledRequests
 from tensorrt_llm._torch.pyexecutor.scheduler import SimpleScheduler
@@ -160,7 +160,7 @@ class PyExecutor:
         self.config = config
         self.scheduler = scheduler
         self.resource_manager = resource_manager
-        self.kv_cache_manager: KVCacheManager = resource_manager.get_resource_manager(KV_CACHE_MANAGER)
+        self.kv_cache_manager: KVCacheManager = resource_manager.kv_cache_manager
         self.model_engine = model_engine
         self.sampler = sampler
         self.clock = clock

@@ -333,7 +333,7 @@ def _direct_batch(world: World) -> ScheduledRequests:
         if request.is_context_init_state:
             remaining = request.context_remaining_length
             size = min(units * unit, remaining) if config.enable_chunked_prefill else remaining
-            reusable = 0 if kv.is_allocated(request) else kv.estimate_reusable_tokens(request)
+            reusable = 0 if kv.is_allocated(request) else kv.match(request).reusable_tokens
             charge = reuse_discounted_charge(size, remaining, reusable)
             if charge > budget:
                 continue

@@ -222,7 +222,7 @@ def test_a_request_finishing_with_its_last_chunk_leaves_its_prompt_cached():
     assert one_token.state is LlmRequestState.GENERATION_COMPLETE
     kv = executor.kv_cache_manager
     assert kv.pool.num_cached == 4
-    assert kv.estimate_reusable_tokens(make_request(prompt + [1])) == 16
+    assert kv.match(make_request(prompt + [1])).reusable_tokens == 16
 
 
 def test_cancelled_and_finished_requests_free_their_blocks():

@@ -92,7 +92,7 @@ def hold(kv, prompt):
 
 
 def estimate(kv, prompt) -> int:
-    return kv.estimate_reusable_tokens(make_request(prompt))
+    return kv.match(make_request(prompt)).reusable_tokens
 
 
 def pools(storage):
@@ -135,7 +135,7 @@ def test_reuse_estimate_vs_claim(prompt_len, partial, estimated, claimed):
     cache_prompt(kv, base[:8])
     request = make_request((base[:8] + tokens(8, seed=2))[:prompt_len] if prompt_len > 8 else base[:prompt_len])
 
-    assert kv.estimate_reusable_tokens(request) == estimated
+    assert kv.match(request).reusable_tokens == estimated
     allocation = allocate(kv, request)
 
     [claim] = allocation.claims
@@ -156,9 +156,9 @@ def test_estimate_is_zero_with_reuse_off_and_once_allocated():
     kv = manager()
     cache_prompt(kv, prompt)
     request = make_request(prompt + [7])
-    assert kv.estimate_reusable_tokens(request) == 8
+    assert kv.match(request).reusable_tokens == 8
     allocate(kv, request)
-    assert kv.estimate_reusable_tokens(request) == 0  # an allocated request reuses nothing more
+    assert kv.match(request).reusable_tokens == 0  # an allocated request reuses nothing more
 
 
 def test_non_last_chunk_window_shifts_and_stays_block_aligned():
@@ -274,9 +274,9 @@ def test_referenced_blocks_are_never_evicted():
     cache_prompt(kv, prompt)
     user = hold(kv, prompt + tokens(4, seed=18))  # claims both cached blocks, takes 1 free
     shared = kv.block_table(user)[:2]
-    assert kv.pool.available == 1
+    assert kv.available_blocks == 1
     hold(kv, tokens(4, seed=19))
-    assert kv.pool.available == 0
+    assert kv.available_blocks == 0
     request = make_request(tokens(4, seed=20))
     assert allocate(kv, request).deferred == [request]
     assert kv.block_table(user)[:2] == shared
@@ -353,7 +353,7 @@ def test_hash_collisions_never_reuse_the_wrong_kv():
     unrelated = tokens(8, seed=28)
     assert estimate(kv, unrelated + [1]) == 0
     request = make_request(b + [1])
-    assert kv.estimate_reusable_tokens(request) == 8
+    assert kv.match(request).reusable_tokens == 8
     allocate(kv, request)
     assert kv.block_table(request)[:2] == tables["b"]
     for block_id in tables["b"]:
