@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tensorrt_llm._torch.pyexecutor.engine_inputs import prepare_tp_inputs
 from tensorrt_llm._torch.pyexecutor.config import TokenBudgetPolicyName
 from tensorrt_llm._torch.pyexecutor.errors import TokenBudgetExceeded
 from tensorrt_llm._torch.pyexecutor.forward_cost import forward_cost
@@ -155,7 +156,7 @@ def run_batch(scheduled: ScheduledRequests, resources: ResourceManager, engine: 
     )
     outcome.prepared = resources.prepare_resources(scheduled)
     try:
-        outcome.forward_tokens = engine._prepare_tp_inputs(outcome.prepared.scheduled).total_num_tokens
+        outcome.forward_tokens = prepare_tp_inputs(outcome.prepared.scheduled, kv, engine.max_num_tokens).total_num_tokens
     except TokenBudgetExceeded as error:
         outcome.overshoot = error
     outcome.built = positions(outcome.prepared.scheduled)

@@ -12,6 +12,7 @@ import pytest
 from factories import greedy_reference, make_config, make_request, make_sim_executor, served_model
 from invariants import ExecutorChecker
 
+from tensorrt_llm._torch.pyexecutor.engine_inputs import prepare_tp_inputs
 from tensorrt_llm import LLM, SamplingParams
 from tensorrt_llm._torch.pyexecutor.errors import ExecutorShutdown, InvalidRequestError, TokenBudgetExceeded
 from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequest, LlmRequestState, token_array
@@ -67,7 +68,7 @@ def test_evicted_discount_overshoots_under_none():
     assert [(chunk.start, chunk.size) for chunk in prepared.scheduled.context_chunks] == [(0, 28), (0, 26)]
 
     with pytest.raises(TokenBudgetExceeded) as error:
-        executor.model_engine._prepare_tp_inputs(prepared.scheduled)
+        prepare_tp_inputs(prepared.scheduled, executor.kv_cache_manager, executor.config.max_num_tokens)
     assert str(error.value) == OVERSHOOT_MESSAGE
     assert error.value.overshoot == 24
 
