@@ -168,6 +168,33 @@ class CudaGraphConfig:
         return sorted(s for s in sizes if s <= limit) or [1]
 
 
+class DecodingType(enum.Enum):
+    """Speculative decoding modes (upstream's ``decoding_type`` names)."""
+
+    NGRAM = "NGram"  # prompt lookup: drafts from the request's own tokens, no second model
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculativeConfig:
+    """Speculative decoding (upstream's ``speculative_config``): a drafter proposes up to
+    ``max_draft_len`` tokens per step and the target model verifies them in one forward.
+
+    Only greedy requests with one beam are speculated on (their outputs equal those without
+    speculation, token for token); every other request runs as without it. Each speculative
+    request's first generation step is a first-draft step of ``1 + max_draft_len`` positions.
+    """
+
+    decoding_type: DecodingType = DecodingType.NGRAM  # the drafter, upstream's name: NGram (prompt lookup)
+    max_draft_len: int = 4  # draft tokens proposed per step (at most)
+    # NGram: the longest suffix of the sequence looked up earlier in it (shorter ones are tried next)
+    max_matching_ngram_size: int = 3
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "decoding_type", parse_enum(DecodingType, self.decoding_type, "speculative_config.decoding_type"))
+        _positive("speculative_config.max_draft_len", self.max_draft_len)
+        _positive("speculative_config.max_matching_ngram_size", self.max_matching_ngram_size)
+
+
 @dataclass(slots=True)
 class ExecutorConfig:
     """Scheduling and budget settings of one executor."""
@@ -199,8 +226,14 @@ class ExecutorConfig:
     # None (default): on when the engine completes asynchronously (CUDA), off on the CPU, whose
     # engine is synchronous (nothing to hide the host's work behind). See PyExecutor.
     disable_overlap_scheduler: bool | None = None
+    # Speculative decoding (NGram: prompt lookup); None: off.
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
+        if self.speculative_config is not None and not isinstance(self.speculative_config, SpeculativeConfig):
+            raise ValueError(
+                f"speculative_config must be a SpeculativeConfig or None, got {type(self.speculative_config).__name__}"
+            )
         if self.disable_overlap_scheduler is not None and not isinstance(self.disable_overlap_scheduler, bool):
             raise ValueError(f"disable_overlap_scheduler must be a bool or None, got {self.disable_overlap_scheduler!r}")
         for name in ("max_batch_size", "max_num_tokens", "max_seq_len"):

@@ -34,8 +34,8 @@ from tensorrt_llm._torch.pyexecutor.scheduled_requests import ScheduledRequests
 
 @dataclass(slots=True)
 class ForwardOutput:
-    """Per request that samples: the logits row of its last position (a device tensor; None for
-    simulated engines), and, from engines that pick on the device, the greedy token (the argmax
+    """Per request that samples: the logits row of its sampling row (its last position before any
+    draft; a device tensor; None for simulated engines), and, from engines that pick on the device, the greedy token (the argmax
     of that row).
 
     ``nonfinite``: from engines that check on the device, the requests whose logits row holds NaN
@@ -46,6 +46,10 @@ class ForwardOutput:
     num_tokens: int = 0  # positions in the forward
     greedy_tokens: dict[int, int] | None = None
     nonfinite: set[int] | None = None
+    # Requests that verified drafts: the greedy pick at the sampling row, then after each draft
+    # (1 + drafts tokens; ``speculative.verification.accept_greedy`` reads them). None: no drafts
+    # ran, or an engine without a model (its drafts are all rejected).
+    draft_targets: dict[int, list[int]] | None = None
 
 
 class PendingForward(Protocol):
@@ -148,12 +152,17 @@ class ModelEngine(abc.ABC):
     def can_pick(self, request: LlmRequest) -> bool:
         """Whether this engine picks, in the forward itself, the very token the sampler will
         return for ``request`` (so the request can be in the next forward before the token
-        reaches the host). Greedy, one beam, no drafts, and an engine that picks."""
+        reaches the host). Greedy, one beam, not speculative, and an engine that picks.
+
+        A speculative request (``max_draft_len`` > 0) is never picked for, even on a step without
+        drafts: the drafter proposes its next drafts from the tokens the sampler accepted, so
+        every forward it samples in completes before the next iteration is scheduled (the
+        overlap scheduler runs such iterations without overlap; see ``PyExecutor``)."""
         return (
             self.picks_tokens
             and request.beam_width == 1
+            and not request.max_draft_len
             and not request.py_draft_tokens
-            and not request.is_first_draft
             and request.sampling_config.is_greedy
         )
 

@@ -35,11 +35,20 @@ class TpInputs:
 
     ``in_flight``: ``(flat index, request index)`` of each generation input whose token a
     forward in flight is still sampling (overlap); :meth:`resolve` fills them in.
+
+    ``num_drafts``: per request, the draft tokens this forward verifies. A request's positions
+    end with its drafts and then first-draft padding; its *sampling row* is its last position
+    before them (it predicts the next token), and each draft position's row predicts the token
+    after that draft (:meth:`logit_rows`)::
+
+        generation, drafts d1 d2, first-draft padding to max_draft_len 4:
+            input   t  d1  d2  PAD PAD          t: the newest token
+            row     ^sampling  ^verify rows (one per draft; padding is never verified)
     """
 
     __slots__ = (
-        "requests", "num_new_tokens", "num_cached_tokens", "samples", "total_num_tokens", "in_flight",
-        "_pieces", "_beams", "_tables", "_kv", "_input_ids", "_position_ids", "_block_tables",
+        "requests", "num_new_tokens", "num_cached_tokens", "samples", "total_num_tokens", "in_flight", "num_drafts",
+        "_trailing", "_pieces", "_beams", "_tables", "_kv", "_input_ids", "_position_ids", "_block_tables",
     )
 
     def __init__(self, kv_cache_manager: KVCacheManager | None = None) -> None:
@@ -49,6 +58,8 @@ class TpInputs:
         self.samples: list[bool] = []
         self.total_num_tokens = 0
         self.in_flight: list[tuple[int, int]] = []
+        self.num_drafts: list[int] = []
+        self._trailing: list[int] = []  # positions after each request's sampling row: drafts, then padding
         self._pieces: list[tuple[list[int], int, int, list[int]]] = []  # token source, start, stop, then extra
         self._beams: list[int] = []
         self._tables: list[list[int] | None] = []  # None: the request's table in the KV manager
@@ -72,12 +83,19 @@ class TpInputs:
         for request in requests:
             tokens = request.tokens
             beams = request.beam_width
-            if request.is_first_draft:
-                token_ids = [tokens[-1]] + [PAD_TOKEN_ID] * request.max_draft_len
+            if request.is_first_draft:  # the drafts proposed so far, padded to max_draft_len
+                drafts = request.py_draft_tokens[: request.max_draft_len]
+                token_ids = [tokens[-1], *drafts] + [PAD_TOKEN_ID] * (request.max_draft_len - len(drafts))
+                self.num_drafts.append(len(drafts))
+                self._trailing.append(request.max_draft_len)
             elif request.py_draft_tokens:
                 token_ids = [tokens[-1], *request.py_draft_tokens]
+                self.num_drafts.append(len(request.py_draft_tokens))
+                self._trailing.append(len(request.py_draft_tokens))
             else:  # one position per beam
                 token_ids = [tokens[-1]] * beams
+                self.num_drafts.append(0)
+                self._trailing.append(0)
                 if token_ids[0] == IN_FLIGHT_TOKEN_ID:
                     self.in_flight.append((self.total_num_tokens + count, len(self._beams)))  # (flat, request index)
             self._pieces.append((token_ids, 0, len(token_ids), ()))
@@ -93,9 +111,12 @@ class TpInputs:
 
     def append_chunk(self, request: LlmRequest, start: int, stop: int, extra: list[int], samples: bool) -> None:
         """Prompt tokens ``[start, stop)`` of ``request`` followed by ``extra`` (draft tokens), not copied yet."""
-        self._add(request, (request.tokens, start, stop, extra), stop - start + len(extra), start, None, samples, 1)
+        self._add(request, (request.tokens, start, stop, extra), stop - start + len(extra), start, None, samples, 1,
+                  len(extra))
 
-    def _add(self, request, piece, count, start, block_table, samples, beams) -> None:
+    def _add(self, request, piece, count, start, block_table, samples, beams, drafts=0) -> None:
+        self.num_drafts.append(drafts if samples else 0)
+        self._trailing.append(drafts)
         self.requests.append(request)
         self.num_new_tokens.append(count)
         self.num_cached_tokens.append(start)
@@ -128,15 +149,28 @@ class TpInputs:
         return extra[-1] if extra else source[stop - 1]
 
     def sampling_rows(self) -> tuple[list[int], list[int]]:
-        """(flat row, request id) of each request that samples: its last position predicts its next token."""
+        """(flat row, request id) of each request that samples: its sampling row (its last
+        position before any draft or padding) predicts its next token."""
         rows, request_ids = [], []
         offset = 0
-        for request, n, samples in zip(self.requests, self.num_new_tokens, self.samples):
+        for request, n, samples, trailing in zip(self.requests, self.num_new_tokens, self.samples, self._trailing):
             offset += n
             if samples:
-                rows.append(offset - 1)
+                rows.append(offset - 1 - trailing)
                 request_ids.append(request.request_id)
         return rows, request_ids
+
+    def logit_rows(self) -> tuple[list[int], list[int], list[int]]:
+        """``(rows, request_ids, counts)``: the flat rows whose logits the forward computes — each
+        sampling request's sampling row followed by one row per draft it verifies — the
+        sampling requests in order, and each one's ``1 + drafts`` rows. Without drafts, the
+        rows of :meth:`sampling_rows`."""
+        rows, request_ids = self.sampling_rows()
+        if not any(self.num_drafts):
+            return rows, request_ids, [1] * len(rows)
+        drafts = [d for d, samples in zip(self.num_drafts, self.samples) if samples]
+        spans = [range(row, row + 1 + d) for row, d in zip(rows, drafts)]
+        return [row for span in spans for row in span], request_ids, [1 + d for d in drafts]
 
     @property
     def input_ids(self) -> list[int]:

@@ -424,6 +424,8 @@ class KVCacheManager:
             seq.num_computed = computed
             if reuse and computed // tpb > seq.num_committed:  # a block filled up
                 self._commit_full_blocks(request, seq)
+            if not seq.plain and request.beam_width == 1 and seq.capacity >= len(tokens) + tpb:
+                self._trim(seq, len(tokens))  # blocks that held only rejected drafts
 
     def free_resources(self, request: LlmRequest, *, store_for_reuse: bool = True) -> None:
         """Release every block ``request`` holds; computed full blocks stay cached for reuse."""
@@ -459,6 +461,24 @@ class KVCacheManager:
         if request.beam_width > 1:  # each beam writes one position
             return len(request.tokens)
         return len(request.tokens) - 1 + forward_cost(request)  # the last token plus any drafts
+
+    def _trim(self, seq: _Sequence, length: int) -> None:
+        """Roll back draft slots: release the blocks past the first ``length`` positions.
+
+        After a forward that verified drafts, the sequence's KV is valid up to ``num_computed``
+        (its accepted tokens); the positions of rejected drafts hold KV that no later forward
+        reads (it is written over when the sequence gets there). Blocks that hold nothing but
+        such positions go back to the pool now. They were never committed: only full blocks of
+        computed positions are, so no prefix-tree block ever holds a rejected token.
+        """
+        keep = _ceil_div(length, self.tokens_per_block)
+        before = max(0, seq.reserve - seq.num_held)
+        rejected = seq.blocks[keep:]
+        del seq.blocks[keep:]
+        del seq.table[keep:]
+        seq.capacity = keep * self.tokens_per_block
+        self.pool.release(rejected)
+        self._reserved += max(0, seq.reserve - seq.num_held) - before
 
     def _grow(self, request: LlmRequest, seq: _Sequence, needed_len: int) -> bool:
         tpb = self.tokens_per_block

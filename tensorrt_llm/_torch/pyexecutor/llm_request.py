@@ -26,7 +26,11 @@ the forward-retry counters                          ``retry_after_failed_forward
                                                    :meth:`record_capacity_deferral`,
                                                    :meth:`record_forward`)
 ``arrival_time``                                   the submitter, or ``PyExecutor`` when it is 0
-``py_draft_tokens``                                the submitter (a drafter, where there is one)
+``py_draft_tokens``                                the executor's ``Drafter`` before each schedule
+                                                   (speculative decoding), else the submitter
+``max_draft_len``, ``is_first_draft``              the submitter, or the ``Drafter`` at admission
+                                                   (``PyExecutor`` clears ``is_first_draft`` when
+                                                   that step runs)
 =================================================  ==========================================
 
 The scheduler, the token-budget policy and the KV manager read requests and return

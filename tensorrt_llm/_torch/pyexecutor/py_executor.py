@@ -7,7 +7,8 @@ the submission queue, cancellations, health and the loop's death are
 :class:`~executor_client.ExecutorClient` interface by asking it. One iteration is
 upstream's, as a chain of values::
 
-    arrivals + cancelled (from the loop) ─► scheduler.schedule_request(active) ─► ScheduledRequests
+    arrivals + cancelled (from the loop) ─► drafter.prepare_draft_tokens(active) (speculative decoding)
+        ─► scheduler.schedule_request(active) ─► ScheduledRequests
         ─► pause what the capacity stage preempts
         ─► resource_manager.prepare_resources(scheduled) ─► PreparedBatch
                (re-check ─► allocation ─► after-allocation fix-ups; see resource_manager)
@@ -35,8 +36,10 @@ Under overlap, upstream's rules for what n+1 cannot know:
   completes (the device still writes them); a request whose placeholder is its last token by
   ``max_new_tokens`` is known to finish and is not scheduled again;
 * a request whose next token the engine cannot pick (sampling other than greedy, beams,
-  draft tokens: ``ModelEngine.can_pick``) gets no placeholder, and the forward it samples in
+  speculative requests: ``ModelEngine.can_pick``) gets no placeholder, and the forward it samples in
   is completed before the next iteration is scheduled (that iteration runs without overlap);
+  so speculative decoding is correct under overlap, and overlap does not hide the host's work
+  of iterations that hold a speculative request: the drafter needs the accepted tokens;
 * a capacity pause (``MAX_UTILIZATION``) of a request in flight waits for its forward: the
   iteration completes it first and schedules again;
 * a request cancelled or failed while in flight keeps its blocks until its forward completes;
@@ -61,6 +64,7 @@ from operator import attrgetter
 from typing import Callable, Collection, Mapping, Sequence
 
 from tensorrt_llm._torch.pyexecutor.config import ExecutorConfig
+from tensorrt_llm._torch.pyexecutor.drafter import Drafter
 from tensorrt_llm._torch.pyexecutor.errors import (
     InvalidRequestError,
     SamplingError,
@@ -156,8 +160,11 @@ class PyExecutor:
         model_engine: ModelEngine,
         sampler: Sampler,
         clock: Callable[[], float] = time.monotonic,
+        drafter: Drafter | None = None,
     ) -> None:
+        """``drafter``: speculative decoding (``config.speculative_config``); None: off."""
         self.config = config
+        self.drafter = drafter
         self.scheduler = scheduler
         self.resource_manager = resource_manager
         self.kv_cache_manager: KVCacheManager = resource_manager.kv_cache_manager
@@ -254,6 +261,8 @@ class PyExecutor:
             self._complete_in_flight()
             self._free_finished()
             return None
+        if self.drafter is not None:  # the tokens of every forward it drafts from have arrived (can_pick)
+            self.drafter.prepare_draft_tokens(self.active_requests)
         scheduled = self._schedule()
         stats = IterationStats(self._iteration, self.clock(), max_num_tokens=self.config.max_num_tokens)
         self._iteration += 1
@@ -331,6 +340,8 @@ class PyExecutor:
             if on_response is not None:
                 self._callbacks[request.request_id] = on_response
             request.arrival_time = request.arrival_time or self.clock()
+            if self.drafter is not None:
+                self.drafter.admit(request)
             try:
                 self.validate(request)
             except InvalidRequestError as error:
@@ -503,7 +514,10 @@ class PyExecutor:
                 if r.state is not _COMPLETE and r.state is not _ERROR and (not dropping or r.request_id not in dropping)]
         requests = [r for r, _ in live]
         callbacks = self._callbacks
-        for (request, slot), tokens in zip(live, self.sampler.sample_batch(requests, output)):
+        sampled = self.sampler.sample_batch(requests, output)
+        if output.draft_targets:
+            _count_drafts(flight.stats, requests, sampled, output.draft_targets)
+        for (request, slot), tokens in zip(live, sampled):
             if isinstance(tokens, SamplingError):  # this request's logits or settings are broken, not the batch's
                 logger.error("%s", tokens)
                 self._fail(request, tokens)
@@ -668,6 +682,15 @@ class PyExecutor:
                 listener(stats)
             except Exception:  # statistics must never stop the loop
                 logger.exception("iteration listener %r failed", listener)
+
+
+def _count_drafts(stats: IterationStats, requests: list[LlmRequest], sampled: list, targets: Mapping[int, list[int]]) -> None:
+    """Drafts the forward verified, and how many the sampler accepted (before the stop rule)."""
+    for request, tokens in zip(requests, sampled):
+        picks = targets.get(request.request_id)
+        if picks is not None and not isinstance(tokens, SamplingError):
+            stats.num_draft_tokens += len(picks) - 1
+            stats.num_accepted_draft_tokens += len(tokens) - 1
 
 
 def _drop_in_flight_tokens(request: LlmRequest) -> None:

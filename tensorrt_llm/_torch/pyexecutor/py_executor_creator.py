@@ -12,6 +12,7 @@ import torch
 from tensorrt_llm._torch.models.modeling_llama import LlamaForCausalLM
 from tensorrt_llm._torch.pyexecutor.block_pool import BlockTokens
 from tensorrt_llm._torch.pyexecutor.config import ExecutorConfig
+from tensorrt_llm._torch.pyexecutor.drafter import Drafter, drafter_for
 from tensorrt_llm._torch.pyexecutor.fault_injection import FaultInjectingEngine
 from tensorrt_llm._torch.pyexecutor.kv_cache_manager import KVCacheManager
 from tensorrt_llm._torch.pyexecutor.kv_storage import KVCacheStorage
@@ -115,12 +116,16 @@ def create_py_executor(
     clock: Callable[[], float] = time.monotonic,
     block_hash: Callable[[BlockTokens], int] | None = None,
     fit_max_seq_len_to_pool: bool = False,
+    drafter: Drafter | None = None,
 ) -> PyExecutor:
     """A torch executor (``model``) or one whose engine ``engine_factory`` builds (simulation).
 
     ``fit_max_seq_len_to_pool``: ``config.max_seq_len`` is a ceiling (the model's positions),
     lowered to what the KV pool holds for one sequence once the pool is sized (on a GPU that
-    is only known after the weights are loaded). The executor's ``config`` has the result."""
+    is only known after the weights are loaded). The executor's ``config`` has the result.
+
+    ``drafter``: speculative decoding's drafter; default: ``config.speculative_config``'s (none
+    when it is None)."""
     if (model is None) == (engine_factory is None):
         raise ValueError("give exactly one of model (torch engine) or engine_factory")
     token_budget = token_budget_policy_for(config)
@@ -149,8 +154,11 @@ def create_py_executor(
         CapacityScheduler(config.capacity_scheduler_policy, kv),
         MicroBatchScheduler(config, token_budget),
     )
+    if drafter is None and config.speculative_config is not None:
+        drafter = drafter_for(config.speculative_config, config.max_seq_len)
     return PyExecutor(
         config=config,
+        drafter=drafter,
         scheduler=scheduler,
         resource_manager=ResourceManager(kv, token_budget),
         model_engine=engine,

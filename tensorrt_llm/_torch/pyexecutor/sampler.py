@@ -9,12 +9,14 @@ import torch
 from tensorrt_llm._torch.pyexecutor.errors import NonFiniteLogitsError, SamplingError
 from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequest, SamplingConfig
 from tensorrt_llm._torch.pyexecutor.model_engine import ForwardOutput
+from tensorrt_llm._torch.speculative.verification import accept_greedy
 
 
 class Sampler(abc.ABC):
     @abc.abstractmethod
     def sample(self, request: LlmRequest, output: ForwardOutput) -> list[int]:
-        """Tokens to append to ``request`` (at least one) after a forward in which it sampled.
+        """Tokens to append to ``request`` (at least one) after a forward in which it sampled:
+        one, or with draft tokens the accepted drafts and the token after them.
 
         Raises NonFiniteLogitsError when its logits are not finite; the executor fails that
         request alone."""
@@ -59,6 +61,9 @@ class TorchSampler(Sampler):
             raise NonFiniteLogitsError(request.request_id, len(request.tokens))
         config = request.sampling_config
         if config.is_greedy:
+            targets = output.draft_targets.get(request.request_id) if output.draft_targets else None
+            if targets is not None:  # the drafts this forward verified (a non-greedy request's are all rejected)
+                return accept_greedy(request.py_draft_tokens[: len(targets) - 1], targets)
             if output.greedy_tokens is not None:  # picked on the engine's device, for the whole batch
                 return [output.greedy_tokens[request.request_id]]
             return [int(torch.argmax(logits))]

@@ -37,6 +37,8 @@ class IterationStats:
     reuse_estimated_tokens: int = 0
     reuse_claimed_tokens: int = 0
     reuse_query_tokens: int = 0  # prompt tokens of the first chunks whose prefix was looked up
+    num_draft_tokens: int = 0  # draft tokens the forward verified (speculative decoding)
+    num_accepted_draft_tokens: int = 0  # of them, accepted by the target's greedy picks
     num_failed_requests: int = 0
     num_retried_requests: int = 0  # requests of a failed forward that start over instead of failing
     error: str | None = None

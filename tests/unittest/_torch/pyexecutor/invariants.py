@@ -326,10 +326,16 @@ class ExecutorChecker:
         open_requests = [r for rid, r in self.submitted.items() if rid not in self.final]
         before = {r.request_id: snapshot(r, kv) for r in open_requests}
         can_shift = {r.request_id: kv.reuse_can_shift(r) for r in open_requests}
-        # a generation step's cost is taken now: the step moves the request on (first-draft padding goes)
-        step_cost = {r.request_id: forward_cost(r) for r in open_requests if not r.is_context_init_state}
+        # A generation step's cost is read after the step, from the drafts that ran (the drafter
+        # proposes them inside the step, and they stay until the next step's drafter), except
+        # first-draft padding, which the step clears: whether a request was first-draft is taken now.
+        first_draft = {r.request_id for r in open_requests if r.is_first_draft}
         completed = self.executor.in_flight_request_ids  # overlap: its forward completes during this step
         iteration = self.executor.step()
+        step_cost = {
+            r.request_id: 1 + r.max_draft_len if r.request_id in first_draft else forward_cost(r)
+            for r in open_requests if not r.is_context_init_state
+        }
         self.steps += 1
         if 6 in check:
             kv.check_integrity()  # every step; the drain adds the leak oracle

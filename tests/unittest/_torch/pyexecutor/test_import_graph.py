@@ -107,6 +107,7 @@ LAYERS = {
     "tensorrt_llm._torch.modules": 0,
     "tensorrt_llm._torch.attention_backend": 0,
     "tensorrt_llm._torch.models": 1,
+    "tensorrt_llm._torch.speculative": 1,
     "tensorrt_llm._torch.pyexecutor": 2,
     "tensorrt_llm._torch.distributed": 3,
     "tensorrt_llm.llmapi": 4,

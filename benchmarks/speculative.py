@@ -1,0 +1,160 @@
+"""Speculative decoding (NGram) against none, A/B alternated in one run: acceptance, tokens per
+forward, output tokens/s, ITL.
+
+Two workloads:
+
+* **repetitive**: the model is asked to repeat a given text (``--model`` with a tokenizer, e.g.
+  SmolLM2: a chat prompt "Repeat this text exactly"; a random-weight model: token-id prompts made
+  of a repeated random sequence). Output that copies its input is where prompt lookup pays.
+* **default**: the replay's default scenario (``benchmarks.scenario``; token-id prompts), its
+  first ``--num-requests`` requests with their prompts cut to ``--max-prompt-len`` tokens and at
+  most ``--max-tokens`` generated each, submitted together.
+
+Each of ``--repeats`` rounds serves a workload with speculation, then without (order swapped
+every other round), on one ``LLM`` each built once; the machine may be shared, so speeds are
+reported as the ratio of the two measured in the same run (median over rounds), with absolute
+numbers beside them. Greedy outputs must be equal, token for token (checked every round).
+
+    python -m benchmarks.speculative [--model smollm2-135m-instruct] [--workloads repetitive,default]
+        [--batch 4] [--max-tokens 96] [--max-draft-len 4] [--max-matching-ngram-size 3]
+        [--num-requests 16] [--max-prompt-len 512] [--repeats 3] [--device auto] [--json OUT.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+from tensorrt_llm._torch.pyexecutor.config import KvCacheConfig, SpeculativeConfig
+from tensorrt_llm.llmapi.llm import LLM, SamplingParams
+
+TEXT = (
+    "The quick brown fox jumps over the lazy dog. A journey of a thousand miles begins with a single step. "
+    "All that glitters is not gold. Actions speak louder than words. The early bird catches the worm. "
+    "Knowledge is power, and time is money. Where there is a will, there is a way."
+)
+
+
+def repetitive_prompts(llm: LLM, batch: int) -> list:
+    """``batch`` prompts whose answer repeats their input."""
+    if llm.tokenizer is not None and llm.tokenizer.chat_template:
+        prompts = []
+        for i in range(batch):
+            sentences = TEXT.split(". ")
+            text = ". ".join(sentences[i % len(sentences) :] + sentences[: i % len(sentences)])
+            messages = [{"role": "user", "content": f"Repeat this text exactly, word for word:\n\n{text}"}]
+            prompts.append(llm.tokenizer.encode(llm.tokenizer.apply_chat_template(messages)))
+        return prompts
+    vocab = llm.model_config.vocab_size
+    return [[1 + (i * 7919 + j * 104729) % (vocab - 1) for j in range(24)] * 4 for i in range(batch)]
+
+
+def default_prompts(num_requests: int, max_prompt_len: int, vocab: int) -> list[list[int]]:
+    from benchmarks.scenario import default_scenario
+
+    trace = default_scenario()
+    prompts = []
+    for request in trace.requests[:num_requests]:
+        tokens = [t % vocab for t in request.prompt_token_ids().tolist()[:max_prompt_len]]
+        prompts.append(tokens or [1])
+    return prompts
+
+
+def run_once(llm: LLM, prompts: list, params: SamplingParams) -> dict:
+    start = time.perf_counter()
+    handles = [llm.generate_async(p, params) for p in prompts]
+    outputs = [tuple(h.result(timeout=3600).outputs[0].token_ids) for h in handles]
+    wall = time.perf_counter() - start
+    return {"outputs": outputs, "wall_s": wall}
+
+
+def measure(llm: LLM, prompts: list, params: SamplingParams) -> dict:
+    before = len(llm.iteration_stats)
+    run = run_once(llm, prompts, params)
+    stats = llm.iteration_stats[before:]
+    generated = sum(map(len, run["outputs"]))
+    drafts = sum(s.num_draft_tokens for s in stats)
+    accepted = sum(s.num_accepted_draft_tokens for s in stats)
+    steps = sum(s.num_generation_requests for s in stats)  # forwards a generation request ran in
+    iteration_ms = [1000 * (s.end_time - s.start_time) for s in stats if s.num_generation_requests]
+    return {
+        "outputs": run["outputs"],
+        "wall_s": run["wall_s"],
+        "output_tokens": generated,
+        "output_tokens_per_s": generated / run["wall_s"],
+        "iterations": len(stats),
+        "forwards_per_request_token": len(stats) / max(1, generated / len(prompts)),
+        "draft_tokens": drafts,
+        "accepted_draft_tokens": accepted,
+        "acceptance_rate": accepted / drafts if drafts else 0.0,
+        # tokens a generation request gets per forward it runs in (1 without speculation)
+        "tokens_per_forward": (steps + accepted) / steps if steps else 0.0,
+        "iteration_ms": statistics.median(iteration_ms) if iteration_ms else 0.0,
+    }
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--dtype", default=None)
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--workloads", default="repetitive,default")
+    parser.add_argument("--batch", type=int, default=4, help="repetitive workload: prompts served together")
+    parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--max-draft-len", type=int, default=4)
+    parser.add_argument("--max-matching-ngram-size", type=int, default=3)
+    parser.add_argument("--num-requests", type=int, default=16, help="default workload: requests")
+    parser.add_argument("--max-prompt-len", type=int, default=512, help="default workload: prompts cut to this")
+    parser.add_argument("--max-num-tokens", type=int, default=2048)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+
+    common = dict(dtype=args.dtype, device=args.device, max_num_tokens=args.max_num_tokens, max_batch_size=64,
+                  enable_chunked_prefill=True, kv_cache_config=KvCacheConfig(tokens_per_block=32))
+    spec = SpeculativeConfig(max_draft_len=args.max_draft_len, max_matching_ngram_size=args.max_matching_ngram_size)
+    llms = {"ngram": LLM(args.model, speculative_config=spec, **common), "none": LLM(args.model, **common)}
+    params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
+    report: dict = {"config": vars(args), "results": {}}
+    try:
+        for workload in args.workloads.split(","):
+            if workload == "repetitive":
+                prompts = repetitive_prompts(llms["none"], args.batch)
+            elif workload == "default":
+                prompts = default_prompts(args.num_requests, args.max_prompt_len, llms["none"].model_config.vocab_size)
+            else:
+                raise SystemExit(f"unknown workload {workload!r}")
+            rounds: dict[str, list[dict]] = {"ngram": [], "none": []}
+            for repeat in range(args.repeats):
+                order = ("ngram", "none") if repeat % 2 == 0 else ("none", "ngram")
+                for name in order:
+                    rounds[name].append(measure(llms[name], prompts, params))
+                if rounds["ngram"][-1]["outputs"] != rounds["none"][-1]["outputs"]:
+                    raise SystemExit(f"{workload}: outputs with speculation differ from those without")
+            result = {}
+            for name, runs in rounds.items():
+                result[name] = {key: statistics.median(run[key] for run in runs)
+                                for key in runs[0] if key != "outputs"}
+                # inter-token latency: a generation iteration's time over the tokens it gives a request
+                result[name]["itl_ms"] = result[name]["iteration_ms"] / max(result[name]["tokens_per_forward"], 1.0)
+            ratios = [a["output_tokens_per_s"] / b["output_tokens_per_s"] for a, b in zip(rounds["ngram"], rounds["none"])]
+            result["speedup_output_tokens_per_s"] = statistics.median(ratios)
+            report["results"][workload] = result
+            ngram, none = result["ngram"], result["none"]
+            print(f"{workload}: acceptance {ngram['acceptance_rate']:.2f}, tokens/forward {ngram['tokens_per_forward']:.2f},"
+                  f" output tok/s {ngram['output_tokens_per_s']:.1f} vs {none['output_tokens_per_s']:.1f}"
+                  f" (x{result['speedup_output_tokens_per_s']:.2f}, median of {args.repeats} A/B rounds),"
+                  f" ITL {ngram['itl_ms']:.1f} vs {none['itl_ms']:.1f} ms")
+    finally:
+        for llm in llms.values():
+            llm.shutdown()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,101 @@
+"""``Drafter``: which requests speculate, and their draft tokens before each schedule.
+
+Speculative decoding in one iteration (``ExecutorConfig.speculative_config``)::
+
+    drafter.prepare_draft_tokens(active)   each speculative generation request gets up to
+                                            max_draft_len drafts (n-gram lookup in its tokens)
+    schedule / re-check / allocate          charged forward_cost: 1 + drafts
+                                            (a first-draft step: 1 + max_draft_len)
+    forward                                 the target's greedy pick at the newest token and
+                                            after each draft, in one pass
+    sample                                  accept_greedy: the accepted drafts + one token
+    append                                  stop_rule.finish cuts the run at a stop token or
+                                            the length limit, like any delivery
+    update_resources                        KV valid up to the accepted tokens; blocks holding
+                                            only rejected drafts released (KVCacheManager._trim)
+
+A request speculates when the executor admits it greedy with one beam and its draft slots fit
+``max_seq_len`` (``max_total_len + max_draft_len``); the drafter then sets its
+``max_draft_len`` and marks its first generation step a first draft. Every other request runs
+exactly as without speculation. Greedy verification makes the outputs equal to those without
+drafts, token for token: only the number of forwards changes.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Iterable
+
+import numpy as np
+
+from tensorrt_llm._torch.pyexecutor.config import DecodingType, SpeculativeConfig
+from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequest, LlmRequestState
+from tensorrt_llm._torch.speculative.ngram import propose_ngram_drafts
+
+_CONTEXT_INIT = LlmRequestState.CONTEXT_INIT
+
+
+class Drafter(abc.ABC):
+    """Decides which requests speculate and proposes their drafts; :meth:`propose` is the guess.
+
+    Any proposal is safe: verification keeps only what the target model would have generated.
+    """
+
+    def __init__(self, config: SpeculativeConfig, max_seq_len: int) -> None:
+        self.config = config
+        self.max_seq_len = max_seq_len
+
+    def admit(self, request: LlmRequest) -> bool:
+        """Make ``request`` speculative if it can be: greedy, one beam, no drafts of its own,
+        and room for its draft slots within ``max_seq_len``. Returns whether it is."""
+        max_draft_len = self.config.max_draft_len
+        eligible = (
+            request.sampling_config.is_greedy
+            and request.beam_width == 1
+            and not request.max_draft_len
+            and not request.py_draft_tokens
+            and request.max_total_len + max_draft_len <= self.max_seq_len
+        )
+        if eligible:
+            request.max_draft_len = max_draft_len
+            request.is_first_draft = True  # its first generation step runs 1 + max_draft_len positions
+        return eligible
+
+    def prepare_draft_tokens(self, requests: Iterable[LlmRequest]) -> None:
+        """Propose each speculative request's drafts for its next step, from its tokens as they
+        are now (every forward it sampled in has completed: see ``ModelEngine.can_pick``).
+
+        A request in its prompt gets none (its chunks are the scheduler's to size), and no
+        request gets more drafts than the tokens it may still generate after the one its next
+        step yields anyway: a draft past ``max_total_len`` could only be thrown away.
+        """
+        for request in requests:
+            if not request.max_draft_len:
+                continue
+            if request.state is _CONTEXT_INIT:
+                request.py_draft_tokens = []
+                continue
+            room = min(request.max_draft_len, request.max_total_len - len(request.tokens) - 1)
+            if room < 1:
+                request.py_draft_tokens = []
+                continue
+            request.py_draft_tokens = self.propose(request, room)[:room]
+
+    @abc.abstractmethod
+    def propose(self, request: LlmRequest, max_drafts: int) -> list[int]:
+        """Up to ``max_drafts`` guesses of the tokens that follow ``request.tokens``."""
+
+
+class NGramDrafter(Drafter):
+    """Prompt lookup (``DecodingType.NGRAM``): see ``speculative.ngram``."""
+
+    def propose(self, request: LlmRequest, max_drafts: int) -> list[int]:
+        tokens = np.frombuffer(request.tokens, dtype=np.int64)  # a view: gone before the tokens grow
+        return propose_ngram_drafts(tokens, max_drafts, self.config.max_matching_ngram_size)
+
+
+def drafter_for(config: SpeculativeConfig, max_seq_len: int) -> Drafter:
+    """The drafter of ``config.decoding_type``."""
+    if config.decoding_type is DecodingType.NGRAM:
+        return NGramDrafter(config, max_seq_len)
+    raise ValueError(f"no drafter for decoding_type {config.decoding_type.value!r}")

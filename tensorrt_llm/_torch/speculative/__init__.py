@@ -1,0 +1,1 @@
+"""Speculative decoding's building blocks: drafters and the acceptance rule (no executor state)."""

@@ -1,0 +1,230 @@
+"""Speculative decoding on the real engine: greedy outputs with drafts equal those without.
+
+Each example serves a drawn workload with ``tiny-random`` (float64) through the torch engine
+under a drawn token-budget policy, with block reuse, chunked prefill and budget deferrals
+forced by a tight budget, and checks after every step, through the shared
+:class:`~invariants.ExecutorChecker`, the invariants of DESIGN.md §3 that the policy promises
+(the forward cost of drafts and first drafts bounding what ``_prepare_tp_inputs`` built, on a
+forward that then really ran), then the drained pool (the leak oracle). Every request's output
+must equal greedy decoding with ``forward_full`` (no cache, no drafts), cut at its ``end_id``.
+
+Two drafters: the production n-gram drafter (which tiny-random rarely rewards) and a
+*reference* drafter that proposes the true greedy continuation with drawn tokens made wrong,
+so that runs of accepted drafts, rejections at every draft position, an ``end_id`` inside an
+accepted run and the KV roll-back of rejected positions all happen.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import factories
+import pytest
+from hypothesis import event, given, note, settings
+from hypothesis import strategies as st
+from invariants import ExecutorChecker
+from strategies import examples
+
+from tensorrt_llm._torch.models.modeling_llama import MODEL_PRESETS, LlamaForCausalLM
+from tensorrt_llm._torch.pyexecutor.config import (
+    CapacitySchedulerPolicy,
+    ContextChunkingPolicy,
+    ExecutorConfig,
+    KvCacheConfig,
+    SpeculativeConfig,
+    TokenBudgetPolicyName,
+)
+from tensorrt_llm._torch.pyexecutor.drafter import Drafter, NGramDrafter
+from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequest
+from tensorrt_llm._torch.pyexecutor.py_executor_creator import create_py_executor
+
+MODEL = dataclasses.replace(MODEL_PRESETS["tiny-random"], dtype="float64")
+MAX_SEQ_LEN = 256
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@functools.cache
+def model() -> LlamaForCausalLM:
+    return LlamaForCausalLM(MODEL)
+
+
+@functools.lru_cache(maxsize=4096)
+def reference(prompt: tuple[int, ...], max_tokens: int) -> tuple[int, ...]:
+    """Greedy decoding with ``forward_full`` (the whole sequence each step, no KV cache, no drafts)."""
+    return tuple(factories.greedy_reference(model(), prompt, max_tokens))
+
+
+def document(doc: int, length: int) -> list[int]:
+    return [1 + (doc * 7919 + i * 104729 + (i * i) % 11) % (MODEL.vocab_size - 2) for i in range(length)]
+
+
+class ReferenceDrafter(Drafter):
+    """Proposes the true greedy continuation, except at positions where ``(position * 7 +
+    salt) % period == phase`` (a wrong token there; ``salt``: the request's submission index):
+    every acceptance length happens."""
+
+    def __init__(self, config: SpeculativeConfig, period: int, phase: int) -> None:
+        super().__init__(config, MAX_SEQ_LEN)
+        self.period, self.phase = period, phase
+        self.continuations: dict[int, tuple[int, tuple[int, ...]]] = {}  # request id -> (salt, prompt + reference)
+
+    def propose(self, request: LlmRequest, max_drafts: int) -> list[int]:
+        salt, full = self.continuations[request.request_id]
+        start = len(request.tokens)
+        drafts = list(full[start : start + max_drafts])
+        for i in range(len(drafts)):
+            if ((start + i) * 7 + salt) % self.period == self.phase:
+                drafts[i] = (drafts[i] + 1) % MODEL.vocab_size
+        return drafts
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    policy: TokenBudgetPolicyName
+    tokens_per_block: int
+    max_num_tokens: int
+    chunked: bool
+    num_blocks: int
+    reuse: bool
+    partial: bool
+    capacity: CapacitySchedulerPolicy
+    chunking: ContextChunkingPolicy
+    max_draft_len: int
+    drafter: str  # "ngram" or "reference"
+    period: int
+    phase: int
+    overlap: bool
+    warm: tuple[tuple[int, ...], ...]
+    burst: tuple[tuple[tuple[int, ...], int, int | None], ...]  # (prompt, max_tokens, end_id index in the reference)
+
+    def _repr_pretty_(self, printer, cycle) -> None:
+        printer.text(
+            f"Workload({self.policy.value} tpb={self.tokens_per_block} max_num_tokens={self.max_num_tokens}"
+            f" chunked={self.chunked} blocks={self.num_blocks} reuse={self.reuse}/{self.partial}"
+            f" {self.capacity.value} {self.chunking.value} max_draft_len={self.max_draft_len} {self.drafter}"
+            f" wrong at (7p + id) % {self.period} == {self.phase} overlap={self.overlap}"
+            f" warm={[len(p) for p in self.warm]} burst={[(len(p), n, e) for p, n, e in self.burst]})"
+        )
+
+
+@st.composite
+def workloads(draw) -> Workload:
+    tpb = draw(st.integers(1, 6))
+    chunked = draw(st.booleans())
+    max_draft_len = draw(st.integers(1, 4))
+    tail = st.lists(st.integers(1, MODEL.vocab_size - 1), max_size=2 * tpb)
+    warm = tuple(tuple(document(draw(st.integers(0, 1)), draw(st.integers(1, 4 * tpb)))) for _ in range(draw(st.integers(0, 2))))
+    burst = []
+    for _ in range(draw(st.integers(1, 5))):
+        if warm and draw(st.integers(0, 3)) == 0:  # an identical repeat: a whole-prompt hit
+            prompt = draw(st.sampled_from(warm))
+        else:
+            prompt = tuple(document(draw(st.integers(0, 1)), draw(st.integers(0, 5 * tpb))) + draw(tail)) or (1,)
+        max_tokens = draw(st.integers(1, 12))
+        end_at = draw(st.none() | st.integers(0, max_tokens - 1))
+        burst.append((prompt, max_tokens, end_at))
+    longest = max(len(p) + n for p, n, _ in burst)
+    longest = max([longest, *(len(p) + 1 for p in warm)])
+    if chunked:
+        budget = draw(st.integers(max(tpb, 1 + max_draft_len), 4 * tpb + max_draft_len))
+    else:  # every prompt, recomputed with its tokens after a pause, fits one forward
+        budget = draw(st.integers(longest + max_draft_len, longest + max_draft_len + 3 * tpb))
+    need = -(-(longest + max_draft_len) // tpb)
+    reuse = draw(st.booleans())
+    return Workload(
+        policy=draw(st.sampled_from(TokenBudgetPolicyName)),
+        tokens_per_block=tpb,
+        max_num_tokens=budget,
+        chunked=chunked,
+        num_blocks=draw(st.integers(need, 3 * need + 4)),
+        reuse=reuse,
+        partial=reuse and draw(st.booleans()),
+        capacity=draw(st.sampled_from(CapacitySchedulerPolicy)),
+        chunking=draw(st.sampled_from(ContextChunkingPolicy)),
+        max_draft_len=max_draft_len,
+        drafter=draw(st.sampled_from(["reference", "reference", "ngram"])),
+        period=draw(st.integers(2, 6)),
+        phase=draw(st.integers(0, 5)),
+        overlap=draw(st.integers(0, 3)) == 0,
+        warm=warm,
+        burst=tuple(burst),
+    )
+
+
+def expected(prompt: tuple[int, ...], max_tokens: int, end_at: int | None) -> tuple[tuple[int, ...], int | None]:
+    """The reference output and the request's end_id (its reference token at ``end_at``)."""
+    tokens = reference(prompt, max_tokens)
+    if end_at is None:
+        return tokens, None
+    end_id = tokens[end_at]
+    return tokens[: tokens.index(end_id) + 1], end_id
+
+
+def serve(workload: Workload) -> tuple[ExecutorChecker, list[tuple[LlmRequest, tuple[int, ...]]]]:
+    spec = SpeculativeConfig(max_draft_len=workload.max_draft_len, max_matching_ngram_size=2)
+    config = ExecutorConfig(
+        max_num_tokens=workload.max_num_tokens,
+        max_batch_size=8,
+        max_seq_len=MAX_SEQ_LEN,
+        enable_chunked_prefill=workload.chunked,
+        token_budget_policy=workload.policy,
+        capacity_scheduler_policy=workload.capacity,
+        context_chunking_policy=workload.chunking,
+        disable_overlap_scheduler=not workload.overlap,
+        kv_cache_config=KvCacheConfig(
+            tokens_per_block=workload.tokens_per_block,
+            num_blocks=workload.num_blocks,
+            enable_block_reuse=workload.reuse,
+            enable_partial_reuse=workload.partial,
+        ),
+        speculative_config=spec,
+    )
+    if workload.drafter == "reference":
+        drafter: Drafter = ReferenceDrafter(spec, workload.period, workload.phase)
+    else:
+        drafter = NGramDrafter(spec, MAX_SEQ_LEN)
+    checker = ExecutorChecker(create_py_executor(config, model=model(), drafter=drafter))
+    submitted = []
+
+    def submit(prompt: tuple[int, ...], max_tokens: int, end_at: int | None) -> None:
+        want, end_id = expected(prompt, max_tokens, end_at)
+        request = LlmRequest(input_token_ids=list(prompt), max_new_tokens=max_tokens, end_id=end_id)
+        if isinstance(drafter, ReferenceDrafter):
+            drafter.continuations[request.request_id] = (len(submitted), prompt + reference(prompt, max_tokens))
+        checker.submit(request)
+        submitted.append((request, want))
+
+    for prompt in workload.warm:  # one at a time: each is cached before the next
+        submit(prompt, 1, None)
+        checker.drain()
+    for prompt, max_tokens, end_at in workload.burst:
+        submit(prompt, max_tokens, end_at)
+    checker.drain()
+    return checker, submitted
+
+
+@settings(max_examples=examples(1 / 10, 12))
+@given(workload=workloads())
+def test_greedy_outputs_with_drafts_equal_greedy_decoding_under_every_policy(workload: Workload):
+    checker, submitted = serve(workload)
+    stats = [iteration.stats for iteration in checker.iterations]
+    for request, want in submitted:
+        got = tuple(checker.tokens[request.request_id])
+        response = checker.final[request.request_id]
+        note(f"request {request.request_id}: got {got} want {want} error {response.error}")
+        if response.error is not None:  # only a policy without safety may fail a batch (its overshoot)
+            assert not checker.claims_safety and "max_num_tokens" in response.error, response.error
+            event("an unsafe policy overshot")
+            continue
+        assert got == want, f"request {request.request_id} ({len(request.input_token_ids)}-token prompt)"
+    drafts = sum(s.num_draft_tokens for s in stats)
+    accepted = sum(s.num_accepted_draft_tokens for s in stats)
+    assert accepted <= drafts
+    if workload.drafter == "reference" and drafts:
+        event("reference drafts: some accepted" if accepted else "reference drafts: none accepted")
+    if checker.num_budget_deferrals:
+        event("budget deferrals")
+    if any(s.reuse_claimed_tokens for s in stats):
+        event("reuse claimed")

@@ -1,0 +1,148 @@
+"""The n-gram drafter and greedy verification, alone; speculation through ``LLM(...)``."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import factories
+import numpy as np
+import pytest
+import yaml
+
+from tensorrt_llm._torch.models.modeling_llama import MODEL_PRESETS
+from tensorrt_llm._torch.pyexecutor.config import DecodingType, ExecutorConfig, KvCacheConfig, SpeculativeConfig
+from tensorrt_llm._torch.pyexecutor.drafter import Drafter
+from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequest
+from tensorrt_llm._torch.pyexecutor.py_executor_creator import create_py_executor
+from tensorrt_llm._torch.speculative.ngram import propose_ngram_drafts
+from tensorrt_llm._torch.speculative.verification import accept_greedy
+from tensorrt_llm.llmapi.config_fields import from_mapping
+from tensorrt_llm.llmapi.llm import LLM, SamplingParams
+from tensorrt_llm.llmapi.llm_args import LlmArgs
+
+MODEL = dataclasses.replace(MODEL_PRESETS["tiny-random"], dtype="float64")
+
+
+def propose(tokens, max_draft_len=3, n=3):
+    return propose_ngram_drafts(np.asarray(tokens, dtype=np.int64), max_draft_len, n)
+
+
+def test_the_longest_recurring_suffix_proposes_what_followed_it():
+    #        a  b  c  x  y  z  a  b  c
+    assert propose([1, 2, 3, 7, 8, 9, 1, 2, 3]) == [7, 8, 9]
+    # only "c" recurs (n = 1) when "b c" does not
+    assert propose([3, 5, 6, 2, 3]) == [5, 6, 2]
+
+
+def test_a_longer_match_wins_over_a_more_recent_shorter_one():
+    # "1 2" occurred at 0 (then 7 7) and "2" alone at 5 (then 4): the 2-gram's continuation wins
+    assert propose([1, 2, 7, 7, 9, 2, 4, 1, 2], max_draft_len=2, n=2) == [7, 7]
+
+
+def test_the_most_recent_occurrence_wins_and_proposals_stop_at_the_sequence_end():
+    assert propose([5, 1, 5, 2, 5], max_draft_len=4, n=1) == [2, 5]
+    assert propose([4, 4], max_draft_len=3, n=2) == [4]
+
+
+def test_nothing_recurs_nothing_is_proposed():
+    assert propose([1, 2, 3, 4]) == []
+    assert propose([9]) == []
+    assert propose([1, 2, 1], max_draft_len=0) == []
+
+
+@pytest.mark.parametrize(
+    "drafts, targets, tokens",
+    [
+        ([], [5], [5]),  # no drafts: the one greedy token
+        ([5, 6, 7], [5, 6, 7, 8], [5, 6, 7, 8]),  # all accepted, then the bonus token
+        ([5, 9, 7], [5, 6, 7, 8], [5, 6]),  # rejected at the second: the target's token there
+        ([4, 6, 7], [5, 6, 7, 8], [5]),  # rejected at once: one token, as without drafts
+    ],
+)
+def test_accept_greedy_keeps_the_accepted_run_and_the_targets_next_token(drafts, targets, tokens):
+    assert accept_greedy(drafts, targets) == tokens
+
+
+def test_accept_greedy_needs_one_target_per_draft_and_one_more():
+    with pytest.raises(ValueError, match="2 drafts need 3"):
+        accept_greedy([1, 2], [1, 2])
+
+
+def test_speculative_config_is_a_yaml_mapping_and_refuses_what_it_cannot_do():
+    options = yaml.safe_load("speculative_config: {decoding_type: NGram, max_draft_len: 3, max_matching_ngram_size: 2}")
+    args = from_mapping(LlmArgs, options)
+    assert args.executor.speculative_config == SpeculativeConfig(DecodingType.NGRAM, 3, 2)
+    with pytest.raises(ValueError, match="decoding_type"):
+        from_mapping(LlmArgs, {"speculative_config": {"decoding_type": "Eagle3"}})
+    with pytest.raises(ValueError, match="max_draft_len"):
+        SpeculativeConfig(max_draft_len=0)
+    with pytest.raises(ValueError, match="typo"):
+        from_mapping(LlmArgs, {"speculative_config": {"typo": 1}})
+
+
+def serve(prompts, params, **options):
+    with LLM(MODEL, max_num_tokens=48, max_seq_len=128, kv_cache_config=KvCacheConfig(tokens_per_block=4),
+             **options) as llm:
+        outputs = [h.result(timeout=60).outputs[0].token_ids for h in [llm.generate_async(p, params) for p in prompts]]
+        return outputs, llm.iteration_stats
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+def test_llm_with_ngram_speculation_generates_what_it_generates_without():
+    """Repeating prompts (the n-gram drafter finds matches) through LLM(...): the same tokens,
+    with drafts verified; a request that samples does not speculate, and is served."""
+    prompts = [[5, 6, 7, 8, 9, 10] * 3, [1, 2, 3, 4] * 3 + [1], [3, 9, 27, 11, 4]]
+    params = SamplingParams(max_tokens=16)
+    plain, _ = serve(prompts, params)
+    spec = SpeculativeConfig(max_draft_len=3, max_matching_ngram_size=2)
+    speculative, stats = serve(prompts, params, speculative_config=spec)
+    assert speculative == plain
+    assert sum(s.num_draft_tokens for s in stats) > 0
+    sampled, stats = serve(prompts[:1], SamplingParams(max_tokens=8, temperature=1.0, seed=3), speculative_config=spec)
+    assert len(sampled[0]) == 8 and sum(s.num_draft_tokens for s in stats) == 0
+
+
+class _WrongDrafter(Drafter):
+    """Proposes a token unlike greedy decoding's at every position: every draft is rejected."""
+
+    def __init__(self, config: SpeculativeConfig, continuation: tuple[int, ...]) -> None:
+        super().__init__(config, 128)
+        self.continuation = continuation
+
+    def propose(self, request: LlmRequest, max_drafts: int) -> list[int]:
+        start = len(request.tokens)
+        return [(t + 1) % MODEL.vocab_size for t in self.continuation[start : start + max_drafts]]
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+def test_rejected_drafts_roll_back_their_blocks_and_never_reach_the_prefix_tree():
+    """tokens_per_block 2, max_draft_len 4: the first-draft step writes positions 4..8 (five
+    blocks); all four drafts are rejected, so the blocks past the sequence's 6 tokens go back.
+    A second request whose prompt is the first's whole output reuses its committed blocks and
+    still decodes exactly as greedy decoding does."""
+    spec = SpeculativeConfig(max_draft_len=4)
+    config = ExecutorConfig(max_num_tokens=32, max_seq_len=128, speculative_config=spec,
+                            kv_cache_config=KvCacheConfig(tokens_per_block=2, num_blocks=40))
+    model = factories.served_model(MODEL)
+    prompt = (3, 9, 27, 11)
+    want = tuple(factories.greedy_reference(model, prompt, 8))
+    executor = create_py_executor(config, model=model, drafter=_WrongDrafter(spec, prompt + want))
+    kv = executor.kv_cache_manager
+    request = LlmRequest(input_token_ids=list(prompt), max_new_tokens=8)
+    executor.enqueue_request(request)
+    executor.step()  # the prompt: one token
+    assert request.is_first_draft and len(request.tokens) == 5
+    iteration = executor.step()  # first draft: 1 + max_draft_len positions, all drafts rejected
+    assert iteration.stats.forward_tokens == 5 and iteration.stats.num_draft_tokens == 4
+    assert iteration.stats.num_accepted_draft_tokens == 0
+    assert len(request.tokens) == 6 and kv.num_held_blocks(request) == 3  # not the 5 the forward wrote
+    executor.run_until_idle()
+    assert tuple(request.output_token_ids) == want
+    kv.check_integrity()
+
+    follow = LlmRequest(input_token_ids=list(prompt + want), max_new_tokens=4)
+    before = len(executor.iteration_stats)
+    executor.enqueue_request(follow)
+    executor.run_until_idle()
+    assert sum(s.reuse_claimed_tokens for s in executor.iteration_stats[before:]) >= len(prompt)
+    assert tuple(follow.output_token_ids) == tuple(factories.greedy_reference(model, prompt + want, 4))
