@@ -15,7 +15,8 @@ Speculative decoding in one iteration (``ExecutorConfig.speculative_config``)::
                                             only rejected drafts released (KVCacheManager._trim)
 
 A request speculates when the executor admits it greedy with one beam and its draft slots fit
-``max_seq_len`` (``max_total_len + max_draft_len``); the drafter then sets its
+``max_seq_len`` (``max_total_len + max_draft_len``) and the executor's other limits (validated
+again with them; :meth:`Drafter.withdraw` otherwise): the drafter then sets its
 ``max_draft_len`` and marks its first generation step a first draft. Every other request runs
 exactly as without speculation. Greedy verification makes the outputs equal to those without
 drafts, token for token: only the number of forwards changes.
@@ -60,6 +61,13 @@ class Drafter(abc.ABC):
             request.max_draft_len = max_draft_len
             request.is_first_draft = True  # its first generation step runs 1 + max_draft_len positions
         return eligible
+
+    def withdraw(self, request: LlmRequest) -> None:
+        """Undo :meth:`admit` (before the request is scheduled): it runs without speculation,
+        e.g. when its draft slots would not fit the executor's limits."""
+        request.max_draft_len = 0
+        request.is_first_draft = False
+        request.py_draft_tokens = []
 
     def prepare_draft_tokens(self, requests: Iterable[LlmRequest]) -> None:
         """Propose each speculative request's drafts for its next step, from its tokens as they

@@ -340,14 +340,18 @@ class PyExecutor:
             if on_response is not None:
                 self._callbacks[request.request_id] = on_response
             request.arrival_time = request.arrival_time or self.clock()
-            if self.drafter is not None:
-                self.drafter.admit(request)
             try:
                 self.validate(request)
             except InvalidRequestError as error:
                 logger.warning("%s", error)
                 self._fail(request, error)
                 continue
+            if self.drafter is not None and self.drafter.admit(request):
+                try:
+                    self.validate(request)  # its draft slots: speculation never refuses a request
+                except InvalidRequestError as error:
+                    logger.debug("request %d runs without speculation: %s", request.request_id, error)
+                    self.drafter.withdraw(request)
             self.active_requests.append(request)
 
     def _handle_cancellations(self, cancelled: Collection[int]) -> None:

@@ -17,16 +17,15 @@ accepted run and the KV roll-back of rejected positions all happen.
 from __future__ import annotations
 
 import dataclasses
-import functools
 
-import factories
 import pytest
 from hypothesis import event, given, note, settings
 from hypothesis import strategies as st
 from invariants import ExecutorChecker
 from strategies import examples
+# the model, its greedy reference (forward_full, no cache, no drafts) and the shared documents
+from test_property_real_model import MODEL, document, greedy_reference, reference_model
 
-from tensorrt_llm._torch.models.modeling_llama import MODEL_PRESETS, LlamaForCausalLM
 from tensorrt_llm._torch.pyexecutor.config import (
     CapacitySchedulerPolicy,
     ContextChunkingPolicy,
@@ -39,25 +38,9 @@ from tensorrt_llm._torch.pyexecutor.drafter import Drafter, NGramDrafter
 from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequest
 from tensorrt_llm._torch.pyexecutor.py_executor_creator import create_py_executor
 
-MODEL = dataclasses.replace(MODEL_PRESETS["tiny-random"], dtype="float64")
 MAX_SEQ_LEN = 256
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-@functools.cache
-def model() -> LlamaForCausalLM:
-    return LlamaForCausalLM(MODEL)
-
-
-@functools.lru_cache(maxsize=4096)
-def reference(prompt: tuple[int, ...], max_tokens: int) -> tuple[int, ...]:
-    """Greedy decoding with ``forward_full`` (the whole sequence each step, no KV cache, no drafts)."""
-    return tuple(factories.greedy_reference(model(), prompt, max_tokens))
-
-
-def document(doc: int, length: int) -> list[int]:
-    return [1 + (doc * 7919 + i * 104729 + (i * i) % 11) % (MODEL.vocab_size - 2) for i in range(length)]
 
 
 class ReferenceDrafter(Drafter):
@@ -155,7 +138,7 @@ def workloads(draw) -> Workload:
 
 def expected(prompt: tuple[int, ...], max_tokens: int, end_at: int | None) -> tuple[tuple[int, ...], int | None]:
     """The reference output and the request's end_id (its reference token at ``end_at``)."""
-    tokens = reference(prompt, max_tokens)
+    tokens = greedy_reference(prompt, max_tokens)
     if end_at is None:
         return tokens, None
     end_id = tokens[end_at]
@@ -185,14 +168,14 @@ def serve(workload: Workload) -> tuple[ExecutorChecker, list[tuple[LlmRequest, t
         drafter: Drafter = ReferenceDrafter(spec, workload.period, workload.phase)
     else:
         drafter = NGramDrafter(spec, MAX_SEQ_LEN)
-    checker = ExecutorChecker(create_py_executor(config, model=model(), drafter=drafter))
+    checker = ExecutorChecker(create_py_executor(config, model=reference_model(), drafter=drafter))
     submitted = []
 
     def submit(prompt: tuple[int, ...], max_tokens: int, end_at: int | None) -> None:
         want, end_id = expected(prompt, max_tokens, end_at)
         request = LlmRequest(input_token_ids=list(prompt), max_new_tokens=max_tokens, end_id=end_id)
         if isinstance(drafter, ReferenceDrafter):
-            drafter.continuations[request.request_id] = (len(submitted), prompt + reference(prompt, max_tokens))
+            drafter.continuations[request.request_id] = (len(submitted), prompt + greedy_reference(prompt, max_tokens))
         checker.submit(request)
         submitted.append((request, want))
 

@@ -146,3 +146,19 @@ def test_rejected_drafts_roll_back_their_blocks_and_never_reach_the_prefix_tree(
     executor.run_until_idle()
     assert sum(s.reuse_claimed_tokens for s in executor.iteration_stats[before:]) >= len(prompt)
     assert tuple(follow.output_token_ids) == tuple(factories.greedy_reference(model, prompt + want, 4))
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+def test_a_request_whose_draft_slots_do_not_fit_runs_without_speculation():
+    """Chunked prefill off, max_num_tokens 8: a 6-token prompt fits, its 4 draft slots would
+    not (a last chunk may carry drafts): it is served as without speculation, not refused."""
+    spec = SpeculativeConfig(max_draft_len=4)
+    config = ExecutorConfig(max_num_tokens=8, max_seq_len=64, speculative_config=spec,
+                            kv_cache_config=KvCacheConfig(tokens_per_block=4, num_blocks=16))
+    model = factories.served_model(MODEL)
+    executor = create_py_executor(config, model=model)
+    request = LlmRequest(input_token_ids=[3, 9, 27, 11, 4, 5], max_new_tokens=4)
+    executor.enqueue_request(request)
+    executor.run_until_idle()
+    assert request.error is None and request.max_draft_len == 0
+    assert request.output_token_ids == factories.greedy_reference(model, [3, 9, 27, 11, 4, 5], 4)

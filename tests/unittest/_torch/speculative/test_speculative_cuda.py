@@ -1,0 +1,66 @@
+"""Speculative decoding on the GPU (skipped without CUDA): greedy outputs with drafts equal
+those without, with CUDA graphs and the overlap scheduler on (the defaults there)."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+import torch
+from factories import make_config, make_request
+
+from tensorrt_llm._torch.models.modeling_llama import MODEL_PRESETS, LlamaForCausalLM
+from tensorrt_llm._torch.pyexecutor.config import CudaGraphConfig, SpeculativeConfig
+from tensorrt_llm._torch.pyexecutor.drafter import Drafter, NGramDrafter
+from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequest
+from tensorrt_llm._torch.pyexecutor.py_executor_creator import create_py_executor
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+SPEC = SpeculativeConfig(max_draft_len=4, max_matching_ngram_size=2)
+
+
+class _HalfRightDrafter(Drafter):
+    """Proposes the plain run's continuation with every third position wrong."""
+
+    def __init__(self, continuations: dict[tuple[int, ...], list[int]]) -> None:
+        super().__init__(SPEC, 4096)
+        self.continuations = continuations
+
+    def propose(self, request: LlmRequest, max_drafts: int) -> list[int]:
+        prompt = tuple(request.tokens[: request.orig_prompt_len])
+        full = list(prompt) + self.continuations[prompt]
+        start = len(request.tokens)
+        return [t if (start + i) % 3 else (t + 1) % 2048 for i, t in enumerate(full[start : start + max_drafts])]
+
+
+def _model() -> LlamaForCausalLM:
+    return LlamaForCausalLM(dataclasses.replace(MODEL_PRESETS["small-random"], dtype="float32", seed=5)).to("cuda")
+
+
+def _generate(model, prompts, drafter: Drafter | None, **config):
+    config = make_config(max_num_tokens=96, tokens_per_block=8, num_blocks=256, max_batch_size=8,
+                         cuda_graph_config=CudaGraphConfig(), speculative_config=SPEC if drafter else None, **config)
+    executor = create_py_executor(config, model=model, drafter=drafter)
+    requests = [make_request(p, max_new_tokens=16) for p in prompts]
+    for request in requests:
+        executor.enqueue_request(request)
+    executor.run_until_idle()
+    assert all(r.error is None for r in requests), [r.error for r in requests]
+    drafts = sum(s.num_draft_tokens for s in executor.iteration_stats)
+    return [r.output_token_ids for r in requests], drafts
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_drafts_on_the_gpu_give_the_tokens_of_plain_decoding(overlap: bool) -> None:
+    rng = random.Random(3)
+    shared = [rng.randrange(2048) for _ in range(40)]
+    prompts = [shared + [rng.randrange(2048) for _ in range(rng.randrange(1, 50))] for _ in range(5)]
+    prompts.append([rng.randrange(2048) for _ in range(12)] * 4)  # repeats: the n-gram drafter finds matches
+    model = _model()
+    plain, _ = _generate(model, prompts, None, disable_overlap_scheduler=not overlap)
+    continuations = {tuple(p): out for p, out in zip(prompts, plain)}
+    for drafter in (_HalfRightDrafter(continuations), NGramDrafter(SPEC, 4096)):
+        speculative, drafts = _generate(model, prompts, drafter, disable_overlap_scheduler=not overlap)
+        assert drafts > 0
+        assert speculative == plain, type(drafter).__name__
