@@ -389,6 +389,8 @@ class PyExecutor:
         """A request that starts over as context must fit one forward when chunked prefill is
         off; fail it otherwise rather than let it (and every context request queued behind it)
         wait forever."""
+        if self.drafter is not None:  # back in its prompt: the drafter takes its drafts away
+            self.drafter.prepare_draft_tokens((request,))
         context = request.prompt_len + request.num_draft_tokens  # now with its generated tokens
         if not self.config.enable_chunked_prefill and context > self.config.max_num_tokens:
             self._fail(request, InvalidRequestError(

@@ -162,3 +162,18 @@ def test_a_request_whose_draft_slots_do_not_fit_runs_without_speculation():
     executor.run_until_idle()
     assert request.error is None and request.max_draft_len == 0
     assert request.output_token_ids == factories.greedy_reference(model, [3, 9, 27, 11, 4, 5], 4)
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+def test_speculative_requests_whose_forwards_fail_start_over_and_generate_the_same_tokens():
+    """Every third forward raises (fault injection): its requests start over as context, their
+    drafts dropped, and still generate what they generate without faults or speculation."""
+    from tensorrt_llm._torch.pyexecutor.config import FaultInjectionConfig
+
+    prompts = [[5, 6, 7, 8, 9, 10] * 3, [1, 2, 3, 4] * 3 + [1], [3, 9, 27, 11, 4]]
+    params = SamplingParams(max_tokens=12)
+    plain, _ = serve(prompts, params)
+    faulty, stats = serve(prompts, params, max_forward_retries=8, speculative_config=SpeculativeConfig(max_draft_len=3),
+                          fault_injection=FaultInjectionConfig(forward_error_every=3))
+    assert faulty == plain
+    assert sum(s.num_retried_requests for s in stats) > 0
