@@ -13,7 +13,8 @@ Two workloads:
 Each of ``--repeats`` rounds serves a workload with speculation, then without (order swapped
 every other round), on one ``LLM`` each built once; the machine may be shared, so speeds are
 reported as the ratio of the two measured in the same run (median over rounds), with absolute
-numbers beside them. Greedy outputs must be equal, token for token (checked every round).
+numbers beside them. Greedy outputs must be equal, token for token (checked every round). A model
+with a tokenizer stops at its end of text; a random-weight one generates ``--max-tokens``.
 
     python -m benchmarks.speculative [--model smollm2-135m-instruct] [--workloads repetitive,default]
         [--batch 4] [--max-tokens 96] [--max-draft-len 4] [--max-matching-ngram-size 3]
@@ -116,7 +117,9 @@ def main(argv: list[str] | None = None) -> dict:
                   enable_chunked_prefill=True, kv_cache_config=KvCacheConfig(tokens_per_block=32))
     spec = SpeculativeConfig(max_draft_len=args.max_draft_len, max_matching_ngram_size=args.max_matching_ngram_size)
     llms = {"ngram": LLM(args.model, speculative_config=spec, **common), "none": LLM(args.model, **common)}
-    params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
+    # A model with a tokenizer stops at its end of text (past it, SmolLM2 starts a new conversation
+    # that repeats nothing: not the workload); a random-weight model generates max_tokens.
+    params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=llms["none"].tokenizer is None)
     report: dict = {"config": vars(args), "results": {}}
     try:
         for workload in args.workloads.split(","):

@@ -48,7 +48,12 @@ class Drafter(abc.ABC):
 
     def admit(self, request: LlmRequest) -> bool:
         """Make ``request`` speculative if it can be: greedy, one beam, no drafts of its own,
-        and room for its draft slots within ``max_seq_len``. Returns whether it is."""
+        and room for its draft slots within ``max_seq_len``. Returns whether it is.
+
+        Verification compares each draft with the engine's unmasked greedy pick at its row, so a
+        request whose tokens something else constrains (a grammar mask, penalties that depend
+        on the tokens before) must be left out here, or have that constraint applied to every
+        draft row (``ForwardOutput.draft_targets``) before ``accept_greedy``."""
         max_draft_len = self.config.max_draft_len
         eligible = (
             request.sampling_config.is_greedy
