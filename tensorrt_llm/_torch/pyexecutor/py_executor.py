@@ -147,6 +147,10 @@ class _InFlight:
 
 
 class PyExecutor:
+    """The stepper: requests, scheduler, resource manager, engine and sampler, one
+    :meth:`step` at a time on one thread. It is also the one-rank ``ExecutorClient``: those
+    calls go to its :attr:`loop` (any thread)."""
+
     def __init__(
         self,
         *,
