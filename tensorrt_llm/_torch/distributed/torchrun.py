@@ -21,7 +21,9 @@ A rank that stops answering is found within ``dead_after_s``, not at a collectiv
 every rank bumps a counter in the store (``beat/RANK``) from a thread of its own every
 ``beat_s``; rank 0 reads the counters, and one that has not moved for ``dead_after_s`` names
 its rank dead. A killed process also fails its peers' collectives at once (gloo sees the
-connection close); a host whose network is gone does not, and the heartbeat is what finds it.
+connection close), but its error names an address, not a rank: the communicator then asks the
+heartbeats which rank went silent and says so (``Communicator``'s ``diagnose``). A host whose
+network is gone fails no collective before the timeout; its silent heartbeat is what finds it.
 Counters, not timestamps, so the hosts' clocks need not agree.
 """
 
@@ -34,7 +36,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import torch.distributed as dist
 
@@ -109,7 +111,8 @@ class Heartbeat:
 class HeartbeatWatch:
     """Rank 0's view of the others' counters: which have not moved for ``dead_after_s``."""
 
-    def __init__(self, store: dist.Store, ranks: range, dead_after_s: float, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, store: dist.Store, ranks: Iterable[int], dead_after_s: float,
+                 clock: Callable[[], float] = time.monotonic):
         self._store, self._dead_after_s, self._clock = store, dead_after_s, clock
         now = clock()
         self._seen = {rank: (-1, now) for rank in ranks}  # rank -> (last count, when it last moved)
@@ -131,6 +134,16 @@ class HeartbeatWatch:
             elif now - moved > self._dead_after_s:
                 silent[rank] = now - moved
         return silent
+
+
+def _gone(watch: HeartbeatWatch, beat_s: float) -> str | None:
+    """After a collective failed: the ranks whose heartbeat stopped, named (a failed collective
+    says which address closed, not which rank); None if every peer still beats."""
+    try:
+        gone = watch.silent_over(4 * beat_s)
+    except Exception:  # the store is gone: its host (rank 0's, under torchrun) is
+        return "the rendezvous store does not answer"
+    return ", ".join(f"rank {rank}" for rank in gone) + " stopped answering (heartbeat silent)" if gone else None
 
 
 class _Outbox:
@@ -156,10 +169,10 @@ class TorchrunGroup:
             raise ValueError(f"rank {env.rank} follows rank 0 (torchrun.follow); only rank 0 serves")
         self.world_size, self.options, self.env = env.world_size, options, env
         self._store = env.connect(options.start_timeout_s)
-        self._comm = Communicator(self._store, 0, env.world_size, timeout_s=options.collective_timeout_s)
-        self._beat_s = beat_s
-        self._heartbeat = Heartbeat(self._store, 0, beat_s)
         self._watch = HeartbeatWatch(self._store, range(1, env.world_size), dead_after_s)
+        self._comm = Communicator(self._store, 0, env.world_size, timeout_s=options.collective_timeout_s,
+                                  diagnose=lambda: _gone(self._watch, beat_s))
+        self._heartbeat = Heartbeat(self._store, 0, beat_s)
         self._silent: dict[int, float] = {}
         self._inbox: queue.Queue = queue.Queue()
         self.posts: queue.Queue = queue.Queue()
@@ -177,24 +190,11 @@ class TorchrunGroup:
             result = result_of(0, lambda: fn(context, *args))
             if not result.ok:  # the followers may be waiting in a collective: stop them now
                 self._comm.abort(f"{result.error_type}: {result.error}")
-                result = self._naming_the_gone(result)
             self._result = result
 
         self._thread = threading.Thread(target=run, name="rank0-serve", daemon=True)
         self._thread.start()
         return 0
-
-    def _naming_the_gone(self, result: RankResult) -> RankResult:
-        """A failed collective says which address closed, not which rank: the heartbeats do."""
-        try:
-            gone = self._watch.silent_over(4 * self._beat_s)
-        except Exception:  # the store is gone with them
-            return result
-        if not gone:
-            return result
-        names = ", ".join(f"rank {rank}" for rank in gone)
-        return RankResult(0, error_type=result.error_type, traceback=result.traceback,
-                          error=f"{names} stopped answering (heartbeat silent): {result.error}")
 
     def send(self, rank: int, message: Any) -> None:
         if rank != 0:
@@ -247,7 +247,9 @@ def follow(env: TorchrunEnv, job: Callable[[RankContext], int], options: LaunchO
     # unlike spawned ranks these may span hosts, so loopback is not forced here
     logging.basicConfig(level=options.log_level, format=f"[rank {env.rank}] %(levelname)s %(name)s: %(message)s")
     store = env.connect(options.start_timeout_s)
-    comm = Communicator(store, env.rank, env.world_size, timeout_s=options.collective_timeout_s)
+    watch = HeartbeatWatch(store, (r for r in range(env.world_size) if r != env.rank), dead_after_s=float("inf"))
+    comm = Communicator(store, env.rank, env.world_size, timeout_s=options.collective_timeout_s,
+                        diagnose=lambda: _gone(watch, beat_s))
     heartbeat = Heartbeat(store, env.rank, beat_s)
     try:
         return job(RankContext(env.rank, env.world_size, comm, None, _Outbox(queue.Queue())))
