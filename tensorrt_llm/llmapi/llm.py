@@ -14,6 +14,8 @@ from typing import AsyncIterator, Iterator, Sequence
 import torch
 
 from tensorrt_llm._torch.distributed.multi_rank_executor import MultiRankExecutor
+from tensorrt_llm._torch.distributed.torchrun import TorchrunEnv, TorchrunGroup, follow
+from tensorrt_llm._torch.distributed.worker import serve_config, serve_rank
 from tensorrt_llm._torch.models.modeling_llama import LlamaConfig
 from tensorrt_llm._torch.pyexecutor.config import ExecutorConfig, KvCacheConfig
 from tensorrt_llm._torch.pyexecutor.errors import RequestError
@@ -207,7 +209,11 @@ class LLM:
     ``if __name__ == "__main__":`` guard. Each rank draws a random-weight model from its seed,
     or reads a checkpoint's file, and keeps its shard; a model whose heads do not split over
     N ranks is refused before any rank starts (SmolLM2-135M: 9 query and 3 KV heads, so 3 ranks
-    and not 2). On the CPU only.
+    and not 2). On the CPU only. In a process ``torchrun`` started (``env://``: ``RANK``,
+    ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``), nothing is spawned: this process is rank 0
+    of the launch, and the other ranks, on this host or others, run :func:`follow_rank0` with the
+    same arguments (``trtllm-serve`` does both). ``check_decisions``: the ranks compare a digest of
+    their decisions before every forward.
 
     ``device="auto"`` (the default) serves on the GPU when torch sees one and on the CPU otherwise.
     ``max_seq_len`` defaults to the model's ``max_position_embeddings``, lowered to what the KV
@@ -224,6 +230,7 @@ class LLM:
         device: str = "auto",
         tensor_parallel_size: int = 1,
         enable_attention_dp: bool = False,
+        check_decisions: bool = False,
         **executor_options,
     ) -> None:
         unknown = set(executor_options) - _EXECUTOR_FIELDS
@@ -242,19 +249,15 @@ class LLM:
             if device.type != "cpu":
                 raise ValueError(f"tensor_parallel_size={tensor_parallel_size} runs on the CPU only (gloo ranks),"
                                  f" not on {device.type}")
-            seeded = seeded_model(model, dtype=dtype, seed=seed)
-            checkpoint = None
-            if seeded is not None:  # each rank draws the weights from the seed and keeps its shard
-                self.model_id, self.model_config = seeded
-                self.tokenizer = None
-            else:  # each rank reads the file and keeps its shard; here only its metadata is read
-                checkpoint = describe_checkpoint(model, dtype=dtype, seed=seed)
-                self.model_id, self.model_config, self.tokenizer = checkpoint.model_id, checkpoint.config, checkpoint.tokenizer
+            rank_model = _rank_model(model, dtype=dtype, seed=seed)
+            self.model_id, self.model_config, self.tokenizer = rank_model.model_id, rank_model.config, rank_model.tokenizer
             self.config = _cap_max_seq_len(config, executor_options, self.model_config)
             try:
                 self._executor = MultiRankExecutor(
                     self.model_config, self.config, tensor_parallel_size=tensor_parallel_size,
-                    enable_attention_dp=enable_attention_dp, checkpoint=None if checkpoint is None else checkpoint.path,
+                    enable_attention_dp=enable_attention_dp, check_decisions=check_decisions,
+                    checkpoint=rank_model.checkpoint,
+                    group=_torchrun_group(self.config, enable_attention_dp),
                 )
             except ValueError as error:  # an unshardable model: say which, before any rank starts
                 raise ValueError(f"model {self.model_id!r} cannot run on {tensor_parallel_size} ranks: {error}") from None
@@ -413,3 +416,67 @@ def resolve_device(device: str | torch.device, *, ranks: int = 1) -> torch.devic
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("device='cuda' needs a CUDA GPU, and torch sees none")
     return device
+
+
+@dataclass(frozen=True, slots=True)
+class _RankModel:
+    """What every rank builds its shard from: a seed-drawn preset, or a checkpoint file each
+    rank reads (only its metadata is read by the process that serves)."""
+
+    model_id: str
+    config: LlamaConfig
+    tokenizer: Tokenizer | None
+    checkpoint: str | None
+
+
+def _rank_model(model, *, dtype: str | None, seed: int | None) -> _RankModel:
+    seeded = seeded_model(model, dtype=dtype, seed=seed)
+    if seeded is not None:
+        return _RankModel(seeded[0], seeded[1], None, None)
+    checkpoint = describe_checkpoint(model, dtype=dtype, seed=seed)
+    return _RankModel(checkpoint.model_id, checkpoint.config, checkpoint.tokenizer, os.fspath(checkpoint.path))
+
+
+def _torchrun_group(config: ExecutorConfig, enable_attention_dp: bool) -> TorchrunGroup | None:
+    """Rank 0's group when this process was started by ``torchrun`` (``env://``), else None
+    (the ranks are spawned here)."""
+    launch = TorchrunEnv.from_environ()
+    if launch is None or launch.world_size == 1:
+        return None
+    if enable_attention_dp:
+        raise ValueError("enable_attention_dp is not supported under torchrun yet: each rank's responses and"
+                         " statistics would have to reach rank 0; use tensor parallelism, or spawned ranks")
+    # a follower is dead once its heartbeat has been silent as long as a stalled loop may be
+    return TorchrunGroup(launch, dead_after_s=config.health_check_timeout_s)
+
+
+def follow_rank0(
+    model: str | os.PathLike[str] = "tiny-random",
+    *,
+    dtype: str | None = None,
+    seed: int | None = None,
+    device: str = "auto",
+    tensor_parallel_size: int | None = None,
+    enable_attention_dp: bool = False,
+    check_decisions: bool = False,
+    **executor_options,
+) -> int:
+    """A ``torchrun`` rank other than 0: build this rank's shard and executor from the same
+    arguments rank 0's :class:`LLM` got, and step with the group until rank 0 stops it
+    (:func:`~tensorrt_llm._torch.distributed.torchrun.follow`). Returns the group iterations run."""
+    launch = TorchrunEnv.from_environ()
+    if launch is None or launch.rank == 0:
+        raise ValueError("follow_rank0 runs on a torchrun rank other than 0 (RANK > 0 in the environment)")
+    if tensor_parallel_size not in (None, launch.world_size):
+        raise ValueError(f"tensor_parallel_size={tensor_parallel_size}, but torchrun started {launch.world_size} ranks")
+    if enable_attention_dp:
+        raise ValueError("enable_attention_dp is not supported under torchrun yet")
+    if resolve_device(device, ranks=launch.world_size).type != "cpu":
+        raise ValueError("ranks run on the CPU only (gloo)")
+    unknown = set(executor_options) - _EXECUTOR_FIELDS
+    if unknown:
+        raise TypeError(f"unknown options {sorted(unknown)}; accepted: {sorted(_EXECUTOR_FIELDS)}")
+    rank_model = _rank_model(model, dtype=dtype, seed=seed)
+    config = _cap_max_seq_len(ExecutorConfig(**executor_options), executor_options, rank_model.config)
+    job = serve_config(rank_model.config, config, check_decisions=check_decisions, checkpoint=rank_model.checkpoint)
+    return follow(launch, lambda ctx: serve_rank(ctx, job))

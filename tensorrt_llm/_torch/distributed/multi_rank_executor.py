@@ -29,7 +29,8 @@ from typing import Mapping, Sequence
 
 from tensorrt_llm._torch.distributed.launcher import LaunchOptions, RankGroup, RankResult
 from tensorrt_llm._torch.distributed.request_spec import RequestSpec
-from tensorrt_llm._torch.distributed.worker import ServeConfig, serve_rank
+from tensorrt_llm._torch.distributed.torchrun import TorchrunGroup
+from tensorrt_llm._torch.distributed.worker import serve_config, serve_rank
 from tensorrt_llm._torch.models.modeling_llama import HeadShard, LlamaConfig
 from tensorrt_llm._torch.pyexecutor.config import ExecutorConfig
 from tensorrt_llm._torch.pyexecutor.block_pool import KvCacheStats
@@ -59,9 +60,14 @@ class MultiRankExecutor:
         launch_options: LaunchOptions = LaunchOptions(),
         shutdown_timeout_s: float = 60.0,
         checkpoint: str | os.PathLike[str] | None = None,
+        group: RankGroup | TorchrunGroup | None = None,
     ) -> None:
         """``checkpoint``: a GGUF file whose weights ``model`` describes; every rank reads it and
-        keeps its slices. Without it the ranks draw ``model``'s weights from its seed."""
+        keeps its slices. Without it the ranks draw ``model``'s weights from its seed.
+
+        ``group``: the ranks. None spawns them here (:class:`RankGroup`); a
+        :class:`TorchrunGroup` is rank 0 of ranks ``torchrun`` started, whose followers run
+        :func:`serve_config`'s job on their own (``torchrun.follow``)."""
         mapping = Mapping(tensor_parallel_size, 0, tensor_parallel_size, enable_attention_dp)
         HeadShard.of(model, mapping.attn_tp_size, 0)  # refuse an unshardable model before spawning
         self.config = config
@@ -82,9 +88,11 @@ class MultiRankExecutor:
         self._heartbeat = time.monotonic()  # the last time a rank posted anything
         self._failure: str | None = None
         self._stopping = False
-        self._group = RankGroup(tensor_parallel_size, launch_options)
-        serve = ServeConfig(model, config, enable_attention_dp, check_decisions,
-                            checkpoint=None if checkpoint is None else os.fspath(checkpoint))
+        if group is not None and group.world_size != tensor_parallel_size:
+            raise ValueError(f"tensor_parallel_size={tensor_parallel_size}, but the launch has {group.world_size} ranks")
+        self._group = group if group is not None else RankGroup(tensor_parallel_size, launch_options)
+        serve = serve_config(model, config, enable_attention_dp=enable_attention_dp, check_decisions=check_decisions,
+                             checkpoint=checkpoint)
         self._job = self._group.start(serve_rank, serve)
         self._dispatcher = threading.Thread(target=self._dispatch, name="MultiRankExecutor", daemon=True)
         self._dispatcher.start()
@@ -106,7 +114,7 @@ class MultiRankExecutor:
                 raise ExecutorShutdown(self._failure or "the executor is shut down")
             dead = self._group.dead_ranks()
             if dead:  # before the dispatcher has noticed and failed the group
-                raise ExecutorShutdown(f"rank {dead[0]} exited with code {self._group.processes[dead[0]].exitcode}")
+                raise ExecutorShutdown(self._group.why_dead(dead[0]))
             if not self._callbacks:  # idle ranks report nothing: the stall clock starts with the work
                 self._heartbeat = time.monotonic()
             for request, on_response in requests:
@@ -139,9 +147,10 @@ class MultiRankExecutor:
         self._listeners.append(listener)
 
     @property
-    def rank_pids(self) -> list[int]:
-        """The process id of each rank, by rank (an operator's, or a test's that kills one)."""
-        return [process.pid for process in self._group.processes]
+    def rank_pids(self) -> list[int | None]:
+        """The process id of each rank, by rank (an operator's, or a test's that kills one);
+        None for a rank on another host."""
+        return self._group.pids
 
     def faults_injected(self) -> Mapping[str, int]:
         """None here: fault injection runs inside the rank processes."""
@@ -170,8 +179,7 @@ class MultiRankExecutor:
             if self._failure is not None:
                 reason = f"the rank group failed: {self._failure}"
             elif dead:
-                codes = ", ".join(f"rank {r} (exit code {self._group.processes[r].exitcode})" for r in dead)
-                reason = f"a rank process exited: {codes}"
+                reason = "a rank is dead: " + "; ".join(self._group.why_dead(r) for r in dead)
             elif self._stopping:
                 reason = "the executor is shut down"
             elif stalled_s > self.config.health_check_timeout_s:
@@ -222,7 +230,7 @@ class MultiRankExecutor:
                     return
                 dead = group.dead_ranks()
                 if dead:
-                    self._ended(None, f"rank {dead[0]} exited with code {group.processes[dead[0]].exitcode}")
+                    self._ended(None, group.why_dead(dead[0]))
                     group.close(kill=True)
                     return
                 continue

@@ -14,6 +14,7 @@ that returns well within the collective timeout.
 
 from __future__ import annotations
 
+import os
 import queue
 from dataclasses import dataclass
 
@@ -37,6 +38,14 @@ class ServeConfig:
     check_decisions: bool = False
     heartbeat_s: float = 1.0
     checkpoint: str | None = None  # a GGUF file whose weights ``model`` describes; None: seed-drawn
+
+
+def serve_config(model: LlamaConfig, executor: ExecutorConfig, *, enable_attention_dp: bool = False,
+                 check_decisions: bool = False, checkpoint: str | os.PathLike[str] | None = None) -> ServeConfig:
+    """What every rank's serving job runs: built the same way by the process that spawns the
+    ranks and by a ``torchrun`` follower, so that all ranks build the same model and executor."""
+    return ServeConfig(model, executor, enable_attention_dp, check_decisions,
+                       checkpoint=None if checkpoint is None else os.fspath(checkpoint))
 
 
 def build_rank_model(config: ServeConfig, mapping: Mapping) -> LlamaForCausalLM:

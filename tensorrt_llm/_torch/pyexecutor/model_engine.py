@@ -77,6 +77,10 @@ class TorchModelEngine(ModelEngine):
         if storage.device != self.device:
             raise ValueError(f"the KV pools are on {storage.device}, the model on {self.device}")
         self.graph_runner: CudaGraphRunner | None = None
+        self._prepare_device(cuda_graph_config, max_batch_size, max_seq_len)
+
+    def _prepare_device(self, cuda_graph_config: CudaGraphConfig | None, max_batch_size: int, max_seq_len: int | None) -> None:
+        """What the device needs before the first forward: nothing on the CPU."""
 
     @property
     def vocab_size(self) -> int:
@@ -134,29 +138,21 @@ class CudaTorchModelEngine(TorchModelEngine):
     every point where the step path waits for the device, and why).
     """
 
-    def __init__(
-        self,
-        model: LlamaForCausalLM,
-        max_num_tokens: int,
-        kv_cache_manager: KVCacheManager,
-        *,
-        cuda_graph_config: CudaGraphConfig | None = None,
-        max_batch_size: int = 0,
-        max_seq_len: int | None = None,
-    ) -> None:
-        super().__init__(model, max_num_tokens, kv_cache_manager)
+    def _prepare_device(self, cuda_graph_config: CudaGraphConfig | None, max_batch_size: int, max_seq_len: int | None) -> None:
+        """The pinned staging buffers, and the decode graphs' runner when ``cuda_graph_config`` allows."""
         # The previous launch's picks, on the device: request id -> row, and the tokens.
         self._device_picks: tuple[dict[int, int], torch.Tensor] | None = None
         # Every host array a launch ships goes through these pinned buffers (one per launch, in turn).
         self._staging = PinnedStaging(self.device)
         if cuda_graph_config is not None:
+            kv = self.kv_cache_manager
             self.graph_runner = CudaGraphRunner(
-                model,
-                kv_cache_manager.storage,
-                tokens_per_block=kv_cache_manager.tokens_per_block,
+                self.model,
+                kv.storage,
+                tokens_per_block=kv.tokens_per_block,
                 batch_sizes=cuda_graph_config.resolve_batch_sizes(max_batch_size or 1),
                 enable_padding=cuda_graph_config.enable_padding,
-                max_seq_len=max_seq_len or model.config.max_position_embeddings,
+                max_seq_len=max_seq_len or self.model.config.max_position_embeddings,
                 staging=self._staging,
             )
 

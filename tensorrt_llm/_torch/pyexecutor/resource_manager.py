@@ -47,6 +47,9 @@ class ResourceObserver(Protocol):
         """``request`` is over (or starts over): release what it holds."""
 
 
+BaseResourceManager = ResourceObserver  # upstream's name for a manager beside the KV cache
+
+
 @dataclass(frozen=True, slots=True)
 class PreparedBatch:
     """What ``prepare_resources`` returns.
