@@ -22,6 +22,18 @@ if TYPE_CHECKING:
 
 PAD_TOKEN_ID = 0  # fills first-draft slots before the drafter has proposed anything
 
+#: A request's draft rows among :meth:`TpInputs.logit_rows`: (request id, index of its sampling
+#: row, index of its first draft row, number of drafts).
+DraftSpan = tuple[int, int, int, int]
+
+
+def draft_targets(picks: list[int], spans: list[DraftSpan]) -> dict[int, list[int]] | None:
+    """Each verifying request's greedy picks, laid out as ``TpInputs.logit_rows`` lays out rows:
+    at its sampling row, then after each draft (``ForwardOutput.draft_targets``). None: no drafts."""
+    if not spans:
+        return None
+    return {rid: [picks[index], *picks[first : first + count]] for rid, index, first, count in spans}
+
 
 class TpInputs:
     """One flat forward. Request ``i`` owns ``input_ids[offsets[i]:offsets[i] + num_new_tokens[i]]``.
@@ -160,17 +172,20 @@ class TpInputs:
                 request_ids.append(request.request_id)
         return rows, request_ids
 
-    def logit_rows(self) -> tuple[list[int], list[int], list[int]]:
-        """``(rows, request_ids, counts)``: the flat rows whose logits the forward computes — each
-        sampling request's sampling row followed by one row per draft it verifies — the
-        sampling requests in order, and each one's ``1 + drafts`` rows. Without drafts, the
-        rows of :meth:`sampling_rows`."""
+    def logit_rows(self) -> tuple[list[int], list[int], list[DraftSpan]]:
+        """``(rows, request_ids, drafts)``: the flat rows whose logits the forward computes. Rows
+        ``[0, len(request_ids))`` are the sampling rows (:meth:`sampling_rows`), whatever follows;
+        then, for each request that verifies drafts, one row per draft (the row after draft ``j``
+        predicts the token after it), described by a :data:`DraftSpan` in ``drafts``."""
         rows, request_ids = self.sampling_rows()
-        if not any(self.num_drafts):
-            return rows, request_ids, [1] * len(rows)
-        drafts = [d for d, samples in zip(self.num_drafts, self.samples) if samples]
-        spans = [range(row, row + 1 + d) for row, d in zip(rows, drafts)]
-        return [row for span in spans for row in span], request_ids, [1 + d for d in drafts]
+        spans: list[DraftSpan] = []
+        if any(self.num_drafts):
+            drafts = [d for d, samples in zip(self.num_drafts, self.samples) if samples]
+            for index, (row, rid, count) in enumerate(zip(rows[: len(request_ids)], request_ids, drafts)):
+                if count:
+                    spans.append((rid, index, len(rows), count))
+                    rows.extend(range(row + 1, row + 1 + count))
+        return rows, request_ids, spans
 
     @property
     def input_ids(self) -> list[int]:

@@ -15,7 +15,6 @@ construction: ``TorchModelEngine(model, ...)`` makes a :class:`CpuTorchModelEngi
 from __future__ import annotations
 
 import abc
-import itertools
 
 import numpy as np
 import torch
@@ -26,7 +25,7 @@ from tensorrt_llm._torch.models.modeling_llama import AttentionMetadata, LlamaFo
 from tensorrt_llm._torch.pyexecutor.config import CudaGraphConfig
 from tensorrt_llm._torch.pyexecutor.cuda_graph_runner import CudaGraphRunner
 from tensorrt_llm._torch.pyexecutor.engine import ForwardOutput, ModelEngine, PendingForward, ReadyForward
-from tensorrt_llm._torch.pyexecutor.engine_inputs import PAD_TOKEN_ID, TpInputs
+from tensorrt_llm._torch.pyexecutor.engine_inputs import PAD_TOKEN_ID, DraftSpan, TpInputs, draft_targets
 from tensorrt_llm._torch.pyexecutor.kv_cache_manager import KVCacheManager
 
 # Upstream's names, where an engineer looks for them.
@@ -120,10 +119,11 @@ class CpuTorchModelEngine(TorchModelEngine):
             storage.k_cache,
             storage.v_cache,
         )  # (T, hidden)
-        rows, sampling, counts = inputs.logit_rows()
+        rows, sampling, drafts = inputs.logit_rows()  # the sampling rows first, then any draft rows
         logits = self.model.compute_logits(hidden[rows]) if rows else hidden.new_empty((0, self.vocab_size))
         picks = logits.argmax(dim=-1).tolist() if rows else []  # (rows,)
-        return _output(sampling, counts, logits, picks)
+        return ForwardOutput(logits=dict(zip(sampling, logits)), greedy_tokens=dict(zip(sampling, picks)),
+                             draft_targets=draft_targets(picks, drafts))
 
 
 class CudaTorchModelEngine(TorchModelEngine):
@@ -188,7 +188,7 @@ class CudaTorchModelEngine(TorchModelEngine):
             raise ValueError(f"input_ids must lie in [0, {config.vocab_size})")
         if positions.size and (positions.min() < 0 or positions.max() >= config.max_position_embeddings):
             raise ValueError(f"position_ids must lie in [0, {config.max_position_embeddings})")
-        rows, sampling, counts = inputs.logit_rows()  # drafts: each request's sampling row, then its draft rows
+        rows, sampling, drafts = inputs.logit_rows()  # draft rows after the sampling rows: picks ignore them
 
         size = None
         if self.graph_runner is not None and all(inputs.samples):
@@ -210,9 +210,8 @@ class CudaTorchModelEngine(TorchModelEngine):
                 if self.time_forwards:
                     start = _record_event()
                 logits, tokens = self._forward_eager(plan, ids, positions, rows, fill)
-        firsts = list(itertools.accumulate(counts, initial=0))[:-1]  # each request's sampling row among rows
-        self._device_picks = (dict(zip(sampling, firsts)), tokens)
-        return CudaForward(sampling, logits, tokens, start, counts)
+        self._device_picks = (dict(zip(sampling, range(len(sampling)))), tokens)
+        return CudaForward(sampling, logits, tokens, start, drafts=drafts)
 
     def _in_flight_fill(self, inputs: TpInputs, slots: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """(flat slots, their tokens) on the device: each in-flight input's pick from the previous launch."""
@@ -259,22 +258,6 @@ class CudaTorchModelEngine(TorchModelEngine):
 
 
 
-def _output(sampling: list[int], counts: list[int], logits, picks: list[int], nonfinite: set[int] | None = None) -> ForwardOutput:
-    """The :class:`ForwardOutput` of rows laid out as :meth:`TpInputs.logit_rows` lays them out
-    (each sampling request's ``counts[i]`` rows in turn, its sampling row first)."""
-    if len(counts) == len(picks):  # no drafts: one row per request
-        return ForwardOutput(logits=dict(zip(sampling, logits)), greedy_tokens=dict(zip(sampling, picks)),
-                             nonfinite=nonfinite)
-    firsts = list(itertools.accumulate(counts, initial=0))[:-1]
-    targets = {rid: picks[first : first + count] for rid, first, count in zip(sampling, firsts, counts) if count > 1}
-    return ForwardOutput(
-        logits={rid: logits[first] for rid, first in zip(sampling, firsts)},
-        greedy_tokens={rid: picks[first] for rid, first in zip(sampling, firsts)},
-        nonfinite=nonfinite,
-        draft_targets=targets,
-    )
-
-
 class CudaForward:
     """A forward enqueued on the GPU. ``result()`` waits for its greedy tokens to reach the host
     (not for anything enqueued after it) and returns the :class:`ForwardOutput`.
@@ -283,20 +266,21 @@ class CudaForward:
     the same graph size (they may live in a CUDA graph's static output).
     """
 
-    __slots__ = ("_output", "_event", "_start", "_tokens_host", "_request_ids", "_counts", "_logits", "num_tokens")
+    __slots__ = ("_output", "_event", "_start", "_tokens_host", "_request_ids", "_drafts", "_logits", "num_tokens")
 
     def __init__(
         self, request_ids: list[int], logits: torch.Tensor, tokens: torch.Tensor, start: torch.cuda.Event | None = None,
-        counts: list[int] | None = None,
+        *, drafts: list[DraftSpan] = (),
     ) -> None:
         """Enqueue the copy of ``tokens`` (device) to pinned host memory and an event after it;
-        ``start``: an event recorded before the forward's first kernel (timing). ``counts``: each
-        request's rows (``TpInputs.logit_rows``: its sampling row, then its draft rows); None: one each."""
+        ``start``: an event recorded before the forward's first kernel (timing). ``logits`` and
+        ``tokens`` may hold more rows than ``request_ids``: draft rows after the sampling ones
+        (``drafts``, as ``TpInputs.logit_rows`` lays them out)."""
         self._output: ForwardOutput | None = None
         self.num_tokens = 0  # positions in the forward
         self._start = start
         self._request_ids = request_ids
-        self._counts = counts if counts is not None else [1] * len(request_ids)
+        self._drafts = drafts
         self._logits = logits
         self._tokens_host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=tokens.numel() > 0)
         if tokens.numel():
@@ -330,11 +314,16 @@ class CudaForward:
         if self._output is None:
             self._event.synchronize()
             tokens = self._tokens_host.tolist()  # -1: a row that is not finite (see launch)
-            output = _output(self._request_ids, self._counts, self._logits, tokens)
-            output.nonfinite = {rid for rid, token in output.greedy_tokens.items() if token < 0}
-            if output.draft_targets and any(t < 0 for picks in output.draft_targets.values() for t in picks):
-                output.nonfinite |= {rid for rid, picks in output.draft_targets.items() if min(picks) < 0}
-            self._output = output
+            targets = draft_targets(tokens, self._drafts)
+            nonfinite = {rid for rid, token in zip(self._request_ids, tokens) if token < 0}
+            if targets:  # a draft row that is not finite fails its request too
+                nonfinite |= {rid for rid, picks in targets.items() if min(picks) < 0}
+            self._output = ForwardOutput(
+                logits=dict(zip(self._request_ids, self._logits)),
+                greedy_tokens=dict(zip(self._request_ids, tokens)),
+                nonfinite=nonfinite,
+                draft_targets=targets,
+            )
         return self._output
 
 
