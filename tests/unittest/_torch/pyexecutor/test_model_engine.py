@@ -4,7 +4,7 @@ budget assertion's exact message."""
 import pytest
 from factories import VOCAB, make_batch, make_config, make_kv_cache_manager, make_request, prepare_alone
 
-from tensorrt_llm._torch.pyexecutor.engine_inputs import prepare_tp_inputs
+from tensorrt_llm._torch.pyexecutor.engine_inputs import draft_targets, prepare_tp_inputs
 from tensorrt_llm._torch.pyexecutor.errors import TokenBudgetExceeded
 from tensorrt_llm._torch.pyexecutor.forward_cost import forward_cost
 from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequestState
@@ -141,6 +141,30 @@ def test_mixed_batch_total_is_the_sum_of_forward_costs():
     assert inputs.total_num_tokens == len(inputs.position_ids) == 33
     assert inputs.requests == batch
     assert inputs.samples == [False, True, True, True, True]
+
+
+def test_logit_rows_put_the_sampling_rows_first_then_each_verifying_requests_draft_rows():
+    """The mixed batch above: sampling rows are each request's last position before its drafts
+    and padding; the draft rows follow them, one per draft (padding is never verified)."""
+    engine, kv = engine_for()
+    chunk = make_request(prompt_len=30)
+    last = make_request(prompt_len=7)
+    last.py_draft_tokens = [1, 2]
+    drafts = in_generation(kv, make_request(prompt_len=4, max_draft_len=2))
+    drafts.py_draft_tokens = [3, 4]
+    first_draft = in_generation(kv, make_request(prompt_len=4, max_draft_len=5, is_first_draft=True))
+    first_draft.py_draft_tokens = [6]
+    inputs = build(engine, kv, context=[(chunk, 12), last], generation=[drafts, first_draft])
+    # flat positions: chunk 0-11, last 12-20 (prompt 12-18, drafts 19-20), drafts 21-23, first draft 24-29
+    rows, request_ids, spans = inputs.logit_rows()
+    assert request_ids == [last.request_id, drafts.request_id, first_draft.request_id]
+    assert rows == [18, 21, 24, 19, 20, 22, 23, 25]
+    assert spans == [(last.request_id, 0, 3, 2), (drafts.request_id, 1, 5, 2), (first_draft.request_id, 2, 7, 1)]
+    assert inputs.num_drafts == [0, 2, 2, 1]
+    picks = [100 + row for row in rows]
+    assert draft_targets(picks, spans) == {
+        last.request_id: [118, 119, 120], drafts.request_id: [121, 122, 123], first_draft.request_id: [124, 125],
+    }
 
 
 def test_budget_exceeded_message_is_upstreams_assertion():
