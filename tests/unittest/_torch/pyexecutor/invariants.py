@@ -248,15 +248,20 @@ def check_deferrals_clean(
 
     ``completed``: requests whose previous forward completed during the step (overlap). That
     completion may finish one, or commit a block it filled to the prefix tree, where an
-    identical cached block can take its place: for those, the same number of blocks."""
+    identical cached block can take its place: for those, the same number of blocks; or fewer,
+    where the completion released blocks that held only rejected drafts (``KVCacheManager._trim``),
+    but never fewer than its tokens need."""
     for deferral in prepared.deferred:
         request = deferral.request
         was, now = before[request.request_id], snapshot(request, kv)
         if request.request_id in completed:
             if request.is_finished:
                 continue
-            assert (now.state, now.position, now.prepopulated, len(now.block_table or ())) == (
-                was.state, was.position, was.prepopulated, len(was.block_table or ())
+            held, had = len(now.block_table or ()), len(was.block_table or ())
+            needed = -(-len(request.tokens) // kv.tokens_per_block)
+            drafted = request.max_draft_len or request.py_draft_tokens
+            assert (now.state, now.position, now.prepopulated) == (was.state, was.position, was.prepopulated) and (
+                held == had or (drafted and needed <= held < had)
             ), f"invariant 3 (clean deferral) violated for {request!r}: was {was}, now {now}{context}"
             continue
         assert (now.state, now.position, now.prepopulated, now.block_table) == (
