@@ -4,19 +4,22 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import os
 import queue
+import threading
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Iterator, Sequence
+from typing import AsyncIterator, Iterator, NamedTuple, Sequence
 
 import torch
 
 from tensorrt_llm._torch.distributed.proxy import MultiRankExecutor
 from tensorrt_llm._torch.models.modeling_llama import LlamaConfig
 from tensorrt_llm._torch.pyexecutor.config import ExecutorConfig, KvCacheConfig
-from tensorrt_llm._torch.pyexecutor.errors import RequestError
-from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequest, SamplingConfig
+from tensorrt_llm._torch.pyexecutor.errors import ExecutorShutdown, RequestError
+from tensorrt_llm._torch.pyexecutor.guided_decoder import GrammarCompiler, GuidedDecodingParams
+from tensorrt_llm._torch.pyexecutor.llm_request import SEED_LIMIT, LlmRequest, SamplingConfig, TokenLogprob
 from tensorrt_llm._torch.pyexecutor.py_executor import PyExecutor, Response
 from tensorrt_llm._torch.pyexecutor.py_executor_creator import create_py_executor
 from tensorrt_llm.llmapi.llm_utils import describe_checkpoint, load_model, seeded_model
@@ -29,7 +32,18 @@ _EXECUTOR_FIELDS = {f.name for f in dataclasses.fields(ExecutorConfig)}
 
 @dataclass(slots=True)
 class SamplingParams:
-    """Per-request generation settings (greedy by default)."""
+    """Per-request generation settings (greedy by default).
+
+    ``n``: samples returned; ``best_of`` (>= n): samples drawn, of which the ``n`` with the
+    highest cumulative log-probability are returned (upstream's meaning when beam search is
+    off; beams are not on the engine). Each sample is a request of its own, charged by the token
+    budget like any other: the first computes the prompt, the others are submitted once it has,
+    and claim its prompt blocks from the prefix cache (``enable_block_reuse``) instead of
+    recomputing them. With a ``seed``, sample ``i`` draws with ``seed + i``.
+
+    Penalties, ``min_tokens`` and ``logprobs``: see ``SamplingConfig``. ``guided_decoding``:
+    structured output (``GuidedDecodingParams``; needs the model's tokenizer).
+    """
 
     max_tokens: int = 32
     temperature: float = 0.0
@@ -40,9 +54,47 @@ class SamplingParams:
     stop_token_ids: Sequence[int] = ()  # added to the tokenizer's end-of-generation ids
     ignore_eos: bool = False  # generate max_tokens whatever the model says (only stop_token_ids stop it)
     beam_width: int = 1
+    n: int = 1
+    best_of: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    logprobs: int | None = None  # alternatives reported beside each sampled token's log-probability
+    guided_decoding: GuidedDecodingParams | None = None
 
-    def sampling_config(self) -> SamplingConfig:
-        return SamplingConfig(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, seed=self.seed)
+    def __post_init__(self) -> None:
+        if isinstance(self.n, bool) or not isinstance(self.n, int) or not 1 <= self.n <= MAX_SAMPLES:
+            raise ValueError(f"n must be an integer in [1, {MAX_SAMPLES}], got {self.n!r}")
+        if self.best_of is not None and (isinstance(self.best_of, bool) or not isinstance(self.best_of, int)
+                                         or not self.n <= self.best_of <= MAX_SAMPLES):
+            raise ValueError(f"best_of must be an integer in [n, {MAX_SAMPLES}] (n={self.n}), got {self.best_of!r}")
+
+    @property
+    def num_samples(self) -> int:
+        """Samples drawn: ``best_of``, or ``n``."""
+        return self.best_of if self.best_of is not None else self.n
+
+    @property
+    def ranks_samples(self) -> bool:
+        """Whether more samples are drawn than returned (``best_of > n``)."""
+        return self.num_samples > self.n
+
+    def sampling_config(self, index: int = 0) -> SamplingConfig:
+        """Sample ``index``'s settings (its own seed; the log-probabilities ranking needs)."""
+        logprobs = self.logprobs
+        if logprobs is None and self.ranks_samples:
+            logprobs = 0  # ranking reads each sampled token's log-probability
+        return SamplingConfig(
+            temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
+            seed=None if self.seed is None else (self.seed + index) % SEED_LIMIT,
+            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty, min_tokens=self.min_tokens, logprobs=logprobs,
+        )
+
+
+#: Most samples one request may ask for (n or best_of): each is a request of its own in the executor.
+MAX_SAMPLES = 16
 
 
 @dataclass(slots=True)
@@ -54,6 +106,9 @@ class CompletionOutput:
     # bytes have not all arrived is held back until they do), and what the last step added to it.
     text: str | None = None
     text_diff: str = ""
+    # With SamplingParams.logprobs: one entry per token of token_ids; and their sum.
+    logprobs: list[TokenLogprob] | None = None
+    cumulative_logprob: float | None = None
 
 
 @dataclass(slots=True)
@@ -64,11 +119,20 @@ class RequestOutput:
     finished: bool = False
     error: str | None = None
     prompt: str | None = None  # the prompt text, when the prompt was text
+    generated_tokens: int = 0  # over every sample, those best_of drops included
 
     @property
     def text(self) -> str | None:
         """The generated text (None for a model without a tokenizer)."""
         return self.outputs[0].text
+
+
+class _Event(NamedTuple):
+    """One executor response for sample ``index``, with the logprobs of its new tokens."""
+
+    index: int
+    response: Response
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 class RequestOutputHandle:
@@ -78,70 +142,138 @@ class RequestOutputHandle:
     ``async for`` and ``await aresult()``: each response crosses from the executor thread
     with ``loop.call_soon_threadsafe``, so the loop never blocks on the executor. Any other
     handle is consumed with ``for`` and ``result()``.
+
+    Several samples (``n``, ``best_of``): one executor request each. Sample 0 is submitted
+    first; the others when its first response arrives (its prompt is computed and its full
+    blocks are in the prefix cache, which they claim). The request is finished when every
+    sample is; one sample failing fails the request and cancels the others. With ``best_of >
+    n`` the ``n`` samples with the highest cumulative log-probability are kept, at the end.
     """
 
-    def __init__(self, llm: "LLM", request: LlmRequest, prompt: str | None = None) -> None:
+    def __init__(self, llm: "LLM", requests: list[LlmRequest], prompt: str | None = None, *,
+                 keep: int | None = None, report_logprobs: bool = False) -> None:
         self._llm = llm
-        self._request = request
+        self._requests = requests
+        self._keep = keep if keep is not None else len(requests)
+        self._report_logprobs = report_logprobs
         try:
             self._loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
         except RuntimeError:
             self._loop = None
-        self._events: queue.Queue[Response] | None = None if self._loop else queue.Queue()
-        self._aevents: asyncio.Queue[Response] | None = asyncio.Queue() if self._loop else None
+        self._events: queue.Queue[_Event] | None = None if self._loop else queue.Queue()
+        self._aevents: asyncio.Queue[_Event] | None = asyncio.Queue() if self._loop else None
+        first = requests[0]
         self.output = RequestOutput(
-            request.request_id, list(request.input_token_ids), [CompletionOutput(0)], prompt=prompt
+            first.request_id, list(first.input_token_ids), [CompletionOutput(i) for i in range(len(requests))],
+            prompt=prompt,
         )
         tokenizer = llm.tokenizer
-        self._detokenizer = None if tokenizer is None else IncrementalDetokenizer(tokenizer)
-        if tokenizer is not None:
-            self.output.outputs[0].text = ""
+        self._detokenizers = [None if tokenizer is None else IncrementalDetokenizer(tokenizer) for _ in requests]
+        for completion in self.output.outputs:
+            if tokenizer is not None:
+                completion.text = ""
+            if any(r.sampling_config.logprobs is not None for r in requests):
+                completion.logprobs, completion.cumulative_logprob = [], 0.0
+        self._logprobs_sent = [0] * len(requests)  # executor thread only
+        self._fan_out_lock = threading.Lock()
+        self._submitted = 0  # samples handed to the executor (under _fan_out_lock)
+        self._aborted = False
 
     @property
     def request_id(self) -> int:
-        return self._request.request_id
+        return self._requests[0].request_id
 
-    def _on_response(self, request: LlmRequest, response: Response) -> None:
+    def _submit(self) -> None:
+        """Hand sample 0 to the executor (raises as ``enqueue_request`` does)."""
+        with self._fan_out_lock:
+            self._llm._executor.enqueue_request(self._requests[0], functools.partial(self._on_response, 0))
+            self._submitted = 1
+
+    def _fan_out(self) -> None:
+        """Submit samples 1.. (executor thread, on sample 0's first response). A sample the
+        executor no longer takes ends with its error."""
+        with self._fan_out_lock:
+            if self._aborted or self._submitted != 1:
+                return
+            for index in range(1, len(self._requests)):
+                request = self._requests[index]
+                try:
+                    self._llm._executor.enqueue_request(request, functools.partial(self._on_response, index))
+                except ExecutorShutdown as error:
+                    self._post(_Event(index, Response(request.request_id, [], True, f"ExecutorShutdown: {error}")))
+            self._submitted = len(self._requests)
+
+    def _on_response(self, index: int, request: LlmRequest, response: Response) -> None:
         """Runs on the executor thread; never blocks, never raises into it."""
+        logprobs: tuple[TokenLogprob, ...] = ()
+        if request.sampling_config.logprobs is not None and response.new_token_ids:
+            sent = self._logprobs_sent[index]
+            logprobs = tuple(request.py_logprobs[sent : sent + len(response.new_token_ids)])
+            self._logprobs_sent[index] = sent + len(logprobs)
+        self._post(_Event(index, response, logprobs))
+        if index == 0 and len(self._requests) > 1:
+            self._fan_out()
+
+    def _post(self, event: _Event) -> None:
         if self._loop is None:
-            self._events.put(response)
+            self._events.put(event)
             return
         try:
-            self._loop.call_soon_threadsafe(self._aevents.put_nowait, response)
+            self._loop.call_soon_threadsafe(self._aevents.put_nowait, event)
         except RuntimeError:  # the event loop is closed: nobody is waiting for this request any more
             pass
 
-    def _apply(self, response: Response) -> None:
+    def _apply(self, event: _Event) -> None:
         """Fold one executor response into ``output``. Text that cannot be decoded (an id the
         tokenizer does not know) fails this request alone, as an executor error would: it is
         cancelled in the executor and its output finishes with a DetokenizationError."""
-        completion = self.output.outputs[0]
+        index, response = event.index, event.response
+        completion = self.output.outputs[index]
         completion.token_ids.extend(response.new_token_ids)
+        self.output.generated_tokens += len(response.new_token_ids)
+        if completion.logprobs is not None:
+            completion.logprobs.extend(event.logprobs)
+            completion.cumulative_logprob += sum(entry.logprob for entry in event.logprobs)
         finished, error = response.finished, response.error
-        if self._detokenizer is not None:
+        detokenizer = self._detokenizers[index]
+        if detokenizer is not None:
             try:
-                completion.text_diff = self._detokenizer.step(response.new_token_ids)
+                completion.text_diff = detokenizer.step(response.new_token_ids)
                 if finished:
-                    completion.text_diff += self._detokenizer.flush()
+                    completion.text_diff += detokenizer.flush()
             except Exception as failure:  # noqa: BLE001 - whatever decoding raises is this request's alone
                 completion.text_diff = ""
                 error = error or f"DetokenizationError: request {self.request_id}: {type(failure).__name__}: {failure}"
                 logger.error("%s", error)
-                if not finished:
-                    finished = True
-                    self.abort()  # the executor stops generating for it; what it still sends is not read
+                finished = True
             completion.text += completion.text_diff
-        if finished:
-            self.output.finished = True
+        if error and self.output.error is None:
             self.output.error = error
+            self.abort()  # the other samples stop; what they still send is folded in and ends them
+        if finished and completion.finish_reason is None:
             if error:
                 completion.finish_reason = "error"
             elif response.cancelled:
                 completion.finish_reason = "cancelled"
-            elif len(completion.token_ids) >= self._request.max_new_tokens:
+            elif len(completion.token_ids) >= self._requests[index].max_new_tokens:
                 completion.finish_reason = "length"
             else:
                 completion.finish_reason = "stop"
+        if all(c.finish_reason is not None for c in self.output.outputs):
+            self.output.finished = True
+            self._rank()
+
+    def _rank(self) -> None:
+        """``best_of``: keep the ``keep`` samples with the highest cumulative log-probability."""
+        outputs = self.output.outputs
+        if self._keep < len(outputs):
+            outputs = sorted(outputs, key=lambda c: c.cumulative_logprob, reverse=True)[: self._keep]
+            for index, completion in enumerate(outputs):
+                completion.index = index
+            self.output.outputs = outputs
+        if not self._report_logprobs:
+            for completion in outputs:
+                completion.logprobs = completion.cumulative_logprob = None
 
     def __iter__(self) -> Iterator[RequestOutput]:
         """Yields the output after each step that changed it, until it is finished."""
@@ -181,8 +313,18 @@ class RequestOutputHandle:
             how = "async for / await aresult()" if self._loop else "for / result()"
             raise RuntimeError(f"request {self.request_id}: this handle is consumed with {how}")
 
-    def abort(self) -> None:
-        self._llm._executor.cancel_request(self.request_id)
+    def abort(self, index: int | None = None) -> None:
+        """Cancel every sample (or sample ``index``); a sample not submitted yet ends cancelled here."""
+        indices = range(len(self._requests)) if index is None else (index,)
+        with self._fan_out_lock:
+            if index is None:
+                self._aborted = True
+            for i in indices:
+                request = self._requests[i]
+                if i < self._submitted:
+                    self._llm._executor.cancel_request(request.request_id)
+                elif index is None:
+                    self._post(_Event(i, Response(request.request_id, [], True, cancelled=True)))
 
 
 Prompt = str | Sequence[int]
@@ -270,6 +412,8 @@ class LLM:
             self.config = self._executor.config
             pool_tokens = self._executor.kv_cache_manager.num_blocks * self.config.kv_cache_config.tokens_per_block
             self.max_seq_len_source = _max_seq_len_source(self.config, executor_options, self.model_config, pool_tokens)
+        self._grammar_compiler: GrammarCompiler | None = None  # built on the first guided request
+        self._grammar_lock = threading.Lock()
         logger.info("%s", self.describe())
         self._executor.start()
 
@@ -286,9 +430,11 @@ class LLM:
         return line + f", max_seq_len {self.config.max_seq_len} ({self.max_seq_len_source})"
 
     def generate_async(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> RequestOutputHandle:
-        request = self._make_request(prompt, sampling_params or SamplingParams())
-        self._executor.validate(request)
-        return self._submit(request, prompt)
+        params = sampling_params or SamplingParams()
+        requests = self._make_requests(prompt, params)
+        for request in requests:
+            self._executor.validate(request)
+        return self._submit(requests, prompt, params)
 
     def generate(
         self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | None = None
@@ -298,10 +444,11 @@ class LLM:
         single = isinstance(prompts, str) or (bool(prompts) and isinstance(prompts[0], int))
         batch = [prompts] if single else list(prompts)
         params = sampling_params or SamplingParams()
-        requests = [self._make_request(prompt, params) for prompt in batch]
-        for request in requests:
-            self._executor.validate(request)
-        handles = [self._submit(request, prompt) for request, prompt in zip(requests, batch)]
+        requests = [self._make_requests(prompt, params) for prompt in batch]
+        for samples in requests:
+            for request in samples:
+                self._executor.validate(request)
+        handles = [self._submit(samples, prompt, params) for samples, prompt in zip(requests, batch)]
         outputs, first_error = [], None
         for handle in handles:
             try:
@@ -333,12 +480,14 @@ class LLM:
     def __exit__(self, *exc) -> None:
         self.shutdown()
 
-    def _submit(self, request: LlmRequest, prompt: Prompt) -> RequestOutputHandle:
-        handle = RequestOutputHandle(self, request, prompt if isinstance(prompt, str) else None)
-        self._executor.enqueue_request(request, handle._on_response)
+    def _submit(self, requests: list[LlmRequest], prompt: Prompt, params: SamplingParams) -> RequestOutputHandle:
+        handle = RequestOutputHandle(self, requests, prompt if isinstance(prompt, str) else None, keep=params.n,
+                                     report_logprobs=params.logprobs is not None)
+        handle._submit()
         return handle
 
-    def _make_request(self, prompt: Prompt, params: SamplingParams) -> LlmRequest:
+    def _make_requests(self, prompt: Prompt, params: SamplingParams) -> list[LlmRequest]:
+        """One request per sample (``SamplingParams.num_samples``), all of the same prompt."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError(
@@ -351,15 +500,35 @@ class LLM:
             raise ValueError(f"a prompt must be a sequence of token ids, got {prompt!r:.80}") from None
         if any(t is None or t != raw for t, raw in zip(token_ids, prompt)):
             raise ValueError(f"a prompt must hold integer token ids, got {prompt!r:.80}")
+        if isinstance(self._executor, MultiRankExecutor) and (params.guided_decoding or params.logprobs is not None
+                                                              or params.ranks_samples):
+            # The ranks sample; what comes back is tokens, neither matchers nor log-probabilities.
+            raise ValueError("guided_decoding, logprobs and best_of > n run with one rank only (tensor_parallel_size=1)")
+        grammar = self._compile_grammar(params.guided_decoding) if params.guided_decoding is not None else None
         end_id, stop_token_ids = self._stop_ids(params)
-        return LlmRequest(
-            input_token_ids=token_ids,
-            max_new_tokens=params.max_tokens,
-            beam_width=params.beam_width,
-            end_id=end_id,
-            stop_token_ids=stop_token_ids,
-            sampling_config=params.sampling_config(),
-        )
+        return [
+            LlmRequest(
+                input_token_ids=token_ids,
+                max_new_tokens=params.max_tokens,
+                beam_width=params.beam_width,
+                end_id=end_id,
+                stop_token_ids=stop_token_ids,
+                sampling_config=params.sampling_config(index),
+                guided_grammar=grammar,
+            )
+            for index in range(params.num_samples)
+        ]
+
+    def _compile_grammar(self, guided: GuidedDecodingParams):
+        """The grammar of ``guided`` for this model's tokenizer (ValueError naming what is wrong).
+        The compiler reads the vocabulary once, on the first guided request."""
+        if self.tokenizer is None:
+            raise ValueError(f"guided_decoding needs a tokenizer and model {self.model_id!r} has none")
+        with self._grammar_lock:
+            if self._grammar_compiler is None:
+                self._grammar_compiler = GrammarCompiler(
+                    self.tokenizer, vocab_size=self.model_config.vocab_size, end_ids=self.tokenizer.stop_token_ids)
+        return self._grammar_compiler.compile(guided)
 
     def _stop_ids(self, params: SamplingParams) -> tuple[int | None, tuple[int, ...]]:
         """The ids that end a request: the caller's, plus the model's unless ``ignore_eos``."""

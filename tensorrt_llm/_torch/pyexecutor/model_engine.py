@@ -224,13 +224,15 @@ class ModelEngine(abc.ABC):
     def can_pick(self, request: LlmRequest) -> bool:
         """Whether this engine picks, in the forward itself, the very token the sampler will
         return for ``request`` (so the request can be in the next forward before the token
-        reaches the host). Greedy, one beam, no drafts, and an engine that picks."""
+        reaches the host). Greedy, one beam, no drafts, nothing that needs its logits on the host
+        (penalties, a grammar mask, logprobs: ``LlmRequest.needs_host_logits``), and an engine that picks."""
         return (
             self.picks_tokens
             and request.beam_width == 1
             and not request.py_draft_tokens
             and not request.is_first_draft
             and request.sampling_config.is_greedy
+            and not request.needs_host_logits
         )
 
     #: whether forwards carry ``greedy_tokens`` (the engine's own pick for each sampling request)
