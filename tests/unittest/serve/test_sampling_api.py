@@ -252,3 +252,19 @@ def test_values_the_engine_cannot_honour_are_refused_naming_the_field(smollm2_se
         smollm2_server.client().chat.completions.create(model=smollm2_server.model, messages=QUESTION, max_tokens=4,
                                                         extra_body=body)
     assert message in refused.value.body["message"]
+
+
+def test_each_chat_choice_stops_at_its_own_stop_string_streamed_or_not(smollm2_server):
+    client = smollm2_server.client()
+    kwargs = dict(model=smollm2_server.model, messages=QUESTION, max_tokens=20, temperature=0)
+    free = client.chat.completions.create(**kwargs).choices[0].message.content
+    stop = free[len(free) // 2 : len(free) // 2 + 3]
+    cut = free[: free.index(stop)]
+    both = client.chat.completions.create(**kwargs, n=2, stop=stop)
+    assert [(c.index, c.message.content, c.finish_reason) for c in both.choices] == [(0, cut, "stop"), (1, cut, "stop")]
+    chunks = list(client.chat.completions.create(**kwargs, n=2, stop=stop, stream=True))
+    assert [c.index for c in chunks[0].choices] == [0, 1] and chunks[0].choices[0].delta.role == "assistant"
+    for index in (0, 1):
+        mine = [c.choices[0] for c in chunks[1:] if c.choices[0].index == index]
+        assert "".join(c.delta.content or "" for c in mine) == cut and mine[-1].finish_reason == "stop"
+    smollm2_server.wait_idle()  # both samples were cancelled in the executor
