@@ -87,7 +87,8 @@ class SamplingParams:
             logprobs = 0  # ranking reads each sampled token's log-probability
         return SamplingConfig(
             temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
-            seed=None if self.seed is None else (self.seed + index) % SEED_LIMIT,
+            # sample 0 keeps the seed as given (SamplingConfig refuses one out of range); later ones wrap
+            seed=self.seed if self.seed is None or index == 0 else (self.seed + index) % SEED_LIMIT,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty, min_tokens=self.min_tokens, logprobs=logprobs,
         )
