@@ -69,6 +69,9 @@ class SamplingParams:
         if self.best_of is not None and (isinstance(self.best_of, bool) or not isinstance(self.best_of, int)
                                          or not self.n <= self.best_of <= MAX_SAMPLES):
             raise ValueError(f"best_of must be an integer in [n, {MAX_SAMPLES}] (n={self.n}), got {self.best_of!r}")
+        if self.guided_decoding is not None and self.ignore_eos:
+            # a complete document leaves the grammar nothing but its end token: it must end the output
+            raise ValueError("guided_decoding ends the output with the end-of-generation token; ignore_eos cannot be honoured")
 
     @property
     def num_samples(self) -> int:

@@ -243,6 +243,7 @@ def test_response_format_json_object_and_json_schema(smollm2_server):
     ({"response_format": {"type": "json_schema"}}, "json_schema is given with type 'json_schema'"),
     ({"response_format": {"type": "yaml"}}, "response_format.type"),
     ({"top_logprobs": 2}, "top_logprobs needs logprobs: true"),
+    ({"response_format": {"type": "json_object"}, "ignore_eos": True}, "ignore_eos cannot be honoured"),
     ({"logprobs": True, "top_logprobs": 21}, "less than or equal to 20"),
     ({"presence_penalty": 2.5}, "presence_penalty"),
     ({"repetition_penalty": 0}, "repetition_penalty"),
