@@ -95,7 +95,7 @@ def _replay_masks(llm: LLM, outputs: list[tuple[dict, list[int]]]) -> float:
     logits = torch.zeros(llm.model_config.vocab_size, dtype=torch.float64)
     total = 0.0
     for schema, token_ids in outputs:
-        matcher = llm._compile_grammar(GuidedDecodingParams(json=schema)).matcher()
+        matcher = llm.compile_grammar(GuidedDecodingParams(json=schema)).matcher()
         began = time.perf_counter()
         for token in token_ids:
             matcher.fill_mask(logits)

@@ -508,7 +508,7 @@ class LLM:
                                                               or params.ranks_samples):
             # The ranks sample; what comes back is tokens, neither matchers nor log-probabilities.
             raise ValueError("guided_decoding, logprobs and best_of > n run with one rank only (tensor_parallel_size=1)")
-        grammar = self._compile_grammar(params.guided_decoding) if params.guided_decoding is not None else None
+        grammar = self.compile_grammar(params.guided_decoding) if params.guided_decoding is not None else None
         end_id, stop_token_ids = self._stop_ids(params)
         return [
             LlmRequest(
@@ -523,9 +523,11 @@ class LLM:
             for index in range(params.num_samples)
         ]
 
-    def _compile_grammar(self, guided: GuidedDecodingParams):
+    def compile_grammar(self, guided: GuidedDecodingParams):
         """The grammar of ``guided`` for this model's tokenizer (ValueError naming what is wrong).
-        The compiler reads the vocabulary once, on the first guided request."""
+        The compiler reads the vocabulary once, on the first guided request, and keeps recent
+        grammars: a caller on an event loop runs this on a worker thread first, and
+        ``generate_async`` then finds the grammar compiled."""
         if self.tokenizer is None:
             raise ValueError(f"guided_decoding needs a tokenizer and model {self.model_id!r} has none")
         with self._grammar_lock:

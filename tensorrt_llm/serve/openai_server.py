@@ -159,7 +159,7 @@ class OpenAIServer:
         if body.echo:  # the prompt's text leads each choice's text, as OpenAI echoes it
             echo = body.prompt if isinstance(body.prompt, str) else (
                 self.tokenizer.decode(prompt_ids) if self.tokenizer is not None else "")
-        generation = self._submit(body, prompt_ids, body.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS)
+        generation = await self._submit(body, prompt_ids, body.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS)
         request_id = completion_id()
         offsets: dict[int, int] = {}  # choice -> characters of its text sent so far (logprobs' text_offset)
 
@@ -193,7 +193,7 @@ class OpenAIServer:
         self._check_model(body.model)
         prompt_ids = await self._render_chat(body)
         max_tokens = body.max_new_tokens or max(1, self.llm.config.max_seq_len - len(prompt_ids))
-        generation = self._submit(body, prompt_ids, max_tokens)
+        generation = await self._submit(body, prompt_ids, max_tokens)
         request_id = chat_completion_id()
 
         def logprobs(entries: list | None) -> ChatLogprobs | None:
@@ -254,8 +254,8 @@ class OpenAIServer:
             raise bad_request(str(error), "messages") from None
         return await self._encode_prompt(text, "messages")
 
-    def _submit(self, body: CompletionRequest | ChatCompletionRequest, prompt_ids: list[int],
-                max_tokens: int) -> Generation:
+    async def _submit(self, body: CompletionRequest | ChatCompletionRequest, prompt_ids: list[int],
+                      max_tokens: int) -> Generation:
         if body.stop_strings and self.tokenizer is None:
             raise bad_request(f"stop sequences need a tokenizer and model {self.model_id!r} has none", "stop")
         try:
@@ -278,6 +278,11 @@ class OpenAIServer:
             )
         except ValueError as error:
             raise bad_request(str(error)) from None
+        if params.guided_decoding is not None:  # compiled off the loop; generate_async finds it cached
+            try:
+                await asyncio.to_thread(self.llm.compile_grammar, params.guided_decoding)
+            except ValueError as error:
+                raise bad_request(str(error).replace("guided_decoding", "response_format"), "response_format") from None
         self._admit()  # no await from here to the enqueue: the queue bound holds exactly
         metrics = self.metrics.request()
         try:
@@ -285,9 +290,7 @@ class OpenAIServer:
         except ExecutorShutdown as error:
             raise self._reject("unhealthy", f"the server cannot take requests: {error}", RETRY_AFTER_UNHEALTHY_S) from None
         except ValueError as error:  # InvalidRequestError included: the executor could never serve it
-            param = "response_format" if "guided_decoding" in str(error) else None
-            raise bad_request(_REQUEST_PREFIX.sub("", str(error)).replace("guided_decoding", "response_format"),
-                              param) from None
+            raise bad_request(_REQUEST_PREFIX.sub("", str(error))) from None
         return Generation(handle, has_text=self.tokenizer is not None, stop_strings=body.stop_strings,
                           metrics=metrics, ranked=params.ranks_samples)
 

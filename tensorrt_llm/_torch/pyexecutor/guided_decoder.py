@@ -24,6 +24,8 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +38,8 @@ logger = logging.getLogger(__name__)
 #: JSON compiled without free whitespace: a model left to choose whitespace inside a JSON
 #: document can emit newlines until ``max_tokens`` (vLLM and SGLang default the same way).
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+#: Compiled grammars a compiler keeps (least recently used dropped first).
+CACHED_GRAMMARS = 128
 #: ``response_format: json_object``: any JSON object.
 ANY_JSON_OBJECT: dict[str, Any] = {"type": "object"}
 
@@ -103,9 +107,28 @@ class GrammarCompiler:
         self._tokenizer = llguidance.LLTokenizer(
             llguidance.TokenizerWrapper(_TokenizerBytes(tokenizer)), n_vocab=vocab_size, eos_token=list(end_ids) or None
         )
+        self._lock = threading.Lock()
+        self._cache: OrderedDict[tuple, Grammar] = OrderedDict()
 
     def compile(self, params: GuidedDecodingParams) -> "Grammar":
-        """Raises InvalidRequestError naming what is wrong (a schema or regex the library refuses)."""
+        """Raises InvalidRequestError naming what is wrong (a schema or regex the library refuses).
+        The last :data:`CACHED_GRAMMARS` grammars are kept: services send the same schema again and
+        again, and the server compiles on a worker thread first so that the event loop finds it here."""
+        key = (params.kind, json.dumps(params.json, sort_keys=True) if params.kind == "json" else
+               params.regex or params.grammar)
+        with self._lock:
+            grammar = self._cache.get(key)
+            if grammar is not None:
+                self._cache.move_to_end(key)
+                return grammar
+        grammar = self._compile(params)
+        with self._lock:
+            self._cache[key] = grammar
+            while len(self._cache) > CACHED_GRAMMARS:
+                self._cache.popitem(last=False)
+        return grammar
+
+    def _compile(self, params: GuidedDecodingParams) -> "Grammar":
         llg = self._llg.LLMatcher
         try:
             if params.kind == "json":
