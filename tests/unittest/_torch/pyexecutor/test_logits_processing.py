@@ -104,6 +104,11 @@ def test_the_mask_allows_exactly_the_ids_the_grammar_can_take(compiler, smollm2_
         compiler.compile(GuidedDecodingParams(regex="[0-9]")).matcher().accept(smollm2_tokenizer.encode("a")[0])
 
 
+def test_a_grammar_compiled_again_comes_from_the_cache(compiler):
+    first = compiler.compile(GuidedDecodingParams(json={"type": "object", "properties": {"a": {"type": "integer"}}}))
+    assert compiler.compile(GuidedDecodingParams(json={"properties": {"a": {"type": "integer"}}, "type": "object"})) is first
+
+
 def test_a_guided_request_that_cannot_go_on_fails_alone(compiler):
     sampler = TorchSampler()
     broken = Grammar(compiler, source="this is not a grammar", kind="grammar")  # past compile()'s validation
