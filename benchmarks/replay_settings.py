@@ -12,6 +12,8 @@ import functools
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from benchmarks.cost_model import CostModel, FittedCostModel, ModelShape, default_cost_model
 from benchmarks.sim_engine import ENGINES, Engine, build_sim_engine, build_torch_engine, torch_kv_bytes_per_token, torch_vocab_size
 from benchmarks.traces import DEFAULT_VOCAB_SIZE, Trace
@@ -60,13 +62,14 @@ class ReplaySettings:
     engine: str = field(default="sim", metadata={"choices": ENGINES})  # sim: the cost model's clock; torch: a real model
     model: str = field(default="tiny-random", metadata={"choices": tuple(sorted(MODEL_PRESETS))})  # torch engine's model
     host_cache_blocks: int = 512  # the host (offload) tier, in blocks; 0 disables it
-    device: str = field(default="cpu", metadata={"choices": ("cpu", "cuda")})  # torch engine's device (cuda: the GPU engine)
+    # The torch engine's device, as LLM(device=...): auto is the GPU when torch sees one, else the CPU.
+    device: str = field(default="auto", metadata={"choices": ("auto", "cpu", "cuda")})
     # Sim engine: a cost model saved by `python -m benchmarks.cost_model refit` (default: the fit to benchmarks/calibration/).
     cost_model: str | None = field(default=None, metadata={"metavar": "MODEL.json"})
 
     def __post_init__(self) -> None:
-        if self.device not in ("cpu", "cuda"):
-            raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
         if self.device == "cuda" and self.engine != "torch":
             raise ValueError("device='cuda' runs the torch engine (--engine torch); the sim engine has no device")
         if self.engine not in ENGINES:
@@ -110,6 +113,13 @@ class ReplaySettings:
         )
 
     @property
+    def torch_device(self) -> str:
+        """The device the torch engine runs on: ``device`` with ``auto`` resolved."""
+        if self.device == "auto":
+            return "cuda" if torch.cuda.is_available() else "cpu"
+        return self.device
+
+    @property
     def vocab_size(self) -> int:
         """Token ids the engine accepts: the torch model's vocabulary, or the trace default."""
         return torch_vocab_size(self.model) if self.engine == "torch" else DEFAULT_VOCAB_SIZE
@@ -126,7 +136,7 @@ class ReplaySettings:
     def build_engine(self, policy: str, max_seq_len: int) -> Engine:
         if self.engine == "torch":
             config = self.executor_config(policy, max_seq_len=max_seq_len, kv_bytes_per_token=torch_kv_bytes_per_token(self.model))
-            return build_torch_engine(config, model_name=self.model, device=self.device)
+            return build_torch_engine(config, model_name=self.model, device=self.torch_device)
         shape = ModelShape()
         config = self.executor_config(policy, max_seq_len=max_seq_len, kv_bytes_per_token=shape.kv_bytes_per_token())
         return build_sim_engine(config, cost_model=_cost_model(self.cost_model), model_shape=shape, vocab_size=self.vocab_size)

@@ -2,7 +2,7 @@
 several multiples of its rate, with ``/health`` and ``/prometheus/metrics`` polled throughout.
 
     python -m benchmarks.serve_soak --out DIR [--rates 1,2,4,8] [--duration-s 180] \\
-        [--health-interval-s 0.25] [--max-output-tokens N] -- SERVE_ARGS...
+        [--health-interval-s 0.25] [--memory-interval-s 5] [--max-output-tokens N] -- SERVE_ARGS...
 
 Everything after ``--`` goes to ``trtllm-serve`` (the model, ``--device``, ``--max_queue_size``,
 ``--extra_llm_api_options FILE.yaml``, ...); ``--port 0`` is added. Per rate ``x``, the scenario
@@ -14,7 +14,10 @@ says why, and none is lost to the transport or hangs.
 
 The poller is a separate process, so that the client's own work never delays a poll: its
 latencies are the server's. GPU memory (``nvidia-smi``, when there is one) and the server's
-resident memory are read at the start and the end of every rate. ``DIR/soak.json`` holds every
+resident memory are read at the start and the end of every rate, and the server's memory
+gauges (resident memory; torch's allocated and reserved GPU bytes) every
+``--memory-interval-s`` through the run: flat memory shows as a small change over the second
+half of the run, after the warm-up. ``DIR/soak.json`` holds every
 number; one line per rate is printed.
 """
 
@@ -136,23 +139,63 @@ def gpu_memory_mib() -> list[int] | None:
 # ------------------------------------------------------------------------------- the poller
 
 
-def poll_forever(url: str, interval_s: float, out: Path) -> None:
+def poll_forever(url: str, interval_s: float, out: Path, memory_every_s: float = 5.0) -> None:
     """The poller process: every ``interval_s``, GET each of POLLED; one JSON line per answer
-    (the time, the path, the status or the error, the latency), until it is terminated."""
+    (the time, the path, the status or the error, the latency), until it is terminated. Every
+    ``memory_every_s`` it also writes the server's memory gauges read from the metrics it got
+    (a line with ``memory`` instead of ``path``)."""
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    last_memory = -math.inf
     with httpx.Client(base_url=url, timeout=30) as client, open(out, "w") as sink:
         while True:
             began = time.perf_counter()
             for path in POLLED:
                 sent = time.perf_counter()
                 try:
-                    status: int | str = client.get(path).status_code
+                    answer = client.get(path)
+                    status: int | str = answer.status_code
                 except httpx.HTTPError as error:
-                    status = type(error).__name__
+                    answer, status = None, type(error).__name__
                 sink.write(json.dumps({"t": sent, "path": path, "status": status,
                                        "ms": (time.perf_counter() - sent) * 1e3}) + "\n")
+                if path == "/prometheus/metrics" and status == 200 and sent - last_memory >= memory_every_s:
+                    sink.write(json.dumps({"t": sent, "memory": memory_gauges(answer.text)}) + "\n")
+                    last_memory = sent
                 sink.flush()
             time.sleep(max(0.0, interval_s - (time.perf_counter() - began)))
+
+
+#: the server's memory gauges (metrics.py), summed over GPUs
+MEMORY_GAUGES = {"process_resident_memory_bytes": "rss_mib", "trtllm_gpu_memory_allocated_bytes": "gpu_allocated_mib",
+                 "trtllm_gpu_memory_reserved_bytes": "gpu_reserved_mib"}
+
+
+def memory_gauges(text: str) -> dict[str, float]:
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name in MEMORY_GAUGES:
+            values[MEMORY_GAUGES[family.name]] = sum(sample.value for sample in family.samples) / 2**20
+    return values
+
+
+def summarize_memory(path: Path) -> dict[str, dict[str, float]]:
+    """Per memory gauge over the run: the first and last sample, the maximum, and the change over
+    the run's second half (after warm-up a flat series changes little there; a leak keeps growing)."""
+    samples = []
+    for line in path.read_text().splitlines():
+        try:
+            poll = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if "memory" in poll:
+            samples.append(poll["memory"])
+    summary = {}
+    for name in MEMORY_GAUGES.values():
+        series = [sample[name] for sample in samples if name in sample]
+        if series:
+            summary[name] = {"samples": len(series), "first": series[0], "max": max(series), "last": series[-1],
+                             "second_half_change": series[-1] - series[len(series) // 2]}
+    return summary
 
 
 def summarize_polls(path: Path) -> dict:
@@ -163,6 +206,8 @@ def summarize_polls(path: Path) -> dict:
             poll = json.loads(line)
         except json.JSONDecodeError:  # the last line, cut when the poller was stopped
             continue
+        if "path" not in poll:  # a memory sample
+            continue
         entry = by_path.setdefault(poll["path"], {"statuses": {}, "ms": []})
         entry["statuses"][str(poll["status"])] = entry["statuses"].get(str(poll["status"]), 0) + 1
         entry["ms"].append(poll["ms"])
@@ -171,15 +216,23 @@ def summarize_polls(path: Path) -> dict:
 
 
 class Poller:
-    def __init__(self, url: str, interval_s: float, out: Path) -> None:
+    def __init__(self, url: str, interval_s: float, memory_interval_s: float, out: Path) -> None:
         self.out = out
+        out.unlink(missing_ok=True)
         self.process = subprocess.Popen([sys.executable, "-m", "benchmarks.serve_soak", "--poll", url,
-                                         "--health-interval-s", str(interval_s), "--out", str(out)])
+                                         "--health-interval-s", str(interval_s),
+                                         "--memory-interval-s", str(memory_interval_s), "--out", str(out)])
+        deadline = time.monotonic() + 60  # polls cover the run only once the poller has started
+        while not out.exists():
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the poller did not start (exit code {self.process.poll()})")
+            time.sleep(0.05)
 
-    def stop(self) -> dict:
+    def stop(self) -> tuple[dict, dict]:
+        """The polls' summary and the memory samples' summary."""
         self.process.terminate()
         self.process.wait(timeout=30)
-        return summarize_polls(self.out)
+        return summarize_polls(self.out), summarize_memory(self.out)
 
 
 # ------------------------------------------------------------------------------- one rate
@@ -206,7 +259,7 @@ async def with_loop_lag(coro, lags: list[float], period_s: float = 0.05):
 
 
 def run_rate(server: ServerProcess, rate: float, duration_s: float, max_output_tokens: int | None,
-             interval_s: float, out_dir: Path, timeout_s: float) -> dict:
+             interval_s: float, memory_interval_s: float, out_dir: Path, timeout_s: float) -> dict:
     url = server.url
     model, vocab = discover(url, None)
     base_qps = ScenarioConfig().qps
@@ -214,14 +267,14 @@ def run_rate(server: ServerProcess, rate: float, duration_s: float, max_output_t
     trace = TraceSpec(num_requests=num_requests, time_scale=1.0 / rate).load_for(vocab_size=vocab, tokens_per_block=32)
     target = ReplayTarget(url, model, vocab, None, timeout_s)
     start_memory = {"gpu_mib": gpu_memory_mib(), "server_rss_mib": server.rss_mib()}
-    poller = Poller(url, interval_s, out_dir / f"polls_{rate:g}x.jsonl")
+    poller = Poller(url, interval_s, memory_interval_s, out_dir / f"polls_{rate:g}x.jsonl")
     before, labelled_before = scrape_counters(url), scrape_labelled(url)
     progress = Progress(f"{rate:g}x", len(trace))
     lags: list[float] = []
     try:
         records, first, last = asyncio.run(with_loop_lag(replay(trace, target, max_output_tokens, progress), lags))
     finally:
-        polls = poller.stop()
+        polls, memory_over_time = poller.stop()
     after, labelled_after = scrape_counters(url), scrape_labelled(url)
     result = summarize(records, last - first, counter_diff(before, after))
     result["counters"] = {k: v - labelled_before.get(k, 0.0) for k, v in labelled_after.items()
@@ -231,7 +284,8 @@ def run_rate(server: ServerProcess, rate: float, duration_s: float, max_output_t
         "rate": rate, "requests": len(trace), "arrival_span_s": trace.requests[-1].arrival_s if trace.requests else 0.0,
         "result": result, "polls": polls,
         "client_loop_lag_ms": {**percentiles(lags), "max": max(lags, default=0.0)},
-        "memory": {"start": start_memory, "end": {"gpu_mib": gpu_memory_mib(), "server_rss_mib": server.rss_mib()}},
+        "memory": {"start": start_memory, "end": {"gpu_mib": gpu_memory_mib(), "server_rss_mib": server.rss_mib()},
+                   "over_time": memory_over_time},
     }
 
 
@@ -246,7 +300,9 @@ def line_of(run: dict) -> str:
             f" /health p99/max {health.get('p99', 0):.1f}/{health.get('max', 0):.1f} ms {health.get('statuses')},"
             f" /prometheus/metrics p99/max {metrics.get('p99', 0):.1f}/{metrics.get('max', 0):.1f} ms;"
             f" client loop lag p99/max {run['client_loop_lag_ms']['p99']:.0f}/{run['client_loop_lag_ms']['max']:.0f} ms;"
-            f" server {r['server']}")
+            f" server {r['server']}" + "".join(
+                f"; {name} {m['first']:.0f} -> {m['last']:.0f} MiB (max {m['max']:.0f}, second half {m['second_half_change']:+.0f})"
+                for name, m in run["memory"].get("over_time", {}).items()))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -258,13 +314,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--rates", default="1,2,4,8", help="multiples of the scenario's 7 requests/s")
     parser.add_argument("--duration-s", type=float, default=180.0, help="arrivals span this long at every rate")
     parser.add_argument("--health-interval-s", type=float, default=0.25)
+    parser.add_argument("--memory-interval-s", type=float, default=5.0, help="server memory gauges sampled this often")
     parser.add_argument("--max-output-tokens", type=int, default=None)
     parser.add_argument("--timeout-s", type=float, default=900.0, help="a request not answered by then is a hang")
     parser.add_argument("--poll", metavar="URL", help=argparse.SUPPRESS)  # the poller process
     args = parser.parse_args(own)
     out = Path(args.out)
     if args.poll:
-        poll_forever(args.poll, args.health_interval_s, out)
+        poll_forever(args.poll, args.health_interval_s, out, args.memory_interval_s)
         return 0
     out.mkdir(parents=True, exist_ok=True)
     rates = [float(r) for r in args.rates.split(",")]
@@ -272,8 +329,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     document = {"config": {**vars(args), "serve_args": serve_args, "rates": rates}, "runs": []}
     try:
         for rate in rates:
-            run = run_rate(server, rate, args.duration_s, args.max_output_tokens, args.health_interval_s, out,
-                           args.timeout_s)
+            run = run_rate(server, rate, args.duration_s, args.max_output_tokens, args.health_interval_s,
+                           args.memory_interval_s, out, args.timeout_s)
             document["runs"].append(run)
             print(line_of(run), flush=True)
             (out / "soak.json").write_text(json.dumps(document, indent=2) + "\n")

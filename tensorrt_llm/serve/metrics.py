@@ -7,7 +7,11 @@ Three sources, each pushed or pulled once:
   and budget utilization;
 - every request, on the event loop (:class:`RequestMetrics`): prompt and generated tokens,
   time to first token, inter-token latency, end-to-end latency, how it finished;
-- at scrape time: running and waiting requests, KV-cache usage, health, injected faults;
+- at scrape time: running and waiting requests, KV-cache usage, health, injected faults, and
+  memory: the process's (``process_resident_memory_bytes`` and the rest of prometheus-client's
+  process collector) and, once CUDA is in use in this process, torch's allocated and reserved
+  bytes per GPU (``trtllm_gpu_memory_{allocated,reserved}_bytes{device}``): a soak tells a leak
+  (allocated grows) from the caching allocator keeping what a peak used (reserved grows);
 - admission, on the event loop: requests refused with 503 before they were queued
   (``trtllm_requests_rejected_total{reason}``: ``unhealthy``, ``queue_full``).
 
@@ -26,8 +30,9 @@ from __future__ import annotations
 import time
 from typing import NamedTuple
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily
+import torch
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from tensorrt_llm._torch.distributed.proxy import MultiRankExecutor
@@ -122,6 +127,8 @@ class ServerMetrics:
             "trtllm_e2e_request_latency_seconds", "Request received to request finished", buckets=_E2E_BUCKETS,
             registry=registry)
 
+        ProcessCollector(registry=registry)
+        registry.register(_GpuMemoryCollector())
         engine = getattr(executor, "model_engine", None)  # in the rank processes under several ranks
         if isinstance(engine, FaultInjectingEngine):
             registry.register(_FaultCollector(engine))
@@ -207,3 +214,23 @@ class _FaultCollector(Collector):
         for kind in FAULT_KINDS:
             family.add_metric([kind], self._engine.faults_injected[kind])
         yield family
+
+
+class _GpuMemoryCollector(Collector):
+    """torch's caching allocator, per GPU, read at scrape time (host-side counters: no sync).
+    Nothing is reported until CUDA is initialised, so a CPU server never touches CUDA."""
+
+    def collect(self):
+        if not torch.cuda.is_initialized():
+            return
+        allocated = GaugeMetricFamily("trtllm_gpu_memory_allocated_bytes",
+                                      "Bytes of GPU memory held by live tensors (torch.cuda.memory_allocated)",
+                                      labels=["device"])
+        reserved = GaugeMetricFamily("trtllm_gpu_memory_reserved_bytes",
+                                     "Bytes of GPU memory held by torch's caching allocator (torch.cuda.memory_reserved)",
+                                     labels=["device"])
+        for index in range(torch.cuda.device_count()):
+            allocated.add_metric([str(index)], torch.cuda.memory_allocated(index))
+            reserved.add_metric([str(index)], torch.cuda.memory_reserved(index))
+        yield allocated
+        yield reserved

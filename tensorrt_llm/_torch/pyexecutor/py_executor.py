@@ -631,6 +631,8 @@ class PyExecutor:
             (retry if request.can_retry_forward(self.config.max_forward_retries) else failed).append(request)
         stats.num_failed_requests, stats.num_retried_requests = len(failed), len(retry)
         for request in failed:
+            logger.warning("request %s fails: its forward failed again before it made progress (max_forward_retries=%d)",
+                           request.request_id, self.config.max_forward_retries)
             self._fail(request, error)
         return retry
 

@@ -10,6 +10,7 @@ import json
 from functools import lru_cache
 
 import pytest
+import torch
 
 from benchmarks import replay_report
 from benchmarks.replay import (
@@ -226,6 +227,10 @@ def test_cli_defaults_and_bad_values():
     assert executor.max_num_tokens == 4096 and executor.enable_chunked_prefill
     assert executor.kv_cache_config.enable_partial_reuse and executor.kv_cache_config.enable_block_reuse
     assert executor.kv_cache_config.num_blocks == 1280 and settings.host_cache_blocks > 0
+    # the torch engine's device is LLM's: auto resolves to the GPU only where torch sees one
+    assert settings.device == "auto"
+    assert settings.torch_device == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert ReplaySettings.from_options(device="cpu").torch_device == "cpu"
     for bad in (["--policies", "none,best"], ["--engine", "gpu"], ["--device", "tpu"], ["--max-num-tokens", "x"]):
         with pytest.raises(SystemExit):
             build_parser().parse_args(bad)

@@ -2,6 +2,9 @@
 # The H200 serving runs of benchmarks/results/h200/serving/README.md, one phase per device call.
 #   bash benchmarks/results/h200/serving/run_h200.sh PHASE OUT_DIR
 # PHASE: setup | cuda-tests | load RATES [DURATION_S] | smollm2 MODEL | faults DURATION_S [SERVE_FLAGS] | gaps
+#        | phase-b [REQUESTS] | faults-bg DURATION_S | faults-wait
+# faults-bg starts the fault soak detached (in /tmp/faults) so that a soak longer than one device call
+# (600 s) spans two: the next call's faults-wait waits for it and copies its results to OUT_DIR.
 # The H200 image lacks fastapi, uvicorn, openai and gguf: setup installs the wheels in .whl
 # (README: "Serving on a GPU" says how to fetch them) into /tmp/site.
 set -uo pipefail
@@ -21,7 +24,7 @@ case $phase in
     python3 -c "import fastapi, uvicorn, openai, gguf, torch; print('torch', torch.__version__, torch.cuda.get_device_name())"
     ;;
   cuda-tests)
-    timeout 300 "$PY" -m pytest tests/unittest/_torch/attention/test_cuda.py -q -x -p no:cacheprovider 2>&1 | tail -15 | tee "$out/pytest_cuda.log"
+    timeout 400 "$PY" -m pytest tests/unittest/_torch/attention/test_cuda.py tests/unittest/serve/test_serve_gpu.py -q -x -p no:cacheprovider 2>&1 | tail -15 | tee "$out/pytest_cuda.log"
     ;;
   load)
     "$PY" -m benchmarks.serve_soak --out "$out" --rates "$1" --duration-s "${2:-180}" -- "${NEMO[@]}"
@@ -33,6 +36,18 @@ case $phase in
     duration=$1; shift
     "$PY" -m benchmarks.serve_soak --out "$out" --rates 1 --duration-s "$duration" --health-interval-s 0.5 -- \
       "$MODEL" --extra_llm_api_options benchmarks/results/h200/serving/nemo_faults.yaml --max_queue_size 128 "$@"
+    ;;
+  faults-bg)  # faults-bg DURATION_S [more trtllm-serve flags]: detached, results in /tmp/faults
+    mkdir -p /tmp/faults
+    setsid nohup bash "$0" faults /tmp/faults "$@" > /tmp/faults/soak.log 2>&1 < /dev/null &
+    echo "fault soak started detached, pid $!"
+    ;;
+  faults-wait)
+    while pgrep -f "run_h200.sh faults /tmp/faults" > /dev/null; do sleep 5; done
+    cp -r /tmp/faults/. "$out"/ && tail -20 "$out/soak.log"
+    ;;
+  phase-b)  # the recheck replay with and without overlap: GPU idle, largest gaps, the refit cost model
+    "$PY" -m benchmarks.gpu_phase_b --out "$out" --sections replay --policies recheck --requests "${1:-150}" 2>&1 | tail -40
     ;;
   gaps)
     "$PY" -m benchmarks.gpu_gaps --requests "${1:-150}" --policy recheck --top 10 --json "$out/gaps.json" 2>&1 | tail -30
