@@ -61,6 +61,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     min_tokens: int = 0
     logprobs: int | None = None  # alternatives reported beside each sampled token's log-probability
+    prompt_logprobs: int | None = None  # the same for each prompt token after the first (no prefix reuse then)
     guided_decoding: GuidedDecodingParams | None = None
 
     def __post_init__(self) -> None:
@@ -94,6 +95,7 @@ class SamplingParams:
             seed=self.seed if self.seed is None or index == 0 else (self.seed + index) % SEED_LIMIT,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty, min_tokens=self.min_tokens, logprobs=logprobs,
+            prompt_logprobs=self.prompt_logprobs if index == 0 else None,  # the samples share one prompt
         )
 
 
@@ -124,6 +126,8 @@ class RequestOutput:
     error: str | None = None
     prompt: str | None = None  # the prompt text, when the prompt was text
     generated_tokens: int = 0  # over every sample, those best_of drops included
+    # With SamplingParams.prompt_logprobs: one per prompt token, None for the first (nothing predicts it).
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @property
     def text(self) -> str | None:
@@ -137,6 +141,7 @@ class _Event(NamedTuple):
     index: int
     response: Response
     logprobs: tuple[TokenLogprob, ...] = ()
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # on sample 0's first response, when asked for
 
 
 class RequestOutputHandle:
@@ -179,6 +184,7 @@ class RequestOutputHandle:
             if any(r.sampling_config.logprobs is not None for r in requests):
                 completion.logprobs, completion.cumulative_logprob = [], 0.0
         self._logprobs_sent = [0] * len(requests)  # executor thread only
+        self._prompt_logprobs_sent = False  # executor thread only
         self._fan_out_lock = threading.Lock()
         self._submitted = 0  # samples handed to the executor (under _fan_out_lock)
         self._aborted = False
@@ -214,7 +220,11 @@ class RequestOutputHandle:
             sent = self._logprobs_sent[index]
             logprobs = tuple(request.py_logprobs[sent : sent + len(response.new_token_ids)])
             self._logprobs_sent[index] = sent + len(logprobs)
-        self._post(_Event(index, response, logprobs))
+        prompt_logprobs = None
+        if index == 0 and request.sampling_config.prompt_logprobs is not None and not self._prompt_logprobs_sent:
+            self._prompt_logprobs_sent = True
+            prompt_logprobs = list(request.py_prompt_logprobs)
+        self._post(_Event(index, response, logprobs, prompt_logprobs))
         if index == 0 and len(self._requests) > 1:
             self._fan_out()
 
@@ -235,6 +245,8 @@ class RequestOutputHandle:
         completion = self.output.outputs[index]
         completion.token_ids.extend(response.new_token_ids)
         self.output.generated_tokens += len(response.new_token_ids)
+        if event.prompt_logprobs is not None:
+            self.output.prompt_logprobs = event.prompt_logprobs
         if completion.logprobs is not None:
             completion.logprobs.extend(event.logprobs)
             completion.cumulative_logprob += sum(entry.logprob for entry in event.logprobs)
@@ -504,10 +516,12 @@ class LLM:
             raise ValueError(f"a prompt must be a sequence of token ids, got {prompt!r:.80}") from None
         if any(t is None or t != raw for t, raw in zip(token_ids, prompt)):
             raise ValueError(f"a prompt must hold integer token ids, got {prompt!r:.80}")
-        if isinstance(self._executor, MultiRankExecutor) and (params.guided_decoding or params.logprobs is not None
-                                                              or params.ranks_samples):
+        if isinstance(self._executor, MultiRankExecutor) and (
+                params.guided_decoding or params.logprobs is not None or params.prompt_logprobs is not None
+                or params.ranks_samples):
             # The ranks sample; what comes back is tokens, neither matchers nor log-probabilities.
-            raise ValueError("guided_decoding, logprobs and best_of > n run with one rank only (tensor_parallel_size=1)")
+            raise ValueError("guided_decoding, logprobs, prompt_logprobs and best_of > n run with one rank only"
+                             " (tensor_parallel_size=1)")
         grammar = self.compile_grammar(params.guided_decoding) if params.guided_decoding is not None else None
         end_id, stop_token_ids = self._stop_ids(params)
         return [

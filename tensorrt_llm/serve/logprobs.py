@@ -39,14 +39,19 @@ class LogprobFormatter:
             content.append(ChatTokenLogprob(token=text, logprob=entry.logprob, bytes=raw, top_logprobs=top))
         return ChatLogprobs(content=content)
 
-    def completion(self, entries: Sequence[TokenLogprob], offset: int) -> tuple[CompletionLogprobs, int]:
-        """The entries from character ``offset`` of the choice's text; returns the offset after them."""
+    def completion(self, entries: Sequence[TokenLogprob], offset: int,
+                   prompt: tuple[Sequence[int], Sequence[TokenLogprob | None]] | None = None
+                   ) -> tuple[CompletionLogprobs, int]:
+        """The entries from character ``offset`` of the choice's text; returns the offset after
+        them. ``prompt`` (echo): the prompt's ids and log-probabilities go first (the first
+        prompt token has none: null, as OpenAI answers)."""
         out = CompletionLogprobs()
-        for entry in entries:
-            text, _ = self.token(entry.token)
+        leading = [] if prompt is None else list(zip(*prompt))
+        for token, entry in [*leading, *((e.token, e) for e in entries)]:
+            text, _ = self.token(token)
             out.tokens.append(text)
-            out.token_logprobs.append(entry.logprob)
-            out.top_logprobs.append({self.token(i)[0]: lp for i, lp in entry.top})
+            out.token_logprobs.append(None if entry is None else entry.logprob)
+            out.top_logprobs.append(None if entry is None else {self.token(i)[0]: lp for i, lp in entry.top})
             out.text_offset.append(offset)
             offset += len(text)
         return out, offset

@@ -17,8 +17,8 @@ executor in a form it cannot serve (issue 21):
 * An argument the server does not know is an error naming it (``extra="forbid"``), and
   ``suffix`` and ``logit_bias`` must keep their neutral values (nothing here inserts text or
   biases logits). ``best_of > n`` cannot stream (the best samples are known at the end only),
-  ``top_logprobs`` needs ``logprobs: true``, ``echo`` with ``logprobs`` is refused (prompt
-  log-probabilities are not computed), as OpenAI and vLLM refuse the first two.
+  ``top_logprobs`` needs ``logprobs: true``, as OpenAI and vLLM refuse them. ``echo`` with
+  ``logprobs`` reports the prompt tokens' log-probabilities too (the first one's is null).
 * Sampling fields beyond OpenAI's, as vLLM takes them: ``top_k``, ``repetition_penalty``,
   ``min_tokens``, ``stop_token_ids``, ``ignore_eos``. Structured output: ``response_format``
   ``{"type": "json_object"}`` or ``{"type": "json_schema", "json_schema": {"name", "schema",
@@ -196,8 +196,6 @@ class CompletionRequest(_SamplingRequest):
             raise ValueError(f"best_of ({self.best_of}) must be at least n ({n})")
         if self.best_of is not None and self.best_of > n and self.stream:
             raise ValueError("best_of > n cannot stream: the best samples are known only when all have finished")
-        if self.echo and self.logprobs is not None:
-            raise ValueError("echo with logprobs is not supported: prompt log-probabilities are not computed")
         return self
 
     @field_validator("prompt")

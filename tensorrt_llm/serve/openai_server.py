@@ -165,12 +165,15 @@ class OpenAIServer:
 
         def choice_of(index: int, token_ids: list[int], text: str, finish_reason: str | None,
                       logprobs: list | None) -> CompletionChoice:
-            if index not in offsets:
+            prompt = None
+            if index not in offsets:  # the choice's first chunk: the echo leads it
                 text = echo + text
-                offsets[index] = len(echo)
+                offsets[index] = 0
+                if body.echo and body.logprobs is not None:
+                    prompt = (prompt_ids, generation.handle.output.prompt_logprobs or [None] * len(prompt_ids))
             formatted = None
             if body.logprobs is not None:
-                formatted, offsets[index] = self.logprobs.completion(logprobs or [], offsets[index])
+                formatted, offsets[index] = self.logprobs.completion(logprobs or [], offsets[index], prompt)
             else:
                 offsets[index] += len(text)
             return CompletionChoice(index=index, text=text, token_ids=token_ids, finish_reason=finish_reason,
@@ -274,6 +277,7 @@ class OpenAIServer:
                 repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
                 min_tokens=body.min_tokens or 0,
                 logprobs=_logprobs_asked(body),
+                prompt_logprobs=body.logprobs if getattr(body, "echo", False) else None,
                 guided_decoding=_guided_decoding(body.response_format),
             )
         except ValueError as error:

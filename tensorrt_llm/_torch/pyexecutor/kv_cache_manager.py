@@ -220,10 +220,15 @@ class KVCacheManager:
             return allocated, []
         return allocated, [r for r in requests if r.request_id not in sequences]
 
+    def _reuses(self, request: LlmRequest) -> bool:
+        """Whether ``request`` may claim cached blocks: not one that asks for its prompt's
+        log-probabilities, whose every prompt position must be computed to have logits."""
+        return self.enable_block_reuse and request.sampling_config.prompt_logprobs is None
+
     def reuse_can_shift(self, request: LlmRequest) -> bool:
         """True while allocation may still move this request's chunk window (unclaimed first chunk, reuse on)."""
         rid = request.request_id
-        return self.enable_block_reuse and rid not in self._sequences and rid not in self._claims
+        return self._reuses(request) and rid not in self._sequences and rid not in self._claims
 
     def num_held_blocks(self, request: LlmRequest) -> int:
         seq = self._sequences.get(request.request_id)
@@ -276,14 +281,14 @@ class KVCacheManager:
 
     def estimate_reusable_tokens(self, request: LlmRequest) -> int:
         """Upstream's admission estimate (0 once the request holds blocks)."""
-        if not self.enable_block_reuse or request.request_id in self._sequences:
+        if not self._reuses(request) or request.request_id in self._sequences:
             return 0
         return len(self.pool.match(self._prompt_keys(request))) * self.tokens_per_block
 
     def estimate_admission(self, request: LlmRequest) -> tuple[int, int]:
         """:meth:`estimate_reusable_tokens` and :meth:`num_shared_blocks` from one walk of the
         prefix tree: the capacity scheduler needs both for every waiting request, every iteration."""
-        if not self.enable_block_reuse or request.request_id in self._sequences:
+        if not self._reuses(request) or request.request_id in self._sequences:
             self._matches.pop(request.request_id, None)
             return 0, 0
         chain = self._match_prompt(request)
@@ -322,7 +327,7 @@ class KVCacheManager:
 
     def num_shared_blocks(self, request: LlmRequest) -> int:
         """Prompt blocks a first-chunk claim would share with started requests (held: no pool slot)."""
-        if not self.enable_block_reuse or request.request_id in self._sequences:
+        if not self._reuses(request) or request.request_id in self._sequences:
             return 0
         keys = self._prompt_keys(request)[: (request.prompt_len - 1) // self.tokens_per_block]
         return sum(1 for block in self.pool.match(keys) if block.ref_count > 0)
@@ -475,7 +480,7 @@ class KVCacheManager:
         tpb = self.tokens_per_block
         claim_limit = request.prompt_len - 1
         claim = PrefixClaim(rid)
-        if self.enable_block_reuse:
+        if self._reuses(request):
             # the admission walk's match, resumed (a prefix of the keys matches a prefix of the chain)
             claim.chain = self._match_prompt(request)[: claim_limit // tpb]
             if self.enable_partial_reuse and request.beam_width == 1:

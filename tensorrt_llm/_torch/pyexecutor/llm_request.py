@@ -27,7 +27,8 @@ the forward-retry counters                          ``retry_after_failed_forward
                                                    :meth:`record_forward`)
 ``arrival_time``                                   the submitter, or ``PyExecutor`` when it is 0
 ``py_draft_tokens``                                the submitter (a drafter, where there is one)
-``py_logprobs``                                    the sampler (one entry per token it samples)
+``py_logprobs``, ``py_prompt_logprobs``            the sampler (one entry per token it samples,
+                                                   per prompt position it is given logits for)
 =================================================  ==========================================
 
 The scheduler, the token-budget policy and the KV manager read requests and return
@@ -151,7 +152,9 @@ class SamplingConfig:
     ``min_tokens``: the end ids cannot be sampled before that many tokens were generated.
     ``logprobs``: None, or how many alternatives (0..20) to report beside each sampled token's
     log-probability; log-probabilities are the model's (a log-softmax of the raw logits, before
-    penalties, temperature and any mask), as vLLM reports them by default.
+    penalties, temperature and any mask), as vLLM reports them by default. ``prompt_logprobs``:
+    the same for each prompt token after the first (the engine then returns the logits of every
+    prompt position, and the request claims no cached prefix: every position is computed).
     """
 
     temperature: float = 0.0
@@ -163,6 +166,7 @@ class SamplingConfig:
     repetition_penalty: float = 1.0
     min_tokens: int = 0
     logprobs: int | None = None
+    prompt_logprobs: int | None = None  # the same for each prompt position after the first
 
     def __post_init__(self) -> None:
         if not _is_number(self.temperature) or not 0 <= self.temperature < math.inf:
@@ -181,8 +185,10 @@ class SamplingConfig:
             raise ValueError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}")
         if not _is_int(self.min_tokens) or self.min_tokens < 0:
             raise ValueError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
-        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_TOP_LOGPROBS):
-            raise ValueError(f"logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or not 0 <= value <= MAX_TOP_LOGPROBS):
+                raise ValueError(f"{name} must be an integer in [0, {MAX_TOP_LOGPROBS}], got {value!r}")
 
     @property
     def is_greedy(self) -> bool:
@@ -263,6 +269,8 @@ class LlmRequest:
     finish_time: float | None = None
     # One per generated token when ``sampling_config.logprobs`` is set, in order (the sampler's).
     py_logprobs: list[TokenLogprob] = field(default_factory=list)
+    # With ``sampling_config.prompt_logprobs``: one per prompt position, None for the first (the sampler's).
+    py_prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         try:

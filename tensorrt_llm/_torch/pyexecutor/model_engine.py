@@ -55,7 +55,7 @@ class TpInputs:
     """
 
     __slots__ = (
-        "requests", "num_new_tokens", "num_cached_tokens", "samples", "total_num_tokens", "in_flight",
+        "requests", "num_new_tokens", "num_cached_tokens", "samples", "total_num_tokens", "in_flight", "prompt_logits",
         "_pieces", "_beams", "_tables", "_kv", "_input_ids", "_position_ids", "_block_tables",
     )
 
@@ -66,6 +66,7 @@ class TpInputs:
         self.samples: list[bool] = []
         self.total_num_tokens = 0
         self.in_flight: list[tuple[int, int]] = []
+        self.prompt_logits: set[int] = set()  # indices of context chunks whose every position gets logits
         self._pieces: list[tuple[list[int], int, int, list[int]]] = []  # token source, start, stop, then extra
         self._beams: list[int] = []
         self._tables: list[list[int] | None] = []  # None: the request's table in the KV manager
@@ -109,7 +110,10 @@ class TpInputs:
         self._input_ids = self._position_ids = self._block_tables = None
 
     def append_chunk(self, request: LlmRequest, start: int, stop: int, extra: list[int], samples: bool) -> None:
-        """Prompt tokens ``[start, stop)`` of ``request`` followed by ``extra`` (draft tokens), not copied yet."""
+        """Prompt tokens ``[start, stop)`` of ``request`` followed by ``extra`` (draft tokens), not copied yet.
+        A request that asks for prompt log-probabilities gets the logits of every position of it."""
+        if request.sampling_config.prompt_logprobs is not None:
+            self.prompt_logits.add(len(self.requests))
         self._add(request, (request.tokens, start, stop, extra), stop - start + len(extra), start, None, samples, 1)
 
     def _add(self, request, piece, count, start, block_table, samples, beams) -> None:
@@ -138,6 +142,29 @@ class TpInputs:
         launch must not read request or KV state that has moved on since."""
         self.input_ids, self.position_ids  # noqa: B018 (built and kept)
         self._block_tables = [list(table) for table in self.block_tables]
+
+    def logit_rows(self) -> tuple[list[int], list[int], list[tuple[int, int, int, int]]]:
+        """Which flat positions get logits: ``(rows, sampling, prompt_spans)``. ``rows`` holds first
+        the last position of each request that samples (``sampling``: their ids, in order), then
+        the prompt positions of each context chunk whose request asks for prompt log-probabilities
+        (``prompt_spans``: ``(request id, first prompt position, first row in rows, count)``)."""
+        rows, sampling, spans = [], [], []
+        offset = 0
+        for index, (request, n, samples) in enumerate(zip(self.requests, self.num_new_tokens, self.samples)):
+            offset += n
+            if samples:
+                rows.append(offset - 1)  # the last position of the request predicts its next token
+                sampling.append(request.request_id)
+            if index in self.prompt_logits:
+                _, start, stop, _ = self._pieces[index]
+                spans.append((request.request_id, start, offset - n, stop - start))
+        for rid, start, first, count in spans:
+            rows += range(first, first + count)
+        first_row = len(sampling)
+        for i, (rid, start, first, count) in enumerate(spans):
+            spans[i] = (rid, start, first_row, count)
+            first_row += count
+        return rows, sampling, spans
 
     def last_input_id(self, index: int) -> int:
         """The last input token of request ``index`` (the one whose logits it samples from)."""
@@ -186,6 +213,9 @@ class ForwardOutput:
     num_tokens: int = 0  # positions in the forward
     greedy_tokens: dict[int, int] | None = None
     nonfinite: set[int] | None = None
+    # Requests that ask for prompt log-probabilities, in a context chunk: (the chunk's first prompt
+    # position, (chunk length, vocab) logits: row i predicts prompt position start + i + 1).
+    prompt_logits: dict[int, tuple[int, torch.Tensor]] | None = None
 
 
 class ModelEngine(abc.ABC):
@@ -389,16 +419,11 @@ class TorchModelEngine(ModelEngine):
             storage.k_cache,
             storage.v_cache,
         )  # (T, hidden)
-        rows, sampling = [], []
-        offset = 0
-        for request, n, samples in zip(inputs.requests, inputs.num_new_tokens, inputs.samples):
-            offset += n
-            if samples:
-                rows.append(offset - 1)  # the last position of the request predicts its next token
-                sampling.append(request.request_id)
+        rows, sampling, spans = inputs.logit_rows()
         logits = self.model.compute_logits(hidden[rows]) if rows else hidden.new_empty((0, self.vocab_size))
-        greedy = logits.argmax(dim=-1).tolist() if rows else []
-        return ForwardOutput(logits=dict(zip(sampling, logits)), greedy_tokens=dict(zip(sampling, greedy)))
+        greedy = logits[: len(sampling)].argmax(dim=-1).tolist() if sampling else []
+        return ForwardOutput(logits=dict(zip(sampling, logits)), greedy_tokens=dict(zip(sampling, greedy)),
+                             prompt_logits=_prompt_logits(logits, spans))
 
     @torch.inference_mode()
     def launch(self, inputs: TpInputs) -> "PendingForward":
@@ -424,16 +449,10 @@ class TorchModelEngine(ModelEngine):
             raise ValueError(f"input_ids must lie in [0, {config.vocab_size})")
         if positions.size and (positions.min() < 0 or positions.max() >= config.max_position_embeddings):
             raise ValueError(f"position_ids must lie in [0, {config.max_position_embeddings})")
-        rows, sampling = [], []
-        offset = 0
-        for request, n, samples in zip(inputs.requests, inputs.num_new_tokens, inputs.samples):
-            offset += n
-            if samples:
-                rows.append(offset - 1)
-                sampling.append(request.request_id)
+        rows, sampling, spans = inputs.logit_rows()  # prompt rows after the sampling rows: picks ignore them
 
         size = None
-        if self.graph_runner is not None and all(inputs.samples):
+        if self.graph_runner is not None and all(inputs.samples) and not spans:
             size = self.graph_runner.graph_size(inputs.num_new_tokens, inputs.num_cached_tokens)
         storage = self.kv_cache_manager.storage
         start = None
@@ -453,7 +472,9 @@ class TorchModelEngine(ModelEngine):
                     start = _record_event()
                 logits, tokens = self._forward_eager(plan, ids, positions, rows, fill)
         self._device_picks = (dict(zip(sampling, range(len(sampling)))), tokens)
-        return PendingForward.launch(sampling, logits, tokens, start)
+        pending = PendingForward.launch(sampling, logits, tokens, start)
+        pending.prompt_logits = _prompt_logits(logits, spans)
+        return pending
 
     def _in_flight_fill(self, inputs: TpInputs, slots: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """(flat slots, their tokens) on the device: each in-flight input's pick from the previous launch."""
@@ -507,7 +528,7 @@ class PendingForward:
     """
 
     __slots__ = ("_output", "_event", "_start", "_tokens_host", "_request_ids", "_logits", "_compute", "_previous",
-                 "_error", "num_tokens")
+                 "_error", "num_tokens", "prompt_logits")
 
     def __init__(self) -> None:
         self._output: ForwardOutput | None = None
@@ -520,6 +541,7 @@ class PendingForward:
         self._tokens_host = None
         self._request_ids: list[int] = []
         self._logits = None
+        self.prompt_logits: dict[int, tuple[int, torch.Tensor]] | None = None  # device rows (see ForwardOutput)
 
     @classmethod
     def ready(cls, output: ForwardOutput) -> "PendingForward":
@@ -594,8 +616,16 @@ class PendingForward:
                 logits=dict(zip(self._request_ids, self._logits)),
                 greedy_tokens=dict(zip(self._request_ids, tokens)),
                 nonfinite={rid for rid, token in zip(self._request_ids, tokens) if token < 0},
+                prompt_logits=self.prompt_logits,
             )
         return self._output
+
+
+def _prompt_logits(logits: torch.Tensor, spans) -> dict[int, tuple[int, torch.Tensor]] | None:
+    """Each prompt span's rows of ``logits`` (see :meth:`TpInputs.logit_rows`), keyed by request id."""
+    if not spans:
+        return None
+    return {rid: (start, logits[first : first + count]) for rid, start, first, count in spans}
 
 
 def _record_event() -> torch.cuda.Event:

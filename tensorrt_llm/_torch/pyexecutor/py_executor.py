@@ -553,6 +553,8 @@ class PyExecutor:
                 if r.state is not _COMPLETE and r.state is not _ERROR and (not dropping or r.request_id not in dropping)]
         requests = [r for r, _ in live]
         callbacks = self._callbacks
+        if output.prompt_logits:  # before sampling: a request's first response carries its prompt's
+            self.sampler.record_prompt_logprobs([c.request for c in flight.batch.context_chunks], output)
         for (request, slot), tokens in zip(live, self.sampler.sample_batch(requests, output)):
             if isinstance(tokens, SamplingError):  # this request's logits or settings are broken, not the batch's
                 logger.error("%s", tokens)

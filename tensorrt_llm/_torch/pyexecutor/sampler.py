@@ -9,7 +9,12 @@ import torch
 from tensorrt_llm._torch.pyexecutor.errors import NonFiniteLogitsError, SamplingError
 from tensorrt_llm._torch.pyexecutor.guided_decoder import GrammarMatcher
 from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequest, SamplingConfig
-from tensorrt_llm._torch.pyexecutor.logits_processors import apply_penalties, forbid_end_before_min_tokens, token_logprob
+from tensorrt_llm._torch.pyexecutor.logits_processors import (
+    apply_penalties,
+    forbid_end_before_min_tokens,
+    record_prompt_logprobs,
+    token_logprob,
+)
 from tensorrt_llm._torch.pyexecutor.model_engine import ForwardOutput
 
 
@@ -42,6 +47,15 @@ class Sampler(abc.ABC):
 
     def release(self, request: LlmRequest) -> None:
         """Forget per-request state (random generators) of a finished request."""
+
+    def record_prompt_logprobs(self, requests: list[LlmRequest], output: ForwardOutput) -> None:
+        """The prompt log-probabilities of the context chunks in ``output.prompt_logits`` (requests
+        that asked for them), onto ``requests`` (the forward's context requests, any order)."""
+        by_id = {request.request_id: request for request in requests}
+        for request_id, (start, rows) in output.prompt_logits.items():
+            request = by_id.get(request_id)
+            if request is not None and not request.is_finished:
+                record_prompt_logprobs(request, start, rows)
 
 
 class TorchSampler(Sampler):

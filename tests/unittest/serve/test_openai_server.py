@@ -122,7 +122,6 @@ BIG = 16 * 1024 * 1024
         ({"prompt": PROMPT, "n": 17}, 400, "less than or equal to 16", "n"),
         ({"prompt": PROMPT, "n": 2, "best_of": 1}, 400, "best_of (1) must be at least n (2)", None),
         ({"prompt": PROMPT, "best_of": 2, "stream": True}, 400, "best_of > n cannot stream", None),
-        ({"prompt": PROMPT, "echo": True, "logprobs": 1}, 400, "echo with logprobs is not supported", None),
         ({"prompt": PROMPT, "temperature": -0.5}, 400, "temperature", "temperature"),
         ({"prompt": [1, 2, 512]}, 400, "token id 512 is outside the vocabulary [0, 512)", None),
         ({"prompt": [1, -4]}, 400, "token id -4 is outside the vocabulary", None),

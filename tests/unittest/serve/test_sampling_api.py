@@ -208,6 +208,43 @@ def test_echo_puts_the_prompt_before_the_text(smollm2_server, tiny_server):
     assert tiny.choices[0].text == "" and len(tiny.choices[0].token_ids) == 2
 
 
+def test_echo_with_logprobs_scores_the_prompt_against_the_float64_reference(smollm2_server, smollm2_float64):
+    client = smollm2_server.client()
+    prompt = "The capital of France is"
+    ids = smollm2_server.llm.tokenizer.encode(prompt)
+    kwargs = dict(model=smollm2_server.model, prompt=prompt, max_tokens=3, temperature=0, echo=True, logprobs=2)
+    (choice,) = client.completions.create(**kwargs).choices
+    logprobs = choice.logprobs
+    assert len(logprobs.tokens) == len(ids) + 3 and "".join(logprobs.tokens) == choice.text
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None  # nothing predicts the first
+    reference = reference_logprobs(smollm2_float64, ids[:1], ids[1:] + choice.token_ids)
+    scored = logprobs.token_logprobs[1:]
+    worst = max(abs(value - float(row[token])) for value, row, token in zip(scored, reference, ids[1:] + choice.token_ids))
+    print(f"\nprompt and output logprobs vs the float64 reference: max abs difference {worst:.2e}")
+    assert worst < LOGPROB_TOLERANCE
+    chunks = list(client.completions.create(**kwargs, stream=True))
+    assert [t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.token_logprobs] == \
+        logprobs.token_logprobs
+
+
+def test_prompt_logprobs_are_computed_even_where_the_prefix_is_cached(tiny_server):
+    """A request asking for its prompt's log-probabilities claims no cached block (its every
+    prompt position must be computed), so a prompt scored twice is scored whole twice."""
+    client = tiny_server.client()
+    kwargs = dict(model=tiny_server.model, prompt=PROMPT, max_tokens=2, echo=True, logprobs=1, temperature=0)
+    client.completions.create(model=tiny_server.model, prompt=PROMPT, max_tokens=1)  # caches the prompt's blocks
+    hits = _hit_tokens(tiny_server)
+    first = client.completions.create(**kwargs).choices[0].logprobs
+    second = client.completions.create(**kwargs).choices[0].logprobs
+    assert _hit_tokens(tiny_server) == hits
+    assert first.token_logprobs[0] is None and None not in first.token_logprobs[1:]
+    assert second.token_logprobs == first.token_logprobs and len(first.tokens) == len(PROMPT) + 2
+    model = tiny_server.executor.model_engine.model
+    expected = reference_logprobs(model, PROMPT[:1], PROMPT[1:])
+    assert first.token_logprobs[1 : len(PROMPT)] == pytest.approx(
+        [float(row[t]) for row, t in zip(expected, PROMPT[1:])], abs=1e-9)
+
+
 # ---- structured output ---------------------------------------------------------------------
 
 
