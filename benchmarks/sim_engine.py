@@ -24,10 +24,11 @@ from tensorrt_llm._torch.models.modeling_llama import MODEL_PRESETS, LlamaForCau
 from tensorrt_llm._torch.pyexecutor.config import ExecutorConfig
 from tensorrt_llm._torch.pyexecutor.kv_cache_manager import KVCacheManager
 from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequestState
-from tensorrt_llm._torch.pyexecutor.model_engine import TpInputs
+from tensorrt_llm._torch.pyexecutor.engine_inputs import TpInputs
 from tensorrt_llm._torch.pyexecutor.py_executor import PyExecutor
 from tensorrt_llm._torch.pyexecutor.py_executor_creator import create_py_executor
-from tensorrt_llm._torch.pyexecutor.simulated_engine import SimulatedModelEngine, SyntheticSampler, VirtualClock
+from tensorrt_llm._torch.pyexecutor.simulated_engine import SimulatedModelEngine, VirtualClock
+from tensorrt_llm._torch.pyexecutor.synthetic_sampler import SyntheticSampler
 
 ENGINES = ("sim", "torch")
 _CONTEXT_INIT = LlmRequestState.CONTEXT_INIT

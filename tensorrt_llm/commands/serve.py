@@ -108,6 +108,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not config.api_key and not _is_loopback(config.host):
         logger.warning("listening on %s without an API key: anyone who can reach it can use it", config.host)
 
+    from tensorrt_llm._torch.distributed.torchrun import TorchrunEnv  # torch loads once the arguments are good
+
+    launch = TorchrunEnv.from_environ()
+    if launch is not None and launch.world_size > 1:  # started by torchrun: one process per rank
+        kwargs.setdefault("tensor_parallel_size", launch.world_size)
+        if launch.rank != 0:
+            return _follow(args, kwargs, launch, parser)
+
     prometheus_client.disable_created_metrics()  # no *_created series: this process serves one app
     from tensorrt_llm.llmapi import LLM  # torch and the model load only once the arguments are good
     from tensorrt_llm.serve.http_server import uvicorn_config
@@ -135,6 +143,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         # stop comes back out of run() once the graceful shutdown has finished: a requested stop,
         # not a crash, so the command exits 0 as it does under the plain asyncio loop.
         logger.info("stopped by SIGINT")
+    return 0
+
+
+def _follow(args: argparse.Namespace, kwargs: dict, launch, parser: argparse.ArgumentParser) -> int:
+    """A torchrun rank other than 0: no HTTP; it builds its shard from the same arguments and
+    steps with the group until rank 0 stops it (exit 0) or the group fails (exit 1, with why)."""
+    from tensorrt_llm._torch.distributed.errors import DistributedError
+    from tensorrt_llm.llmapi.llm import follow_rank0
+
+    logger.info("rank %d of %d follows rank 0 (rendezvous %s:%d)", launch.rank, launch.world_size,
+                launch.master_addr, launch.master_port)
+    try:
+        iterations = follow_rank0(args.model, **kwargs)
+    except (TypeError, ValueError, FileNotFoundError) as error:
+        parser.error(f"cannot load model {args.model!r}: {error}")
+    except DistributedError as error:
+        logger.error("rank %d: the group failed: %s", launch.rank, error)
+        return 1
+    logger.info("rank %d stopped after %d group iterations", launch.rank, iterations)
     return 0
 
 

@@ -1,6 +1,6 @@
-"""``LLM``: a torch model served by a background :class:`PyExecutor`, driven with text or token ids;
-``SamplingParams``, what each request asks for. What a submitted request gives back lives in
-``request_output``."""
+"""``LLM``: a torch model served by a background executor (an ``ExecutorClient``: one rank or
+several), driven with text or token ids; ``SamplingParams``, what each request asks for. What a
+submitted request gives back lives in ``request_output``."""
 
 from __future__ import annotations
 
@@ -13,13 +13,15 @@ from typing import Sequence
 
 import torch
 
-from tensorrt_llm._torch.distributed.proxy import MultiRankExecutor
+from tensorrt_llm._torch.distributed.multi_rank_executor import MultiRankExecutor
+from tensorrt_llm._torch.distributed.torchrun import TorchrunEnv, TorchrunGroup, follow
+from tensorrt_llm._torch.distributed.worker import serve_config, serve_rank
 from tensorrt_llm._torch.models.modeling_llama import LlamaConfig
 from tensorrt_llm._torch.pyexecutor.config import ExecutorConfig, KvCacheConfig
 from tensorrt_llm._torch.pyexecutor.errors import RequestError
+from tensorrt_llm._torch.pyexecutor.executor_client import ExecutorClient, Health
 from tensorrt_llm._torch.pyexecutor.guided_decoder import GrammarCompiler, GuidedDecodingParams
 from tensorrt_llm._torch.pyexecutor.llm_request import SEED_LIMIT, LlmRequest, SamplingConfig
-from tensorrt_llm._torch.pyexecutor.py_executor import PyExecutor
 from tensorrt_llm._torch.pyexecutor.py_executor_creator import create_py_executor
 from tensorrt_llm.llmapi.llm_utils import describe_checkpoint, load_model, seeded_model
 from tensorrt_llm.llmapi.request_output import (  # noqa: F401 - CompletionOutput: re-exported (tensorrt_llm.llmapi)
@@ -128,7 +130,11 @@ class LLM:
     ``if __name__ == "__main__":`` guard. Each rank draws a random-weight model from its seed,
     or reads a checkpoint's file, and keeps its shard; a model whose heads do not split over
     N ranks is refused before any rank starts (SmolLM2-135M: 9 query and 3 KV heads, so 3 ranks
-    and not 2). On the CPU only.
+    and not 2). On the CPU only. In a process ``torchrun`` started (``env://``: ``RANK``,
+    ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``), nothing is spawned: this process is rank 0
+    of the launch, and the other ranks, on this host or others, run :func:`follow_rank0` with the
+    same arguments (``trtllm-serve`` does both). ``check_decisions``: the ranks compare a digest of
+    their decisions before every forward.
 
     ``device="auto"`` (the default) serves on the GPU when torch sees one and on the CPU otherwise.
     ``max_seq_len`` defaults to the model's ``max_position_embeddings``, lowered to what the KV
@@ -145,6 +151,7 @@ class LLM:
         device: str = "auto",
         tensor_parallel_size: int = 1,
         enable_attention_dp: bool = False,
+        check_decisions: bool = False,
         **executor_options,
     ) -> None:
         unknown = set(executor_options) - _EXECUTOR_FIELDS
@@ -157,24 +164,22 @@ class LLM:
         if dtype is None and device.type == "cuda":
             dtype = "bfloat16"  # DESIGN.md §7
         self.device = device
-        self._executor: PyExecutor | MultiRankExecutor
+        self.tensor_parallel_size = tensor_parallel_size
+        self._executor: ExecutorClient
+        self._pool_blocks: int | None = None  # one rank: its pool, sized here (several ranks size their own)
         if tensor_parallel_size > 1:
             if device.type != "cpu":
                 raise ValueError(f"tensor_parallel_size={tensor_parallel_size} runs on the CPU only (gloo ranks),"
                                  f" not on {device.type}")
-            seeded = seeded_model(model, dtype=dtype, seed=seed)
-            checkpoint = None
-            if seeded is not None:  # each rank draws the weights from the seed and keeps its shard
-                self.model_id, self.model_config = seeded
-                self.tokenizer = None
-            else:  # each rank reads the file and keeps its shard; here only its metadata is read
-                checkpoint = describe_checkpoint(model, dtype=dtype, seed=seed)
-                self.model_id, self.model_config, self.tokenizer = checkpoint.model_id, checkpoint.config, checkpoint.tokenizer
+            rank_model = _rank_model(model, dtype=dtype, seed=seed)
+            self.model_id, self.model_config, self.tokenizer = rank_model.model_id, rank_model.config, rank_model.tokenizer
             self.config = _cap_max_seq_len(config, executor_options, self.model_config)
             try:
                 self._executor = MultiRankExecutor(
                     self.model_config, self.config, tensor_parallel_size=tensor_parallel_size,
-                    enable_attention_dp=enable_attention_dp, checkpoint=None if checkpoint is None else checkpoint.path,
+                    enable_attention_dp=enable_attention_dp, check_decisions=check_decisions,
+                    checkpoint=rank_model.checkpoint,
+                    group=_torchrun_group(self.config, enable_attention_dp),
                 )
             except ValueError as error:  # an unshardable model: say which, before any rank starts
                 raise ValueError(f"model {self.model_id!r} cannot run on {tensor_parallel_size} ranks: {error}") from None
@@ -188,13 +193,14 @@ class LLM:
             ceiling = _cap_max_seq_len(config, executor_options, self.model_config)
             if not given:  # the model's positions, then lowered to what the pool holds (below)
                 ceiling = dataclasses.replace(ceiling, max_seq_len=self.model_config.max_position_embeddings)
-            self._executor = create_py_executor(ceiling, model=loaded.model, fit_max_seq_len_to_pool=not given)
-            self.config = self._executor.config
-            pool_tokens = self._executor.kv_cache_manager.num_blocks * self.config.kv_cache_config.tokens_per_block
+            executor = create_py_executor(ceiling, model=loaded.model, fit_max_seq_len_to_pool=not given)
+            self._executor, self.config = executor, executor.config
+            self._pool_blocks = executor.kv_cache_manager.num_blocks
+            pool_tokens = self._pool_blocks * self.config.kv_cache_config.tokens_per_block
             self.max_seq_len_source = _max_seq_len_source(self.config, executor_options, self.model_config, pool_tokens)
+        logger.info("%s", self.describe())
         self._grammar_compiler: GrammarCompiler | None = None  # built on the first guided request
         self._grammar_lock = threading.Lock()
-        logger.info("%s", self.describe())
         self._executor.start()
 
     def describe(self) -> str:
@@ -202,9 +208,8 @@ class LLM:
         (with the limit that set it)."""
         kv = self.config.kv_cache_config
         line = f"model {self.model_id} on {self.device} ({self.model_config.dtype})"
-        pool = getattr(self._executor, "kv_cache_manager", None)
-        if pool is not None:  # one rank in this process; several ranks each size their own pool
-            blocks = pool.num_blocks
+        blocks = self._pool_blocks
+        if blocks is not None:
             gib = blocks * kv.tokens_per_block * self.model_config.kv_bytes_per_token / 2**30
             line += f", KV pool {blocks} blocks x {kv.tokens_per_block} tokens = {blocks * kv.tokens_per_block} tokens ({gib:.2f} GiB)"
         return line + f", max_seq_len {self.config.max_seq_len} ({self.max_seq_len_source})"
@@ -214,7 +219,7 @@ class LLM:
         requests = self._make_requests(prompt, params)
         for request in requests:
             self._executor.validate(request)
-        return self._submit(requests, prompt, params)
+        return self._submit([requests], [prompt], params)[0]
 
     def generate(
         self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | None = None
@@ -228,7 +233,7 @@ class LLM:
         for samples in requests:
             for request in samples:
                 self._executor.validate(request)
-        handles = [self._submit(samples, prompt, params) for samples, prompt in zip(requests, batch)]
+        handles = self._submit(requests, batch, params)
         outputs, first_error = [], None
         for handle in handles:
             try:
@@ -239,17 +244,18 @@ class LLM:
             raise first_error
         return outputs[0] if single else outputs
 
-    def health(self) -> dict:
+    def health(self) -> Health:
         return self._executor.health()
 
     @property
-    def executor(self) -> PyExecutor:
-        """The executor serving this LLM (health, statistics, iteration listeners)."""
+    def executor(self) -> ExecutorClient:
+        """The executor serving this LLM, one rank or several alike (health, load, statistics,
+        iteration listeners)."""
         return self._executor
 
     @property
     def iteration_stats(self):
-        return list(self._executor.iteration_stats)
+        return self._executor.iteration_stats
 
     def shutdown(self) -> None:
         self._executor.shutdown()
@@ -260,11 +266,15 @@ class LLM:
     def __exit__(self, *exc) -> None:
         self.shutdown()
 
-    def _submit(self, requests: list[LlmRequest], prompt: Prompt, params: SamplingParams) -> RequestOutputHandle:
-        handle = RequestOutputHandle(self._executor, self.tokenizer, requests, prompt if isinstance(prompt, str) else None,
-                                     keep=params.n, report_logprobs=params.logprobs is not None)
-        handle._submit()
-        return handle
+    def _submit(self, requests: list[list[LlmRequest]], prompts: list[Prompt],
+                params: SamplingParams) -> list[RequestOutputHandle]:
+        """One submission: the executor fetches the first sample of every prompt in the same
+        iteration (each handle submits its other samples once its first has computed the prompt)."""
+        handles = [RequestOutputHandle(self._executor, self.tokenizer, samples, p if isinstance(p, str) else None,
+                                       keep=params.n, report_logprobs=params.logprobs is not None)
+                   for samples, p in zip(requests, prompts)]
+        self._executor.enqueue_requests([handle.first_submission() for handle in handles])
+        return handles
 
     def _make_requests(self, prompt: Prompt, params: SamplingParams) -> list[LlmRequest]:
         """One request per sample (``SamplingParams.num_samples``), all of the same prompt."""
@@ -280,7 +290,7 @@ class LLM:
             raise ValueError(f"a prompt must be a sequence of token ids, got {prompt!r:.80}") from None
         if any(t is None or t != raw for t, raw in zip(token_ids, prompt)):
             raise ValueError(f"a prompt must hold integer token ids, got {prompt!r:.80}")
-        if isinstance(self._executor, MultiRankExecutor) and (
+        if self.tensor_parallel_size > 1 and (
                 params.guided_decoding or params.logprobs is not None or params.prompt_logprobs is not None
                 or params.ranks_samples):
             # The ranks sample; what comes back is tokens, neither matchers nor log-probabilities.
@@ -362,3 +372,67 @@ def resolve_device(device: str | torch.device, *, ranks: int = 1) -> torch.devic
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("device='cuda' needs a CUDA GPU, and torch sees none")
     return device
+
+
+@dataclass(frozen=True, slots=True)
+class _RankModel:
+    """What every rank builds its shard from: a seed-drawn preset, or a checkpoint file each
+    rank reads (only its metadata is read by the process that serves)."""
+
+    model_id: str
+    config: LlamaConfig
+    tokenizer: Tokenizer | None
+    checkpoint: str | None
+
+
+def _rank_model(model, *, dtype: str | None, seed: int | None) -> _RankModel:
+    seeded = seeded_model(model, dtype=dtype, seed=seed)
+    if seeded is not None:
+        return _RankModel(seeded[0], seeded[1], None, None)
+    checkpoint = describe_checkpoint(model, dtype=dtype, seed=seed)
+    return _RankModel(checkpoint.model_id, checkpoint.config, checkpoint.tokenizer, os.fspath(checkpoint.path))
+
+
+def _torchrun_group(config: ExecutorConfig, enable_attention_dp: bool) -> TorchrunGroup | None:
+    """Rank 0's group when this process was started by ``torchrun`` (``env://``), else None
+    (the ranks are spawned here)."""
+    launch = TorchrunEnv.from_environ()
+    if launch is None or launch.world_size == 1:
+        return None
+    if enable_attention_dp:
+        raise ValueError("enable_attention_dp is not supported under torchrun yet: each rank's responses and"
+                         " statistics would have to reach rank 0; use tensor parallelism, or spawned ranks")
+    # a follower is dead once its heartbeat has been silent as long as a stalled loop may be
+    return TorchrunGroup(launch, dead_after_s=config.health_check_timeout_s)
+
+
+def follow_rank0(
+    model: str | os.PathLike[str] = "tiny-random",
+    *,
+    dtype: str | None = None,
+    seed: int | None = None,
+    device: str = "auto",
+    tensor_parallel_size: int | None = None,
+    enable_attention_dp: bool = False,
+    check_decisions: bool = False,
+    **executor_options,
+) -> int:
+    """A ``torchrun`` rank other than 0: build this rank's shard and executor from the same
+    arguments rank 0's :class:`LLM` got, and step with the group until rank 0 stops it
+    (:func:`~tensorrt_llm._torch.distributed.torchrun.follow`). Returns the group iterations run."""
+    launch = TorchrunEnv.from_environ()
+    if launch is None or launch.rank == 0:
+        raise ValueError("follow_rank0 runs on a torchrun rank other than 0 (RANK > 0 in the environment)")
+    if tensor_parallel_size not in (None, launch.world_size):
+        raise ValueError(f"tensor_parallel_size={tensor_parallel_size}, but torchrun started {launch.world_size} ranks")
+    if enable_attention_dp:
+        raise ValueError("enable_attention_dp is not supported under torchrun yet")
+    if resolve_device(device, ranks=launch.world_size).type != "cpu":
+        raise ValueError("ranks run on the CPU only (gloo)")
+    unknown = set(executor_options) - _EXECUTOR_FIELDS
+    if unknown:
+        raise TypeError(f"unknown options {sorted(unknown)}; accepted: {sorted(_EXECUTOR_FIELDS)}")
+    rank_model = _rank_model(model, dtype=dtype, seed=seed)
+    config = _cap_max_seq_len(ExecutorConfig(**executor_options), executor_options, rank_model.config)
+    job = serve_config(rank_model.config, config, check_decisions=check_decisions, checkpoint=rank_model.checkpoint)
+    return follow(launch, lambda ctx: serve_rank(ctx, job))

@@ -30,6 +30,9 @@ class LlmArgs:
     device: str = field(default="auto", metadata={"metavar": "{" + ",".join(DEVICES) + "}"})
     tensor_parallel_size: int = 1  # tensor parallelism over N rank processes (CPU, gloo on loopback)
     enable_attention_dp: bool = False  # with several ranks: each serves its own requests on a full replica
+    # with several ranks: before each forward the ranks compare a digest of their decisions (the
+    # batch, chunks, re-check); a divergence fails the group naming what differs (one exchange a step)
+    check_decisions: bool = False
     executor: ExecutorConfig = nested(ExecutorConfig, inline=True)
 
     def __post_init__(self) -> None:

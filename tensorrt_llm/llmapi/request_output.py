@@ -10,11 +10,11 @@ import logging
 import queue
 import threading
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Iterator, NamedTuple
+from typing import AsyncIterator, Callable, Iterator, NamedTuple
 
 from tensorrt_llm._torch.pyexecutor.errors import ExecutorShutdown, RequestError
 from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequest, TokenLogprob
-from tensorrt_llm._torch.pyexecutor.py_executor import Response
+from tensorrt_llm._torch.pyexecutor.executor_client import Response
 from tensorrt_llm.llmapi.tokenizer import IncrementalDetokenizer, Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -111,11 +111,12 @@ class RequestOutputHandle:
     def request_id(self) -> int:
         return self._requests[0].request_id
 
-    def _submit(self) -> None:
-        """Hand sample 0 to the executor (raises as ``enqueue_request`` does)."""
+    def first_submission(self) -> tuple[LlmRequest, Callable[[LlmRequest, Response], None]]:
+        """Sample 0 and its callback, for the caller to enqueue now (``LLM`` enqueues every
+        prompt's first sample in one submission); the other samples follow its first response."""
         with self._fan_out_lock:
-            self._executor.enqueue_request(self._requests[0], functools.partial(self._on_response, 0))
             self._submitted = 1
+        return self._requests[0], functools.partial(self._on_response, 0)
 
     def _fan_out(self) -> None:
         """Submit samples 1.. (executor thread, on sample 0's first response). A sample the

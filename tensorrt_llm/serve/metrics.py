@@ -28,16 +28,14 @@ submitted that no rank holds yet count as waiting.
 from __future__ import annotations
 
 import time
-from typing import NamedTuple
 
 import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from tensorrt_llm._torch.distributed.proxy import MultiRankExecutor
-from tensorrt_llm._torch.pyexecutor.fault_injection import FAULT_KINDS, FaultInjectingEngine
-from tensorrt_llm._torch.pyexecutor.py_executor import PyExecutor
+from tensorrt_llm._torch.pyexecutor.executor_client import ExecutorClient, Load
+from tensorrt_llm._torch.pyexecutor.fault_injection import FAULT_KINDS
 from tensorrt_llm._torch.pyexecutor.stats import IterationStats
 
 FINISH_REASONS = ("stop", "length", "error", "cancelled")
@@ -58,16 +56,10 @@ def _token_buckets(max_num_tokens: int) -> tuple[float, ...]:
     return tuple(sorted(buckets))
 
 
-class Load(NamedTuple):
-    running: int  # active requests holding KV blocks
-    waiting: int  # queued, or active without KV blocks yet
-    kv_usage: float  # share of KV blocks requests reference (0..1)
-
-
 class ServerMetrics:
     """The registry and every metric; :meth:`request` starts one request's metrics."""
 
-    def __init__(self, executor: PyExecutor | MultiRankExecutor) -> None:
+    def __init__(self, executor: ExecutorClient) -> None:
         self.registry = registry = CollectorRegistry()
         self._executor = executor
 
@@ -76,9 +68,9 @@ class ServerMetrics:
         Gauge("trtllm_num_requests_waiting", "Requests queued or active without KV blocks yet", registry=registry
               ).set_function(lambda: self.load().waiting)
         Gauge("trtllm_kv_cache_usage_ratio", "Fraction of KV blocks referenced by requests (0..1)", registry=registry
-              ).set_function(lambda: self.load().kv_usage)
+              ).set_function(lambda: self.load().kv.usage)
         Gauge("trtllm_executor_healthy", "1 while /health answers 200", registry=registry
-              ).set_function(lambda: float(executor.health()["healthy"]))
+              ).set_function(lambda: float(executor.health().healthy))
 
         self.prefix_hit_tokens = Counter(
             "trtllm_prefix_cache_hit_tokens_total", "Prompt tokens whose KV was reused from the prefix cache",
@@ -129,9 +121,8 @@ class ServerMetrics:
 
         ProcessCollector(registry=registry)
         registry.register(_GpuMemoryCollector())
-        engine = getattr(executor, "model_engine", None)  # in the rank processes under several ranks
-        if isinstance(engine, FaultInjectingEngine):
-            registry.register(_FaultCollector(engine))
+        if executor.faults_injected():  # on, in this process (several ranks: in theirs)
+            registry.register(_FaultCollector(executor))
         executor.add_iteration_listener(self.on_iteration)
 
     def on_iteration(self, stats: IterationStats) -> None:
@@ -157,17 +148,8 @@ class ServerMetrics:
         self.requests_rejected.labels(reason).inc()
 
     def load(self) -> Load:
-        """The executor's load now; callable from any thread. Several ranks: as the ranks last
-        reported it (``MultiRankExecutor.load``: rank 0's under TP, summed under attention DP)."""
-        executor = self._executor
-        if isinstance(executor, MultiRankExecutor):
-            load = executor.load()
-            return Load(load.running, load.waiting + executor.health()["queued_requests"], load.kv_usage)
-        active = list(executor.active_requests)  # a copy: the executor thread replaces the list
-        kv = executor.kv_cache_manager
-        running = sum(kv.is_allocated(request) for request in active)
-        usage = 1.0 - (kv.pool.num_free + kv.pool.num_cached) / kv.pool.num_blocks
-        return Load(running, len(active) - running + executor.health()["queued_requests"], usage)
+        """The executor's load now; callable from any thread (``ExecutorClient.load``)."""
+        return self._executor.load()
 
 
 class RequestMetrics:
@@ -205,14 +187,15 @@ class RequestMetrics:
 
 
 class _FaultCollector(Collector):
-    def __init__(self, engine: FaultInjectingEngine) -> None:
-        self._engine = engine
+    def __init__(self, executor: ExecutorClient) -> None:
+        self._executor = executor
 
     def collect(self):
         family = CounterMetricFamily("trtllm_faults_injected", "Faults injected into forwards (chaos testing)",
                                      labels=["kind"])
+        injected = self._executor.faults_injected()
         for kind in FAULT_KINDS:
-            family.add_metric([kind], self._engine.faults_injected[kind])
+            family.add_metric([kind], injected[kind])
         yield family
 
 

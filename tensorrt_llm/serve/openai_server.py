@@ -42,7 +42,6 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from tensorrt_llm._torch.distributed.proxy import MultiRankExecutor
 from tensorrt_llm._torch.pyexecutor.errors import ExecutorShutdown
 from tensorrt_llm.llmapi import LLM, GuidedDecodingParams, SamplingParams
 from tensorrt_llm.serve.errors import OpenAIError, bad_request, error_body
@@ -124,21 +123,19 @@ class OpenAIServer:
 
     # ------------------------------------------------------------------------------ open endpoints
     async def health(self) -> JSONResponse:
-        report = self.executor.health()
-        healthy = report.pop("healthy")
-        if healthy:
+        health = self.executor.health()
+        report = health.to_dict()
+        report.pop("healthy")
+        if health.healthy:
             report.pop("reason")
             return JSONResponse({"status": "ok", **report})
         return JSONResponse({"status": "unhealthy", **report}, status_code=503)
 
     async def iteration_metrics(self) -> JSONResponse:
-        """The most recent iteration statistics (the executor keeps a bounded ring of them).
-        Several ranks: each entry names its ``rank`` (rank 0's only under TP, every rank's under
-        attention DP, ordered by iteration then rank)."""
-        if isinstance(self.executor, MultiRankExecutor):
-            return JSONResponse([{"rank": rank, **stats.to_dict()}
-                                 for rank, stats in self.executor.iteration_stats_by_rank()])
-        return JSONResponse([stats.to_dict() for stats in list(self.executor.iteration_stats)])
+        """The most recent iteration statistics (the executor keeps a bounded ring of them), each
+        naming its ``rank``: 0 on one rank; rank 0's only under TP, every rank's under attention
+        DP, ordered by iteration then rank."""
+        return JSONResponse([{"rank": rank, **stats.to_dict()} for rank, stats in self.executor.iteration_stats_by_rank()])
 
     async def prometheus_metrics(self) -> Response:
         return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
@@ -302,9 +299,9 @@ class OpenAIServer:
         """Refuse (503, Retry-After) instead of queueing behind an executor that is unhealthy
         (its loop stalled past ``health_check_timeout_s``, died or shut down: what ``/health``
         reports) or whose waiting requests have reached ``max_queue_size``."""
-        report = self.executor.health()
-        if not report["healthy"]:
-            raise self._reject("unhealthy", f"the server cannot take requests: {report['reason']}",
+        health = self.executor.health()
+        if not health.healthy:
+            raise self._reject("unhealthy", f"the server cannot take requests: {health.reason}",
                                RETRY_AFTER_UNHEALTHY_S)
         limit = self.config.max_queue_size
         if limit is not None and (waiting := self.metrics.load().waiting) >= limit:

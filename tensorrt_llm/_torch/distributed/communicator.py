@@ -84,7 +84,10 @@ class Communicator:
     that aborted can be set up again (a long-lived test group does that between jobs).
     """
 
-    def __init__(self, store: dist.Store, rank: int, world_size: int, *, timeout_s: float, generation: int = 0):
+    def __init__(self, store: dist.Store, rank: int, world_size: int, *, timeout_s: float, generation: int = 0,
+                 diagnose: Callable[[], str | None] | None = None):
+        """``diagnose``: called after a collective failed that no rank explained, for what the
+        failure's own text cannot say (which rank is gone: see ``torchrun``'s heartbeats)."""
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside a world of {world_size}")
         if timeout_s <= 0:
@@ -92,6 +95,7 @@ class Communicator:
         self.rank, self.world_size, self.timeout_s = rank, world_size, timeout_s
         self.store = dist.PrefixStore(f"group{generation}/", store)
         self._aborted = False
+        self._diagnose = diagnose
         dist.init_process_group(
             "gloo",
             store=dist.PrefixStore("pg/", self.store),
@@ -166,6 +170,9 @@ class Communicator:
         record = self.abort_record(wait=True)
         if record is not None and record.rank != self.rank:
             return GroupAborted(record.rank, record.iteration, record.message)
+        hint = self._diagnose() if self._diagnose is not None else None
+        if hint:
+            message = f"{hint}: {message}"
         self.abort(message, iteration)
         return CollectiveError(f"rank {self.rank}: {message}")
 

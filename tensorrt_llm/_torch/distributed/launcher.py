@@ -130,7 +130,8 @@ def host_store() -> dist.TCPStore:
     return dist.TCPStore(LOOPBACK, 0, is_master=True, wait_for_workers=False)
 
 
-def _result(rank: int, run: Callable[[], Any]) -> RankResult:
+def result_of(rank: int, run: Callable[[], Any]) -> RankResult:
+    """``run()``'s value as a :class:`RankResult`, or the error it raised (as text)."""
     try:
         return RankResult(rank, value=run())
     except BaseException as error:  # reported to the launcher, which decides what it means
@@ -157,7 +158,7 @@ def _rank_main(rank: int, world_size: int, port: int, inbox, outbox, options: La
             outbox.put(("reset", rank, job_id))
         elif kind == "job":
             context = RankContext(rank, world_size, comm, inbox, outbox)
-            result = _result(rank, lambda: fn(context, *args))
+            result = result_of(rank, lambda: fn(context, *args))
             if not result.ok:  # peers may be waiting in a collective for this rank: stop them now
                 comm.abort(f"{result.error_type}: {result.error}")
             outbox.put(("result", rank, (job_id, result)))
@@ -277,6 +278,14 @@ class RankGroup:
     def dead_ranks(self) -> list[int]:
         return [rank for rank, process in enumerate(self.processes) if process.exitcode is not None]
 
+    def why_dead(self, rank: int) -> str:
+        return f"rank {rank} exited with code {self.processes[rank].exitcode}"
+
+    @property
+    def pids(self) -> list[int | None]:
+        """The process id of each rank, by rank."""
+        return [process.pid for process in self.processes]
+
     def _reset(self) -> None:
         job_id = next(self._jobs)
         for inbox in self._inboxes:
@@ -293,7 +302,7 @@ class RankGroup:
                 dead = self.dead_ranks()
                 if dead or time.monotonic() > deadline:
                     missing = sorted(set(range(self.world_size)) - set(self._messages.get(key, {})))
-                    reason = (f"rank {dead[0]} exited with code {self.processes[dead[0]].exitcode}" if dead
+                    reason = (self.why_dead(dead[0]) if dead
                               else f"no {kind} from ranks {missing} within {timeout_s} s")
                     self._arrived.release()
                     try:

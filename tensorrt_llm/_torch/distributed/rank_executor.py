@@ -47,7 +47,7 @@ from tensorrt_llm._torch.distributed.attention_dp import RankLoad, assign_reques
 from tensorrt_llm._torch.distributed.communicator import Communicator, Contribution, Phase
 from tensorrt_llm._torch.distributed.digest import digest
 from tensorrt_llm._torch.distributed.errors import DistributedError, GroupAborted
-from tensorrt_llm._torch.distributed.requests import RequestSpec
+from tensorrt_llm._torch.distributed.request_spec import RequestSpec
 from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequest
 from tensorrt_llm._torch.pyexecutor.py_executor import PyExecutor, Response, ResponseCallback
 from tensorrt_llm._torch.pyexecutor.stats import IterationStats
@@ -224,7 +224,7 @@ class RankExecutor:
         values = (
             int(executor.has_work),
             len(executor.active_requests),
-            executor.kv_cache_manager.pool.available,
+            executor.kv_cache_manager.available_blocks,
             self._check_value,
             _float_bits(executor.clock()),
             int(self._overshot),

@@ -4,7 +4,7 @@ Every rank builds its shard of the model (or, under attention DP, a replica): dr
 the config's seed, or, with ``checkpoint``, read from that GGUF file (each rank reads the
 whole file and keeps its slices). Then it builds its own executor and steps its
 :class:`RankExecutor` until rank 0 stops the group. Rank 0 also talks to the ``LLM``
-process: it takes ``("submit", RequestSpec)``, ``("cancel", id)`` and ``("stop", None)``
+process: it takes ``("submit", [RequestSpec, ...])`` (the requests of one ``enqueue_requests``), ``("cancel", id)`` and ``("stop", None)``
 messages between iterations and posts back every response, its iteration statistics, and
 its load (running and waiting requests, KV usage) whenever that changed; under attention DP
 every rank posts its statistics and load. While no rank has work, rank 0 waits for a
@@ -14,17 +14,18 @@ that returns well within the collective timeout.
 
 from __future__ import annotations
 
+import os
 import queue
 from dataclasses import dataclass
 
 from tensorrt_llm._torch.distributed.launcher import RankContext
 from tensorrt_llm._torch.distributed.rank_executor import RankExecutor
-from tensorrt_llm._torch.distributed.requests import RequestSpec
+from tensorrt_llm._torch.distributed.request_spec import RequestSpec
 from tensorrt_llm._torch.models.checkpoints import llama_weights_from_gguf, open_gguf
 from tensorrt_llm._torch.models.modeling_llama import LlamaConfig, LlamaForCausalLM
 from tensorrt_llm._torch.pyexecutor.config import ExecutorConfig
 from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequest
-from tensorrt_llm._torch.pyexecutor.py_executor import PyExecutor, Response
+from tensorrt_llm._torch.pyexecutor.executor_client import Response
 from tensorrt_llm._torch.pyexecutor.py_executor_creator import create_py_executor
 from tensorrt_llm.mapping import Mapping
 
@@ -39,23 +40,12 @@ class ServeConfig:
     checkpoint: str | None = None  # a GGUF file whose weights ``model`` describes; None: seed-drawn
 
 
-@dataclass(frozen=True, slots=True)
-class RankLoad:
-    """One rank's load, for the server's gauges: requests holding KV blocks, requests waiting
-    (active without blocks, or queued), and the share of KV blocks requests reference."""
-
-    running: int
-    waiting: int
-    kv_usage: float
-
-
-def rank_load(executor: PyExecutor) -> RankLoad:
-    active = list(executor.active_requests)
-    kv = executor.kv_cache_manager
-    running = sum(kv.is_allocated(request) for request in active)
-    pool = kv.pool
-    usage = 1.0 - (pool.num_free + pool.num_cached) / pool.num_blocks
-    return RankLoad(running, len(active) - running + executor.health()["queued_requests"], usage)
+def serve_config(model: LlamaConfig, executor: ExecutorConfig, *, enable_attention_dp: bool = False,
+                 check_decisions: bool = False, checkpoint: str | os.PathLike[str] | None = None) -> ServeConfig:
+    """What every rank's serving job runs: built the same way by the process that spawns the
+    ranks and by a ``torchrun`` follower, so that all ranks build the same model and executor."""
+    return ServeConfig(model, executor, enable_attention_dp, check_decisions,
+                       checkpoint=None if checkpoint is None else os.fspath(checkpoint))
 
 
 def build_rank_model(config: ServeConfig, mapping: Mapping) -> LlamaForCausalLM:
@@ -83,7 +73,7 @@ def serve_rank(ctx: RankContext, config: ServeConfig) -> int:
             break
         if posts_stats and step.stats is not None:
             ctx.post(("stats", step.stats))
-        if posts_stats and (now := rank_load(executor)) != load:
+        if posts_stats and (now := executor.load()) != load:
             load = now
             ctx.post(("load", load))
         idle = step.group_idle
@@ -111,8 +101,9 @@ def _take_messages(ctx: RankContext, rank_executor: RankExecutor, wait_s: float)
             return
         timeout = 0.0
         if kind == "submit":
-            spec: RequestSpec = body
-            rank_executor.submit(spec.build(), respond)
+            specs: list[RequestSpec] = body
+            for spec in specs:
+                rank_executor.submit(spec.build(), respond)
         elif kind == "cancel":
             rank_executor.cancel(body)
         elif kind == "stop":

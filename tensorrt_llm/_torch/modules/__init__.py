@@ -1,1 +1,1 @@
-"""Building blocks of the torch models."""
+"""Building blocks of the torch models: parallel linear layers and the tensor collectives they call."""

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tensorrt_llm._torch.distributed import ops
+from tensorrt_llm._torch.modules import collectives
 
 
 class TensorParallelMode(str, enum.Enum):
@@ -126,9 +126,9 @@ class Linear(nn.Module):
         else:
             y = F.linear(x, self.weight)  # (T, local out) or (T, out) partial sum
         if self.tensor_parallel_mode is TensorParallelMode.ROW:
-            return ops.allreduce(y)  # (T, out)
+            return collectives.allreduce(y)  # (T, out)
         if self.gather_output:
-            return ops.allgather(y, self._gather_sizes)  # (T, out)
+            return collectives.allgather(y, self._gather_sizes)  # (T, out)
         return y
 
     def extra_repr(self) -> str:

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from dataclasses import dataclass
 from typing import Iterable, Protocol, Sequence
 
 logger = logging.getLogger(__name__)
@@ -39,6 +40,38 @@ logger = logging.getLogger(__name__)
 # ids are below the vocabulary size, at most 2**32 (submission checks it).
 BlockTokens = bytes
 TOKEN_BYTES = 4
+
+
+@dataclass(frozen=True, slots=True)
+class KvCacheStats:
+    """A pool as counted at one moment: ``num_free + num_cached + num_held == num_blocks``.
+
+    ``num_cached`` blocks hold reusable KV that nothing references (evictable); ``num_held``
+    blocks are referenced by requests or pinned by claims. ``num_offloads`` and
+    ``num_onboards`` count host-tier moves since the pool was made.
+    """
+
+    num_blocks: int
+    num_free: int
+    num_cached: int
+    num_offloads: int = 0
+    num_onboards: int = 0
+
+    @property
+    def num_held(self) -> int:
+        return self.num_blocks - self.num_free - self.num_cached
+
+    @property
+    def usage(self) -> float:
+        """Share of the pool that requests reference (0..1)."""
+        return self.num_held / self.num_blocks if self.num_blocks else 0.0
+
+    def __add__(self, other: "KvCacheStats") -> "KvCacheStats":
+        """Two pools counted as one (the ranks of attention DP)."""
+        return KvCacheStats(
+            self.num_blocks + other.num_blocks, self.num_free + other.num_free, self.num_cached + other.num_cached,
+            self.num_offloads + other.num_offloads, self.num_onboards + other.num_onboards,
+        )
 
 
 def common_prefix_tokens(a: BlockTokens, b: BlockTokens) -> int:
@@ -176,6 +209,15 @@ class BlockPool:
     @property
     def num_host_cached(self) -> int:
         return self._num_host_cached
+
+    @property
+    def lru_length(self) -> int:
+        """Entries in the primary LRU deque, stale ones included: the lazy removal keeps it
+        below ``2 * num_cached + 64`` (it compacts past that)."""
+        return len(self._lru)
+
+    def stats(self) -> KvCacheStats:
+        return KvCacheStats(self.num_blocks, len(self._free), self._num_cached, self.num_offloads, self.num_onboards)
 
     # ---- matching -------------------------------------------------------------------
     def match(

@@ -19,7 +19,7 @@ import torch
 
 from tensorrt_llm._torch.pyexecutor.config import FaultInjectionConfig
 from tensorrt_llm._torch.pyexecutor.errors import ExecutorError
-from tensorrt_llm._torch.pyexecutor.model_engine import ForwardOutput, ModelEngine, PendingForward
+from tensorrt_llm._torch.pyexecutor.engine import DeferredForward, ForwardOutput, ModelEngine, PendingForward
 from tensorrt_llm._torch.pyexecutor.scheduled_requests import ScheduledRequests
 
 logger = logging.getLogger(__name__)
@@ -89,7 +89,7 @@ class FaultInjectingEngine:
             self._poison_one(output, n)
             return output
 
-        wrapped = PendingForward.deferred(poisoned, None)
+        wrapped = DeferredForward(poisoned, None)
         wrapped.num_tokens = pending.num_tokens
         return wrapped
 

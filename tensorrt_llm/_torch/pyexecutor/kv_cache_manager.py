@@ -20,9 +20,12 @@ budgets. Lifecycle per iteration (upstream's resource-manager protocol):
 allocation (claim-then-charge); the claim is a value the caller hands back to
 ``prepare_resources``.
 
-``estimate_reusable_tokens`` is upstream's pre-allocation estimate: full prompt blocks that
-exactly match cached blocks (either tier), with no ``prompt_len - 1`` limit and no regard
-for what allocation may evict first. The gap between it and the claim is the bug.
+``match(request)`` answers, before anything is claimed, what a waiting request's prompt
+matches now, as a :class:`PrefixMatch` value: upstream's pre-allocation estimate (full prompt
+blocks that exactly match cached blocks, either tier, with no ``prompt_len - 1`` limit and no
+regard for what allocation may evict first: the gap between it and the claim is the bug),
+and the blocks a claim would share with started requests. Each request's last walk is kept
+in the :class:`PrefixIndex`, an exact memo, so the next match resumes it.
 """
 
 from __future__ import annotations
@@ -33,14 +36,13 @@ import itertools
 import logging
 from array import array
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
 import numpy as np
 
 from tensorrt_llm._torch.pyexecutor.block_pool import TOKEN_BYTES, BlockPool, BlockTokens, KVBlock
 from tensorrt_llm._torch.pyexecutor.config import KvCacheConfig
 from tensorrt_llm._torch.pyexecutor.forward_cost import forward_cost
-from tensorrt_llm._torch.pyexecutor.kv_storage import KVCacheStorage
 from tensorrt_llm._torch.pyexecutor.llm_request import (
     IN_FLIGHT_TOKEN_ID,
     TOKEN_TYPECODE,
@@ -49,6 +51,9 @@ from tensorrt_llm._torch.pyexecutor.llm_request import (
     num_in_flight_tokens,
 )
 from tensorrt_llm._torch.pyexecutor.scheduled_requests import ContextChunk, ScheduledRequests
+
+if TYPE_CHECKING:  # the tensors: only engines that run a model read them (the KV manager imports no torch)
+    from tensorrt_llm._torch.pyexecutor.kv_storage import KVCacheStorage
 
 logger = logging.getLogger(__name__)
 
@@ -129,6 +134,56 @@ class _Sequence:
         return len(self.blocks) + len(self.beam_blocks)
 
 
+@dataclass(frozen=True, slots=True)
+class PrefixMatch:
+    """What a waiting request's prompt matches in the prefix tree at one moment (nothing claimed).
+
+    ``reusable_tokens``: upstream's admission estimate, full prompt blocks that match cached
+    blocks in either tier. ``shared_blocks``: of the blocks a claim could take (at most
+    ``prompt_len - 1`` tokens), those started requests hold, which need no pool slot.
+    """
+
+    reusable_tokens: int = 0
+    shared_blocks: int = 0
+
+
+NO_MATCH = PrefixMatch()
+
+
+class PrefixIndex:
+    """Each waiting request's last walk of the prefix tree, resumed by its next one.
+
+    Exact, not a guess: a block leaves the tree only with its whole subtree, and a dropped
+    block object never re-enters it, so the blocks of an old chain that were dropped since are
+    a suffix of it (found by bisection); what was committed since is found by walking on from
+    the last surviving block. :meth:`chain` therefore returns ``pool.match(keys)`` as of now,
+    at the cost of what changed. An entry lives from a request's first match until it is
+    allocated or freed (:meth:`forget`).
+    """
+
+    def __init__(self, pool: BlockPool) -> None:
+        self._pool = pool
+        self._entries: dict[int, tuple[int, list[KVBlock], list[tuple[int, BlockTokens]]]] = {}
+
+    def chain(self, request_id: int, prompt_len: int, keys: list[tuple[int, BlockTokens]]) -> list[KVBlock]:
+        """The matched full blocks of a prompt of ``prompt_len`` tokens whose block keys are ``keys``
+        (the index's own list: read it, slice it, never change it)."""
+        entry = self._entries.get(request_id)
+        if entry is None or entry[0] != prompt_len:
+            chain = self._pool.match(keys)
+            self._entries[request_id] = (prompt_len, chain, keys)
+            return chain
+        _, chain, keys = entry  # the chain is updated in place
+        if chain and chain[-1].tokens is None:  # its end left the tree
+            del chain[bisect.bisect_left(chain, True, key=_dropped) :]
+        if len(chain) < len(keys) and (not chain or chain[-1].children):  # else nothing can extend it
+            chain += self._pool.match(keys, chain[-1] if chain else None, start=len(chain))
+        return chain
+
+    def forget(self, request_id: int) -> None:
+        self._entries.pop(request_id, None)
+
+
 @dataclass(slots=True)
 class PrefixClaim:
     """A first chunk's pinned reusable prefix, between the claim and the allocation."""
@@ -197,9 +252,7 @@ class KVCacheManager:
         self.block_hash = block_hash
         self._sequences: dict[int, _Sequence] = {}
         self._keys: dict[int, tuple[int, list[tuple[int, BlockTokens]]]] = {}
-        # Waiting requests' matched chains from the last admission walk, keyed like _keys:
-        # (prompt_len, chain, the prompt keys it matched).
-        self._matches: dict[int, tuple[int, list[KVBlock], list[tuple[int, BlockTokens]]]] = {}
+        self.prefix_index = PrefixIndex(self.pool)  # waiting requests' last walks (match, claim)
         self._stamps = itertools.count()
         self._claims: dict[int, PrefixClaim] = {}  # outstanding claims (pinned, not yet allocated)
         self._reserved = 0  # sum over sequences of the blocks they still need to completion
@@ -208,6 +261,11 @@ class KVCacheManager:
     @property
     def num_blocks(self) -> int:
         return self.pool.num_blocks
+
+    @property
+    def available_blocks(self) -> int:
+        """Blocks an allocation could obtain now: free ones and cached ones it may evict."""
+        return self.pool.available
 
     def is_allocated(self, request: LlmRequest) -> bool:
         return request.request_id in self._sequences
@@ -279,19 +337,13 @@ class KVCacheManager:
         """Order in which allocated requests started (MAX_UTILIZATION pauses the latest)."""
         return self._sequences[request.request_id].stamp
 
-    def estimate_reusable_tokens(self, request: LlmRequest) -> int:
-        """Upstream's admission estimate (0 once the request holds blocks)."""
+    def match(self, request: LlmRequest) -> PrefixMatch:
+        """What ``request``'s prompt matches now (:class:`PrefixMatch`); no match once it holds blocks.
+        Nothing is claimed: the capacity scheduler asks it for every waiting request it admits."""
         if not self._reuses(request) or request.request_id in self._sequences:
-            return 0
-        return len(self.pool.match(self._prompt_keys(request))) * self.tokens_per_block
-
-    def estimate_admission(self, request: LlmRequest) -> tuple[int, int]:
-        """:meth:`estimate_reusable_tokens` and :meth:`num_shared_blocks` from one walk of the
-        prefix tree: the capacity scheduler needs both for every waiting request, every iteration."""
-        if not self._reuses(request) or request.request_id in self._sequences:
-            self._matches.pop(request.request_id, None)
-            return 0, 0
-        chain = self._match_prompt(request)
+            self.prefix_index.forget(request.request_id)
+            return NO_MATCH
+        chain = self.prefix_index.chain(request.request_id, request.prompt_len, self._prompt_keys(request))
         # A claim matches at most prompt_len - 1 tokens; match() of a prefix of the keys is
         # the same prefix of the chain. Whoever holds a block holds its ancestors, so the
         # held blocks of a chain are a prefix of it: found by bisection.
@@ -302,35 +354,7 @@ class KVCacheManager:
             shared = claimable
         else:
             shared = bisect.bisect_left(chain, True, 1, claimable - 1, key=_unreferenced)
-        return len(chain) * self.tokens_per_block, shared
-
-    def _match_prompt(self, request: LlmRequest) -> list[KVBlock]:
-        """``pool.match`` of the prompt's keys, resumed from the request's previous match.
-
-        Exact: a block leaves the tree only with its whole subtree, and a dropped block
-        object never re-enters it, so the blocks of the old chain that were dropped since
-        are a suffix of it (found by bisection); what was committed since is found by
-        walking on from the last surviving block.
-        """
-        previous = self._matches.get(request.request_id)
-        if previous is None or previous[0] != request.prompt_len:
-            keys = self._prompt_keys(request)
-            chain = self.pool.match(keys)
-            self._matches[request.request_id] = (request.prompt_len, chain, keys)
-            return chain
-        _, chain, keys = previous  # the chain is updated in place
-        if chain and chain[-1].tokens is None:  # its end left the tree
-            del chain[bisect.bisect_left(chain, True, key=_dropped) :]
-        if len(chain) < len(keys) and (not chain or chain[-1].children):  # else nothing can extend it
-            chain += self.pool.match(keys, chain[-1] if chain else None, start=len(chain))
-        return chain
-
-    def num_shared_blocks(self, request: LlmRequest) -> int:
-        """Prompt blocks a first-chunk claim would share with started requests (held: no pool slot)."""
-        if not self._reuses(request) or request.request_id in self._sequences:
-            return 0
-        keys = self._prompt_keys(request)[: (request.prompt_len - 1) // self.tokens_per_block]
-        return sum(1 for block in self.pool.match(keys) if block.ref_count > 0)
+        return PrefixMatch(len(chain) * self.tokens_per_block, shared)
 
     # ---- lifecycle ------------------------------------------------------------------
     def prepare_resources(
@@ -415,7 +439,7 @@ class KVCacheManager:
         if seq is not None and store_for_reuse and self.enable_block_reuse:
             self._commit_full_blocks(request, seq)
         self._keys.pop(request.request_id, None)
-        self._matches.pop(request.request_id, None)
+        self.prefix_index.forget(request.request_id)
         if seq is None:
             return
         self._reserved -= max(0, seq.reserve - seq.num_held)
@@ -482,7 +506,8 @@ class KVCacheManager:
         claim = PrefixClaim(rid)
         if self._reuses(request):
             # the admission walk's match, resumed (a prefix of the keys matches a prefix of the chain)
-            claim.chain = self._match_prompt(request)[: claim_limit // tpb]
+            keys = self._prompt_keys(request)
+            claim.chain = self.prefix_index.chain(rid, request.prompt_len, keys)[: claim_limit // tpb]
             if self.enable_partial_reuse and request.beam_width == 1:
                 start = len(claim.chain) * tpb
                 want = pack_tokens(request.tokens[start : min(start + tpb, claim_limit)]).tobytes()

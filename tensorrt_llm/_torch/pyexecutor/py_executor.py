@@ -1,8 +1,13 @@
-"""``PyExecutor``: the serving loop.
+"""``PyExecutor``: the executor's iteration, driven by an :class:`~executor_loop.ExecutorLoop`.
 
-One iteration (:meth:`PyExecutor.step`) is upstream's, as a chain of values::
+``PyExecutor`` is the stepper: it holds the requests, the scheduler, the resource manager,
+the engine and the sampler, and runs one iteration per :meth:`PyExecutor.step`. The thread,
+the submission queue, cancellations, health and the loop's death are
+:class:`~executor_loop.ExecutorLoop`'s (``self.loop``); ``PyExecutor`` answers the
+:class:`~executor_client.ExecutorClient` interface by asking it. One iteration is
+upstream's, as a chain of values::
 
-    fetch + cancel ─► scheduler.schedule_request(active) ─► ScheduledRequests
+    arrivals + cancelled (from the loop) ─► scheduler.schedule_request(active) ─► ScheduledRequests
         ─► pause what the capacity stage preempts
         ─► resource_manager.prepare_resources(scheduled) ─► PreparedBatch
                (re-check ─► allocation ─► after-allocation fix-ups; see resource_manager)
@@ -38,35 +43,37 @@ Under overlap, upstream's rules for what n+1 cannot know:
   its output from that forward is dropped.
 
 Each phase takes what the previous one returned; only the executor writes request state
-(see ``llm_request``). The loop never dies on a batch: whatever a batch raises —
+(see ``llm_request``). An iteration never fails as a whole: whatever a batch raises —
 ``TokenBudgetExceeded`` from ``_prepare_tp_inputs`` included — fails that batch's requests
 with the error, is counted in the iteration's statistics and in :meth:`health`, and the
 next iteration serves everyone else; a request whose logits are not finite fails alone.
-The background thread calls the same ``step`` that a replay with a virtual clock calls
-directly.
-
-Should the thread die all the same (upstream's failure mode; a test hook reproduces it),
-every request it held ends with an error, new ones are refused, and :meth:`health` says so.
+Whether a request is over is :func:`~stop_rule.finish`'s answer on every delivery path.
+The loop's thread calls the same ``step`` that a replay with a virtual clock calls directly.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections import deque
 from dataclasses import dataclass
 from operator import attrgetter
-from typing import Callable, NamedTuple
+from typing import Callable, Collection, Mapping, Sequence
 
 from tensorrt_llm._torch.pyexecutor.config import ExecutorConfig
 from tensorrt_llm._torch.pyexecutor.errors import (
-    ExecutorLoopKilled,
-    ExecutorShutdown,
     InvalidRequestError,
     SamplingError,
     TokenBudgetExceeded,
 )
+from tensorrt_llm._torch.pyexecutor.executor_client import (
+    Health,
+    IterationListener,
+    Load,
+    Response,
+    ResponseCallback,
+)
+from tensorrt_llm._torch.pyexecutor.executor_loop import Arrival, ExecutorLoop, StepCounts
 from tensorrt_llm._torch.pyexecutor.kv_cache_manager import KVCacheManager
 from tensorrt_llm._torch.pyexecutor.llm_request import (
     IN_FLIGHT_TOKEN_ID,
@@ -75,13 +82,14 @@ from tensorrt_llm._torch.pyexecutor.llm_request import (
     LlmRequestState,
     num_in_flight_tokens,
 )
-from tensorrt_llm._torch.pyexecutor.model_engine import ForwardOutput, ModelEngine, PendingForward
+from tensorrt_llm._torch.pyexecutor.engine import ForwardOutput, ModelEngine, PendingForward
 from tensorrt_llm._torch.pyexecutor.request_validation import RequestLimits, validate_request
-from tensorrt_llm._torch.pyexecutor.resource_manager import KV_CACHE_MANAGER, PreparedBatch, ResourceManager
+from tensorrt_llm._torch.pyexecutor.resource_manager import PreparedBatch, ResourceManager
 from tensorrt_llm._torch.pyexecutor.sampler import Sampler
 from tensorrt_llm._torch.pyexecutor.scheduled_requests import ScheduledRequests
 from tensorrt_llm._torch.pyexecutor.scheduler import SimpleScheduler
 from tensorrt_llm._torch.pyexecutor.stats import IterationStats
+from tensorrt_llm._torch.pyexecutor.stop_rule import finish
 
 logger = logging.getLogger(__name__)
 
@@ -92,29 +100,12 @@ _CONTEXT_INIT = LlmRequestState.CONTEXT_INIT
 _request_id = attrgetter("request_id")
 
 
-class Response(NamedTuple):
-    """What changed for one request: new tokens, and whether it is over (and how).
-
-    A tuple: one is built per request per iteration, and a frozen dataclass costs several
-    times as much to build.
-    """
-
-    request_id: int
-    new_token_ids: list[int]
-    finished: bool = False
-    error: str | None = None
-    cancelled: bool = False
-
-
 # Response(request_id, tokens) for the one response per generated token: the named tuple's
 # own constructor is a Python function (its defaults), tuple.__new__ is the C one; the fields
 # after the first two take their declared defaults.
 _new_tuple = tuple.__new__
 _RESPONSE_DEFAULTS = tuple(Response._field_defaults.values())
 assert Response._fields[2:] == tuple(Response._field_defaults), "every Response field after the tokens has a default"
-
-ResponseCallback = Callable[[LlmRequest, Response], None]
-IterationListener = Callable[[IterationStats], None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,6 +147,10 @@ class _InFlight:
 
 
 class PyExecutor:
+    """The stepper: requests, scheduler, resource manager, engine and sampler, one
+    :meth:`step` at a time on one thread. It is also the one-rank ``ExecutorClient``: those
+    calls go to its :attr:`loop` (any thread)."""
+
     def __init__(
         self,
         *,
@@ -169,7 +164,7 @@ class PyExecutor:
         self.config = config
         self.scheduler = scheduler
         self.resource_manager = resource_manager
-        self.kv_cache_manager: KVCacheManager = resource_manager.get_resource_manager(KV_CACHE_MANAGER)
+        self.kv_cache_manager: KVCacheManager = resource_manager.kv_cache_manager
         self.model_engine = model_engine
         self.sampler = sampler
         self.clock = clock
@@ -182,68 +177,80 @@ class PyExecutor:
         self._dropping: frozenset[int] = frozenset()
         self.active_requests: list[LlmRequest] = []
         # A ring when iter_stats_max_iterations is set (a server); the whole record otherwise (a replay).
-        self.iteration_stats: deque[IterationStats] = deque(maxlen=config.iter_stats_max_iterations)
+        self._stats: deque[IterationStats] = deque(maxlen=config.iter_stats_max_iterations)
         self.num_budget_violations = 0
         self.num_failed_batches = 0
         self.last_error: str | None = None
         self._callbacks: dict[int, ResponseCallback] = {}
         self._finished: list[LlmRequest] = []  # finished since the last _free_finished
-        self._new_requests: deque[LlmRequest] = deque()
-        self._cancelled: set[int] = set()
-        self._wakeup = threading.Condition()
-        self._thread: threading.Thread | None = None
-        self._shutdown = False
         self._iteration = 0
         self._iteration_listeners: list[IterationListener] = []
-        # Health: when the loop last showed progress (wall clock, whatever ``clock`` is), and
-        # why it died, if it did.
-        self._heartbeat = time.monotonic()
-        self._loop_error: str | None = None
-        self._kill_requested = False
+        # The thread, the submission queue, cancellations, health and death: the loop's.
+        self.loop = ExecutorLoop(self, health_check_timeout_s=config.health_check_timeout_s)
 
-    # ---- submission (any thread) ----------------------------------------------------
+    # ---- ExecutorClient: submission, health (any thread); the loop keeps the queue --------
     def enqueue_request(self, request: LlmRequest, on_response: ResponseCallback | None = None) -> int:
         """Queue ``request``; an invalid one fails alone at the next iteration, with the reason."""
-        with self._wakeup:
-            if self._shutdown:
-                raise ExecutorShutdown("the executor is shut down")
-            if self._loop_error is not None:
-                raise ExecutorShutdown(f"the executor loop died: {self._loop_error}")
-            if not self.has_work:  # a stall is timed from when work arrives, not from the last idle iteration
-                self._heartbeat = time.monotonic()
-            if on_response is not None:
-                self._callbacks[request.request_id] = on_response
-            self._new_requests.append(request)
-            self._wakeup.notify()
-        return request.request_id
+        return self.enqueue_requests([(request, on_response)])[0]
+
+    def enqueue_requests(self, requests: Sequence[tuple[LlmRequest, ResponseCallback | None]]) -> list[int]:
+        """Queue several requests at once: the next iteration fetches them all."""
+        self.loop.enqueue(requests)
+        return [request.request_id for request, _ in requests]
 
     def cancel_request(self, request_id: int) -> None:
-        with self._wakeup:
-            self._cancelled.add(request_id)
-            self._wakeup.notify()
+        self.loop.cancel(request_id)
+
+    def start(self) -> None:
+        self.loop.start()
+
+    def shutdown(self) -> None:
+        """Stop the loop; unfinished requests get an ExecutorShutdown error."""
+        self.loop.shutdown()
+
+    def health(self) -> Health:
+        return self.loop.health()
+
+    def kill_loop_for_testing(self) -> None:
+        """Test hook: the loop thread dies at its next iteration, as upstream's did on its assertion."""
+        self.loop.kill_for_testing()
 
     def validate(self, request: LlmRequest) -> None:
         """Raise InvalidRequestError if this executor could never serve ``request``."""
         validate_request(request, self.limits, self.kv_cache_manager)
 
-    # ---- the loop -------------------------------------------------------------------
+    # ---- the step (the loop's thread, or a replay stepping by hand) -------------------
     @property
     def has_work(self) -> bool:
-        return bool(
-            self.active_requests or self._new_requests or self._cancelled or self._in_flight is not None
-            or self._finished
-        )
+        """Anything queued, to cancel, active, in flight or to free."""
+        return self.loop.has_work
 
-    def step(self) -> Iteration | None:
-        """Run one iteration; None when there was nothing to schedule.
+    @property
+    def busy(self) -> bool:
+        """Requests active, a forward in flight, or finished requests still to free (queue aside)."""
+        return bool(self.active_requests or self._in_flight is not None or self._finished)
 
-        The phases, in order (each takes what the one before returned): schedule,
-        prepare_resources, launch; then complete the previous launch (overlap) or this one
-        (sample, respond, update_resources); free. Returns the iteration launched here; its
-        statistics are published when its forward completes.
+    @property
+    def in_flight_request_ids(self) -> frozenset[int]:
+        """The requests of the forward in flight (overlap; none without): the next :meth:`step`
+        completes it, and their blocks stay held until then."""
+        return self._in_flight.request_ids if self._in_flight is not None else frozenset()
+
+    def step(
+        self, arrivals: Sequence[Arrival] | None = None, cancelled: Collection[int] = ()
+    ) -> Iteration | None:
+        """Run one iteration; None when there was nothing to schedule. Called with no
+        ``arrivals``, it takes what the loop has queued (and cancelled) first.
+
+        The phases, in order (each takes what the one before returned): admit the arrivals,
+        end the cancelled, schedule, prepare_resources, launch; then complete the previous
+        launch (overlap) or this one (sample, respond, update_resources); free. Returns the
+        iteration launched here; its statistics are published when its forward completes.
         """
-        self._fetch_new_requests()
-        self._handle_cancellations()
+        if arrivals is None:
+            return self.loop.step()
+        self._fetch_new_requests(arrivals)
+        self._handle_cancellations(cancelled)
         if self._in_flight is not None and not self._in_flight.overlappable:
             self._complete_in_flight()  # only the host's sampler knows a token the next batch needs
             self._free_finished()
@@ -273,112 +280,60 @@ class PyExecutor:
             self.step()
         raise RuntimeError(f"still busy after {max_iterations} iterations: {self.active_requests[:5]}")
 
-    def start(self) -> None:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._executor_loop, name="PyExecutor", daemon=True)
-            self._thread.start()
-
-    def shutdown(self) -> None:
-        """Stop the loop; unfinished requests get an ExecutorShutdown error."""
-        with self._wakeup:
-            self._shutdown = True
-            self._wakeup.notify()
-        if self._thread is not None:
-            self._thread.join()
-        self._complete_in_flight()
-        self._fetch_new_requests()
-        for request in self.active_requests:
-            self._fail(request, ExecutorShutdown("the executor shut down before the request finished"))
-        self._free_finished()
-
     def add_iteration_listener(self, listener: IterationListener) -> None:
         """Call ``listener(stats)`` on the executor thread after every iteration; it must be quick.
         An exception it raises is logged and ignored."""
         self._iteration_listeners.append(listener)
 
-    def health(self) -> dict:
-        """Liveness and the batch failures a load balancer should see; callable from any thread.
+    @property
+    def iteration_stats(self) -> list[IterationStats]:
+        """The iteration statistics kept (a ring of ``iter_stats_max_iterations``, or all), oldest first."""
+        return list(self._stats)
 
-        ``healthy`` is False once the loop has died or shut down, or while it has work and
-        has not finished an iteration for ``health_check_timeout_s`` (``reason`` says which).
-        Failed batches do not make it unhealthy: the loop goes on serving.
-        """
-        alive = self._thread is None or self._thread.is_alive()
-        stalled_s = time.monotonic() - self._heartbeat if self.has_work else 0.0
-        reason = None
-        if self._loop_error is not None:
-            reason = f"the executor loop died: {self._loop_error}"
-        elif self._shutdown:
-            reason = "the executor is shut down"
-        elif not alive:
-            reason = "the executor loop thread is not running"
-        elif stalled_s > self.config.health_check_timeout_s:
-            reason = (
-                f"the executor loop has not finished an iteration for {stalled_s:.1f} s while it has work"
-                f" (health_check_timeout_s={self.config.health_check_timeout_s:g})"
-            )
-        return {
-            "healthy": reason is None,
-            "reason": reason,
-            "alive": alive,
-            "seconds_since_progress": round(stalled_s, 3),
-            "iterations": self._iteration,
-            "active_requests": len(self.active_requests),
-            "queued_requests": len(self._new_requests),
-            "failed_batches": self.num_failed_batches,
-            "budget_violations": self.num_budget_violations,
-            "last_error": self.last_error,
-        }
+    def iteration_stats_by_rank(self) -> list[tuple[int, IterationStats]]:
+        """:attr:`iteration_stats`, each as rank 0's (the interface of several ranks)."""
+        return [(0, stats) for stats in self.iteration_stats]
 
-    def kill_loop_for_testing(self) -> None:
-        """Test hook: the loop thread dies at its next iteration, as upstream's did on its assertion."""
-        with self._wakeup:
-            self._kill_requested = True
-            self._wakeup.notify()
+    def faults_injected(self) -> Mapping[str, int]:
+        return dict(self.model_engine.faults_injected)
 
-    def _executor_loop(self) -> None:
-        try:
-            self._serve_forever()
-        except BaseException as error:  # the thread is dying: nothing may be left waiting on it
-            logger.critical("the executor loop died", exc_info=True)
-            self._die(error)
+    def load(self) -> Load:
+        """Requests holding blocks, requests waiting for them (queued included), the pool; any thread."""
+        active = list(self.active_requests)  # a copy: the executor thread replaces the list
+        kv = self.kv_cache_manager
+        running = sum(map(kv.is_allocated, active))
+        return Load(running, len(active) - running + self.loop.num_queued, kv.pool.stats())
 
-    def _serve_forever(self) -> None:
-        while True:
-            with self._wakeup:
-                while not self._shutdown and not self.has_work and not self._kill_requested:
-                    self._wakeup.wait()
-                if self._kill_requested:
-                    raise ExecutorLoopKilled("killed by kill_loop_for_testing()")
-                if self._shutdown:
-                    return
-                self._heartbeat = time.monotonic()
-            try:
-                self.step()
-            except Exception as error:  # a bug outside any batch: fail what is active, keep serving
-                logger.exception("executor iteration crashed outside a batch")
-                self.last_error = repr(error)
-                for request in self.active_requests:
-                    self._fail(request, error)
-                self._free_finished()
-            self._heartbeat = time.monotonic()
+    # ---- what the loop asks of its stepper ------------------------------------------
+    def counts(self) -> StepCounts:
+        return StepCounts(self._iteration, len(self.active_requests), self.num_failed_batches,
+                          self.num_budget_violations, self.last_error)
 
-    def _die(self, error: BaseException) -> None:
-        """Every request the dead loop held or had queued ends with an error; later ones are refused."""
-        with self._wakeup:
-            self._loop_error = f"{type(error).__name__}: {error}"
-            queued = list(self._new_requests)
-            self._new_requests.clear()
-        failure = ExecutorShutdown(f"the executor loop died: {self._loop_error}")
-        for request in (*self.active_requests, *queued):
-            self._fail(request, failure)
+    def recover(self, error: Exception) -> None:
+        """A bug outside any batch: fail what is active, keep serving."""
+        self.last_error = repr(error)
+        for request in self.active_requests:
+            self._fail(request, error)
+        self._free_finished()
+
+    def fail_all(self, error: Exception, queued: Sequence[Arrival]) -> None:
+        """Every request held or ``queued`` (never admitted) ends with ``error``."""
+        for request, on_response in queued:
+            if on_response is not None:
+                self._callbacks[request.request_id] = on_response
+        for request in (*self.active_requests, *(request for request, _ in queued)):
+            self._fail(request, error)
+        self._free_finished()
+
+    def close(self) -> None:
+        """The loop stopped: complete the forward in flight (its blocks are freed with its requests)."""
+        self._complete_in_flight()
 
     # ---- iteration parts ------------------------------------------------------------
-    def _fetch_new_requests(self) -> None:
-        with self._wakeup:
-            new = list(self._new_requests)
-            self._new_requests.clear()
-        for request in new:
+    def _fetch_new_requests(self, arrivals: Sequence[Arrival]) -> None:
+        for request, on_response in arrivals:
+            if on_response is not None:
+                self._callbacks[request.request_id] = on_response
             request.arrival_time = request.arrival_time or self.clock()
             try:
                 self.validate(request)
@@ -388,9 +343,7 @@ class PyExecutor:
                 continue
             self.active_requests.append(request)
 
-    def _handle_cancellations(self) -> None:
-        with self._wakeup:
-            cancelled, self._cancelled = self._cancelled, set()
+    def _handle_cancellations(self, cancelled: Collection[int]) -> None:
         if not cancelled:
             return  # nothing to do: every path that finishes a request frees it before returning
         for request in self.active_requests:
@@ -544,9 +497,10 @@ class PyExecutor:
     def _update_requests(self, flight: _InFlight, output: ForwardOutput) -> None:
         """Sample; write each token over its placeholder (or append it); respond. A request
         that finished while the forward was in flight gets nothing from it (upstream drops it).
+        Whether a request is over is :func:`~stop_rule.finish`'s answer, on every path.
 
-        The usual request (one token, appended, no stop condition, not its last) is handled in
-        the loop itself, with a call only to its callback: this runs for every generated token."""
+        The usual request (tokens appended, not its last, not its first) is answered in the
+        loop itself, with a call only to its callback: this runs for every generated token."""
         now = self.clock()  # one instant for every token of this forward
         dropping = self._dropping
         live = [(r, slot) for r, slot in zip(flight.sampling, flight.slots)
@@ -559,45 +513,31 @@ class PyExecutor:
             if isinstance(tokens, SamplingError):  # this request's logits or settings are broken, not the batch's
                 logger.error("%s", tokens)
                 self._fail(request, tokens)
-            elif slot is not None:
+                continue
+            if slot is not None:
                 self._fill(request, slot, tokens, now)
-            elif len(tokens) == 1 and request.end_id is None and not request.stop_token_ids:
-                sequence = request.tokens
-                sequence.append(tokens[0])
-                if len(sequence) >= request.max_total_len:
-                    self._deliver(request, tokens, True, now)
-                    continue
-                if request.first_token_time is None:
-                    request.first_token_time = now
-                callback = callbacks.get(request.request_id)
-                if callback is not None:
-                    callback(request, _new_tuple(Response, (request.request_id, tokens, *_RESPONSE_DEFAULTS)))
-            else:
-                self._append(request, tokens, now)
+                continue
+            sequence = request.tokens
+            kept, finished = finish(request, tokens, len(sequence))
+            if kept < len(tokens):
+                tokens = tokens[:kept]
+            sequence.extend(tokens)
+            if finished or request.first_token_time is None:
+                self._deliver(request, tokens, finished, now)
+                continue
+            callback = callbacks.get(request.request_id)
+            if callback is not None:
+                callback(request, _new_tuple(Response, (request.request_id, tokens, *_RESPONSE_DEFAULTS)))
 
     def _fill(self, request: LlmRequest, slot: int, tokens: list[int], now: float) -> None:
-        """Write the one sampled token over its placeholder; on EOS or a stop token drop the
+        """Write the one sampled token over its placeholder; when it ends the request drop the
         next forward's placeholder (that forward's token for it will be dropped); respond."""
         sequence = request.tokens
-        token = sequence[slot] = tokens[0]
-        finished = slot + 1 >= request.max_total_len or token == request.end_id or token in request.stop_token_ids
+        sequence[slot] = tokens[0]
+        _, finished = finish(request, tokens[:1], slot)
         if finished:
             del sequence[slot + 1 :]
         self._deliver(request, tokens[:1], finished, now)
-
-    def _append(self, request: LlmRequest, tokens: list[int], now: float) -> None:
-        """Append sampled tokens up to the first stop token or ``max_new_tokens``; respond.
-        (The usual single token without a stop condition is appended by ``_update_requests``.)"""
-        sequence = request.tokens
-        limit = request.max_total_len
-        finished = False
-        for index, token in enumerate(tokens):
-            sequence.append(token)
-            if token == request.end_id or token in request.stop_token_ids or len(sequence) >= limit:
-                finished = True
-                tokens = tokens[: index + 1]
-                break
-        self._deliver(request, tokens, finished, now)
 
     def _deliver(self, request: LlmRequest, tokens: list[int], finished: bool, now: float) -> None:
         if request.first_token_time is None:
@@ -730,7 +670,7 @@ class PyExecutor:
         self._publish(stats)
 
     def _publish(self, stats: IterationStats) -> None:
-        self.iteration_stats.append(stats)
+        self._stats.append(stats)
         for listener in self._iteration_listeners:
             try:
                 listener(stats)

@@ -17,7 +17,7 @@ from tensorrt_llm._torch.pyexecutor.kv_cache_manager import KVCacheManager
 from tensorrt_llm._torch.pyexecutor.kv_storage import KVCacheStorage
 from tensorrt_llm._torch.pyexecutor.model_engine import ModelEngine, TorchModelEngine
 from tensorrt_llm._torch.pyexecutor.py_executor import PyExecutor
-from tensorrt_llm._torch.pyexecutor.resource_manager import KV_CACHE_MANAGER, ResourceManager
+from tensorrt_llm._torch.pyexecutor.resource_manager import ResourceManager
 from tensorrt_llm._torch.pyexecutor.sampler import Sampler, TorchSampler
 from tensorrt_llm._torch.pyexecutor.scheduler import CapacityScheduler, MicroBatchScheduler, SimpleScheduler
 from tensorrt_llm._torch.pyexecutor.token_budget import token_budget_policy_for
@@ -152,7 +152,7 @@ def create_py_executor(
     return PyExecutor(
         config=config,
         scheduler=scheduler,
-        resource_manager=ResourceManager({KV_CACHE_MANAGER: kv}, token_budget),
+        resource_manager=ResourceManager(kv, token_budget),
         model_engine=engine,
         sampler=sampler,
         clock=clock,

@@ -13,9 +13,11 @@ module sequences them, so neither calls the other. Under claim-then-charge it fi
 every first chunk's prefix (``KVCacheManager.claim_prefix``) and hands the claims to the
 re-check as shifted chunk windows, then to the allocation.
 
-Managers are prepared in registration order and freed in reverse order, as upstream does.
-A manager registered beside the KV cache manager (:meth:`ResourceManager.add_resource_manager`)
-is prepared last, with the :class:`PreparedBatch` itself: what runs and what left it.
+The KV cache manager is a named field, with its own calls (it allocates). Every other
+manager (:meth:`ResourceManager.add_resource_manager`) is a :class:`ResourceObserver`: one
+interface, one signature per phase. Observers are prepared after allocation, with the
+:class:`PreparedBatch` itself (what runs and what left it), in registration order; updated
+after the KV manager; freed before it, in reverse order, as upstream frees.
 """
 
 from __future__ import annotations
@@ -23,21 +25,29 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from tensorrt_llm._torch.pyexecutor.budget import BudgetDecision
+from tensorrt_llm._torch.pyexecutor.token_budget_recheck import BudgetDecision
 from tensorrt_llm._torch.pyexecutor.kv_cache_manager import ClaimRecord, KVCacheManager, PrefixClaim
 from tensorrt_llm._torch.pyexecutor.llm_request import DeferReason, LlmRequest
 from tensorrt_llm._torch.pyexecutor.scheduled_requests import ContextChunk, Deferral, ScheduledRequests
 from tensorrt_llm._torch.pyexecutor.token_budget import TokenBudgetPolicy
 
-KV_CACHE_MANAGER = "kv_cache_manager"
+KV_CACHE_MANAGER = "kv_cache_manager"  # upstream's name: get_resource_manager(KV_CACHE_MANAGER) is the KV manager
 
 
-class BaseResourceManager(Protocol):
-    def prepare_resources(self, prepared: "PreparedBatch") -> object: ...
+class ResourceObserver(Protocol):
+    """A per-request resource beside the KV cache, following its lifecycle."""
 
-    def update_resources(self, scheduled: ScheduledRequests) -> None: ...
+    def prepare_resources(self, prepared: "PreparedBatch") -> None:
+        """After allocation: ``prepared`` is the batch that runs, who left it and why."""
 
-    def free_resources(self, request: LlmRequest, *, store_for_reuse: bool = True) -> None: ...
+    def update_resources(self, scheduled: ScheduledRequests) -> None:
+        """After the forward of ``scheduled`` completed."""
+
+    def free_resources(self, request: LlmRequest, *, store_for_reuse: bool = True) -> None:
+        """``request`` is over (or starts over): release what it holds."""
+
+
+BaseResourceManager = ResourceObserver  # upstream's name for a manager beside the KV cache
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,22 +68,23 @@ class PreparedBatch:
 
 
 class ResourceManager:
-    def __init__(self, managers: dict[str, BaseResourceManager], token_budget: TokenBudgetPolicy) -> None:
-        if not isinstance(managers.get(KV_CACHE_MANAGER), KVCacheManager):
-            raise ValueError(f"a ResourceManager needs a KVCacheManager under {KV_CACHE_MANAGER!r}")
-        self.managers = dict(managers)
-        self.kv_cache_manager: KVCacheManager = managers[KV_CACHE_MANAGER]
+    """The KV cache manager, the token-budget policy, and the observers registered beside them."""
+
+    def __init__(self, kv_cache_manager: KVCacheManager, token_budget: TokenBudgetPolicy) -> None:
+        self.kv_cache_manager = kv_cache_manager
         self.token_budget = token_budget
+        self.observers: dict[str, ResourceObserver] = {}
 
-    def get_resource_manager(self, name: str) -> BaseResourceManager:
-        return self.managers[name]
+    def get_resource_manager(self, name: str) -> KVCacheManager | ResourceObserver:
+        """Upstream's lookup: the KV manager under ``KV_CACHE_MANAGER``, an observer by its name."""
+        return self.kv_cache_manager if name == KV_CACHE_MANAGER else self.observers[name]
 
-    def add_resource_manager(self, name: str, manager: BaseResourceManager) -> None:
-        """Register ``manager`` after the others: it is prepared after allocation (with the
-        prepared batch), updated after them and freed before them."""
-        if name in self.managers:
+    def add_resource_manager(self, name: str, observer: ResourceObserver) -> None:
+        """Register ``observer`` after the others: it is prepared after allocation (with the
+        prepared batch), updated after the KV manager and freed before it."""
+        if name == KV_CACHE_MANAGER or name in self.observers:
             raise ValueError(f"a resource manager named {name!r} is already registered")
-        self.managers[name] = manager
+        self.observers[name] = observer
 
     def prepare_resources(self, scheduled: ScheduledRequests) -> PreparedBatch:
         """Re-check the budget, allocate what it admits, apply the fix-ups; see the module docstring."""
@@ -115,15 +126,16 @@ class ResourceManager:
         batch, fixed_up = policy.after_allocation(allocation.scheduled)
         deferred += fixed_up
         prepared = PreparedBatch(batch, deferred, allocation.claims, decision)
-        for name, manager in self.managers.items():
-            if name != KV_CACHE_MANAGER:
-                manager.prepare_resources(prepared)
+        for observer in self.observers.values():
+            observer.prepare_resources(prepared)
         return prepared
 
     def update_resources(self, scheduled: ScheduledRequests) -> None:
-        for manager in self.managers.values():
-            manager.update_resources(scheduled)
+        self.kv_cache_manager.update_resources(scheduled)
+        for observer in self.observers.values():
+            observer.update_resources(scheduled)
 
     def free_resources(self, request: LlmRequest, *, store_for_reuse: bool = True) -> None:
-        for manager in reversed(self.managers.values()):
-            manager.free_resources(request, store_for_reuse=store_for_reuse)
+        for observer in reversed(self.observers.values()):
+            observer.free_resources(request, store_for_reuse=store_for_reuse)
+        self.kv_cache_manager.free_resources(request, store_for_reuse=store_for_reuse)

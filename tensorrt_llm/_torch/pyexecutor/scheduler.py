@@ -99,27 +99,27 @@ class CapacityScheduler:
         """Admit waiting requests, oldest first, while their blocks fit ``available``."""
         kv = self.kv
         for request in waiting:
-            estimate, shared = kv.estimate_admission(request)
+            match = kv.match(request)
             length = kv.max_sequence_len(request) if to_completion else request.prompt_len
-            needed = max(0, kv.blocks_for_tokens(request, length) - shared)
+            needed = max(0, kv.blocks_for_tokens(request, length) - match.shared_blocks)
             if needed > available:
                 return  # first come, first served: nobody overtakes the oldest waiting request
             available -= needed
-            yield request, estimate
+            yield request, match.reusable_tokens
 
     def _guaranteed_no_evict(
         self, started: list[LlmRequest], waiting: list[LlmRequest]
     ) -> tuple[CapacityDecision, Iterator[tuple[LlmRequest, int]]]:
         if not waiting:
             return CapacityDecision(started), iter(())
-        available = self.kv.pool.available - self.kv.blocks_reserved_to_completion(started)
+        available = self.kv.available_blocks - self.kv.blocks_reserved_to_completion(started)
         return CapacityDecision(started), self._admit(waiting, available, to_completion=True)
 
     def _max_utilization(
         self, started: list[LlmRequest], waiting: list[LlmRequest]
     ) -> tuple[CapacityDecision, Iterator[tuple[LlmRequest, int]]]:
         kv = self.kv
-        available = kv.pool.available
+        available = kv.available_blocks
         running = sorted(started, key=kv.allocation_stamp)
         decision = CapacityDecision([])
         fitting, paused = decision.fitting, decision.paused

@@ -32,7 +32,7 @@ from __future__ import annotations
 import logging
 from typing import ClassVar, Mapping, Sequence
 
-from tensorrt_llm._torch.pyexecutor.budget import BudgetDecision, recheck_remaining_budget
+from tensorrt_llm._torch.pyexecutor.token_budget_recheck import BudgetDecision, recheck_remaining_budget
 from tensorrt_llm._torch.pyexecutor.config import ExecutorConfig, TokenBudgetPolicyName
 from tensorrt_llm._torch.pyexecutor.forward_cost import forward_cost
 from tensorrt_llm._torch.pyexecutor.llm_request import DeferReason, LlmRequest

@@ -279,22 +279,21 @@ def test_admission_window_changes_no_decision():
 
 
 def test_resumed_admission_walk_equals_fresh_walks(monkeypatch):
-    """The capacity scheduler's memoised prefix match (KVCacheManager.estimate_admission)
-    agrees with upstream's estimate and the shared-block count walked from scratch, at every
-    admission of a replay whose pool and host tier churn."""
-    from tensorrt_llm._torch.pyexecutor.kv_cache_manager import KVCacheManager
+    """The KV manager's prefix index (each waiting request's walk, resumed by the next) returns
+    what a walk from scratch returns, at every match and claim of a replay whose pool and host
+    tier churn."""
+    from tensorrt_llm._torch.pyexecutor.kv_cache_manager import PrefixIndex
 
-    resumed = KVCacheManager.estimate_admission
+    resumed = PrefixIndex.chain
     calls = []
 
-    def checked(self, request):
-        expected = (self.estimate_reusable_tokens(request), self.num_shared_blocks(request))
-        got = resumed(self, request)
-        assert got == expected
-        calls.append(got[1])
+    def checked(self, request_id, prompt_len, keys):
+        got = resumed(self, request_id, prompt_len, keys)
+        assert got == self._pool.match(keys)  # the walk from the root
+        calls.append(len(got))
         return got
 
-    monkeypatch.setattr(KVCacheManager, "estimate_admission", checked)
+    monkeypatch.setattr(PrefixIndex, "chain", checked)
     settings = ReplaySettings.from_options(kv_cache_config={"num_blocks": 400}, host_cache_blocks=64)
     trace = TraceSpec(num_requests=120, seed=2).load(settings)
     replay_policy(trace, settings, "recheck", progress=False)

@@ -278,7 +278,7 @@ def test_a_full_queue_refuses_new_work(one_torch_thread):
         first = threading.Thread(target=lambda: results.append(httpx.post(
             f"{server.url}/v1/completions", json=body(1), timeout=READ_S * 3).status_code))
         first.start()
-        wait_until(lambda: server.executor.health()["active_requests"] == 1)  # running: it is not waiting
+        wait_until(lambda: server.executor.health().active_requests == 1)  # running: it is not waiting
         second = threading.Thread(target=lambda: results.append(httpx.post(
             f"{server.url}/v1/completions", json=body(2), timeout=READ_S * 3).status_code))
         second.start()

@@ -75,7 +75,7 @@ def test_tp_server_answers_as_one_rank_does_and_names_a_dead_rank():
                 plain = asyncio.create_task(client.completions.create(model=server.model, prompt=PROMPTS[2],
                                                                       max_tokens=200, temperature=0))
                 await asyncio.sleep(0.05)
-                os.kill(server.executor._group.processes[1].pid, signal.SIGKILL)
+                os.kill(server.executor.rank_pids[1], signal.SIGKILL)
                 with pytest.raises(openai.APIError):
                     async for _ in stream:
                         pass

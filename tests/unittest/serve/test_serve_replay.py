@@ -99,6 +99,6 @@ def test_over_http_none_overshoots_and_recheck_defers(policy, tmp_path, one_torc
         else:
             assert counters["budget_overshoots"] == counters["failed_batches"] == 0 and counters["budget_deferrals"] > 0
             assert result["completed"] == result["requests"]
-        assert server.executor.health()["healthy"]
+        assert server.executor.health().healthy
     finally:
         server.stop()

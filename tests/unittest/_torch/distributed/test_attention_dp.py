@@ -19,7 +19,7 @@ from scenarios import POLICIES, forced_scenario, scenarios
 from strategies import examples
 
 from tensorrt_llm._torch.distributed.attention_dp import RankLoad, assign_requests
-from tensorrt_llm._torch.distributed.requests import RequestSpec
+from tensorrt_llm._torch.distributed.request_spec import RequestSpec
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.usefixtures("one_torch_thread")]
 

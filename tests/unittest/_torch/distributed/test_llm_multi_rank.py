@@ -52,18 +52,18 @@ def test_llm_on_two_ranks_generates_what_one_rank_does(single_rank_outputs, atte
         cancelled.abort()
         assert cancelled.result(timeout=60).outputs[0].finish_reason == "cancelled"
         health = llm.health()
-        assert health["alive"] and health["ranks"] == 2 and health["iterations"] > 0, health
+        assert health.alive and health.ranks == 2 and health.iterations > 0, health
         assert llm.iteration_stats and all(s.forward_tokens <= OPTIONS["max_num_tokens"] for s in llm.iteration_stats)
 
         # A rank process dies mid-generation: the request in flight ends with an error.
         in_flight = [llm.generate_async(p, SamplingParams(max_tokens=80)) for p in PROMPTS[:2]]
         next(iter(in_flight[0]))  # running
-        os.kill(llm._executor._group.processes[1].pid, signal.SIGKILL)
+        os.kill(llm.executor.rank_pids[1], signal.SIGKILL)
         for handle in in_flight:
             with pytest.raises(RequestError):
                 handle.result(timeout=60)
         health = llm.health()
-        assert not health["alive"] and health["last_error"], health
+        assert not health.alive and health.last_error, health
         with pytest.raises(ExecutorShutdown):
             llm.generate_async(PROMPTS[0])
     finally:
@@ -97,11 +97,11 @@ def test_health_says_when_no_rank_reports_progress_with_requests_in_flight():
     with LLM("tiny-random", tensor_parallel_size=2, max_seq_len=128, health_check_timeout_s=0.5,
              fault_injection=slow) as llm:
         time.sleep(0.6)  # idle ranks report nothing: that is no stall
-        assert llm.health()["healthy"], llm.health()
+        assert llm.health().healthy, llm.health()
         handle = llm.generate_async([1, 2, 3], SamplingParams(max_tokens=2))
         deadline = time.monotonic() + 20
-        while (health := llm.health())["healthy"] and time.monotonic() < deadline:
+        while (health := llm.health()).healthy and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert "no rank has reported progress" in health["reason"], health
+        assert "no rank has reported progress" in health.reason, health
         assert handle.result(timeout=60).outputs[0].finish_reason == "length"
-        assert llm.health()["healthy"]  # nothing in flight
+        assert llm.health().healthy  # nothing in flight

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from tensorrt_llm._torch.distributed.digest import RecordKind, digest, first_difference
-from tensorrt_llm._torch.distributed.requests import RequestSpec
+from tensorrt_llm._torch.distributed.request_spec import RequestSpec
 from tensorrt_llm._torch.models.modeling_llama import HeadShard, LlamaConfig, LlamaForCausalLM
 from tensorrt_llm._torch.modules.linear import Linear, TensorParallelMode, split_sizes
 from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequest, SamplingConfig

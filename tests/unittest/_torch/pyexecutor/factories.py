@@ -15,11 +15,12 @@ from tensorrt_llm._torch.pyexecutor.model_engine import ModelEngine
 from tensorrt_llm._torch.pyexecutor.py_executor import PyExecutor
 from tensorrt_llm._torch.pyexecutor.py_executor_creator import create_kv_cache_manager, create_py_executor
 from tensorrt_llm._torch.pyexecutor.request_validation import RequestLimits, validate_request
-from tensorrt_llm._torch.pyexecutor.resource_manager import KV_CACHE_MANAGER, ResourceManager
+from tensorrt_llm._torch.pyexecutor.resource_manager import ResourceManager
 from tensorrt_llm._torch.pyexecutor.sampler import Sampler
 from tensorrt_llm._torch.pyexecutor.scheduled_requests import ContextChunk, ScheduledRequests
 from tensorrt_llm._torch.pyexecutor.scheduler import CapacityScheduler, MicroBatchScheduler, SimpleScheduler
-from tensorrt_llm._torch.pyexecutor.simulated_engine import SimulatedModelEngine, SyntheticSampler
+from tensorrt_llm._torch.pyexecutor.simulated_engine import SimulatedModelEngine
+from tensorrt_llm._torch.pyexecutor.synthetic_sampler import SyntheticSampler
 from tensorrt_llm._torch.pyexecutor.token_budget import TokenBudgetPolicy, token_budget_policy_for
 
 VOCAB = 1000
@@ -90,7 +91,7 @@ def make_policy(config: ExecutorConfig) -> TokenBudgetPolicy:
 
 def make_resource_manager(config: ExecutorConfig, kv: KVCacheManager) -> ResourceManager:
     """``prepare_resources`` as an executor with ``config`` runs it over ``kv``: re-check, allocate, fix up."""
-    return ResourceManager({KV_CACHE_MANAGER: kv}, make_policy(config))
+    return ResourceManager(kv, make_policy(config))
 
 
 def make_sim_engine(config: ExecutorConfig, kv: KVCacheManager) -> SimulatedModelEngine:
@@ -165,7 +166,7 @@ def prepare_alone(kv: KVCacheManager, request: LlmRequest, chunk: int | None = N
     """
     if request.is_context_init_state:
         size = request.context_remaining_length if chunk is None else chunk
-        estimate = {} if kv.is_allocated(request) else {request.request_id: kv.estimate_reusable_tokens(request)}
+        estimate = {} if kv.is_allocated(request) else {request.request_id: kv.match(request).reusable_tokens}
         batch = make_batch([(request, size)], estimated_reusable=estimate)
     else:
         batch = make_batch(generation=[request])
@@ -203,6 +204,13 @@ def run_alone(kv: KVCacheManager, request: LlmRequest, sampler: Sampler, *, chun
         return False
     complete(kv, allocation.scheduled, sampler)
     return True
+
+
+def served_model(model, *, dtype: str | None = None):
+    """The torch model ``LLM(model, dtype=dtype)`` serves (same preset or file, same seed)."""
+    from tensorrt_llm.llmapi.llm_utils import load_model
+
+    return load_model(model, dtype=dtype).model
 
 
 def greedy_reference(model, prompt: Sequence[int], max_tokens: int) -> list[int]:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tensorrt_llm._torch.pyexecutor.engine_inputs import prepare_tp_inputs
 from tensorrt_llm._torch.pyexecutor.config import TokenBudgetPolicyName
 from tensorrt_llm._torch.pyexecutor.errors import TokenBudgetExceeded
 from tensorrt_llm._torch.pyexecutor.forward_cost import forward_cost
@@ -155,7 +156,7 @@ def run_batch(scheduled: ScheduledRequests, resources: ResourceManager, engine: 
     )
     outcome.prepared = resources.prepare_resources(scheduled)
     try:
-        outcome.forward_tokens = engine._prepare_tp_inputs(outcome.prepared.scheduled).total_num_tokens
+        outcome.forward_tokens = prepare_tp_inputs(outcome.prepared.scheduled, kv, engine.max_num_tokens).total_num_tokens
     except TokenBudgetExceeded as error:
         outcome.overshoot = error
     outcome.built = positions(outcome.prepared.scheduled)
@@ -327,8 +328,7 @@ class ExecutorChecker:
         can_shift = {r.request_id: kv.reuse_can_shift(r) for r in open_requests}
         # a generation step's cost is taken now: the step moves the request on (first-draft padding goes)
         step_cost = {r.request_id: forward_cost(r) for r in open_requests if not r.is_context_init_state}
-        in_flight = self.executor._in_flight  # overlap: its forward completes during this step
-        completed = in_flight.request_ids if in_flight is not None else frozenset()
+        completed = self.executor.in_flight_request_ids  # overlap: its forward completes during this step
         iteration = self.executor.step()
         self.steps += 1
         if 6 in check:
@@ -386,7 +386,7 @@ class ExecutorChecker:
     def _check_nothing_lost(self) -> None:
         active = {r.request_id for r in self.executor.active_requests}
         for request_id, request in self.submitted.items():
-            in_flight = request_id in active or any(r is request for r in self.executor._new_requests)
+            in_flight = request_id in active  # (the step fetched everything queued before it)
             finished = request_id in self.final
             assert in_flight != finished, (
                 f"invariant 4: {request!r} is {'both' if in_flight else 'neither'} active and finished"

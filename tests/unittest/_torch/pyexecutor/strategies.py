@@ -52,7 +52,7 @@ from tensorrt_llm._torch.pyexecutor.model_engine import ModelEngine
 from tensorrt_llm._torch.pyexecutor.resource_manager import ResourceManager
 from tensorrt_llm._torch.pyexecutor.scheduled_requests import ContextChunk, ScheduledRequests
 from tensorrt_llm._torch.pyexecutor.scheduler import SimpleScheduler
-from tensorrt_llm._torch.pyexecutor.simulated_engine import SyntheticSampler
+from tensorrt_llm._torch.pyexecutor.synthetic_sampler import SyntheticSampler
 from tensorrt_llm._torch.pyexecutor.token_budget import reuse_discounted_charge
 
 POLICIES = ("none", "trim", "fit", "recheck", "claim")
@@ -333,7 +333,7 @@ def _direct_batch(world: World) -> ScheduledRequests:
         if request.is_context_init_state:
             remaining = request.context_remaining_length
             size = min(units * unit, remaining) if config.enable_chunked_prefill else remaining
-            reusable = 0 if kv.is_allocated(request) else kv.estimate_reusable_tokens(request)
+            reusable = 0 if kv.is_allocated(request) else kv.match(request).reusable_tokens
             charge = reuse_discounted_charge(size, remaining, reusable)
             if charge > budget:
                 continue

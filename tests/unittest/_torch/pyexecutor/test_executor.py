@@ -7,13 +7,12 @@ The overshoot scenarios run twice: on the simulated engine, stepped by hand, and
 
 import random
 import re
-import threading
-from contextlib import contextmanager
 
 import pytest
-from factories import greedy_reference, make_config, make_request, make_sim_executor
+from factories import greedy_reference, make_config, make_request, make_sim_executor, served_model
 from invariants import ExecutorChecker
 
+from tensorrt_llm._torch.pyexecutor.engine_inputs import prepare_tp_inputs
 from tensorrt_llm import LLM, SamplingParams
 from tensorrt_llm._torch.pyexecutor.errors import ExecutorShutdown, InvalidRequestError, TokenBudgetExceeded
 from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequest, LlmRequestState, token_array
@@ -69,7 +68,7 @@ def test_evicted_discount_overshoots_under_none():
     assert [(chunk.start, chunk.size) for chunk in prepared.scheduled.context_chunks] == [(0, 28), (0, 26)]
 
     with pytest.raises(TokenBudgetExceeded) as error:
-        executor.model_engine._prepare_tp_inputs(prepared.scheduled)
+        prepare_tp_inputs(prepared.scheduled, executor.kv_cache_manager, executor.config.max_num_tokens)
     assert str(error.value) == OVERSHOOT_MESSAGE
     assert error.value.overshoot == 24
 
@@ -87,7 +86,7 @@ def test_executor_survives_the_overshoot_under_none():
     for request in (b, c):
         assert checker.final[request.request_id].error == f"TokenBudgetExceeded: {OVERSHOOT_MESSAGE}"
     health = executor.health()
-    assert health["budget_violations"] == 1 and health["last_error"] == OVERSHOOT_MESSAGE
+    assert health.budget_violations == 1 and health.last_error == OVERSHOOT_MESSAGE
 
     later = make_request(C, max_new_tokens=3)
     checker.submit(later)
@@ -124,25 +123,6 @@ def test_recheck_cuts_instead_and_serves_the_same_output():
 
 
 # ---- the same through LLM and the real model ----------------------------------------
-@contextmanager
-def loop_held(executor):
-    """Keep the executor thread from starting its next iteration until the block exits,
-    so that requests submitted meanwhile are fetched together, in one batch."""
-    gate = threading.Event()
-    step = executor.step
-
-    def gated_step():
-        gate.wait()
-        return step()
-
-    executor.step = gated_step
-    try:
-        yield
-    finally:
-        executor.step = step
-        gate.set()
-
-
 def evicted_discount_llm(policy):
     return LLM(
         "tiny-random",
@@ -154,29 +134,23 @@ def evicted_discount_llm(policy):
     )
 
 
-def submit_b_and_c_in_one_batch(llm, params):
-    with loop_held(llm._executor):
-        return [llm.generate_async(B, params), llm.generate_async(C, params)]
-
-
 def test_overshoot_through_llm_fails_the_batch_and_keeps_serving():
     params = SamplingParams(max_tokens=2)
     with evicted_discount_llm("none") as llm:
         llm.generate(A, params)
         llm.generate(D, params)
-        for handle in submit_b_and_c_in_one_batch(llm, params):
-            with pytest.raises(RequestError) as error:
-                handle.result(timeout=30)
-            assert OVERSHOOT_MESSAGE in str(error.value)
-            assert error.value.message == f"TokenBudgetExceeded: {OVERSHOOT_MESSAGE}"
+        with pytest.raises(RequestError) as error:
+            llm.generate([B, C], params)  # one submission: B and C are fetched into one batch
+        assert OVERSHOOT_MESSAGE in str(error.value)
+        assert error.value.message == f"TokenBudgetExceeded: {OVERSHOOT_MESSAGE}"
 
         health = llm.health()
-        assert health["alive"] and health["budget_violations"] == 1 and health["failed_batches"] == 1
+        assert health.alive and health.budget_violations == 1 and health.failed_batches == 1
         assert [s.overshoot for s in llm.iteration_stats if s.overshoot] == [24]
 
         later = llm.generate(C, SamplingParams(max_tokens=3))
         assert later.finished and later.error is None and len(later.outputs[0].token_ids) == 3
-        assert llm.health()["budget_violations"] == 1
+        assert llm.health().budget_violations == 1
 
 
 def test_recheck_through_llm_cuts_and_matches_the_reference():
@@ -184,12 +158,12 @@ def test_recheck_through_llm_cuts_and_matches_the_reference():
     with evicted_discount_llm("recheck") as llm:
         llm.generate(A, SamplingParams(max_tokens=2))
         llm.generate(D, SamplingParams(max_tokens=2))
-        out_b, out_c = (handle.result(timeout=30) for handle in submit_b_and_c_in_one_batch(llm, params))
+        out_b, out_c = llm.generate([B, C], params)  # one submission: one batch
         stats = llm.iteration_stats
         assert sum(s.num_budget_cuts for s in stats) == 2 and sum(s.num_budget_deferrals for s in stats) == 0
         assert all(s.overshoot == 0 and s.forward_tokens <= 30 for s in stats)
-        assert llm.health()["budget_violations"] == 0
-    model = llm._executor.model_engine.model
+        assert llm.health().budget_violations == 0
+    model = served_model("tiny-random", dtype="float64")
     assert out_b.outputs[0].token_ids == greedy_reference(model, B, 2)
     assert out_c.outputs[0].token_ids == greedy_reference(model, C, 2)
 
@@ -249,7 +223,7 @@ def test_a_request_finishing_with_its_last_chunk_leaves_its_prompt_cached():
     assert one_token.state is LlmRequestState.GENERATION_COMPLETE
     kv = executor.kv_cache_manager
     assert kv.pool.num_cached == 4
-    assert kv.estimate_reusable_tokens(make_request(prompt + [1])) == 16
+    assert kv.match(make_request(prompt + [1])).reusable_tokens == 16
 
 
 def test_cancelled_and_finished_requests_free_their_blocks():
@@ -326,8 +300,8 @@ GOOD = prompt_of(12, seed=6)
 )
 def test_bad_input_raises_before_anything_is_queued(llm, monkeypatch, prompt, params, problem):
     queued = []
-    enqueue = llm._executor.enqueue_request
-    monkeypatch.setattr(llm._executor, "enqueue_request", lambda r, cb=None: (queued.append(r), enqueue(r, cb))[1])
+    enqueue = llm.executor.enqueue_requests
+    monkeypatch.setattr(llm.executor, "enqueue_requests", lambda pairs: (queued.extend(r for r, _ in pairs), enqueue(pairs))[1])
 
     with pytest.raises(ValueError, match=problem):
         llm.generate([GOOD, prompt], params)  # the good prompt first: it must not be queued either
@@ -395,10 +369,8 @@ def test_shutdown_fails_pending_requests_and_refuses_new_ones():
             handle.result(timeout=10)
     with pytest.raises(ExecutorShutdown):
         llm.generate_async(GOOD, SamplingParams())
-    assert llm.health()["alive"] is False
-    kv = llm._executor.kv_cache_manager
-    kv.check_integrity()
-    assert kv.pool.num_free + kv.pool.num_cached == kv.pool.num_blocks
+    assert llm.health().alive is False
+    assert llm.executor.load().kv.num_held == 0  # drained: every block free or cached
 
 
 def test_an_iteration_is_budget_bound_while_prompt_tokens_are_left_after_its_batch():

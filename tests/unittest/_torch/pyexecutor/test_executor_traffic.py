@@ -104,38 +104,40 @@ def overshoots(stats):
 
 
 class IterationWatch:
-    """Counts the executor's iterations (its public ``step``, wrapped) so that a test can wait
-    for more of them without polling."""
+    """Counts the executor's iterations (an iteration listener) so that a test can wait for
+    more of them without polling for each one."""
 
     def __init__(self, executor) -> None:
         self.executor = executor
         self.count = 0
         self._changed = threading.Condition()
-        step = executor.step
+        executor.add_iteration_listener(self._counted)
 
-        def counted_step():
-            try:
-                return step()
-            finally:
-                with self._changed:
-                    self.count += 1
-                    self._changed.notify_all()
+    def _counted(self, stats) -> None:
+        with self._changed:
+            self.count += 1
+            self._changed.notify_all()
 
-        executor.step = counted_step
+    def _idle(self) -> bool:
+        health = self.executor.health()
+        return health.active_requests == 0 and health.queued_requests == 0
 
     def wait(self, iterations: int, timeout: float = 60.0) -> None:
         """Until ``iterations`` more have run, or the executor has nothing left to do."""
+        deadline = time.monotonic() + timeout
         with self._changed:
             target = self.count + iterations
-            done = self._changed.wait_for(lambda: self.count >= target or not self.executor.has_work, timeout)
-        assert done, f"the executor ran no {iterations} iterations in {timeout} s (hung?)"
+            # an idle loop publishes nothing more: look again every 50 ms for that
+            while self.count < target and not self._idle():
+                assert time.monotonic() < deadline, f"the executor ran no {iterations} iterations in {timeout} s (hung?)"
+                self._changed.wait(0.05)
 
 
 def test_mixed_traffic_through_llm_under_recheck():
     started = time.monotonic()
     handles, rejected = [], []
     with LLM("tiny-random", dtype="float32", **llm_options()) as llm:
-        watch = IterationWatch(llm._executor)
+        watch = IterationWatch(llm.executor)
         for burst in mixed_traffic():
             submitted = []
             for arrival in burst:
@@ -174,9 +176,7 @@ def test_mixed_traffic_through_llm_under_recheck():
             assert len(completion.token_ids) == arrival.max_tokens
     assert len(handles) == 200
 
-    kv = llm._executor.kv_cache_manager
-    kv.check_integrity()
-    assert kv.pool.num_free + kv.pool.num_cached == kv.pool.num_blocks
+    assert llm.executor.load().kv.num_held == 0  # drained: every block free or cached
     assert overshoots(stats) == [], overshoots(stats)
     assert max(s.forward_tokens for s in stats) <= TRAFFIC["max_num_tokens"]
     assert sum(s.reuse_claimed_tokens for s in stats) > 0
@@ -276,13 +276,13 @@ def test_greedy_outputs_match_the_reference(conversation, variant, policy):
                 assert output.outputs[0].token_ids == reference[tuple(prompt)], (variant, policy, len(prompt))
     stats = llm.iteration_stats
     claimed = sum(s.reuse_claimed_tokens for s in stats)
-    pool = llm._executor.kv_cache_manager.pool
+    kv = llm.executor.load().kv
     if variant == "reuse-off":
         assert claimed == 0
     else:
         assert claimed > 0, "no reuse happened: the test would prove nothing"
     if variant == "host-tier":
-        assert pool.num_offloads > 0 and pool.num_onboards > 0
+        assert kv.num_offloads > 0 and kv.num_onboards > 0
     assert all(s.error is None for s in stats)
 
 
@@ -300,6 +300,6 @@ def test_paused_requests_resume_with_the_reference_output():
     ) as llm:
         outputs = llm.generate(prompts, SamplingParams(max_tokens=24))
     assert sum(s.num_paused_requests for s in llm.iteration_stats) > 0, "the pool was expected to run out"
-    model = llm._executor.model_engine.model
+    model = factories.served_model(MODEL)
     for prompt, output in zip(prompts, outputs):
         assert output.outputs[0].token_ids == greedy_reference(model, prompt, 24)

@@ -1,5 +1,19 @@
 """No import cycles in ``tensorrt_llm/`` or ``benchmarks/``, counting every import statement:
-module level, inside functions, and under ``if TYPE_CHECKING:``.
+module level, inside functions, and under ``if TYPE_CHECKING:``; and packages in layers.
+
+Packages point one way too (STYLE.md): a building block never imports the layer that uses
+it. :data:`LAYERS` ranks the packages, lowest first; every import between two packages
+goes down, never level or up, which also rules out cycles
+between packages::
+
+    benchmarks                    (runs from the checkout; not in the wheel)
+    tensorrt_llm (root), commands
+    serve
+    llmapi
+    _torch.distributed            several ranks: rank executor, launcher, MultiRankExecutor
+    _torch.pyexecutor             the executor layer
+    _torch.models                 the torch models
+    _torch.modules, _torch.attention_backend, mapping    building blocks
 
 A dependency points one way (STYLE.md): the KV manager answers questions, the budget
 policy decides, the executor and ``ResourceManager`` sequence them. The graph is read from
@@ -87,8 +101,72 @@ def test_the_graph_counts_type_checking_and_local_imports(tmp_path):
     assert imports_of("probe", source, modules) == {"tensorrt_llm._torch.pyexecutor.scheduler", "benchmarks.replay"}
 
 
+# Rank of each package: an import may only go to a package of lower rank (or its own).
+LAYERS = {
+    "tensorrt_llm.mapping": 0,
+    "tensorrt_llm._torch.modules": 0,
+    "tensorrt_llm._torch.attention_backend": 0,
+    "tensorrt_llm._torch.models": 1,
+    "tensorrt_llm._torch.pyexecutor": 2,
+    "tensorrt_llm._torch.distributed": 3,
+    "tensorrt_llm.llmapi": 4,
+    "tensorrt_llm.serve": 5,
+    "tensorrt_llm.commands": 6,
+    "tensorrt_llm": 6,
+    "benchmarks": 7,
+}
+
+
+def package_of(module: str) -> str:
+    """The entry of :data:`LAYERS` that holds ``module`` (the longest matching prefix)."""
+    parts = module.split(".")
+    for length in range(len(parts), 0, -1):
+        if ".".join(parts[:length]) in LAYERS:
+            return ".".join(parts[:length])
+    raise AssertionError(f"{module} is in no layer: add its package to LAYERS")
+
+
+def package_graph(graph: dict[str, set[str]]) -> dict[tuple[str, str], list[str]]:
+    """Package -> package edges, each with the module imports that make it."""
+    edges: dict[tuple[str, str], list[str]] = {}
+    for name, targets in graph.items():
+        for target in targets:
+            if (a := package_of(name)) != (b := package_of(target)):
+                edges.setdefault((a, b), []).append(f"{name} -> {target}")
+    return edges
+
+
+def test_the_package_rule_sees_an_upward_import():
+    edges = package_graph({"tensorrt_llm._torch.modules.linear": {"tensorrt_llm._torch.distributed.ops"},
+                           "tensorrt_llm._torch.distributed.ops": set()})
+    assert [(a, b) for a, b in edges if LAYERS[b] >= LAYERS[a]] == [
+        ("tensorrt_llm._torch.modules", "tensorrt_llm._torch.distributed")
+    ]
+
+
+def test_packages_import_downward_only():
+    modules = project_modules()
+    graph = {name: imports_of(name, path, modules) for name, path in modules.items()}
+    upward = [f"{a} -> {b}: {', '.join(why[:3])}" for (a, b), why in sorted(package_graph(graph).items())
+              if LAYERS[b] >= LAYERS[a]]
+    assert not upward, "imports that point up (or sideways) between packages:\n" + "\n".join(upward)
+    assert find_cycle({p: {b for a, b in package_graph(graph) if a == p} for p in LAYERS}) is None
+
+
 def test_no_import_cycles():
     modules = project_modules()
     graph = {name: imports_of(name, path, modules) for name, path in modules.items()}
     cycle = find_cycle(graph)
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_the_wheel_ships_tensorrt_llm_only():
+    """``benchmarks`` runs from the checkout: a top-level package of that name is not installed."""
+    import tomllib
+
+    import setuptools
+
+    find = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
+    shipped = setuptools.find_packages(str(ROOT), include=find["include"])
+    assert "tensorrt_llm._torch.pyexecutor" in shipped
+    assert {name.split(".")[0] for name in shipped} == {"tensorrt_llm"}

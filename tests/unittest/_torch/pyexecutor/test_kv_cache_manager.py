@@ -92,7 +92,7 @@ def hold(kv, prompt):
 
 
 def estimate(kv, prompt) -> int:
-    return kv.estimate_reusable_tokens(make_request(prompt))
+    return kv.match(make_request(prompt)).reusable_tokens
 
 
 def pools(storage):
@@ -135,7 +135,7 @@ def test_reuse_estimate_vs_claim(prompt_len, partial, estimated, claimed):
     cache_prompt(kv, base[:8])
     request = make_request((base[:8] + tokens(8, seed=2))[:prompt_len] if prompt_len > 8 else base[:prompt_len])
 
-    assert kv.estimate_reusable_tokens(request) == estimated
+    assert kv.match(request).reusable_tokens == estimated
     allocation = allocate(kv, request)
 
     [claim] = allocation.claims
@@ -156,9 +156,9 @@ def test_estimate_is_zero_with_reuse_off_and_once_allocated():
     kv = manager()
     cache_prompt(kv, prompt)
     request = make_request(prompt + [7])
-    assert kv.estimate_reusable_tokens(request) == 8
+    assert kv.match(request).reusable_tokens == 8
     allocate(kv, request)
-    assert kv.estimate_reusable_tokens(request) == 0  # an allocated request reuses nothing more
+    assert kv.match(request).reusable_tokens == 0  # an allocated request reuses nothing more
 
 
 def test_non_last_chunk_window_shifts_and_stays_block_aligned():
@@ -257,7 +257,7 @@ def test_lru_keeps_its_order_and_a_bounded_length_under_repeated_pins():
         pool.incref(b)
         pool.decref(b)
     assert pool.lru_blocks() == [c, a, b] and pool.num_cached == 3
-    assert len(pool._lru) <= 2 * pool.num_cached + 64
+    assert pool.lru_length <= 2 * pool.num_cached + 64
     fresh = pool.allocate_many(3)  # 1 free slot, then c and a go to the host tier, oldest first
     assert pool.lru_blocks() == [b] and pool.lru_blocks(host=True) == [c, a]
     assert (a.block_id, c.block_id) == (None, None) and pool.num_host_cached == 2
@@ -274,9 +274,9 @@ def test_referenced_blocks_are_never_evicted():
     cache_prompt(kv, prompt)
     user = hold(kv, prompt + tokens(4, seed=18))  # claims both cached blocks, takes 1 free
     shared = kv.block_table(user)[:2]
-    assert kv.pool.available == 1
+    assert kv.available_blocks == 1
     hold(kv, tokens(4, seed=19))
-    assert kv.pool.available == 0
+    assert kv.available_blocks == 0
     request = make_request(tokens(4, seed=20))
     assert allocate(kv, request).deferred == [request]
     assert kv.block_table(user)[:2] == shared
@@ -353,7 +353,7 @@ def test_hash_collisions_never_reuse_the_wrong_kv():
     unrelated = tokens(8, seed=28)
     assert estimate(kv, unrelated + [1]) == 0
     request = make_request(b + [1])
-    assert kv.estimate_reusable_tokens(request) == 8
+    assert kv.match(request).reusable_tokens == 8
     allocate(kv, request)
     assert kv.block_table(request)[:2] == tables["b"]
     for block_id in tables["b"]:
@@ -430,7 +430,7 @@ def test_allocation_is_all_or_nothing(shared):
     assert allocation.scheduled.is_empty and allocation.claims == []
     assert not kv.is_allocated(request)
     assert counts(kv) == before  # nothing stays claimed
-    assert all(block.ref_count == 0 for block in kv.pool._lru)
+    assert all(block.ref_count == 0 for block in kv.pool.lru_blocks() + kv.pool.lru_blocks(host=True))
     assert (request.context_current_position, request.prepopulated_prompt_len) == (0, 0)
     kv.check_integrity()
 
@@ -507,7 +507,7 @@ def test_leak_oracle_catches_a_leaked_block():
     kv = manager(num_blocks=4)
     cache_prompt(kv, tokens(8, seed=46))
     kv.check_integrity()
-    kv.pool._free.pop()  # a slot that is neither free, cached nor held
+    kv.pool.allocate()  # taken from the pool, held by no request: neither free, cached nor held
     with pytest.raises(AssertionError, match="leak"):
         kv.check_integrity()
 
@@ -515,9 +515,8 @@ def test_leak_oracle_catches_a_leaked_block():
 def test_leak_oracle_catches_a_block_in_two_sets():
     kv = manager(num_blocks=4)
     cache_prompt(kv, tokens(8, seed=47))
-    kv.pool._free.append(kv.pool.lru_blocks()[0].block_id)
-    with pytest.raises(AssertionError):
-        kv.check_integrity()
+    with pytest.raises(AssertionError, match="two sets"):  # a cached block that something says it holds
+        kv.pool.check_integrity(held_blocks=kv.pool.lru_blocks()[:1])
 
 
 # ---- block keys ---------------------------------------------------------------------

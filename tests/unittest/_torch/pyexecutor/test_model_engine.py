@@ -4,6 +4,7 @@ budget assertion's exact message."""
 import pytest
 from factories import VOCAB, make_batch, make_config, make_kv_cache_manager, make_request, prepare_alone
 
+from tensorrt_llm._torch.pyexecutor.engine_inputs import prepare_tp_inputs
 from tensorrt_llm._torch.pyexecutor.errors import TokenBudgetExceeded
 from tensorrt_llm._torch.pyexecutor.forward_cost import forward_cost
 from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequestState
@@ -37,7 +38,7 @@ def build(engine, kv, *, context=(), generation=()):
     for claim in allocation.claims:
         if claim.reused_tokens:
             claim.request.reuse_prefix(claim.reused_tokens)
-    return engine._prepare_tp_inputs(allocation.scheduled)
+    return prepare_tp_inputs(allocation.scheduled, kv, engine.max_num_tokens)
 
 
 def test_context_chunk_appends_its_chunk():

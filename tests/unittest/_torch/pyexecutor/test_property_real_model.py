@@ -187,7 +187,7 @@ def test_greedy_outputs_match_forward_full_under_every_policy_and_reuse_mode(wor
         deferrals = sum(s.num_budget_deferrals for s in stats)
         interventions = deferrals + sum(s.num_budget_cuts for s in stats)
         if policy in SAFE_POLICIES:
-            assert health["budget_violations"] == 0, where
+            assert health.budget_violations == 0, where
             assert max(s.forward_tokens for s in stats) <= workload.max_num_tokens, where
             if deferrals:
                 event(f"{policy}: deferrals happened")
@@ -218,5 +218,5 @@ def test_greedy_outputs_with_overlap_match_forward_full_under_every_policy(workl
                 continue
             assert got == want, f"{where}: prompt {index} {workload.prompts[index]} gave {got}, want {want}"
         if policy in SAFE_POLICIES:
-            assert health["budget_violations"] == 0, where
+            assert health.budget_violations == 0, where
             assert max(s.forward_tokens for s in stats) <= workload.max_num_tokens, where

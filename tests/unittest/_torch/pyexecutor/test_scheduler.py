@@ -88,7 +88,7 @@ def test_context_charge_uses_the_estimate_only_before_allocation(policy):
     kv.free_resources(cached)
 
     request = make_request(prompt + [3, 4])
-    assert kv.estimate_reusable_tokens(request) == 16
+    assert kv.match(request).reusable_tokens == 16
     budget = make_policy(config)
     assert budget.context_charge(request, 18, 16) == 2  # every policy discounts at first admission
     assert budget.context_charge(request, 18, None) == 18  # once allocated there is nothing to discount
@@ -283,8 +283,8 @@ def test_guaranteed_no_evict_credits_only_blocks_started_requests_hold():
 
     running = make_request(prompt + [9], max_new_tokens=4)
     prefill(kv, running)  # holds the 4 cached blocks + 1 fresh, 1 more to completion: 5 available
-    assert kv.num_shared_blocks(reuser) == 4
-    assert kv.num_shared_blocks(make_request(prompt)) == 3  # a claim stops at prompt_len - 1
+    assert kv.match(reuser).shared_blocks == 4
+    assert kv.match(make_request(prompt)).shared_blocks == 3  # a claim stops at prompt_len - 1
     # The reuser shares the 4 held blocks for free: 1 + (6 - 4) <= 5; without the credit 6 would not fit.
     assert scheduler.schedule([running, reuser]).fitting == [running, reuser]
 
@@ -385,8 +385,8 @@ def test_lazy_admission_schedules_the_eager_batch_and_walks_only_what_it_reads(p
     expected = micro.schedule(eager.fitting, eager.estimated_reusable)
 
     looked_up = []
-    estimate_admission = kv.estimate_admission
-    kv.estimate_admission = lambda request: looked_up.append(request) or estimate_admission(request)
+    match = kv.match
+    kv.match = lambda request: looked_up.append(request) or match(request)
     scheduled = SimpleScheduler(capacity, micro).schedule_request(active)
     assert [(c.request, c.start, c.size) for c in scheduled.context_chunks] == [
         (c.request, c.start, c.size) for c in expected.context_chunks

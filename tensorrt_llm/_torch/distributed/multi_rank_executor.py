@@ -1,9 +1,7 @@
 """``MultiRankExecutor``: the executor ``LLM`` talks to when it runs on several ranks.
 
-It offers what ``LLM`` and the OpenAI server use of :class:`PyExecutor` (``validate``,
-``enqueue_request``, ``cancel_request``, ``health``, ``iteration_stats``,
-``add_iteration_listener``, ``shutdown``, plus :meth:`load` for the server's gauges), and
-behind it starts ``tensor_parallel_size`` rank processes that run :func:`serve_rank`. Requests go to rank 0
+It implements :class:`~pyexecutor.executor_client.ExecutorClient`, as :class:`PyExecutor`
+does, and behind it starts ``tensor_parallel_size`` rank processes that run :func:`serve_rank`. Requests go to rank 0
 as plain :class:`RequestSpec` data; a dispatcher thread routes the responses rank 0 posts
 back to each request's callback.
 
@@ -27,17 +25,19 @@ import os
 import queue
 import threading
 import time
-from typing import Callable
+from typing import Mapping, Sequence
 
 from tensorrt_llm._torch.distributed.launcher import LaunchOptions, RankGroup, RankResult
-from tensorrt_llm._torch.distributed.requests import RequestSpec
-from tensorrt_llm._torch.distributed.worker import RankLoad, ServeConfig, serve_rank
+from tensorrt_llm._torch.distributed.request_spec import RequestSpec
+from tensorrt_llm._torch.distributed.torchrun import TorchrunGroup
+from tensorrt_llm._torch.distributed.worker import serve_config, serve_rank
 from tensorrt_llm._torch.models.modeling_llama import HeadShard, LlamaConfig
 from tensorrt_llm._torch.pyexecutor.config import ExecutorConfig
+from tensorrt_llm._torch.pyexecutor.block_pool import KvCacheStats
 from tensorrt_llm._torch.pyexecutor.errors import ExecutorShutdown
+from tensorrt_llm._torch.pyexecutor.executor_client import Health, IterationListener, Load, Response, ResponseCallback
 from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequest
 from tensorrt_llm._torch.pyexecutor.model_engine import TorchModelEngine
-from tensorrt_llm._torch.pyexecutor.py_executor import Response, ResponseCallback
 from tensorrt_llm._torch.pyexecutor.py_executor_creator import create_kv_cache_manager
 from tensorrt_llm._torch.pyexecutor.request_validation import RequestLimits, validate_request
 from tensorrt_llm._torch.pyexecutor.stats import IterationStats
@@ -46,8 +46,6 @@ from tensorrt_llm.mapping import Mapping
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_STATS = 1000  # iteration statistics kept per rank (the newest) without iter_stats_max_iterations
-
-IterationListener = Callable[[IterationStats], None]
 
 
 class MultiRankExecutor:
@@ -62,9 +60,14 @@ class MultiRankExecutor:
         launch_options: LaunchOptions = LaunchOptions(),
         shutdown_timeout_s: float = 60.0,
         checkpoint: str | os.PathLike[str] | None = None,
+        group: RankGroup | TorchrunGroup | None = None,
     ) -> None:
         """``checkpoint``: a GGUF file whose weights ``model`` describes; every rank reads it and
-        keeps its slices. Without it the ranks draw ``model``'s weights from its seed."""
+        keeps its slices. Without it the ranks draw ``model``'s weights from its seed.
+
+        ``group``: the ranks. None spawns them here (:class:`RankGroup`); a
+        :class:`TorchrunGroup` is rank 0 of ranks ``torchrun`` started, whose followers run
+        :func:`serve_config`'s job on their own (``torchrun.follow``)."""
         mapping = Mapping(tensor_parallel_size, 0, tensor_parallel_size, enable_attention_dp)
         HeadShard.of(model, mapping.attn_tp_size, 0)  # refuse an unshardable model before spawning
         self.config = config
@@ -77,7 +80,7 @@ class MultiRankExecutor:
         self._stats: dict[int, collections.deque[IterationStats]] = {
             rank: collections.deque(maxlen=ring) for rank in range(tensor_parallel_size)
         }
-        self._loads: dict[int, RankLoad] = {}
+        self._loads: dict[int, Load] = {}
         self._listeners: list[IterationListener] = []
         self._iterations = 0  # group iterations rank 0 reported
         self._failed_batches = 0
@@ -85,9 +88,11 @@ class MultiRankExecutor:
         self._heartbeat = time.monotonic()  # the last time a rank posted anything
         self._failure: str | None = None
         self._stopping = False
-        self._group = RankGroup(tensor_parallel_size, launch_options)
-        serve = ServeConfig(model, config, enable_attention_dp, check_decisions,
-                            checkpoint=None if checkpoint is None else os.fspath(checkpoint))
+        if group is not None and group.world_size != tensor_parallel_size:
+            raise ValueError(f"tensor_parallel_size={tensor_parallel_size}, but the launch has {group.world_size} ranks")
+        self._group = group if group is not None else RankGroup(tensor_parallel_size, launch_options)
+        serve = serve_config(model, config, enable_attention_dp=enable_attention_dp, check_decisions=check_decisions,
+                             checkpoint=checkpoint)
         self._job = self._group.start(serve_rank, serve)
         self._dispatcher = threading.Thread(target=self._dispatch, name="MultiRankExecutor", daemon=True)
         self._dispatcher.start()
@@ -100,17 +105,23 @@ class MultiRankExecutor:
         self._validator(request)
 
     def enqueue_request(self, request: LlmRequest, on_response: ResponseCallback | None = None) -> int:
+        return self.enqueue_requests([(request, on_response)])[0]
+
+    def enqueue_requests(self, requests: Sequence[tuple[LlmRequest, ResponseCallback | None]]) -> list[int]:
+        """One message to rank 0, which takes all of them before its next iteration."""
         with self._lock:
             if self._failure is not None or self._stopping:
                 raise ExecutorShutdown(self._failure or "the executor is shut down")
             dead = self._group.dead_ranks()
             if dead:  # before the dispatcher has noticed and failed the group
-                raise ExecutorShutdown(f"rank {dead[0]} exited with code {self._group.processes[dead[0]].exitcode}")
+                raise ExecutorShutdown(self._group.why_dead(dead[0]))
             if not self._callbacks:  # idle ranks report nothing: the stall clock starts with the work
                 self._heartbeat = time.monotonic()
-            self._callbacks[request.request_id] = (request, on_response)
-        self._group.send(0, ("submit", RequestSpec.of(request, arrival_time=time.monotonic())))
-        return request.request_id
+            for request, on_response in requests:
+                self._callbacks[request.request_id] = (request, on_response)
+        now = time.monotonic()
+        self._group.send(0, ("submit", [RequestSpec.of(request, arrival_time=now) for request, _ in requests]))
+        return [request.request_id for request, _ in requests]
 
     def cancel_request(self, request_id: int) -> None:
         if self._failure is None and not self._stopping:
@@ -135,15 +146,27 @@ class MultiRankExecutor:
         exception it raises is logged and ignored."""
         self._listeners.append(listener)
 
-    def load(self) -> RankLoad:
-        """The group's load as the ranks last reported it: under TP rank 0's (every rank holds
-        the same requests); under attention DP running and waiting requests summed over the
-        ranks and the KV usage averaged (every rank has a pool of the same size)."""
-        with self._lock:
-            return _combined(list(self._loads.values()))
+    @property
+    def rank_pids(self) -> list[int | None]:
+        """The process id of each rank, by rank (an operator's, or a test's that kills one);
+        None for a rank on another host."""
+        return self._group.pids
 
-    def health(self) -> dict:
-        """:meth:`PyExecutor.health`'s keys, for the whole group, plus ``ranks`` and ``dead_ranks``.
+    def faults_injected(self) -> Mapping[str, int]:
+        """None here: fault injection runs inside the rank processes."""
+        return {}
+
+    def load(self) -> Load:
+        """The group's load as the ranks last reported it, plus what rank 0 has not taken yet:
+        under TP rank 0's (every rank holds the same requests); under attention DP summed over
+        the ranks (every rank has a pool of the same size)."""
+        with self._lock:
+            load = _combined(list(self._loads.values()))
+            queued = max(0, len(self._callbacks) - load.running - load.waiting)
+        return Load(load.running, load.waiting + queued, load.kv)
+
+    def health(self) -> Health:
+        """:class:`Health` of the whole group, with ``ranks`` and ``dead_ranks``.
 
         Unhealthy once any rank has died (the reason names it, even before the dispatcher has
         failed the group), the group failed or shut down, or while requests are in flight and
@@ -156,8 +179,7 @@ class MultiRankExecutor:
             if self._failure is not None:
                 reason = f"the rank group failed: {self._failure}"
             elif dead:
-                codes = ", ".join(f"rank {r} (exit code {self._group.processes[r].exitcode})" for r in dead)
-                reason = f"a rank process exited: {codes}"
+                reason = "a rank is dead: " + "; ".join(self._group.why_dead(r) for r in dead)
             elif self._stopping:
                 reason = "the executor is shut down"
             elif stalled_s > self.config.health_check_timeout_s:
@@ -165,22 +187,22 @@ class MultiRankExecutor:
                           f" (health_check_timeout_s={self.config.health_check_timeout_s:g})")
             else:
                 reason = None
-            return {
-                "healthy": reason is None,
-                "reason": reason,
-                "alive": self._failure is None and not dead and not self._stopping,
-                "seconds_since_progress": round(stalled_s, 3),
-                "ranks": self.mapping.world_size,
-                "dead_ranks": dead,
-                "iterations": self._iterations,
-                "active_requests": in_flight,
+            return Health(
+                healthy=reason is None,
+                reason=reason,
+                alive=self._failure is None and not dead and not self._stopping,
+                seconds_since_progress=round(stalled_s, 3),
+                iterations=self._iterations,
+                active_requests=in_flight,
                 # submitted, not yet held by any rank (the ranks' last report)
-                "queued_requests": max(0, in_flight - load.running - load.waiting),
-                "failed_batches": self._failed_batches,
-                "budget_violations": self._budget_violations,
+                queued_requests=max(0, in_flight - load.running - load.waiting),
+                failed_batches=self._failed_batches,
+                budget_violations=self._budget_violations,
                 # a dead rank is news before the dispatcher has noticed it and failed the group
-                "last_error": self._failure or (f"rank {dead[0]} exited" if dead else None),
-            }
+                last_error=self._failure or (f"rank {dead[0]} exited" if dead else None),
+                ranks=self.mapping.world_size,
+                dead_ranks=tuple(dead),
+            )
 
     def shutdown(self) -> None:
         """Stop every rank; requests still in flight end with ExecutorShutdown."""
@@ -208,7 +230,7 @@ class MultiRankExecutor:
                     return
                 dead = group.dead_ranks()
                 if dead:
-                    self._ended(None, f"rank {dead[0]} exited with code {group.processes[dead[0]].exitcode}")
+                    self._ended(None, group.why_dead(dead[0]))
                     group.close(kill=True)
                     return
                 continue
@@ -269,11 +291,10 @@ class MultiRankExecutor:
                 callback(request, Response(request.request_id, [], finished=True, error=request.error))
 
 
-def _combined(loads: list[RankLoad]) -> RankLoad:
+def _combined(loads: list[Load]) -> Load:
     if not loads:
-        return RankLoad(0, 0, 0.0)
-    return RankLoad(sum(x.running for x in loads), sum(x.waiting for x in loads),
-                    sum(x.kv_usage for x in loads) / len(loads))
+        return Load(0, 0, KvCacheStats(0, 0, 0))
+    return Load(sum(x.running for x in loads), sum(x.waiting for x in loads), sum((x.kv for x in loads[1:]), loads[0].kv))
 
 
 class _Validator:

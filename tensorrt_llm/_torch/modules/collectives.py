@@ -1,6 +1,8 @@
 """Tensor collectives the sharded model calls inside its forward: sum and gather over the TP group.
 
-The group is the default process group (``world_size == tp_size``, see :class:`Mapping`),
+They live beside the layers that call them (``linear``), below ``distributed/``: the
+executor's rank machinery sets the group up, the model only uses it, so nothing here
+imports upward. The group is the default process group (``world_size == tp_size``, see :class:`Mapping`),
 set up by :class:`~tensorrt_llm._torch.distributed.communicator.Communicator`. Every rank
 must call these in the same order with the same shapes; the executor guarantees that by
 running the same batch on every rank (checked by the decision digest when enabled).

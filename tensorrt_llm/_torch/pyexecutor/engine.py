@@ -1,0 +1,208 @@
+"""The engine interface: ``ModelEngine`` launches a forward and returns a ``PendingForward``.
+
+``forward_async`` builds the inputs (:func:`~engine_inputs.prepare_tp_inputs`, which raises
+``TokenBudgetExceeded`` past the budget before anything runs) and launches them. What comes
+back is a :class:`PendingForward`: one of a few small classes, each one way a forward can be
+in flight —
+
+=================  ===========================================================================
+ReadyForward       it has run (a host engine that runs at launch)
+DeferredForward    it runs when its result is first asked for, after the forward launched
+                   before it (a host engine built ``asynchronous=True``: the simulated engine,
+                   so that the CPU tests run the overlap scheduler)
+CudaForward        enqueued on the GPU (``model_engine``); ``result()`` waits for its picks
+=================  ===========================================================================
+
+Under the overlap scheduler a generation request can be in the next forward before its
+newest token is known: its ``tokens`` end with ``IN_FLIGHT_TOKEN_ID`` (see ``llm_request``),
+and the engine puts in that slot the token it picked for the request in the previous forward
+(:meth:`ModelEngine.can_pick` says for which requests an engine picks the token the sampler
+will return). Nothing here imports torch: the simulated engine runs on it alone.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Protocol
+
+from tensorrt_llm._torch.pyexecutor.engine_inputs import TpInputs, prepare_tp_inputs
+from tensorrt_llm._torch.pyexecutor.kv_cache_manager import KVCacheManager
+from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequest
+from tensorrt_llm._torch.pyexecutor.scheduled_requests import ScheduledRequests
+
+
+@dataclass(slots=True)
+class ForwardOutput:
+    """Per request that samples: the logits row of its last position (a device tensor; None for
+    simulated engines), and, from engines that pick on the device, the greedy token (the argmax
+    of that row).
+
+    ``nonfinite``: from engines that check on the device, the requests whose logits row holds NaN
+    or inf (None: not checked; the sampler checks the row itself). Checking a device row on the
+    host would wait for the device, and with it for the next forward already queued (overlap)."""
+
+    logits: dict[int, Any]
+    num_tokens: int = 0  # positions in the forward
+    greedy_tokens: dict[int, int] | None = None
+    nonfinite: set[int] | None = None
+    # Requests that ask for prompt log-probabilities, in a context chunk: (the chunk's first prompt
+    # position, (chunk length, vocab) logits: row i predicts prompt position start + i + 1).
+    prompt_logits: dict[int, tuple[int, Any]] | None = None
+
+
+class PendingForward(Protocol):
+    """A forward in flight. ``num_tokens``: its positions (set at launch)."""
+
+    num_tokens: int
+
+    def result(self) -> ForwardOutput:
+        """Wait for the forward (only it, not what was launched after it); raises what it raised."""
+
+    def picks(self) -> Mapping[int, int]:
+        """The engine's token for each request that sampled (waits for the forward); empty if it failed."""
+
+
+class ReadyForward:
+    """A forward that has run."""
+
+    __slots__ = ("_output", "num_tokens")
+
+    def __init__(self, output: ForwardOutput) -> None:
+        self._output = output
+        self.num_tokens = 0
+
+    def result(self) -> ForwardOutput:
+        return self._output
+
+    def picks(self) -> Mapping[int, int]:
+        return self._output.greedy_tokens or {}
+
+
+class DeferredForward:
+    """A host forward that runs when its result is first asked for, after ``previous`` (launch
+    order); its error, if it raises, is raised again by every later ``result()``."""
+
+    __slots__ = ("_compute", "_previous", "_output", "_error", "num_tokens")
+
+    def __init__(self, compute: Callable[[], ForwardOutput], previous: PendingForward | None) -> None:
+        self._compute: Callable[[], ForwardOutput] | None = compute
+        self._previous = previous
+        self._output: ForwardOutput | None = None
+        self._error: BaseException | None = None
+        self.num_tokens = 0
+
+    def result(self) -> ForwardOutput:
+        if self._error is not None:
+            raise self._error
+        if self._output is None:
+            compute, previous, self._compute, self._previous = self._compute, self._previous, None, None
+            if previous is not None:
+                previous.picks()  # launch order: the previous forward runs first (its failure is its own)
+            try:
+                self._output = compute()
+            except BaseException as error:
+                self._error = error
+                raise
+        return self._output
+
+    def picks(self) -> Mapping[int, int]:
+        try:
+            return self.result().greedy_tokens or {}
+        except Exception:
+            return {}
+
+
+class ModelEngine(abc.ABC):
+    """Shared input preparation and host launches; subclasses run the prepared inputs (:meth:`_run`).
+
+    ``asynchronous``: on a host engine, :meth:`forward_async` returns before the forward has
+    run; it runs when its result (or a later forward's) is first asked for, in launch order,
+    over inputs taken at launch. This is how the CPU tests run the overlap scheduler against an
+    engine that completes later. Only an engine without KV data may defer this way (the
+    simulated one): the KV manager's host-side block copies (onboarding, partial-reuse copies)
+    would otherwise run before a forward launched earlier, which a CUDA stream never allows.
+    A torch engine on the CPU runs each forward at launch, in order with those copies, and
+    still delivers its tokens one iteration later under overlap.
+    """
+
+    #: largest beam width / whether draft tokens can be run; checked at submission.
+    max_beam_width: int = 1
+    supports_draft_tokens: bool = False
+    #: whether forwards carry ``greedy_tokens`` (the engine's own pick for each sampling request)
+    picks_tokens: bool = False
+
+    def __init__(self, max_num_tokens: int, kv_cache_manager: KVCacheManager, *, asynchronous: bool = False) -> None:
+        self.max_num_tokens = max_num_tokens
+        self.kv_cache_manager = kv_cache_manager
+        self.asynchronous = asynchronous
+        self._previous: PendingForward | None = None  # the last forward launched on the host
+
+    @property
+    @abc.abstractmethod
+    def vocab_size(self) -> int: ...
+
+    @property
+    def completes_asynchronously(self) -> bool:
+        """True when :meth:`forward_async` returns before the forward has run: the overlap
+        scheduler then hides the host's work behind it (and is on by default)."""
+        return self.asynchronous
+
+    def can_pick(self, request: LlmRequest) -> bool:
+        """Whether this engine picks, in the forward itself, the very token the sampler will
+        return for ``request`` (so the request can be in the next forward before the token
+        reaches the host). Greedy, one beam, no drafts, nothing that needs its logits on the host
+        (penalties, a grammar mask, logprobs: ``LlmRequest.needs_host_logits``), and an engine that picks."""
+        return (
+            self.picks_tokens
+            and request.beam_width == 1
+            and not request.py_draft_tokens
+            and not request.is_first_draft
+            and request.sampling_config.is_greedy
+            and not request.needs_host_logits
+        )
+
+    @property
+    def faults_injected(self) -> Mapping[str, int]:
+        """Faults injected so far, by kind: none (``FaultInjectingEngine`` counts its own)."""
+        return {}
+
+    def forward(self, scheduled: ScheduledRequests) -> ForwardOutput:
+        return self.forward_async(scheduled).result()
+
+    def forward_async(self, scheduled: ScheduledRequests) -> PendingForward:
+        """Prepare the inputs (TokenBudgetExceeded past the budget, before anything runs) and launch."""
+        inputs = self._prepare_tp_inputs(scheduled)
+        pending = self._launch(inputs)
+        pending.num_tokens = inputs.total_num_tokens
+        return pending
+
+    def _prepare_tp_inputs(self, scheduled: ScheduledRequests) -> TpInputs:
+        """Flat inputs for the batch (:func:`~engine_inputs.prepare_tp_inputs`)."""
+        return prepare_tp_inputs(scheduled, self.kv_cache_manager, self.max_num_tokens)
+
+    def _launch(self, inputs: TpInputs) -> PendingForward:
+        """A host forward: now, or later in launch order when the engine is asynchronous. Its
+        in-flight inputs take the previous forward's picks."""
+        previous = self._previous
+        run = self._host_forward(inputs)
+
+        def complete() -> ForwardOutput:
+            if inputs.in_flight:
+                inputs.resolve(previous.picks() if previous is not None else {})
+            output = run()
+            output.num_tokens = inputs.total_num_tokens
+            return output
+
+        pending: PendingForward = DeferredForward(complete, previous) if self.asynchronous else ReadyForward(complete())
+        self._previous = pending
+        return pending
+
+    def _host_forward(self, inputs: TpInputs) -> Callable[[], ForwardOutput]:
+        """Take what running ``inputs`` later needs now (state moves on after launch)."""
+        if self.asynchronous:
+            inputs.materialize()
+        return lambda: self._run(inputs)
+
+    @abc.abstractmethod
+    def _run(self, inputs: TpInputs) -> ForwardOutput: ...

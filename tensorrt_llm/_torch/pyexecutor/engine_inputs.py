@@ -1,0 +1,199 @@
+"""``_prepare_tp_inputs``: one flat forward from a batch, the same for every engine.
+
+:func:`prepare_tp_inputs` appends each request's positions — a context request's chunk as
+the batch carries it, a generation request's next step — checks each count against
+:func:`forward_cost`, and checks the total against ``max_num_tokens`` the way upstream
+asserts it, except that here it raises :class:`TokenBudgetExceeded`, which fails the batch
+instead of killing the executor thread. :class:`TpInputs` holds the result. Nothing here
+needs torch: the simulated engine and the replay run on it alone.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Mapping
+
+from tensorrt_llm._torch.pyexecutor.errors import TokenBudgetExceeded
+from tensorrt_llm._torch.pyexecutor.forward_cost import forward_cost
+from tensorrt_llm._torch.pyexecutor.llm_request import IN_FLIGHT_TOKEN_ID, LlmRequest
+from tensorrt_llm._torch.pyexecutor.scheduled_requests import ScheduledRequests
+
+if TYPE_CHECKING:
+    from tensorrt_llm._torch.pyexecutor.kv_cache_manager import KVCacheManager
+
+PAD_TOKEN_ID = 0  # fills first-draft slots before the drafter has proposed anything
+
+
+class TpInputs:
+    """One flat forward. Request ``i`` owns ``input_ids[offsets[i]:offsets[i] + num_new_tokens[i]]``.
+
+    ``requests``, ``num_new_tokens``, ``num_cached_tokens`` and ``samples`` (does request
+    ``i`` produce a token this step) are filled as requests are added. The flat
+    ``input_ids`` and ``position_ids`` and the ``block_tables`` are built on first use — a
+    simulated engine never needs them, and a context chunk can be thousands of tokens — so
+    they must be read before the KV manager allocates again (in the same iteration), or taken
+    at launch by :meth:`materialize` when the forward runs later.
+
+    ``in_flight``: ``(flat index, request index)`` of each generation input whose token a
+    forward in flight is still sampling (overlap); :meth:`resolve` fills them in.
+    """
+
+    __slots__ = (
+        "requests", "num_new_tokens", "num_cached_tokens", "samples", "total_num_tokens", "in_flight", "prompt_logits",
+        "_pieces", "_beams", "_tables", "_kv", "_input_ids", "_position_ids", "_block_tables",
+    )
+
+    def __init__(self, kv_cache_manager: KVCacheManager | None = None) -> None:
+        self.requests: list[LlmRequest] = []
+        self.num_new_tokens: list[int] = []
+        self.num_cached_tokens: list[int] = []
+        self.samples: list[bool] = []
+        self.total_num_tokens = 0
+        self.in_flight: list[tuple[int, int]] = []
+        self.prompt_logits: set[int] = set()  # indices of context chunks whose every position gets logits
+        self._pieces: list[tuple[list[int], int, int, list[int]]] = []  # token source, start, stop, then extra
+        self._beams: list[int] = []
+        self._tables: list[list[int] | None] = []  # None: the request's table in the KV manager
+        self._kv = kv_cache_manager
+        self._input_ids: list[int] | None = None
+        self._position_ids: list[int] | None = None
+        self._block_tables: list[list[int]] | None = None
+
+    def append(
+        self, request: LlmRequest, token_ids: list[int], start: int, block_table: list[int] | None, samples: bool,
+        beams: int = 1,
+    ) -> None:
+        """Consecutive positions from ``start``; with ``beams`` > 1 every beam is at ``start``.
+        ``block_table`` None: the request's table in the KV manager, read on first use."""
+        self._add(request, (token_ids, 0, len(token_ids), ()), len(token_ids), start, block_table, samples, beams)
+
+    def append_generation(self, requests: list[LlmRequest]) -> None:
+        """The next step of each generation request: its newest token (one per beam), then
+        its draft tokens, or first-draft padding up to ``max_draft_len``."""
+        count = 0
+        for request in requests:
+            tokens = request.tokens
+            beams = request.beam_width
+            if request.is_first_draft:
+                token_ids = [tokens[-1]] + [PAD_TOKEN_ID] * request.max_draft_len
+            elif request.py_draft_tokens:
+                token_ids = [tokens[-1], *request.py_draft_tokens]
+            else:  # one position per beam
+                token_ids = [tokens[-1]] * beams
+                if token_ids[0] == IN_FLIGHT_TOKEN_ID:
+                    self.in_flight.append((self.total_num_tokens + count, len(self._beams)))  # (flat, request index)
+            self._pieces.append((token_ids, 0, len(token_ids), ()))
+            self.num_new_tokens.append(len(token_ids))
+            self.num_cached_tokens.append(len(tokens) - 1)
+            self._beams.append(beams)
+            count += len(token_ids)
+        self.requests += requests
+        self.samples += [True] * len(requests)
+        self._tables += [None] * len(requests)
+        self.total_num_tokens += count
+        self._input_ids = self._position_ids = self._block_tables = None
+
+    def append_chunk(self, request: LlmRequest, start: int, stop: int, extra: list[int], samples: bool) -> None:
+        """Prompt tokens ``[start, stop)`` of ``request`` followed by ``extra`` (draft tokens), not copied yet.
+        A request that asks for prompt log-probabilities gets the logits of every position of it."""
+        if request.sampling_config.prompt_logprobs is not None:
+            self.prompt_logits.add(len(self.requests))
+        self._add(request, (request.tokens, start, stop, extra), stop - start + len(extra), start, None, samples, 1)
+
+    def _add(self, request, piece, count, start, block_table, samples, beams) -> None:
+        self.requests.append(request)
+        self.num_new_tokens.append(count)
+        self.num_cached_tokens.append(start)
+        self.samples.append(samples)
+        self._pieces.append(piece)
+        self._beams.append(beams)
+        self._tables.append(block_table)
+        self.total_num_tokens += count
+        self._input_ids = self._position_ids = self._block_tables = None
+
+    def resolve(self, picks: Mapping[int, int]) -> None:
+        """Fill each in-flight input with the token the engine picked for its request in the
+        previous forward (``picks``: request id to token). A request with no pick (its previous
+        forward failed) gets token 0: it has failed already, and this forward's output for it is dropped."""
+        for flat, index in self.in_flight:
+            token = picks.get(self.requests[index].request_id, 0)
+            self._pieces[index][0][0] = token  # the generation piece's own list
+            if self._input_ids is not None:
+                self._input_ids[flat] = token
+
+    def materialize(self) -> None:
+        """Build the flat inputs and copy the block tables now: a forward that runs after
+        launch must not read request or KV state that has moved on since."""
+        self.input_ids, self.position_ids  # noqa: B018 (built and kept)
+        self._block_tables = [list(table) for table in self.block_tables]
+
+    def last_input_id(self, index: int) -> int:
+        """The last input token of request ``index`` (the one whose logits it samples from)."""
+        source, _start, stop, extra = self._pieces[index]
+        return extra[-1] if extra else source[stop - 1]
+
+    def sampling_rows(self) -> tuple[list[int], list[int], list[tuple[int, int, int, int]]]:
+        """Which flat positions get logits: ``(rows, request ids, prompt spans)``. ``rows`` holds
+        first the last position of each request that samples (it predicts its next token; the
+        ids are theirs, in order), then the prompt positions of each context chunk whose request
+        asks for prompt log-probabilities (``prompt spans``: ``(request id, first prompt position,
+        first row in rows, count)``), so rows ``[0, len(ids))`` are the sampling rows whatever follows."""
+        rows, request_ids, spans = [], [], []
+        offset = 0
+        for index, (request, n, samples) in enumerate(zip(self.requests, self.num_new_tokens, self.samples)):
+            offset += n
+            if samples:
+                rows.append(offset - 1)
+                request_ids.append(request.request_id)
+            if index in self.prompt_logits:
+                _, start, stop, _ = self._pieces[index]
+                spans.append((request.request_id, start, offset - n, stop - start))
+        first_row = len(rows)
+        for i, (request_id, start, first, count) in enumerate(spans):
+            rows += range(first, first + count)
+            spans[i] = (request_id, start, first_row, count)
+            first_row += count
+        return rows, request_ids, spans
+
+    @property
+    def input_ids(self) -> list[int]:
+        if self._input_ids is None:
+            ids: list[int] = []
+            for source, start, stop, extra in self._pieces:
+                ids += source[start:stop]
+                ids += extra
+            self._input_ids = ids
+        return self._input_ids
+
+    @property
+    def position_ids(self) -> list[int]:
+        if self._position_ids is None:
+            positions: list[int] = []
+            for start, count, beams in zip(self.num_cached_tokens, self.num_new_tokens, self._beams):
+                positions += [start] * beams if beams > 1 else range(start, start + count)
+            self._position_ids = positions
+        return self._position_ids
+
+    @property
+    def block_tables(self) -> list[list[int]]:
+        if self._block_tables is None:
+            self._block_tables = [
+                table if table is not None else self._kv.block_table(request)
+                for request, table in zip(self.requests, self._tables)
+            ]
+        return self._block_tables
+
+
+def prepare_tp_inputs(scheduled: ScheduledRequests, kv_cache_manager: KVCacheManager, max_num_tokens: int) -> TpInputs:
+    """Flat inputs for the batch; raises TokenBudgetExceeded past ``max_num_tokens``."""
+    inputs = TpInputs(kv_cache_manager)
+    for chunk in scheduled.context_chunks:
+        request = chunk.request
+        last = chunk.is_last
+        inputs.append_chunk(request, chunk.start, chunk.end, request.py_draft_tokens if last else (), samples=last)
+    inputs.append_generation(scheduled.generation_requests)
+    costs = [chunk.cost() for chunk in scheduled.context_chunks]
+    costs += map(forward_cost, scheduled.generation_requests)
+    assert costs == inputs.num_new_tokens, "position count drift from forward_cost"
+    if inputs.total_num_tokens > max_num_tokens:
+        raise TokenBudgetExceeded(inputs.total_num_tokens, max_num_tokens)
+    return inputs
