@@ -170,11 +170,15 @@ class Communicator:
         record = self.abort_record(wait=True)
         if record is not None and record.rank != self.rank:
             return GroupAborted(record.rank, record.iteration, record.message)
-        hint = self._diagnose() if self._diagnose is not None else None
-        if hint:
-            message = f"{hint}: {message}"
+        message = self.explain(message)
         self.abort(message, iteration)
         return CollectiveError(f"rank {self.rank}: {message}")
+
+    def explain(self, message: str) -> str:
+        """``message`` about a failure no rank explained, with what ``diagnose`` can add (which
+        rank is gone), for the abort record every peer then reads."""
+        hint = self._diagnose() if self._diagnose is not None else None
+        return f"{hint}: {message}" if hint else message
 
     def abort(self, message: str, iteration: int | None = None) -> None:
         """Record why this rank gives up, then tear down its process group (idempotent)."""

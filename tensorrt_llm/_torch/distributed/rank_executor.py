@@ -268,8 +268,9 @@ class RankExecutor:
         record = self.comm.abort_record()
         if record is not None and record.rank != self.rank:
             raise GroupAborted(record.rank, record.iteration, record.message)
-        self.comm.abort(stats.error, iteration)
-        raise DistributedError(f"rank {self.rank} failed at iteration {iteration}: {stats.error}")
+        message = self.comm.explain(stats.error)  # a model collective failed: which peer is gone, if known
+        self.comm.abort(message, iteration)
+        raise DistributedError(f"rank {self.rank} failed at iteration {iteration}: {message}")
 
     # ---- responses ------------------------------------------------------------------
     def _on_response(self, request: LlmRequest, response: Response) -> None:
