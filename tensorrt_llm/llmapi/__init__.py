@@ -8,6 +8,7 @@ before torch and the model load.
 __all__ = [
     "LLM",
     "CompletionOutput",
+    "GuidedDecodingParams",
     "KvCacheConfig",
     "RequestError",
     "RequestOutput",
@@ -21,6 +22,10 @@ def __getattr__(name: str):
         from tensorrt_llm._torch.pyexecutor.config import KvCacheConfig
 
         return KvCacheConfig
+    if name == "GuidedDecodingParams":
+        from tensorrt_llm._torch.pyexecutor.guided_decoder import GuidedDecodingParams
+
+        return GuidedDecodingParams
     if name == "RequestError":
         from tensorrt_llm._torch.pyexecutor.errors import RequestError
 

@@ -1,15 +1,15 @@
 """``LLM``: a torch model served by a background executor (an ``ExecutorClient``: one rank or
-several), driven with text or token ids."""
+several), driven with text or token ids; ``SamplingParams``, what each request asks for. What a
+submitted request gives back lives in ``request_output``."""
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import logging
 import os
-import queue
-from dataclasses import dataclass, field
-from typing import AsyncIterator, Iterator, Sequence
+import threading
+from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
@@ -19,11 +19,17 @@ from tensorrt_llm._torch.distributed.worker import serve_config, serve_rank
 from tensorrt_llm._torch.models.modeling_llama import LlamaConfig
 from tensorrt_llm._torch.pyexecutor.config import ExecutorConfig, KvCacheConfig
 from tensorrt_llm._torch.pyexecutor.errors import RequestError
-from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequest, SamplingConfig
-from tensorrt_llm._torch.pyexecutor.executor_client import ExecutorClient, Health, Response
+from tensorrt_llm._torch.pyexecutor.executor_client import ExecutorClient, Health
+from tensorrt_llm._torch.pyexecutor.guided_decoder import GrammarCompiler, GuidedDecodingParams
+from tensorrt_llm._torch.pyexecutor.llm_request import SEED_LIMIT, LlmRequest, SamplingConfig
 from tensorrt_llm._torch.pyexecutor.py_executor_creator import create_py_executor
 from tensorrt_llm.llmapi.llm_utils import describe_checkpoint, load_model, seeded_model
-from tensorrt_llm.llmapi.tokenizer import IncrementalDetokenizer, Tokenizer
+from tensorrt_llm.llmapi.request_output import (  # noqa: F401 - CompletionOutput: re-exported (tensorrt_llm.llmapi)
+    CompletionOutput,
+    RequestOutput,
+    RequestOutputHandle,
+)
+from tensorrt_llm.llmapi.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +38,18 @@ _EXECUTOR_FIELDS = {f.name for f in dataclasses.fields(ExecutorConfig)}
 
 @dataclass(slots=True)
 class SamplingParams:
-    """Per-request generation settings (greedy by default)."""
+    """Per-request generation settings (greedy by default).
+
+    ``n``: samples returned; ``best_of`` (>= n): samples drawn, of which the ``n`` with the
+    highest cumulative log-probability are returned (upstream's meaning when beam search is
+    off; beams are not on the engine). Each sample is a request of its own, charged by the token
+    budget like any other: the first computes the prompt, the others are submitted once it has,
+    and claim its prompt blocks from the prefix cache (``enable_block_reuse``) instead of
+    recomputing them. With a ``seed``, sample ``i`` draws with ``seed + i``.
+
+    Penalties, ``min_tokens`` and ``logprobs``: see ``SamplingConfig``. ``guided_decoding``:
+    structured output (``GuidedDecodingParams``; needs the model's tokenizer).
+    """
 
     max_tokens: int = 32
     temperature: float = 0.0
@@ -43,149 +60,53 @@ class SamplingParams:
     stop_token_ids: Sequence[int] = ()  # added to the tokenizer's end-of-generation ids
     ignore_eos: bool = False  # generate max_tokens whatever the model says (only stop_token_ids stop it)
     beam_width: int = 1
+    n: int = 1
+    best_of: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    logprobs: int | None = None  # alternatives reported beside each sampled token's log-probability
+    prompt_logprobs: int | None = None  # the same for each prompt token after the first (no prefix reuse then)
+    guided_decoding: GuidedDecodingParams | None = None
 
-    def sampling_config(self) -> SamplingConfig:
-        return SamplingConfig(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, seed=self.seed)
-
-
-@dataclass(slots=True)
-class CompletionOutput:
-    index: int
-    token_ids: list[int] = field(default_factory=list)
-    finish_reason: str | None = None  # "length" | "stop" | "cancelled" | "error"
-    # With a tokenizer: the text of token_ids so far (control tokens left out; a character whose
-    # bytes have not all arrived is held back until they do), and what the last step added to it.
-    text: str | None = None
-    text_diff: str = ""
-
-
-@dataclass(slots=True)
-class RequestOutput:
-    request_id: int
-    prompt_token_ids: list[int]
-    outputs: list[CompletionOutput]
-    finished: bool = False
-    error: str | None = None
-    prompt: str | None = None  # the prompt text, when the prompt was text
+    def __post_init__(self) -> None:
+        if isinstance(self.n, bool) or not isinstance(self.n, int) or not 1 <= self.n <= MAX_SAMPLES:
+            raise ValueError(f"n must be an integer in [1, {MAX_SAMPLES}], got {self.n!r}")
+        if self.best_of is not None and (isinstance(self.best_of, bool) or not isinstance(self.best_of, int)
+                                         or not self.n <= self.best_of <= MAX_SAMPLES):
+            raise ValueError(f"best_of must be an integer in [n, {MAX_SAMPLES}] (n={self.n}), got {self.best_of!r}")
+        if self.guided_decoding is not None and self.ignore_eos:
+            # a complete document leaves the grammar nothing but its end token: it must end the output
+            raise ValueError("guided_decoding ends the output with the end-of-generation token; ignore_eos cannot be honoured")
 
     @property
-    def text(self) -> str | None:
-        """The generated text (None for a model without a tokenizer)."""
-        return self.outputs[0].text
+    def num_samples(self) -> int:
+        """Samples drawn: ``best_of``, or ``n``."""
+        return self.best_of if self.best_of is not None else self.n
 
+    @property
+    def ranks_samples(self) -> bool:
+        """Whether more samples are drawn than returned (``best_of > n``)."""
+        return self.num_samples > self.n
 
-class RequestOutputHandle:
-    """A submitted request: iterate it to stream, ``result()`` to wait, ``abort()`` to cancel.
-
-    A handle created inside a running asyncio event loop is consumed from that loop with
-    ``async for`` and ``await aresult()``: each response crosses from the executor thread
-    with ``loop.call_soon_threadsafe``, so the loop never blocks on the executor. Any other
-    handle is consumed with ``for`` and ``result()``.
-    """
-
-    def __init__(self, llm: "LLM", request: LlmRequest, prompt: str | None = None) -> None:
-        self._llm = llm
-        self._request = request
-        try:
-            self._loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
-        except RuntimeError:
-            self._loop = None
-        self._events: queue.Queue[Response] | None = None if self._loop else queue.Queue()
-        self._aevents: asyncio.Queue[Response] | None = asyncio.Queue() if self._loop else None
-        self.output = RequestOutput(
-            request.request_id, list(request.input_token_ids), [CompletionOutput(0)], prompt=prompt
+    def sampling_config(self, index: int = 0) -> SamplingConfig:
+        """Sample ``index``'s settings (its own seed; the log-probabilities ranking needs)."""
+        logprobs = self.logprobs
+        if logprobs is None and self.ranks_samples:
+            logprobs = 0  # ranking reads each sampled token's log-probability
+        return SamplingConfig(
+            temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
+            # sample 0 keeps the seed as given (SamplingConfig refuses one out of range); later ones wrap
+            seed=self.seed if self.seed is None or index == 0 else (self.seed + index) % SEED_LIMIT,
+            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty, min_tokens=self.min_tokens, logprobs=logprobs,
+            prompt_logprobs=self.prompt_logprobs if index == 0 else None,  # the samples share one prompt
         )
-        tokenizer = llm.tokenizer
-        self._detokenizer = None if tokenizer is None else IncrementalDetokenizer(tokenizer)
-        if tokenizer is not None:
-            self.output.outputs[0].text = ""
 
-    @property
-    def request_id(self) -> int:
-        return self._request.request_id
 
-    def _on_response(self, request: LlmRequest, response: Response) -> None:
-        """Runs on the executor thread; never blocks, never raises into it."""
-        if self._loop is None:
-            self._events.put(response)
-            return
-        try:
-            self._loop.call_soon_threadsafe(self._aevents.put_nowait, response)
-        except RuntimeError:  # the event loop is closed: nobody is waiting for this request any more
-            pass
-
-    def _apply(self, response: Response) -> None:
-        """Fold one executor response into ``output``. Text that cannot be decoded (an id the
-        tokenizer does not know) fails this request alone, as an executor error would: it is
-        cancelled in the executor and its output finishes with a DetokenizationError."""
-        completion = self.output.outputs[0]
-        completion.token_ids.extend(response.new_token_ids)
-        finished, error = response.finished, response.error
-        if self._detokenizer is not None:
-            try:
-                completion.text_diff = self._detokenizer.step(response.new_token_ids)
-                if finished:
-                    completion.text_diff += self._detokenizer.flush()
-            except Exception as failure:  # noqa: BLE001 - whatever decoding raises is this request's alone
-                completion.text_diff = ""
-                error = error or f"DetokenizationError: request {self.request_id}: {type(failure).__name__}: {failure}"
-                logger.error("%s", error)
-                if not finished:
-                    finished = True
-                    self.abort()  # the executor stops generating for it; what it still sends is not read
-            completion.text += completion.text_diff
-        if finished:
-            self.output.finished = True
-            self.output.error = error
-            if error:
-                completion.finish_reason = "error"
-            elif response.cancelled:
-                completion.finish_reason = "cancelled"
-            elif len(completion.token_ids) >= self._request.max_new_tokens:
-                completion.finish_reason = "length"
-            else:
-                completion.finish_reason = "stop"
-
-    def __iter__(self) -> Iterator[RequestOutput]:
-        """Yields the output after each step that changed it, until it is finished."""
-        self._check_mode(asynchronous=False)
-        while not self.output.finished:
-            self._apply(self._events.get())
-            yield self.output
-
-    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
-        """``__iter__`` for a handle created in an event loop, awaited on that loop."""
-        self._check_mode(asynchronous=True)
-        while not self.output.finished:
-            self._apply(await self._aevents.get())
-            yield self.output
-
-    def result(self, timeout: float | None = None) -> RequestOutput:
-        """Wait for the final output; raises RequestError if the request failed."""
-        self._check_mode(asynchronous=False)
-        while not self.output.finished:
-            self._apply(self._events.get(timeout=timeout))
-        return self._final()
-
-    async def aresult(self) -> RequestOutput:
-        """``result()`` for a handle created in an event loop."""
-        self._check_mode(asynchronous=True)
-        while not self.output.finished:
-            self._apply(await self._aevents.get())
-        return self._final()
-
-    def _final(self) -> RequestOutput:
-        if self.output.error:
-            raise RequestError(self.request_id, self.output.error)
-        return self.output
-
-    def _check_mode(self, *, asynchronous: bool) -> None:
-        if asynchronous != (self._loop is not None):
-            how = "async for / await aresult()" if self._loop else "for / result()"
-            raise RuntimeError(f"request {self.request_id}: this handle is consumed with {how}")
-
-    def abort(self) -> None:
-        self._llm.executor.cancel_request(self.request_id)
+#: Most samples one request may ask for (n or best_of): each is a request of its own in the executor.
+MAX_SAMPLES = 16
 
 
 Prompt = str | Sequence[int]
@@ -243,6 +164,7 @@ class LLM:
         if dtype is None and device.type == "cuda":
             dtype = "bfloat16"  # DESIGN.md §7
         self.device = device
+        self.tensor_parallel_size = tensor_parallel_size
         self._executor: ExecutorClient
         self._pool_blocks: int | None = None  # one rank: its pool, sized here (several ranks size their own)
         if tensor_parallel_size > 1:
@@ -277,6 +199,8 @@ class LLM:
             pool_tokens = self._pool_blocks * self.config.kv_cache_config.tokens_per_block
             self.max_seq_len_source = _max_seq_len_source(self.config, executor_options, self.model_config, pool_tokens)
         logger.info("%s", self.describe())
+        self._grammar_compiler: GrammarCompiler | None = None  # built on the first guided request
+        self._grammar_lock = threading.Lock()
         self._executor.start()
 
     def describe(self) -> str:
@@ -291,9 +215,11 @@ class LLM:
         return line + f", max_seq_len {self.config.max_seq_len} ({self.max_seq_len_source})"
 
     def generate_async(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> RequestOutputHandle:
-        request = self._make_request(prompt, sampling_params or SamplingParams())
-        self._executor.validate(request)
-        return self._submit([request], [prompt])[0]
+        params = sampling_params or SamplingParams()
+        requests = self._make_requests(prompt, params)
+        for request in requests:
+            self._executor.validate(request)
+        return self._submit([requests], [prompt], params)[0]
 
     def generate(
         self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | None = None
@@ -303,10 +229,11 @@ class LLM:
         single = isinstance(prompts, str) or (bool(prompts) and isinstance(prompts[0], int))
         batch = [prompts] if single else list(prompts)
         params = sampling_params or SamplingParams()
-        requests = [self._make_request(prompt, params) for prompt in batch]
-        for request in requests:
-            self._executor.validate(request)
-        handles = self._submit(requests, batch)
+        requests = [self._make_requests(prompt, params) for prompt in batch]
+        for samples in requests:
+            for request in samples:
+                self._executor.validate(request)
+        handles = self._submit(requests, batch, params)
         outputs, first_error = [], None
         for handle in handles:
             try:
@@ -339,13 +266,18 @@ class LLM:
     def __exit__(self, *exc) -> None:
         self.shutdown()
 
-    def _submit(self, requests: list[LlmRequest], prompts: list[Prompt]) -> list[RequestOutputHandle]:
-        """One submission: the executor fetches all of ``requests`` in the same iteration."""
-        handles = [RequestOutputHandle(self, r, p if isinstance(p, str) else None) for r, p in zip(requests, prompts)]
-        self._executor.enqueue_requests([(r, h._on_response) for r, h in zip(requests, handles)])
+    def _submit(self, requests: list[list[LlmRequest]], prompts: list[Prompt],
+                params: SamplingParams) -> list[RequestOutputHandle]:
+        """One submission: the executor fetches the first sample of every prompt in the same
+        iteration (each handle submits its other samples once its first has computed the prompt)."""
+        handles = [RequestOutputHandle(self._executor, self.tokenizer, samples, p if isinstance(p, str) else None,
+                                       keep=params.n, report_logprobs=params.logprobs is not None)
+                   for samples, p in zip(requests, prompts)]
+        self._executor.enqueue_requests([handle.first_submission() for handle in handles])
         return handles
 
-    def _make_request(self, prompt: Prompt, params: SamplingParams) -> LlmRequest:
+    def _make_requests(self, prompt: Prompt, params: SamplingParams) -> list[LlmRequest]:
+        """One request per sample (``SamplingParams.num_samples``), all of the same prompt."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError(
@@ -358,15 +290,39 @@ class LLM:
             raise ValueError(f"a prompt must be a sequence of token ids, got {prompt!r:.80}") from None
         if any(t is None or t != raw for t, raw in zip(token_ids, prompt)):
             raise ValueError(f"a prompt must hold integer token ids, got {prompt!r:.80}")
+        if self.tensor_parallel_size > 1 and (
+                params.guided_decoding or params.logprobs is not None or params.prompt_logprobs is not None
+                or params.ranks_samples):
+            # The ranks sample; what comes back is tokens, neither matchers nor log-probabilities.
+            raise ValueError("guided_decoding, logprobs, prompt_logprobs and best_of > n run with one rank only"
+                             " (tensor_parallel_size=1)")
+        grammar = self.compile_grammar(params.guided_decoding) if params.guided_decoding is not None else None
         end_id, stop_token_ids = self._stop_ids(params)
-        return LlmRequest(
-            input_token_ids=token_ids,
-            max_new_tokens=params.max_tokens,
-            beam_width=params.beam_width,
-            end_id=end_id,
-            stop_token_ids=stop_token_ids,
-            sampling_config=params.sampling_config(),
-        )
+        return [
+            LlmRequest(
+                input_token_ids=token_ids,
+                max_new_tokens=params.max_tokens,
+                beam_width=params.beam_width,
+                end_id=end_id,
+                stop_token_ids=stop_token_ids,
+                sampling_config=params.sampling_config(index),
+                guided_grammar=grammar,
+            )
+            for index in range(params.num_samples)
+        ]
+
+    def compile_grammar(self, guided: GuidedDecodingParams):
+        """The grammar of ``guided`` for this model's tokenizer (ValueError naming what is wrong).
+        The compiler reads the vocabulary once, on the first guided request, and keeps recent
+        grammars: a caller on an event loop runs this on a worker thread first, and
+        ``generate_async`` then finds the grammar compiled."""
+        if self.tokenizer is None:
+            raise ValueError(f"guided_decoding needs a tokenizer and model {self.model_id!r} has none")
+        with self._grammar_lock:
+            if self._grammar_compiler is None:
+                self._grammar_compiler = GrammarCompiler(
+                    self.tokenizer, vocab_size=self.model_config.vocab_size, end_ids=self.tokenizer.stop_token_ids)
+        return self._grammar_compiler.compile(guided)
 
     def _stop_ids(self, params: SamplingParams) -> tuple[int | None, tuple[int, ...]]:
         """The ids that end a request: the caller's, plus the model's unless ``ignore_eos``."""

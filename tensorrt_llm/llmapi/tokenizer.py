@@ -181,6 +181,25 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self._tokenizer.token_to_id(token)
 
+    def token_bytes(self) -> list[bytes]:
+        """Each id's bytes, in id order (what a grammar matcher reasons about): a byte-level BPE
+        token's characters mapped back to the bytes they stand for; an added token's own text
+        (UTF-8). An id with no token has no bytes."""
+        added = {i: token.content for i, token in self._tokenizer.get_added_tokens_decoder().items()}
+        to_byte = _byte_level_decoding()
+        vocab = self._tokenizer.get_vocab(with_added_tokens=True)
+        out = [b""] * self.vocab_size
+        for token, i in vocab.items():
+            if i in added:
+                out[i] = added[i].encode("utf-8")
+            else:
+                out[i] = bytes(to_byte[ch] for ch in token)
+        return out
+
+    def special_token_ids(self) -> list[int]:
+        """The control tokens' ids (never produced by encoding ordinary text)."""
+        return sorted(i for i, token in self._tokenizer.get_added_tokens_decoder().items() if token.special)
+
     def id_to_token(self, token_id: int) -> str | None:
         return self._tokenizer.id_to_token(token_id)
 
@@ -216,6 +235,21 @@ class Tokenizer:
 
     def _token_text(self, token_id: int | None) -> str:
         return "" if token_id is None else self._tokenizer.id_to_token(token_id) or ""
+
+
+@functools.lru_cache(maxsize=1)
+def _byte_level_decoding() -> dict[str, int]:
+    """Byte-level BPE's alphabet, reversed: the printable character that stands for each byte.
+    Printable Latin-1 bytes stand for themselves; the other 68 take the code points from 256 up,
+    in byte order (the GPT-2 convention every byte-level vocabulary uses)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    table = {chr(b): b for b in printable}
+    extra = 256
+    for b in range(256):
+        if b not in printable:
+            table[chr(extra)] = b
+            extra += 1
+    return table
 
 
 def _as_list(messages: Any) -> list:

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import AsyncIterator
 
+from tensorrt_llm._torch.pyexecutor.llm_request import TokenLogprob
 from tensorrt_llm.llmapi import RequestOutputHandle
 from tensorrt_llm.serve.metrics import RequestMetrics
 
@@ -22,7 +23,9 @@ from tensorrt_llm.serve.metrics import RequestMetrics
 class Delta:
     token_ids: list[int]
     text: str
-    finish_reason: str | None = None  # "stop" | "length" | "cancelled", on the last delta only
+    finish_reason: str | None = None  # "stop" | "length" | "cancelled", on the choice's last delta only
+    index: int = 0  # the choice (sample) it belongs to
+    logprobs: list[TokenLogprob] | None = None  # one per token of token_ids, when logprobs were asked for
 
 
 class GenerationFailed(Exception):
@@ -78,18 +81,40 @@ class StopStringMatcher:
         return 0
 
 
+class _Choice:
+    """What one choice has sent so far."""
+
+    __slots__ = ("stops", "tokens", "chars", "logprobs", "finish_reason")
+
+    def __init__(self, stop_strings: tuple[str, ...]) -> None:
+        self.stops = StopStringMatcher(stop_strings)
+        self.tokens = self.chars = self.logprobs = 0
+        self.finish_reason: str | None = None
+
+
 class Generation:
-    """A submitted request seen from the event loop; iterate :meth:`deltas` once."""
+    """A submitted request seen from the event loop; iterate :meth:`deltas` once.
+
+    Each sample is a choice with its own stop strings; a choice that meets one is cut there and
+    its sample cancelled, the others go on. With ``best_of > n`` (``ranked``) the choices are
+    known only at the end: each is sent whole then, stop strings applied to its text."""
 
     def __init__(self, handle: RequestOutputHandle, *, has_text: bool, stop_strings: tuple[str, ...],
-                 metrics: RequestMetrics) -> None:
+                 metrics: RequestMetrics, ranked: bool = False) -> None:
         self.handle = handle
         self.has_text = has_text
         self.prompt_tokens = len(handle.output.prompt_token_ids)
-        self.completion_tokens = 0
-        self._stops = StopStringMatcher(stop_strings)
+        self._stop_strings = stop_strings
+        self._ranked = ranked
+        self._choices = [_Choice(stop_strings) for _ in handle.output.outputs]
         self._metrics = metrics
+        self._counted = 0  # generated tokens reported to the metrics
         self._finish_reason: str | None = None
+
+    @property
+    def completion_tokens(self) -> int:
+        """Tokens generated over every sample (what usage reports)."""
+        return self.handle.output.generated_tokens
 
     @property
     def finished(self) -> bool:
@@ -104,29 +129,65 @@ class Generation:
         """Raises GenerationFailed when the executor fails the request."""
         try:
             async for output in self.handle:
-                completion = output.outputs[0]
-                new_ids = completion.token_ids[self.completion_tokens :]
-                self.completion_tokens = len(completion.token_ids)
-                self._metrics.tokens(len(new_ids), self.prompt_tokens)
+                new = output.generated_tokens - self._counted
+                self._counted = output.generated_tokens
+                self._metrics.tokens(new, self.prompt_tokens)
                 if output.error:
                     self._finish("error")
                     raise GenerationFailed(output.error, 503 if output.error.startswith("ExecutorShutdown") else 500)
-                text, stopped = self._stops.push(completion.text_diff if self.has_text else "")
-                if stopped:
-                    self._finish("stop")
-                    self.handle.abort()  # the executor stops generating and frees the blocks
-                    yield Delta(new_ids, text, "stop")
+                if self._ranked:
+                    if output.finished:
+                        for completion in output.outputs:
+                            yield self._whole(completion)
+                        self._finish(output.outputs[0].finish_reason)
+                        return
+                    continue
+                for completion in output.outputs:
+                    delta = self._delta(completion)
+                    if delta is not None:
+                        yield delta
+                if all(choice.finish_reason is not None for choice in self._choices):
+                    self._finish(self._choices[0].finish_reason)
                     return
-                if output.finished:
-                    self._finish(completion.finish_reason)
-                    yield Delta(new_ids, text + self._stops.flush(), completion.finish_reason)
-                    return
-                if new_ids or text:
-                    yield Delta(new_ids, text)
         finally:
             if not self.finished:  # the consumer went away (client disconnect) before the end
                 self._finish("cancelled")
                 self.handle.abort()
+
+    def _delta(self, completion) -> Delta | None:
+        """What ``completion`` added since its last delta, or None."""
+        choice = self._choices[completion.index]
+        if choice.finish_reason is not None:
+            return None  # cut by a stop string: what its cancelled sample still sends is dropped
+        new_ids = completion.token_ids[choice.tokens :]
+        choice.tokens = len(completion.token_ids)
+        logprobs = None
+        if completion.logprobs is not None:
+            logprobs = completion.logprobs[choice.logprobs : choice.logprobs + len(new_ids)]
+            choice.logprobs += len(logprobs)
+        text = ""
+        if self.has_text:
+            text = completion.text[choice.chars :]
+            choice.chars = len(completion.text)
+        text, stopped = choice.stops.push(text)
+        if stopped:
+            choice.finish_reason = "stop"
+            self.handle.abort(completion.index)  # the executor stops generating and frees the blocks
+            return Delta(new_ids, text, "stop", completion.index, logprobs)
+        if completion.finish_reason is not None:
+            choice.finish_reason = completion.finish_reason
+            return Delta(new_ids, text + choice.stops.flush(), completion.finish_reason, completion.index, logprobs)
+        if new_ids or text:
+            return Delta(new_ids, text, None, completion.index, logprobs)
+        return None
+
+    def _whole(self, completion) -> Delta:
+        """A ranked choice, all at once."""
+        stops = StopStringMatcher(self._stop_strings)
+        text, stopped = stops.push(completion.text if self.has_text else "")
+        reason = "stop" if stopped else completion.finish_reason
+        return Delta(list(completion.token_ids), text if stopped else text + stops.flush(), reason, completion.index,
+                     completion.logprobs)
 
     def _finish(self, reason: str) -> None:
         self._finish_reason = reason

@@ -14,9 +14,15 @@ executor in a form it cannot serve (issue 21):
 * Text must be valid Unicode: a lone surrogate (JSON ``"\\ud800"``) anywhere in a request, in
   ``prompt``, ``stop``, ``messages`` or any other field, is refused naming the field; the
   tokenizer would fail on it.
-* An argument the server does not know is an error naming it (``extra="forbid"``), and ``n``,
-  ``best_of``, ``echo``, ``logprobs``, penalties and ``logit_bias`` must keep their neutral
-  values.
+* An argument the server does not know is an error naming it (``extra="forbid"``), and
+  ``suffix`` and ``logit_bias`` must keep their neutral values (nothing here inserts text or
+  biases logits). ``best_of > n`` cannot stream (the best samples are known at the end only),
+  ``top_logprobs`` needs ``logprobs: true``, as OpenAI and vLLM refuse them. ``echo`` with
+  ``logprobs`` reports the prompt tokens' log-probabilities too (the first one's is null).
+* Sampling fields beyond OpenAI's, as vLLM takes them: ``top_k``, ``repetition_penalty``,
+  ``min_tokens``, ``stop_token_ids``, ``ignore_eos``. Structured output: ``response_format``
+  ``{"type": "json_object"}`` or ``{"type": "json_schema", "json_schema": {"name", "schema",
+  "strict"}}`` (both endpoints, as vLLM).
 
 Every refusal is a 400 with the OpenAI error body. Responses follow OpenAI's shapes; a choice
 also carries ``token_ids`` (the generated ids), which is the only output a model without a
@@ -39,16 +45,11 @@ MAX_COUNT = 2**31 - 1  # a token count beyond int32 is no count any model serves
 
 #: Arguments accepted only at a neutral value: name -> (the values accepted, why no other is).
 _ONLY_NEUTRAL: dict[str, tuple[tuple, str]] = {
-    "n": ((None, 1), "this server returns exactly one choice per request (n must be 1)"),
-    "best_of": ((None, 1), "this server generates one sequence per request"),
-    "echo": ((None, False), "this server does not echo the prompt"),
-    "logprobs": ((None, False), "this server does not compute log-probabilities"),
-    "top_logprobs": ((None,), "this server does not compute log-probabilities"),
     "suffix": ((None, ""), "this server does not insert text"),
-    "presence_penalty": ((None, 0, 0.0), "this server applies no penalties"),
-    "frequency_penalty": ((None, 0, 0.0), "this server applies no penalties"),
     "logit_bias": ((None, {}), "this server applies no logit bias"),
 }
+MAX_SAMPLES = 16  # n and best_of: each sample is an executor request of its own
+MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit (vLLM's default max_logprobs is 20 too)
 
 
 def _first_invalid_text(value: Any) -> str | None:
@@ -95,6 +96,28 @@ class StreamOptions(_Request):
     include_usage: bool | None = False
 
 
+class JsonSchemaFormat(_Request):
+    """OpenAI's ``response_format.json_schema``: ``schema`` is the JSON schema the output follows."""
+
+    name: str
+    schema_: dict | None = Field(None, alias="schema")
+    description: str | None = None
+    strict: bool | None = None
+
+
+class ResponseFormat(_Request):
+    """``{"type": "text"}``, ``{"type": "json_object"}`` or ``{"type": "json_schema", "json_schema": {...}}``."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self):
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("response_format: json_schema is given with type 'json_schema', and only then")
+        return self
+
+
 class _SamplingRequest(_Request):
     """The fields completions and chat completions share."""
 
@@ -106,12 +129,18 @@ class _SamplingRequest(_Request):
     stop: Any = None  # a string or a list of strings (checked by hand: a union would name its branches in errors)
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    n: int | None = 1
-    presence_penalty: float | None = 0.0
-    frequency_penalty: float | None = 0.0
+    n: int | None = Field(1, ge=1, le=MAX_SAMPLES)
+    presence_penalty: float | None = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(0.0, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None
     user: str | None = None  # an end-user id for the operator's logs; does not change the output
-    ignore_eos: bool | None = False  # extension (as vLLM): generate max_tokens whatever end-of-generation tokens come
+    response_format: ResponseFormat | None = None
+    # Extensions, as vLLM names them:
+    ignore_eos: bool | None = False  # generate max_tokens whatever end-of-generation tokens come
+    top_k: int | None = Field(None, ge=-1, le=MAX_COUNT)  # 0 or -1 (vLLM's "off"): no top-k filter
+    repetition_penalty: float | None = Field(None, gt=0.0, le=100.0)
+    min_tokens: int | None = Field(None, ge=0, le=MAX_COUNT)
+    stop_token_ids: list[int] | None = None
 
     @field_validator("stop")
     @classmethod
@@ -133,11 +162,22 @@ class _SamplingRequest(_Request):
     def include_usage(self) -> bool:
         return self.stream_options is not None and bool(self.stream_options.include_usage)
 
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _token_ids(cls, ids: list[int] | None) -> list[int] | None:
+        if ids is not None and any(not 0 <= t < 2**31 for t in ids):
+            raise ValueError("stop_token_ids must be token ids (integers >= 0)")
+        return ids
+
     @model_validator(mode="after")
     def _stream_options_need_stream(self):
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
         return self
+
+    @property
+    def top_k_value(self) -> int:
+        return 0 if self.top_k is None or self.top_k == -1 else self.top_k
 
 
 class CompletionRequest(_SamplingRequest):
@@ -145,9 +185,18 @@ class CompletionRequest(_SamplingRequest):
 
     prompt: Any
     echo: bool | None = False
-    logprobs: int | None = None
-    best_of: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    best_of: int | None = Field(None, ge=1, le=MAX_SAMPLES)
     suffix: str | None = None
+
+    @model_validator(mode="after")
+    def _samples_and_echo(self):
+        n = self.n or 1
+        if self.best_of is not None and self.best_of < n:
+            raise ValueError(f"best_of ({self.best_of}) must be at least n ({n})")
+        if self.best_of is not None and self.best_of > n and self.stream:
+            raise ValueError("best_of > n cannot stream: the best samples are known only when all have finished")
+        return self
 
     @field_validator("prompt")
     @classmethod
@@ -190,28 +239,18 @@ class ChatMessage(_Request):
         return "".join(texts)
 
 
-class ResponseFormat(_Request):
-    type: str
-
-    @field_validator("type")
-    @classmethod
-    def _text_only(cls, kind: str) -> str:
-        if kind != "text":
-            raise ValueError(f"response_format {kind!r} is not supported: only 'text'")
-        return kind
-
-
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_COUNT)
     logprobs: bool | None = False
-    top_logprobs: int | None = None
-    response_format: ResponseFormat | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
     @model_validator(mode="after")
     def _one_length_limit(self):
         if self.max_tokens is not None and self.max_completion_tokens is not None:
             raise ValueError("give max_tokens or max_completion_tokens, not both")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
         return self
 
     @property
@@ -251,15 +290,41 @@ class _Response(BaseModel):
     model: str
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    """Chat's ``choice.logprobs``: one entry per generated token."""
+
+    content: list[ChatTokenLogprob] | None = None
+
+
+class CompletionLogprobs(BaseModel):
+    """The completions API's ``choice.logprobs`` (the legacy shape): parallel lists per token;
+    ``text_offset`` is each token's character offset in the choice's text."""
+
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
 class _Choice(BaseModel):
     index: int = 0
-    logprobs: None = None
     finish_reason: str | None = None
     token_ids: list[int] = Field(default_factory=list)  # what this choice (or chunk) generated
 
 
 class CompletionChoice(_Choice):
     text: str
+    logprobs: CompletionLogprobs | None = None
 
 
 class CompletionResponse(_Response):
@@ -277,6 +342,7 @@ class ChatCompletionMessage(BaseModel):
 
 class ChatCompletionChoice(_Choice):
     message: ChatCompletionMessage
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletionResponse(_Response):
@@ -292,6 +358,7 @@ class DeltaMessage(BaseModel):
 
 class ChatCompletionStreamChoice(_Choice):
     delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletionStreamResponse(_Response):

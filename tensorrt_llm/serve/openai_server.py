@@ -33,6 +33,7 @@ import logging
 import re
 import reprlib
 import time
+from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
@@ -42,9 +43,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tensorrt_llm._torch.pyexecutor.errors import ExecutorShutdown
-from tensorrt_llm.llmapi import LLM, SamplingParams
+from tensorrt_llm.llmapi import LLM, GuidedDecodingParams, SamplingParams
 from tensorrt_llm.serve.errors import OpenAIError, bad_request, error_body
 from tensorrt_llm.serve.generation import Delta, Generation, GenerationFailed
+from tensorrt_llm.serve.logprobs import LogprobFormatter
 from tensorrt_llm.serve.metrics import ServerMetrics
 from tensorrt_llm.serve.middleware import RequestGuard
 from tensorrt_llm.serve.openai_protocol import (
@@ -54,12 +56,14 @@ from tensorrt_llm.serve.openai_protocol import (
     ChatCompletionResponse,
     ChatCompletionStreamChoice,
     ChatCompletionStreamResponse,
+    ChatLogprobs,
     CompletionChoice,
     CompletionRequest,
     CompletionResponse,
     DeltaMessage,
     ModelCard,
     ModelList,
+    ResponseFormat,
     UsageInfo,
     chat_completion_id,
     completion_id,
@@ -94,6 +98,7 @@ class OpenAIServer:
         self.executor = llm.executor
         self.model_id: str = llm.model_id
         self.tokenizer = llm.tokenizer
+        self.logprobs = LogprobFormatter(llm.tokenizer)
         self.metrics = ServerMetrics(self.executor)
         self.created = int(time.time())
         self.version = _version()
@@ -147,11 +152,32 @@ class OpenAIServer:
     async def completions(self, body: CompletionRequest, raw: Request):
         self._check_model(body.model)
         prompt_ids = await self._encode_prompt(body.prompt)
-        generation = self._submit(body, prompt_ids, body.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS)
+        echo = ""
+        if body.echo:  # the prompt's text leads each choice's text, as OpenAI echoes it
+            echo = body.prompt if isinstance(body.prompt, str) else (
+                self.tokenizer.decode(prompt_ids) if self.tokenizer is not None else "")
+        generation = await self._submit(body, prompt_ids, body.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS)
         request_id = completion_id()
+        offsets: dict[int, int] = {}  # choice -> characters of its text sent so far (logprobs' text_offset)
+
+        def choice_of(index: int, token_ids: list[int], text: str, finish_reason: str | None,
+                      logprobs: list | None) -> CompletionChoice:
+            prompt = None
+            if index not in offsets:  # the choice's first chunk: the echo leads it
+                text = echo + text
+                offsets[index] = 0
+                if body.echo and body.logprobs is not None:
+                    prompt = (prompt_ids, generation.handle.output.prompt_logprobs or [None] * len(prompt_ids))
+            formatted = None
+            if body.logprobs is not None:
+                formatted, offsets[index] = self.logprobs.completion(logprobs or [], offsets[index], prompt)
+            else:
+                offsets[index] += len(text)
+            return CompletionChoice(index=index, text=text, token_ids=token_ids, finish_reason=finish_reason,
+                                    logprobs=formatted)
 
         def chunk(delta: Delta) -> CompletionResponse:
-            choice = CompletionChoice(text=delta.text, token_ids=delta.token_ids, finish_reason=delta.finish_reason)
+            choice = choice_of(delta.index, delta.token_ids, delta.text, delta.finish_reason, delta.logprobs)
             return CompletionResponse(id=request_id, model=self.model_id, choices=[choice])
 
         def usage_chunk(usage: UsageInfo) -> CompletionResponse:
@@ -159,34 +185,39 @@ class OpenAIServer:
 
         if body.stream:
             return self._stream(generation, raw, [], chunk, usage_chunk if body.include_usage else None)
-        token_ids, text, finish_reason = await self._collect(generation, raw)
-        choice = CompletionChoice(text=text, token_ids=token_ids, finish_reason=finish_reason)
-        return CompletionResponse(id=request_id, model=self.model_id, choices=[choice], usage=self._usage(generation))
+        choices = [choice_of(c.index, c.token_ids, c.text, c.finish_reason, c.logprobs)
+                   for c in await self._collect(generation, raw)]
+        return CompletionResponse(id=request_id, model=self.model_id, choices=choices, usage=self._usage(generation))
 
     async def chat_completions(self, body: ChatCompletionRequest, raw: Request):
         self._check_model(body.model)
         prompt_ids = await self._render_chat(body)
         max_tokens = body.max_new_tokens or max(1, self.llm.config.max_seq_len - len(prompt_ids))
-        generation = self._submit(body, prompt_ids, max_tokens)
+        generation = await self._submit(body, prompt_ids, max_tokens)
         request_id = chat_completion_id()
+
+        def logprobs(entries: list | None) -> ChatLogprobs | None:
+            return self.logprobs.chat(entries or []) if body.logprobs else None
 
         def chunk(delta: Delta) -> ChatCompletionStreamResponse:
             content = DeltaMessage(content=delta.text) if delta.text or not delta.finish_reason else DeltaMessage()
-            choice = ChatCompletionStreamChoice(delta=content, token_ids=delta.token_ids,
-                                                finish_reason=delta.finish_reason)
+            choice = ChatCompletionStreamChoice(index=delta.index, delta=content, token_ids=delta.token_ids,
+                                                finish_reason=delta.finish_reason, logprobs=logprobs(delta.logprobs))
             return ChatCompletionStreamResponse(id=request_id, model=self.model_id, choices=[choice])
 
         def usage_chunk(usage: UsageInfo) -> ChatCompletionStreamResponse:
             return ChatCompletionStreamResponse(id=request_id, model=self.model_id, choices=[], usage=usage)
 
         if body.stream:
-            role = ChatCompletionStreamChoice(delta=DeltaMessage(role="assistant", content=""))
-            first = ChatCompletionStreamResponse(id=request_id, model=self.model_id, choices=[role])
+            first = ChatCompletionStreamResponse(id=request_id, model=self.model_id, choices=[
+                ChatCompletionStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
+                for i in range(body.n or 1)])
             return self._stream(generation, raw, [first], chunk, usage_chunk if body.include_usage else None)
-        token_ids, text, finish_reason = await self._collect(generation, raw)
-        choice = ChatCompletionChoice(message=ChatCompletionMessage(content=text), token_ids=token_ids,
-                                      finish_reason=finish_reason)
-        return ChatCompletionResponse(id=request_id, model=self.model_id, choices=[choice],
+        choices = [ChatCompletionChoice(index=c.index, message=ChatCompletionMessage(content=c.text),
+                                        token_ids=c.token_ids, finish_reason=c.finish_reason,
+                                        logprobs=logprobs(c.logprobs))
+                   for c in await self._collect(generation, raw)]
+        return ChatCompletionResponse(id=request_id, model=self.model_id, choices=choices,
                                       usage=self._usage(generation))
 
     # ------------------------------------------------------------------------------ request parts
@@ -223,17 +254,36 @@ class OpenAIServer:
             raise bad_request(str(error), "messages") from None
         return await self._encode_prompt(text, "messages")
 
-    def _submit(self, body: CompletionRequest | ChatCompletionRequest, prompt_ids: list[int],
-                max_tokens: int) -> Generation:
+    async def _submit(self, body: CompletionRequest | ChatCompletionRequest, prompt_ids: list[int],
+                      max_tokens: int) -> Generation:
         if body.stop_strings and self.tokenizer is None:
             raise bad_request(f"stop sequences need a tokenizer and model {self.model_id!r} has none", "stop")
-        params = SamplingParams(
-            max_tokens=max_tokens,
-            temperature=1.0 if body.temperature is None else body.temperature,
-            top_p=1.0 if body.top_p is None else body.top_p,
-            seed=body.seed,
-            ignore_eos=bool(body.ignore_eos),
-        )
+        try:
+            params = SamplingParams(
+                max_tokens=max_tokens,
+                temperature=1.0 if body.temperature is None else body.temperature,
+                top_k=body.top_k_value,
+                top_p=1.0 if body.top_p is None else body.top_p,
+                seed=body.seed,
+                ignore_eos=bool(body.ignore_eos),
+                stop_token_ids=tuple(body.stop_token_ids or ()),
+                n=body.n or 1,
+                best_of=getattr(body, "best_of", None),
+                presence_penalty=body.presence_penalty or 0.0,
+                frequency_penalty=body.frequency_penalty or 0.0,
+                repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+                min_tokens=body.min_tokens or 0,
+                logprobs=_logprobs_asked(body),
+                prompt_logprobs=body.logprobs if getattr(body, "echo", False) else None,
+                guided_decoding=_guided_decoding(body.response_format),
+            )
+        except ValueError as error:
+            raise bad_request(str(error)) from None
+        if params.guided_decoding is not None:  # compiled off the loop; generate_async finds it cached
+            try:
+                await asyncio.to_thread(self.llm.compile_grammar, params.guided_decoding)
+            except ValueError as error:
+                raise bad_request(str(error).replace("guided_decoding", "response_format"), "response_format") from None
         self._admit()  # no await from here to the enqueue: the queue bound holds exactly
         metrics = self.metrics.request()
         try:
@@ -243,7 +293,7 @@ class OpenAIServer:
         except ValueError as error:  # InvalidRequestError included: the executor could never serve it
             raise bad_request(_REQUEST_PREFIX.sub("", str(error))) from None
         return Generation(handle, has_text=self.tokenizer is not None, stop_strings=body.stop_strings,
-                          metrics=metrics)
+                          metrics=metrics, ranked=params.ranks_samples)
 
     def _admit(self) -> None:
         """Refuse (503, Retry-After) instead of queueing behind an executor that is unhealthy
@@ -266,19 +316,23 @@ class OpenAIServer:
     def _usage(generation: Generation) -> UsageInfo:
         return UsageInfo.of(generation.prompt_tokens, generation.completion_tokens)
 
-    async def _collect(self, generation: Generation, raw: Request) -> tuple[list[int], str, str | None]:
-        token_ids, text, finish_reason = [], [], None
+    async def _collect(self, generation: Generation, raw: Request) -> list[_Collected]:
+        """Every choice, whole, in index order."""
+        choices: dict[int, _Collected] = {}
         watcher = asyncio.create_task(_abort_on_disconnect(raw, generation))
         try:
             async for delta in generation.deltas():
-                token_ids += delta.token_ids
-                text.append(delta.text)
-                finish_reason = delta.finish_reason
+                choice = choices.setdefault(delta.index, _Collected(delta.index))
+                choice.token_ids += delta.token_ids
+                choice.texts.append(delta.text)
+                choice.finish_reason = delta.finish_reason
+                if delta.logprobs is not None:
+                    choice.logprobs += delta.logprobs
         except GenerationFailed as error:
             raise OpenAIError(error.status, error.message) from None
         finally:
             watcher.cancel()
-        return token_ids, "".join(text), finish_reason
+        return [choices[index] for index in sorted(choices)]
 
     def _stream(self, generation: Generation, raw: Request, preamble: list, chunk: Callable,
                 usage_chunk: Callable | None) -> StreamingResponse:
@@ -322,6 +376,38 @@ class OpenAIServer:
 
     async def _on_unexpected_error(self, request: Request, error: Exception) -> JSONResponse:
         return JSONResponse(error_body(500, f"internal error: {type(error).__name__}: {error}"), status_code=500)
+
+
+@dataclass(slots=True)
+class _Collected:
+    """One choice of a non-streamed answer, gathered from its deltas."""
+
+    index: int
+    token_ids: list[int] = field(default_factory=list)
+    texts: list[str] = field(default_factory=list)
+    finish_reason: str | None = None
+    logprobs: list = field(default_factory=list)
+
+    @property
+    def text(self) -> str:
+        return "".join(self.texts)
+
+
+def _logprobs_asked(body: CompletionRequest | ChatCompletionRequest) -> int | None:
+    """Alternatives per token the answer lists (None: no logprobs): completions' ``logprobs: k``,
+    chat's ``logprobs: true`` with ``top_logprobs: k`` (0 when absent)."""
+    if isinstance(body, CompletionRequest):
+        return body.logprobs
+    return (body.top_logprobs or 0) if body.logprobs else None
+
+
+def _guided_decoding(response_format: ResponseFormat | None) -> GuidedDecodingParams | None:
+    if response_format is None or response_format.type == "text":
+        return None
+    if response_format.type == "json_object":
+        return GuidedDecodingParams(json_object=True)
+    schema = response_format.json_schema.schema_
+    return GuidedDecodingParams(json=schema if schema is not None else {})
 
 
 def _log_refusal(request: Request, status: int, message: str) -> None:

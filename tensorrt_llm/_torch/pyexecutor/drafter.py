@@ -51,12 +51,14 @@ class Drafter(abc.ABC):
         and room for its draft slots within ``max_seq_len``. Returns whether it is.
 
         Verification compares each draft with the engine's unmasked greedy pick at its row, so a
-        request whose tokens something else constrains (a grammar mask, penalties that depend
-        on the tokens before) must be left out here, or have that constraint applied to every
-        draft row (``ForwardOutput.draft_targets``) before ``accept_greedy``."""
+        request whose next token needs its logits on the host (a grammar mask, penalties that
+        depend on the tokens before, logprobs: ``LlmRequest.needs_host_logits``) does not
+        speculate; letting it would take that processing on every draft row
+        (``ForwardOutput.draft_targets``) before ``accept_greedy``."""
         max_draft_len = self.config.max_draft_len
         eligible = (
             request.sampling_config.is_greedy
+            and not request.needs_host_logits
             and request.beam_width == 1
             and not request.max_draft_len
             and not request.py_draft_tokens

@@ -46,6 +46,9 @@ class ForwardOutput:
     num_tokens: int = 0  # positions in the forward
     greedy_tokens: dict[int, int] | None = None
     nonfinite: set[int] | None = None
+    # Requests that ask for prompt log-probabilities, in a context chunk: (the chunk's first prompt
+    # position, (chunk length, vocab) logits: row i predicts prompt position start + i + 1).
+    prompt_logits: dict[int, tuple[int, Any]] | None = None
     # Requests that verified drafts: the greedy pick at the sampling row, then after each draft
     # (1 + drafts tokens; ``speculative.verification.accept_greedy`` reads them). None: no drafts
     # ran, or an engine without a model (its drafts are all rejected).
@@ -152,7 +155,9 @@ class ModelEngine(abc.ABC):
     def can_pick(self, request: LlmRequest) -> bool:
         """Whether this engine picks, in the forward itself, the very token the sampler will
         return for ``request`` (so the request can be in the next forward before the token
-        reaches the host). Greedy, one beam, not speculative, and an engine that picks.
+        reaches the host). Greedy, one beam, not speculative, nothing that needs its logits on the
+        host (penalties, a grammar mask, logprobs: ``LlmRequest.needs_host_logits``), and an engine
+        that picks.
 
         A speculative request (``max_draft_len`` > 0) is never picked for, even on a step without
         drafts: the drafter proposes its next drafts from the tokens the sampler accepted, so
@@ -164,6 +169,7 @@ class ModelEngine(abc.ABC):
             and not request.max_draft_len
             and not request.py_draft_tokens
             and request.sampling_config.is_greedy
+            and not request.needs_host_logits
         )
 
     @property

@@ -59,8 +59,8 @@ class TpInputs:
     """
 
     __slots__ = (
-        "requests", "num_new_tokens", "num_cached_tokens", "samples", "total_num_tokens", "in_flight", "num_drafts",
-        "_trailing", "_pieces", "_beams", "_tables", "_kv", "_input_ids", "_position_ids", "_block_tables",
+        "requests", "num_new_tokens", "num_cached_tokens", "samples", "total_num_tokens", "in_flight", "prompt_logits",
+        "num_drafts", "_trailing", "_pieces", "_beams", "_tables", "_kv", "_input_ids", "_position_ids", "_block_tables",
     )
 
     def __init__(self, kv_cache_manager: KVCacheManager | None = None) -> None:
@@ -70,6 +70,7 @@ class TpInputs:
         self.samples: list[bool] = []
         self.total_num_tokens = 0
         self.in_flight: list[tuple[int, int]] = []
+        self.prompt_logits: set[int] = set()  # indices of context chunks whose every position gets logits
         self.num_drafts: list[int] = []
         self._trailing: list[int] = []  # positions after each request's sampling row: drafts, then padding
         self._pieces: list[tuple[list[int], int, int, list[int]]] = []  # token source, start, stop, then extra
@@ -122,7 +123,10 @@ class TpInputs:
         self._input_ids = self._position_ids = self._block_tables = None
 
     def append_chunk(self, request: LlmRequest, start: int, stop: int, extra: list[int], samples: bool) -> None:
-        """Prompt tokens ``[start, stop)`` of ``request`` followed by ``extra`` (draft tokens), not copied yet."""
+        """Prompt tokens ``[start, stop)`` of ``request`` followed by ``extra`` (draft tokens), not copied yet.
+        A request that asks for prompt log-probabilities gets the logits of every position of it."""
+        if request.sampling_config.prompt_logprobs is not None:
+            self.prompt_logits.add(len(self.requests))
         self._add(request, (request.tokens, start, stop, extra), stop - start + len(extra), start, None, samples, 1,
                   len(extra))
 
@@ -160,24 +164,38 @@ class TpInputs:
         source, _start, stop, extra = self._pieces[index]
         return extra[-1] if extra else source[stop - 1]
 
-    def sampling_rows(self) -> tuple[list[int], list[int]]:
-        """(flat row, request id) of each request that samples: its sampling row (its last
-        position before any draft or padding) predicts its next token."""
-        rows, request_ids = [], []
+    def sampling_rows(self) -> tuple[list[int], list[int], list[tuple[int, int, int, int]]]:
+        """Which flat positions get logits: ``(rows, request ids, prompt spans)``. ``rows`` holds
+        first the sampling row of each request that samples (its last position before any draft or
+        padding: it predicts its next token; the ids are theirs, in order), then the prompt positions of each context chunk whose request
+        asks for prompt log-probabilities (``prompt spans``: ``(request id, first prompt position,
+        first row in rows, count)``), so rows ``[0, len(ids))`` are the sampling rows whatever follows."""
+        rows, request_ids, spans = [], [], []
         offset = 0
-        for request, n, samples, trailing in zip(self.requests, self.num_new_tokens, self.samples, self._trailing):
+        for index, (request, n, samples, trailing) in enumerate(
+            zip(self.requests, self.num_new_tokens, self.samples, self._trailing)
+        ):
             offset += n
             if samples:
                 rows.append(offset - 1 - trailing)
                 request_ids.append(request.request_id)
-        return rows, request_ids
+            if index in self.prompt_logits:
+                _, start, stop, _ = self._pieces[index]
+                spans.append((request.request_id, start, offset - n, stop - start))
+        first_row = len(rows)
+        for i, (request_id, start, first, count) in enumerate(spans):
+            rows += range(first, first + count)
+            spans[i] = (request_id, start, first_row, count)
+            first_row += count
+        return rows, request_ids, spans
 
-    def logit_rows(self) -> tuple[list[int], list[int], list[DraftSpan]]:
-        """``(rows, request_ids, drafts)``: the flat rows whose logits the forward computes. Rows
-        ``[0, len(request_ids))`` are the sampling rows (:meth:`sampling_rows`), whatever follows;
-        then, for each request that verifies drafts, one row per draft (the row after draft ``j``
+    def logit_rows(self) -> tuple[list[int], list[int], list[tuple[int, int, int, int]], list[DraftSpan]]:
+        """``(rows, request_ids, prompt_spans, drafts)``: the flat rows whose logits the forward
+        computes. :meth:`sampling_rows`' rows come first (rows ``[0, len(request_ids))`` are the
+        sampling rows, whatever follows; then the prompt rows its ``prompt_spans`` describe); then,
+        for each request that verifies drafts, one row per draft (the row after draft ``j``
         predicts the token after it), described by a :data:`DraftSpan` in ``drafts``."""
-        rows, request_ids = self.sampling_rows()
+        rows, request_ids, prompt_spans = self.sampling_rows()
         spans: list[DraftSpan] = []
         if any(self.num_drafts):
             drafts = [d for d, samples in zip(self.num_drafts, self.samples) if samples]
@@ -185,7 +203,7 @@ class TpInputs:
                 if count:
                     spans.append((rid, index, len(rows), count))
                     rows.extend(range(row + 1, row + 1 + count))
-        return rows, request_ids, spans
+        return rows, request_ids, prompt_spans, spans
 
     @property
     def input_ids(self) -> list[int]:

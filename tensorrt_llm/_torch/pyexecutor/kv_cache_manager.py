@@ -278,10 +278,15 @@ class KVCacheManager:
             return allocated, []
         return allocated, [r for r in requests if r.request_id not in sequences]
 
+    def _reuses(self, request: LlmRequest) -> bool:
+        """Whether ``request`` may claim cached blocks: not one that asks for its prompt's
+        log-probabilities, whose every prompt position must be computed to have logits."""
+        return self.enable_block_reuse and request.sampling_config.prompt_logprobs is None
+
     def reuse_can_shift(self, request: LlmRequest) -> bool:
         """True while allocation may still move this request's chunk window (unclaimed first chunk, reuse on)."""
         rid = request.request_id
-        return self.enable_block_reuse and rid not in self._sequences and rid not in self._claims
+        return self._reuses(request) and rid not in self._sequences and rid not in self._claims
 
     def num_held_blocks(self, request: LlmRequest) -> int:
         seq = self._sequences.get(request.request_id)
@@ -335,7 +340,7 @@ class KVCacheManager:
     def match(self, request: LlmRequest) -> PrefixMatch:
         """What ``request``'s prompt matches now (:class:`PrefixMatch`); no match once it holds blocks.
         Nothing is claimed: the capacity scheduler asks it for every waiting request it admits."""
-        if not self.enable_block_reuse or request.request_id in self._sequences:
+        if not self._reuses(request) or request.request_id in self._sequences:
             self.prefix_index.forget(request.request_id)
             return NO_MATCH
         chain = self.prefix_index.chain(request.request_id, request.prompt_len, self._prompt_keys(request))
@@ -519,7 +524,7 @@ class KVCacheManager:
         tpb = self.tokens_per_block
         claim_limit = request.prompt_len - 1
         claim = PrefixClaim(rid)
-        if self.enable_block_reuse:
+        if self._reuses(request):
             # the admission walk's match, resumed (a prefix of the keys matches a prefix of the chain)
             keys = self._prompt_keys(request)
             claim.chain = self.prefix_index.chain(rid, request.prompt_len, keys)[: claim_limit // tpb]

@@ -31,6 +31,8 @@ the forward-retry counters                          ``retry_after_failed_forward
 ``max_draft_len``, ``is_first_draft``              the submitter, or the ``Drafter`` at admission
                                                    (``PyExecutor`` clears ``is_first_draft`` when
                                                    that step runs)
+``py_logprobs``, ``py_prompt_logprobs``            the sampler (one entry per token it samples,
+                                                   per prompt position it is given logits for)
 =================================================  ==========================================
 
 The scheduler, the token-budget policy and the KV manager read requests and return
@@ -53,11 +55,14 @@ import itertools
 import math
 from array import array
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable, NamedTuple
 
 import numpy as np
 
 from tensorrt_llm._torch.pyexecutor.errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    from tensorrt_llm._torch.pyexecutor.guided_decoder import Grammar
 
 IN_FLIGHT_TOKEN_ID = -1  # in ``tokens``: a token a forward in flight is sampling (overlap)
 
@@ -134,16 +139,38 @@ GREEDY_BELOW_TEMPERATURE = 1e-5
 SEED_LIMIT = 2**64
 
 
+#: Most alternatives a logprobs answer lists per position (OpenAI's ``top_logprobs`` limit).
+MAX_TOP_LOGPROBS = 20
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingConfig:
     """Per-request sampling settings; greedy when ``temperature < GREEDY_BELOW_TEMPERATURE`` (0
     included) or ``top_k == 1``. Raises ValueError for any setting the sampler cannot honour, so a
-    request that holds one is refused before it is queued."""
+    request that holds one is refused before it is queued.
+
+    Penalties (applied to the logits before temperature, in this order; see ``logits_processors``):
+    ``repetition_penalty`` (> 0, 1 = off) divides the positive and multiplies the negative logits
+    of every id in the prompt or the output; ``frequency_penalty`` and ``presence_penalty`` (in
+    [-2, 2], 0 = off) subtract ``count * f + (count > 0) * p`` for ids the output holds.
+    ``min_tokens``: the end ids cannot be sampled before that many tokens were generated.
+    ``logprobs``: None, or how many alternatives (0..20) to report beside each sampled token's
+    log-probability; log-probabilities are the model's (a log-softmax of the raw logits, before
+    penalties, temperature and any mask), as vLLM reports them by default. ``prompt_logprobs``:
+    the same for each prompt token after the first (the engine then returns the logits of every
+    prompt position, and the request claims no cached prefix: every position is computed).
+    """
 
     temperature: float = 0.0
     top_k: int = 0  # 0 = no top-k filter
     top_p: float = 1.0
     seed: int | None = None  # None: the request id seeds the request's generator
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None  # the same for each prompt position after the first
 
     def __post_init__(self) -> None:
         if not _is_number(self.temperature) or not 0 <= self.temperature < math.inf:
@@ -154,10 +181,34 @@ class SamplingConfig:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < SEED_LIMIT):
             raise ValueError(f"seed must be an integer in [0, 2**64), got {self.seed!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {value!r}")
+        if not _is_number(self.repetition_penalty) or not 0 < self.repetition_penalty < math.inf:
+            raise ValueError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}")
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or not 0 <= value <= MAX_TOP_LOGPROBS):
+                raise ValueError(f"{name} must be an integer in [0, {MAX_TOP_LOGPROBS}], got {value!r}")
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW_TEMPERATURE or self.top_k == 1
+
+    @property
+    def has_penalties(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
+
+class TokenLogprob(NamedTuple):
+    """A sampled token's log-probability and the ``top`` alternatives ((id, logprob), most likely first)."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 def _is_int(value: object) -> bool:
@@ -193,6 +244,8 @@ class LlmRequest:
     max_draft_len: int = 0
     is_first_draft: bool = False
     arrival_time: float = 0.0
+    # Structured output: the compiled grammar its tokens must follow (the sampler keeps the matcher).
+    guided_grammar: Grammar | None = None
 
     # Mutable bookkeeping (not constructor arguments in practice).
     state: LlmRequestState = LlmRequestState.CONTEXT_INIT
@@ -218,6 +271,10 @@ class LlmRequest:
     is_cancelled: bool = False
     first_token_time: float | None = None
     finish_time: float | None = None
+    # One per generated token when ``sampling_config.logprobs`` is set, in order (the sampler's).
+    py_logprobs: list[TokenLogprob] = field(default_factory=list)
+    # With ``sampling_config.prompt_logprobs``: one per prompt position, None for the first (the sampler's).
+    py_prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         try:
@@ -281,6 +338,15 @@ class LlmRequest:
     @property
     def is_finished(self) -> bool:
         return self.state in (LlmRequestState.GENERATION_COMPLETE, LlmRequestState.ERROR)
+
+    @property
+    def needs_host_logits(self) -> bool:
+        """Whether its next token needs its logits row on the host: the engine's greedy pick is
+        not the sampler's answer (penalties, ``min_tokens``, a grammar's mask), or logprobs are
+        read from the row (which a later forward may overwrite on the device)."""
+        config = self.sampling_config
+        return (self.guided_grammar is not None or config.logprobs is not None or config.min_tokens > 0
+                or config.has_penalties)
 
     @property
     def num_draft_tokens(self) -> int:

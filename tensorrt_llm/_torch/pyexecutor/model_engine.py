@@ -119,11 +119,12 @@ class CpuTorchModelEngine(TorchModelEngine):
             storage.k_cache,
             storage.v_cache,
         )  # (T, hidden)
-        rows, sampling, drafts = inputs.logit_rows()  # the sampling rows first, then any draft rows
+        rows, sampling, spans, drafts = inputs.logit_rows()  # sampling rows, then prompt rows, then draft rows
         logits = self.model.compute_logits(hidden[rows]) if rows else hidden.new_empty((0, self.vocab_size))
-        picks = logits.argmax(dim=-1).tolist() if rows else []  # (rows,)
+        picked = logits if drafts else logits[: len(sampling)]  # prompt rows need no pick; draft rows do
+        picks = picked.argmax(dim=-1).tolist() if len(picked) else []  # (rows,)
         return ForwardOutput(logits=dict(zip(sampling, logits)), greedy_tokens=dict(zip(sampling, picks)),
-                             draft_targets=draft_targets(picks, drafts))
+                             prompt_logits=_prompt_logits(logits, spans), draft_targets=draft_targets(picks, drafts))
 
 
 class CudaTorchModelEngine(TorchModelEngine):
@@ -188,10 +189,10 @@ class CudaTorchModelEngine(TorchModelEngine):
             raise ValueError(f"input_ids must lie in [0, {config.vocab_size})")
         if positions.size and (positions.min() < 0 or positions.max() >= config.max_position_embeddings):
             raise ValueError(f"position_ids must lie in [0, {config.max_position_embeddings})")
-        rows, sampling, drafts = inputs.logit_rows()  # draft rows after the sampling rows: picks ignore them
+        rows, sampling, spans, drafts = inputs.logit_rows()  # prompt and draft rows after the sampling rows
 
         size = None
-        if self.graph_runner is not None and all(inputs.samples):
+        if self.graph_runner is not None and all(inputs.samples) and not spans:
             size = self.graph_runner.graph_size(inputs.num_new_tokens, inputs.num_cached_tokens)
         storage = self.kv_cache_manager.storage
         start = None
@@ -211,7 +212,7 @@ class CudaTorchModelEngine(TorchModelEngine):
                     start = _record_event()
                 logits, tokens = self._forward_eager(plan, ids, positions, rows, fill)
         self._device_picks = (dict(zip(sampling, range(len(sampling)))), tokens)
-        return CudaForward(sampling, logits, tokens, start, drafts=drafts)
+        return CudaForward(sampling, logits, tokens, start, prompt_logits=_prompt_logits(logits, spans), drafts=drafts)
 
     def _in_flight_fill(self, inputs: TpInputs, slots: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """(flat slots, their tokens) on the device: each in-flight input's pick from the previous launch."""
@@ -266,16 +267,19 @@ class CudaForward:
     the same graph size (they may live in a CUDA graph's static output).
     """
 
-    __slots__ = ("_output", "_event", "_start", "_tokens_host", "_request_ids", "_drafts", "_logits", "num_tokens")
+    __slots__ = ("_output", "_event", "_start", "_tokens_host", "_request_ids", "_drafts", "_logits", "num_tokens",
+                 "_prompt_logits")
 
     def __init__(
         self, request_ids: list[int], logits: torch.Tensor, tokens: torch.Tensor, start: torch.cuda.Event | None = None,
-        *, drafts: list[DraftSpan] = (),
+        *, prompt_logits: dict[int, tuple[int, torch.Tensor]] | None = None, drafts: list[DraftSpan] = (),
     ) -> None:
         """Enqueue the copy of ``tokens`` (device) to pinned host memory and an event after it;
         ``start``: an event recorded before the forward's first kernel (timing). ``logits`` and
-        ``tokens`` may hold more rows than ``request_ids``: draft rows after the sampling ones
-        (``drafts``, as ``TpInputs.logit_rows`` lays them out)."""
+        ``tokens`` may hold more rows than ``request_ids`` (prompt rows, ``prompt_logits`` views
+        them; draft rows, ``drafts``, as ``TpInputs.logit_rows`` lays them out); only the first
+        ``len(request_ids)`` are the requests' picks."""
+        self._prompt_logits = prompt_logits
         self._output: ForwardOutput | None = None
         self.num_tokens = 0  # positions in the forward
         self._start = start
@@ -322,9 +326,17 @@ class CudaForward:
                 logits=dict(zip(self._request_ids, self._logits)),
                 greedy_tokens=dict(zip(self._request_ids, tokens)),
                 nonfinite=nonfinite,
+                prompt_logits=self._prompt_logits,
                 draft_targets=targets,
             )
         return self._output
+
+
+def _prompt_logits(logits: torch.Tensor, spans) -> dict[int, tuple[int, torch.Tensor]] | None:
+    """Each prompt span's rows of ``logits`` (see :meth:`TpInputs.sampling_rows`), keyed by request id."""
+    if not spans:
+        return None
+    return {rid: (start, logits[first : first + count]) for rid, start, first, count in spans}
 
 
 def _record_event() -> torch.cuda.Event:

@@ -524,6 +524,8 @@ class PyExecutor:
                 if r.state is not _COMPLETE and r.state is not _ERROR and (not dropping or r.request_id not in dropping)]
         requests = [r for r, _ in live]
         callbacks = self._callbacks
+        if output.prompt_logits:  # before sampling: a request's first response carries its prompt's
+            self.sampler.record_prompt_logprobs([c.request for c in flight.batch.context_chunks], output)
         sampled = self.sampler.sample_batch(requests, output)
         if output.draft_targets:
             _count_drafts(flight.stats, requests, sampled, output.draft_targets)

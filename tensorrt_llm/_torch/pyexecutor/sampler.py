@@ -7,7 +7,14 @@ import abc
 import torch
 
 from tensorrt_llm._torch.pyexecutor.errors import NonFiniteLogitsError, SamplingError
+from tensorrt_llm._torch.pyexecutor.guided_decoder import GrammarMatcher
 from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequest, SamplingConfig
+from tensorrt_llm._torch.pyexecutor.logits_processors import (
+    apply_penalties,
+    forbid_end_before_min_tokens,
+    record_prompt_logprobs,
+    token_logprob,
+)
 from tensorrt_llm._torch.pyexecutor.model_engine import ForwardOutput
 from tensorrt_llm._torch.speculative.verification import accept_greedy
 
@@ -43,12 +50,31 @@ class Sampler(abc.ABC):
     def release(self, request: LlmRequest) -> None:
         """Forget per-request state (random generators) of a finished request."""
 
+    def record_prompt_logprobs(self, requests: list[LlmRequest], output: ForwardOutput) -> None:
+        """The prompt log-probabilities of the context chunks in ``output.prompt_logits`` (requests
+        that asked for them), onto ``requests`` (the forward's context requests, any order)."""
+        by_id = {request.request_id: request for request in requests}
+        for request_id, (start, rows) in output.prompt_logits.items():
+            request = by_id.get(request_id)
+            if request is not None and not request.is_finished:
+                record_prompt_logprobs(request, start, rows)
+
 
 class TorchSampler(Sampler):
-    """Greedy, or temperature / top-k / top-p with a per-request seeded generator."""
+    """Greedy, or temperature / top-k / top-p with a per-request seeded generator; penalties,
+    ``min_tokens`` and a grammar mask before the draw; logprobs after it.
+
+    A request whose token the engine already picked (greedy, nothing that needs the logits on the
+    host: ``LlmRequest.needs_host_logits``) takes that pick. Every other request's row comes to
+    the host as float64, is processed (``logits_processors``, then its grammar matcher's mask),
+    and drawn from; its matcher then accepts the token. The matcher is created at the request's
+    first token and kept here until :meth:`release`; the mask is computed when the row is
+    sampled, after its forward completed (see ``guided_decoder`` for overlap).
+    """
 
     def __init__(self) -> None:
         self._generators: dict[int, torch.Generator] = {}
+        self._matchers: dict[int, GrammarMatcher] = {}
 
     def sample(self, request: LlmRequest, output: ForwardOutput) -> list[int]:
         """Raises NonFiniteLogitsError when the logits hold NaN or inf: argmax or multinomial
@@ -60,18 +86,46 @@ class TorchSampler(Sampler):
         elif not bool(torch.isfinite(logits).all()):
             raise NonFiniteLogitsError(request.request_id, len(request.tokens))
         config = request.sampling_config
+        if not request.needs_host_logits:
+            if config.is_greedy:
+                targets = output.draft_targets.get(request.request_id) if output.draft_targets else None
+                if targets is not None:  # the drafts this forward verified (a non-greedy request's are all rejected)
+                    return accept_greedy(request.py_draft_tokens[: len(targets) - 1], targets)
+                if output.greedy_tokens is not None:  # picked on the engine's device, for the whole batch
+                    return [output.greedy_tokens[request.request_id]]
+                return [int(torch.argmax(logits))]
+            probs = self._filtered_probs(logits.to("cpu", torch.float64), config)  # (vocab,), the generator's device
+            return [int(torch.multinomial(probs, 1, generator=self._generator(request)))]
+        raw = logits.to("cpu", torch.float64)  # (vocab,)
+        processed = raw.clone()
+        if config.has_penalties:
+            apply_penalties(processed, config, request)
+        if config.min_tokens:
+            forbid_end_before_min_tokens(processed, config, request)
+        matcher = self._matcher(request)
+        if matcher is not None:
+            matcher.fill_mask(processed)
         if config.is_greedy:
-            targets = output.draft_targets.get(request.request_id) if output.draft_targets else None
-            if targets is not None:  # the drafts this forward verified (a non-greedy request's are all rejected)
-                return accept_greedy(request.py_draft_tokens[: len(targets) - 1], targets)
-            if output.greedy_tokens is not None:  # picked on the engine's device, for the whole batch
-                return [output.greedy_tokens[request.request_id]]
-            return [int(torch.argmax(logits))]
-        probs = self._filtered_probs(logits.to("cpu", torch.float64), config)  # (vocab,), the generator's device
-        return [int(torch.multinomial(probs, 1, generator=self._generator(request)))]
+            token = int(torch.argmax(processed))
+        else:
+            token = int(torch.multinomial(self._filtered_probs(processed, config), 1, generator=self._generator(request)))
+        if matcher is not None:
+            matcher.accept(token)
+        if config.logprobs is not None:
+            request.py_logprobs.append(token_logprob(raw, token, config.logprobs))
+        return [token]
 
     def release(self, request: LlmRequest) -> None:
         self._generators.pop(request.request_id, None)
+        self._matchers.pop(request.request_id, None)
+
+    def _matcher(self, request: LlmRequest) -> GrammarMatcher | None:
+        if request.guided_grammar is None:
+            return None
+        matcher = self._matchers.get(request.request_id)
+        if matcher is None:
+            matcher = self._matchers[request.request_id] = request.guided_grammar.matcher()
+        return matcher
 
     def _generator(self, request: LlmRequest) -> torch.Generator:
         """The request's own generator, seeded once. Any seed in [0, 2**64) is taken (``manual_seed``

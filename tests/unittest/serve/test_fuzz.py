@@ -148,12 +148,12 @@ def junk_bodies(draw) -> tuple[str, str | bytes]:
 # ---- what must be refused, whatever else the body holds ------------------------------------------
 _SHARED = {"model": str, "max_tokens": int, "temperature": float, "top_p": float, "seed": int, "stop": None,
            "stream": bool, "stream_options": dict, "n": int, "presence_penalty": float, "frequency_penalty": float,
-           "logit_bias": dict, "user": str, "ignore_eos": bool}
+           "logit_bias": dict, "user": str, "ignore_eos": bool, "response_format": dict, "top_k": int,
+           "repetition_penalty": float, "min_tokens": int, "stop_token_ids": list}
 #: Each endpoint's fields and the JSON type each takes (None: checked by its own rule), besides null.
 KNOWN = {
     COMPLETIONS: {**_SHARED, "prompt": None, "echo": bool, "logprobs": int, "best_of": int, "suffix": str},
-    CHAT: {**_SHARED, "messages": list, "max_completion_tokens": int, "logprobs": bool, "top_logprobs": int,
-           "response_format": dict},
+    CHAT: {**_SHARED, "messages": list, "max_completion_tokens": int, "logprobs": bool, "top_logprobs": int},
 }
 
 
@@ -331,7 +331,9 @@ def test_http_fuzz_property_every_answer_is_a_result_or_a_clear_error(tiny_serve
         ({"top_p": Raw("Infinity")}, "top_p"),
         ({"max_tokens": 2**31}, "max_tokens"),
         ({"max_tokens": 1.0}, "max_tokens"),
-        ({"logprobs": 0}, "logprobs"),
+        ({"logprobs": 21}, "logprobs"),
+        ({"logprobs": True}, "logprobs"),
+        ({"n": 17}, "n"),
         ({"stop": 5}, "stop"),
         ({"prompt": Raw("[" * 5000 + "]" * 5000)}, None),
     ],

@@ -119,7 +119,9 @@ BIG = 16 * 1024 * 1024
         ({"prompt": prompt_of(300, seed=3)}, 400, "exceeds max_seq_len 256", None),
         ({"prompt": PROMPT, "max_tokens": 250}, 400, "exceeds max_seq_len 256", None),
         ({"prompt": PROMPT, "max_tokens": 0}, 400, "max_tokens", "max_tokens"),
-        ({"prompt": PROMPT, "n": 2}, 400, "n=2 is not supported", "n"),
+        ({"prompt": PROMPT, "n": 17}, 400, "less than or equal to 16", "n"),
+        ({"prompt": PROMPT, "n": 2, "best_of": 1}, 400, "best_of (1) must be at least n (2)", None),
+        ({"prompt": PROMPT, "best_of": 2, "stream": True}, 400, "best_of > n cannot stream", None),
         ({"prompt": PROMPT, "temperature": -0.5}, 400, "temperature", "temperature"),
         ({"prompt": [1, 2, 512]}, 400, "token id 512 is outside the vocabulary [0, 512)", None),
         ({"prompt": [1, -4]}, 400, "token id -4 is outside the vocabulary", None),
@@ -127,7 +129,9 @@ BIG = 16 * 1024 * 1024
         ({"prompt": [[1, 2], [3, 4]]}, 400, "a batch of 2 prompts is not supported", "prompt"),
         ({"prompt": "hello"}, 400, "has no tokenizer", "prompt"),
         ({"prompt": PROMPT, "stop": ["x"]}, 400, "stop sequences need a tokenizer", "stop"),
-        ({"prompt": PROMPT, "logprobs": 2}, 400, "logprobs=2 is not supported", "logprobs"),
+        ({"prompt": PROMPT, "logprobs": 21}, 400, "less than or equal to 20", "logprobs"),
+        ({"prompt": PROMPT, "suffix": "x"}, 400, "suffix='x' is not supported", "suffix"),
+        ({"prompt": PROMPT, "response_format": {"type": "json_object"}}, 400, "needs a tokenizer", "response_format"),
         ({"prompt": PROMPT, "frobnicate": 1}, 400, "unrecognized request argument 'frobnicate'", "frobnicate"),
         ({"prompt": PROMPT, "model": "gpt-4"}, 404, "the model 'gpt-4' does not exist", "model"),
         ({}, 400, "prompt is required", "prompt"),
@@ -156,7 +160,7 @@ def test_bad_input_disturbs_nothing(tiny_server):
     before = tiny_server.executor.health()
     client = tiny_server.client()
     expected = client.completions.create(model="tiny-random", prompt=PROMPT, max_tokens=4, temperature=0)
-    for bad in ({"prompt": [1, 9999]}, {"prompt": []}, {"prompt": PROMPT, "n": 3}):
+    for bad in ({"prompt": [1, 9999]}, {"prompt": []}, {"prompt": PROMPT, "n": 17}):
         with pytest.raises(openai.BadRequestError):
             client.completions.create(model="tiny-random", max_tokens=4, **bad)
     with pytest.raises(openai.NotFoundError):

@@ -156,7 +156,8 @@ def test_logit_rows_put_the_sampling_rows_first_then_each_verifying_requests_dra
     first_draft.py_draft_tokens = [6]
     inputs = build(engine, kv, context=[(chunk, 12), last], generation=[drafts, first_draft])
     # flat positions: chunk 0-11, last 12-20 (prompt 12-18, drafts 19-20), drafts 21-23, first draft 24-29
-    rows, request_ids, spans = inputs.logit_rows()
+    rows, request_ids, prompt_spans, spans = inputs.logit_rows()
+    assert prompt_spans == []  # no request asked for prompt log-probabilities
     assert request_ids == [last.request_id, drafts.request_id, first_draft.request_id]
     assert rows == [18, 21, 24, 19, 20, 22, 23, 25]
     assert spans == [(last.request_id, 0, 3, 2), (drafts.request_id, 1, 5, 2), (first_draft.request_id, 2, 7, 1)]

@@ -177,3 +177,32 @@ def test_speculative_requests_whose_forwards_fail_start_over_and_generate_the_sa
                           fault_injection=FaultInjectionConfig(forward_error_every=3))
     assert faulty == plain
     assert sum(s.num_retried_requests for s in stats) > 0
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+def test_drafts_share_forwards_with_prompt_logprobs_and_requests_that_need_their_logits_do_not_speculate():
+    """One forward holds draft rows and a chunk's prompt rows (both after the sampling rows):
+    the outputs, the prompt log-probabilities and the sampled logprobs equal those without
+    speculation; a request with logprobs (its logits needed on the host) is not speculated on."""
+    spec = SpeculativeConfig(max_draft_len=3, max_matching_ngram_size=2)
+
+    def run(**options):
+        with LLM(MODEL, max_num_tokens=48, max_seq_len=128, kv_cache_config=KvCacheConfig(tokens_per_block=4),
+                 **options) as llm:
+            first = llm.generate_async([5, 6, 7, 8, 9, 10] * 3, SamplingParams(max_tokens=16))
+            rest = [llm.generate_async([1, 2, 3, 4] * 3 + [1], SamplingParams(max_tokens=16, prompt_logprobs=1)),
+                    llm.generate_async([3, 9, 27, 11, 4], SamplingParams(max_tokens=8, logprobs=1))]
+            outputs = [h.result(timeout=60) for h in [first, *rest]]
+            return outputs, llm.iteration_stats
+
+    plain, _ = run()
+    speculative, stats = run(speculative_config=spec)
+    assert [o.outputs[0].token_ids for o in speculative] == [o.outputs[0].token_ids for o in plain]
+    # float64, but batches of other shapes: equal up to the last bits
+    got, want = speculative[1].prompt_logprobs, plain[1].prompt_logprobs
+    assert [e is None for e in got] == [e is None for e in want] and len(got) == 13
+    assert [e.logprob for e in got[1:]] == pytest.approx([e.logprob for e in want[1:]], abs=1e-9)
+    got, want = speculative[2].outputs[0].logprobs, plain[2].outputs[0].logprobs
+    assert [e.token for e in got] == [e.token for e in want]
+    assert [e.logprob for e in got] == pytest.approx([e.logprob for e in want], abs=1e-9)
+    assert sum(s.num_draft_tokens for s in stats) > 0

@@ -1,0 +1,57 @@
+"""Log-probabilities in OpenAI's two response shapes.
+
+Chat (``choice.logprobs.content``): one entry per generated token, ``{token, logprob, bytes,
+top_logprobs: [{token, logprob, bytes}]}``. Completions (the legacy shape): parallel lists
+``tokens``, ``token_logprobs``, ``top_logprobs`` (a ``{token: logprob}`` dict per position) and
+``text_offset`` (each token's character offset in the choice's text).
+
+A token's text is its bytes decoded as UTF-8 (a token that holds part of a character shows
+U+FFFD, as vLLM shows it); ``bytes`` are the exact bytes. A model without a tokenizer names
+each token ``token_id:N`` (vLLM's convention) and has no bytes.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from tensorrt_llm._torch.pyexecutor.llm_request import TokenLogprob
+from tensorrt_llm.serve.openai_protocol import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, TopLogprob
+
+
+class LogprobFormatter:
+    """Built once per server: it reads the tokenizer's vocabulary bytes once."""
+
+    def __init__(self, tokenizer) -> None:
+        self._bytes: list[bytes] | None = tokenizer.token_bytes() if tokenizer is not None else None
+
+    def token(self, token_id: int) -> tuple[str, list[int] | None]:
+        if self._bytes is None or not 0 <= token_id < len(self._bytes):
+            return f"token_id:{token_id}", None
+        raw = self._bytes[token_id]
+        return raw.decode("utf-8", errors="replace"), list(raw)
+
+    def chat(self, entries: Sequence[TokenLogprob]) -> ChatLogprobs:
+        content = []
+        for entry in entries:
+            text, raw = self.token(entry.token)
+            top = [TopLogprob(token=t, logprob=lp, bytes=b) for t, b, lp in
+                   ((*self.token(i), lp) for i, lp in entry.top)]
+            content.append(ChatTokenLogprob(token=text, logprob=entry.logprob, bytes=raw, top_logprobs=top))
+        return ChatLogprobs(content=content)
+
+    def completion(self, entries: Sequence[TokenLogprob], offset: int,
+                   prompt: tuple[Sequence[int], Sequence[TokenLogprob | None]] | None = None
+                   ) -> tuple[CompletionLogprobs, int]:
+        """The entries from character ``offset`` of the choice's text; returns the offset after
+        them. ``prompt`` (echo): the prompt's ids and log-probabilities go first (the first
+        prompt token has none: null, as OpenAI answers)."""
+        out = CompletionLogprobs()
+        leading = [] if prompt is None else list(zip(*prompt))
+        for token, entry in [*leading, *((e.token, e) for e in entries)]:
+            text, _ = self.token(token)
+            out.tokens.append(text)
+            out.token_logprobs.append(None if entry is None else entry.logprob)
+            out.top_logprobs.append(None if entry is None else {self.token(i)[0]: lp for i, lp in entry.top})
+            out.text_offset.append(offset)
+            offset += len(text)
+        return out, offset
