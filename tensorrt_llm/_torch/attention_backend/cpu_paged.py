@@ -45,7 +45,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from tensorrt_llm._torch.attention_backend.paged import decode_tables
+from tensorrt_llm._torch.attention_backend.paged import decode_tables, slot_view, write_new_tokens
 
 __all__ = ["CpuAttentionPlan", "CpuLayerKV", "build_cpu_plan"]
 
@@ -81,9 +81,7 @@ class CpuAttentionPlan:
 
     def layer(self, k_pool: torch.Tensor, v_pool: torch.Tensor) -> CpuLayerKV:
         """Bind one layer's pools (num_blocks, tokens_per_block, Hkv, D)."""
-        num_slots = k_pool.shape[0] * k_pool.shape[1]
-        flat = (num_slots, *k_pool.shape[2:])
-        return CpuLayerKV(self, k_pool.view(flat), v_pool.view(flat))  # (num_slots, Hkv, D)
+        return CpuLayerKV(self, slot_view(k_pool), slot_view(v_pool))
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,8 +96,7 @@ class CpuLayerKV:
         """q (T, Hq, D), k/v (T, Hkv, D) of the new tokens -> attention output (T, Hq, D)."""
         plan = self.plan
         # Write first, so that every group reads its own new tokens from the pool.
-        self.k_pool.index_copy_(0, plan.new_slots, k)
-        self.v_pool.index_copy_(0, plan.new_slots, v)
+        write_new_tokens(self.k_pool, self.v_pool, plan.new_slots, k, v)
         groups = plan.groups
         if len(groups) == 1 and groups[0].real is None and groups[0].out_rows == slice(0, plan.num_tokens):
             return self._group(groups[0], q, k, v, scale)  # one call makes the whole output, in order

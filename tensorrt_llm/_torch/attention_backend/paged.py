@@ -80,9 +80,7 @@ class PagedAttentionPlan:
 
     def layer(self, k_pool: torch.Tensor, v_pool: torch.Tensor) -> "PagedLayerKV":
         """Bind one layer's pools (num_blocks, tokens_per_block, Hkv, D)."""
-        num_slots = k_pool.shape[0] * k_pool.shape[1]
-        flat = (num_slots, *k_pool.shape[2:])
-        return PagedLayerKV(self, k_pool.view(flat), v_pool.view(flat))  # (num_slots, Hkv, D)
+        return PagedLayerKV(self, slot_view(k_pool), slot_view(v_pool))
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,8 +95,7 @@ class PagedLayerKV:
         """q (T, Hq, D), k/v (T, Hkv, D) of the new tokens -> attention output (T, Hq, D)."""
         plan = self.plan
         # Write first, so that chunks and decodes read their own new tokens from the pool.
-        self.k_pool.index_copy_(0, plan.new_slots, k)
-        self.v_pool.index_copy_(0, plan.new_slots, v)
+        write_new_tokens(self.k_pool, self.v_pool, plan.new_slots, k, v)
         ctx, dec = plan.context, plan.decode
         if ctx is not None:
             y_ctx = self._context(ctx, q, k, v, scale)  # (Tc, Hq, D)
@@ -167,6 +164,18 @@ def host_to_device(array: np.ndarray, device: torch.device, staging: PinnedStagi
             return staging.to_device(array)
         return torch.from_numpy(array).pin_memory().to(device, non_blocking=True)
     return torch.from_numpy(array).to(device)
+
+
+def slot_view(pool: torch.Tensor) -> torch.Tensor:
+    """One layer's pool (num_blocks, tokens_per_block, Hkv, D) as slots (num_slots, Hkv, D), a view."""
+    return pool.view(pool.shape[0] * pool.shape[1], *pool.shape[2:])
+
+
+def write_new_tokens(k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor, k: torch.Tensor,
+                     v: torch.Tensor) -> None:
+    """Write the new tokens' K/V (T, Hkv, D) into their ``slots`` (T,) of the slot views."""
+    k_pool.index_copy_(0, slots, k)
+    v_pool.index_copy_(0, slots, v)
 
 
 def decode_tables(block_tables: Sequence[Sequence[int]], width: int | None = None) -> np.ndarray:
