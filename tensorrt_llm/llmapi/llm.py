@@ -154,10 +154,7 @@ class LLM:
         check_decisions: bool = False,
         **executor_options,
     ) -> None:
-        unknown = set(executor_options) - _EXECUTOR_FIELDS
-        if unknown:
-            raise TypeError(f"LLM got unknown options {sorted(unknown)}; accepted: {sorted(_EXECUTOR_FIELDS)}")
-        config = ExecutorConfig(**executor_options)
+        config = _executor_config(executor_options)
         if isinstance(tensor_parallel_size, bool) or not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be a positive integer, got {tensor_parallel_size!r}")
         device = resolve_device(device, ranks=tensor_parallel_size)
@@ -393,6 +390,18 @@ def _rank_model(model, *, dtype: str | None, seed: int | None) -> _RankModel:
     return _RankModel(checkpoint.model_id, checkpoint.config, checkpoint.tokenizer, os.fspath(checkpoint.path))
 
 
+_TORCHRUN_ATTENTION_DP = ("enable_attention_dp is not supported under torchrun yet: each rank's responses and"
+                          " statistics would have to reach rank 0; use tensor parallelism, or spawned ranks")
+
+
+def _executor_config(executor_options: dict) -> ExecutorConfig:
+    """``ExecutorConfig`` from ``LLM(...)``'s executor keywords; an unknown one is a TypeError."""
+    unknown = set(executor_options) - _EXECUTOR_FIELDS
+    if unknown:
+        raise TypeError(f"LLM got unknown options {sorted(unknown)}; accepted: {sorted(_EXECUTOR_FIELDS)}")
+    return ExecutorConfig(**executor_options)
+
+
 def _torchrun_group(config: ExecutorConfig, enable_attention_dp: bool) -> TorchrunGroup | None:
     """Rank 0's group when this process was started by ``torchrun`` (``env://``), else None
     (the ranks are spawned here)."""
@@ -400,8 +409,7 @@ def _torchrun_group(config: ExecutorConfig, enable_attention_dp: bool) -> Torchr
     if launch is None or launch.world_size == 1:
         return None
     if enable_attention_dp:
-        raise ValueError("enable_attention_dp is not supported under torchrun yet: each rank's responses and"
-                         " statistics would have to reach rank 0; use tensor parallelism, or spawned ranks")
+        raise ValueError(_TORCHRUN_ATTENTION_DP)
     # a follower is dead once its heartbeat has been silent as long as a stalled loop may be
     return TorchrunGroup(launch, dead_after_s=config.health_check_timeout_s)
 
@@ -426,13 +434,11 @@ def follow_rank0(
     if tensor_parallel_size not in (None, launch.world_size):
         raise ValueError(f"tensor_parallel_size={tensor_parallel_size}, but torchrun started {launch.world_size} ranks")
     if enable_attention_dp:
-        raise ValueError("enable_attention_dp is not supported under torchrun yet")
+        raise ValueError(_TORCHRUN_ATTENTION_DP)
     if resolve_device(device, ranks=launch.world_size).type != "cpu":
         raise ValueError("ranks run on the CPU only (gloo)")
-    unknown = set(executor_options) - _EXECUTOR_FIELDS
-    if unknown:
-        raise TypeError(f"unknown options {sorted(unknown)}; accepted: {sorted(_EXECUTOR_FIELDS)}")
+    config = _executor_config(executor_options)
     rank_model = _rank_model(model, dtype=dtype, seed=seed)
-    config = _cap_max_seq_len(ExecutorConfig(**executor_options), executor_options, rank_model.config)
+    config = _cap_max_seq_len(config, executor_options, rank_model.config)
     job = serve_config(rank_model.config, config, check_decisions=check_decisions, checkpoint=rank_model.checkpoint)
     return follow(launch, lambda ctx: serve_rank(ctx, job))

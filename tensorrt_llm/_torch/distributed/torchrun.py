@@ -167,7 +167,7 @@ class TorchrunGroup:
                  dead_after_s: float = 5.0) -> None:
         if env.rank != 0:
             raise ValueError(f"rank {env.rank} follows rank 0 (torchrun.follow); only rank 0 serves")
-        self.world_size, self.options, self.env = env.world_size, options, env
+        self.world_size = env.world_size
         self._store = env.connect(options.start_timeout_s)
         self._watch = HeartbeatWatch(self._store, range(1, env.world_size), dead_after_s)
         self._comm = Communicator(self._store, 0, env.world_size, timeout_s=options.collective_timeout_s,
