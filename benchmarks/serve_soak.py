@@ -181,14 +181,7 @@ def memory_gauges(text: str) -> dict[str, float]:
 def summarize_memory(path: Path) -> dict[str, dict[str, float]]:
     """Per memory gauge over the run: the first and last sample, the maximum, and the change over
     the run's second half (after warm-up a flat series changes little there; a leak keeps growing)."""
-    samples = []
-    for line in path.read_text().splitlines():
-        try:
-            poll = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if "memory" in poll:
-            samples.append(poll["memory"])
+    samples = [poll["memory"] for poll in read_polls(path) if "memory" in poll]
     summary = {}
     for name in MEMORY_GAUGES.values():
         series = [sample[name] for sample in samples if name in sample]
@@ -198,14 +191,21 @@ def summarize_memory(path: Path) -> dict[str, dict[str, float]]:
     return summary
 
 
+def read_polls(path: Path) -> list[dict]:
+    """The poller's lines: answers (with ``path``) and memory samples (with ``memory``)."""
+    polls = []
+    for line in path.read_text().splitlines():
+        try:
+            polls.append(json.loads(line))
+        except json.JSONDecodeError:  # the last line, cut when the poller was stopped
+            continue
+    return polls
+
+
 def summarize_polls(path: Path) -> dict:
     """Per endpoint: the answers by status, and the latency's p50, p99 and maximum (ms)."""
     by_path: dict[str, dict] = {}
-    for line in path.read_text().splitlines():
-        try:
-            poll = json.loads(line)
-        except json.JSONDecodeError:  # the last line, cut when the poller was stopped
-            continue
+    for poll in read_polls(path):
         if "path" not in poll:  # a memory sample
             continue
         entry = by_path.setdefault(poll["path"], {"statuses": {}, "ms": []})
