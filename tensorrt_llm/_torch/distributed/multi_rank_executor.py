@@ -34,7 +34,7 @@ from tensorrt_llm._torch.distributed.worker import serve_config, serve_rank
 from tensorrt_llm._torch.models.modeling_llama import HeadShard, LlamaConfig
 from tensorrt_llm._torch.pyexecutor.config import ExecutorConfig
 from tensorrt_llm._torch.pyexecutor.block_pool import KvCacheStats
-from tensorrt_llm._torch.pyexecutor.errors import ExecutorShutdown
+from tensorrt_llm._torch.pyexecutor.errors import ExecutorShutdown, InvalidRequestError
 from tensorrt_llm._torch.pyexecutor.executor_client import Health, IterationListener, Load, Response, ResponseCallback
 from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequest
 from tensorrt_llm._torch.pyexecutor.model_engine import TorchModelEngine
@@ -317,4 +317,10 @@ class _Validator:
         )
 
     def __call__(self, request: LlmRequest) -> None:
+        if request.beam_width > 1:
+            # The ranks exchange each request's picked token, not beams (their tables, parents, scores).
+            raise InvalidRequestError(
+                f"request {request.request_id}: beam search runs with one rank only (tensor_parallel_size=1,"
+                " no attention DP)"
+            )
         validate_request(request, self.limits, self.kv)

@@ -53,6 +53,9 @@ class ForwardOutput:
     # (1 + drafts tokens; ``speculative.verification.accept_greedy`` reads them). None: no drafts
     # ran, or an engine without a model (its drafts are all rejected).
     draft_targets: dict[int, list[int]] | None = None
+    # Beam-search requests in generation: the (beam_width, vocab) logits of their beams, beam 0
+    # first (``logits`` holds beam 0's row alone). None: no beams ran, or an engine without a model.
+    beam_logits: dict[int, Any] | None = None
 
 
 class PendingForward(Protocol):

@@ -10,7 +10,7 @@ needs torch: the simulated engine and the replay run on it alone.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Mapping
+from typing import TYPE_CHECKING, Mapping, NamedTuple
 
 from tensorrt_llm._torch.pyexecutor.errors import TokenBudgetExceeded
 from tensorrt_llm._torch.pyexecutor.forward_cost import forward_cost
@@ -25,6 +25,34 @@ PAD_TOKEN_ID = 0  # fills first-draft slots before the drafter has proposed anyt
 #: A request's draft rows among :meth:`TpInputs.logit_rows`: (request id, index of its sampling
 #: row, index of its first draft row, number of drafts).
 DraftSpan = tuple[int, int, int, int]
+
+
+#: A beam-search request's beam rows among :meth:`TpInputs.logit_layout`: (request id, index of
+#: its sampling row, which is beam 0's, index of beam 1's row, number of beams after beam 0).
+BeamSpan = tuple[int, int, int, int]
+
+
+class LogitRows(NamedTuple):
+    """The flat rows whose logits a forward computes, in order: the sampling rows (one per request
+    that samples: ``request_ids``), the prompt rows (``prompt_spans``), the draft rows (``drafts``),
+    then the rows of beams 1.. of each beam-search request in generation (``beams``)."""
+
+    rows: list[int]
+    request_ids: list[int]
+    prompt_spans: list[tuple[int, int, int, int]]
+    drafts: list[DraftSpan]
+    beams: list[BeamSpan]
+
+
+def beam_rows(logits, spans: list[BeamSpan]) -> dict[int, object] | None:
+    """Each beam-search request's ``(beam_width, vocab)`` logits, beam 0 first, from the rows as
+    :meth:`TpInputs.logit_layout` lays them out (``logits`` indexes like a tensor). None: no beams."""
+    if not spans:
+        return None
+    import torch  # only an engine with a model has logits to read
+
+    return {rid: torch.cat((logits[index : index + 1], logits[first : first + count]))
+            for rid, index, first, count in spans}
 
 
 def draft_targets(picks: list[int], spans: list[DraftSpan]) -> dict[int, list[int]] | None:
@@ -61,6 +89,7 @@ class TpInputs:
     __slots__ = (
         "requests", "num_new_tokens", "num_cached_tokens", "samples", "total_num_tokens", "in_flight", "prompt_logits",
         "num_drafts", "_trailing", "_pieces", "_beams", "_tables", "_kv", "_input_ids", "_position_ids", "_block_tables",
+        "_beam_tables",
     )
 
     def __init__(self, kv_cache_manager: KVCacheManager | None = None) -> None:
@@ -80,6 +109,7 @@ class TpInputs:
         self._input_ids: list[int] | None = None
         self._position_ids: list[int] | None = None
         self._block_tables: list[list[int]] | None = None
+        self._beam_tables: list[list[list[int]] | None] | None = None  # per request: its beams' tables, or None
 
     def append(
         self, request: LlmRequest, token_ids: list[int], start: int, block_table: list[int] | None, samples: bool,
@@ -105,10 +135,11 @@ class TpInputs:
                 token_ids = [tokens[-1], *request.py_draft_tokens]
                 self.num_drafts.append(len(request.py_draft_tokens))
                 self._trailing.append(len(request.py_draft_tokens))
-            else:  # one position per beam
-                token_ids = [tokens[-1]] * beams
+            else:  # one position per beam: each beam's newest token (a request without beam state repeats its own)
+                state = request.py_beams
+                token_ids = state.last_tokens() if beams > 1 and state is not None else [tokens[-1]] * beams
                 self.num_drafts.append(0)
-                self._trailing.append(0)
+                self._trailing.append(beams - 1)  # its sampling row is beam 0's, the first
                 if token_ids[0] == IN_FLIGHT_TOKEN_ID:
                     self.in_flight.append((self.total_num_tokens + count, len(self._beams)))  # (flat, request index)
             self._pieces.append((token_ids, 0, len(token_ids), ()))
@@ -120,7 +151,7 @@ class TpInputs:
         self.samples += [True] * len(requests)
         self._tables += [None] * len(requests)
         self.total_num_tokens += count
-        self._input_ids = self._position_ids = self._block_tables = None
+        self._input_ids = self._position_ids = self._block_tables = self._beam_tables = None
 
     def append_chunk(self, request: LlmRequest, start: int, stop: int, extra: list[int], samples: bool) -> None:
         """Prompt tokens ``[start, stop)`` of ``request`` followed by ``extra`` (draft tokens), not copied yet.
@@ -141,7 +172,7 @@ class TpInputs:
         self._beams.append(beams)
         self._tables.append(block_table)
         self.total_num_tokens += count
-        self._input_ids = self._position_ids = self._block_tables = None
+        self._input_ids = self._position_ids = self._block_tables = self._beam_tables = None
 
     def resolve(self, picks: Mapping[int, int]) -> None:
         """Fill each in-flight input with the token the engine picked for its request in the
@@ -158,6 +189,7 @@ class TpInputs:
         launch must not read request or KV state that has moved on since."""
         self.input_ids, self.position_ids  # noqa: B018 (built and kept)
         self._block_tables = [list(table) for table in self.block_tables]
+        self._beam_tables = [None if t is None else [list(b) for b in t] for t in self.beam_block_tables]
 
     def last_input_id(self, index: int) -> int:
         """The last input token of request ``index`` (the one whose logits it samples from)."""
@@ -190,11 +222,18 @@ class TpInputs:
         return rows, request_ids, spans
 
     def logit_rows(self) -> tuple[list[int], list[int], list[tuple[int, int, int, int]], list[DraftSpan]]:
-        """``(rows, request_ids, prompt_spans, drafts)``: the flat rows whose logits the forward
-        computes. :meth:`sampling_rows`' rows come first (rows ``[0, len(request_ids))`` are the
-        sampling rows, whatever follows; then the prompt rows its ``prompt_spans`` describe); then,
-        for each request that verifies drafts, one row per draft (the row after draft ``j``
-        predicts the token after it), described by a :data:`DraftSpan` in ``drafts``."""
+        """``(rows, request_ids, prompt_spans, drafts)`` of :meth:`logit_layout` (its ``rows`` end
+        with the beam rows, which ``drafts`` does not describe)."""
+        return tuple(self.logit_layout()[:4])
+
+    def logit_layout(self) -> LogitRows:
+        """The flat rows whose logits the forward computes (:class:`LogitRows`).
+        :meth:`sampling_rows`' rows come first (rows ``[0, len(request_ids))`` are the sampling
+        rows, whatever follows; then the prompt rows its ``prompt_spans`` describe); then, for each
+        request that verifies drafts, one row per draft (the row after draft ``j`` predicts the
+        token after it), described by a :data:`DraftSpan` in ``drafts``; then, for each beam-search
+        request in generation, the rows of its beams after beam 0 (whose row is its sampling row),
+        described by a :data:`BeamSpan` in ``beams``."""
         rows, request_ids, prompt_spans = self.sampling_rows()
         spans: list[DraftSpan] = []
         if any(self.num_drafts):
@@ -203,7 +242,14 @@ class TpInputs:
                 if count:
                     spans.append((rid, index, len(rows), count))
                     rows.extend(range(row + 1, row + 1 + count))
-        return rows, request_ids, prompt_spans, spans
+        beam_spans: list[BeamSpan] = []
+        if any(beams > 1 for beams in self._beams):
+            widths = [b for b, samples in zip(self._beams, self.samples) if samples]
+            for index, (row, rid, beams) in enumerate(zip(rows[: len(request_ids)], request_ids, widths)):
+                if beams > 1:
+                    beam_spans.append((rid, index, len(rows), beams - 1))
+                    rows.extend(range(row + 1, row + beams))
+        return LogitRows(rows, request_ids, prompt_spans, spans, beam_spans)
 
     @property
     def input_ids(self) -> list[int]:
@@ -232,6 +278,45 @@ class TpInputs:
                 for request, table in zip(self.requests, self._tables)
             ]
         return self._block_tables
+
+    @property
+    def has_beams(self) -> bool:
+        """Whether some request runs several beams (each its own sequence to attention)."""
+        return any(beams > 1 for beams in self._beams)
+
+    @property
+    def beam_block_tables(self) -> list[list[list[int]] | None]:
+        """Per request: the block table of each of its beams (a beam-search request), else None."""
+        if self._beam_tables is None:
+            self._beam_tables = [
+                self._kv.beam_block_tables(request) if beams > 1 else None
+                for request, beams in zip(self.requests, self._beams)
+            ]
+        return self._beam_tables
+
+    def attention_batch(self) -> tuple[list[int], list[int], list[list[int]]]:
+        """``(num_new_tokens, num_cached_tokens, block_tables)`` per *sequence* as attention sees
+        them: a request's, or, for a beam-search request, one sequence per beam (one new token each,
+        at the same position, over its own table). The flat rows are the same either way."""
+        if not self.has_beams:
+            return self.num_new_tokens, self.num_cached_tokens, self.block_tables
+        new: list[int] = []
+        cached: list[int] = []
+        tables: list[list[int]] = []
+        for n, c, table, beams, beam_tables in zip(
+            self.num_new_tokens, self.num_cached_tokens, self.block_tables, self._beams, self.beam_block_tables
+        ):
+            if beams > 1:
+                if len(beam_tables) != beams:
+                    raise ValueError(f"{len(beam_tables)} block tables for the {beams} beams of a request")
+                new += [1] * beams
+                cached += [c] * beams
+                tables += beam_tables
+            else:
+                new.append(n)
+                cached.append(c)
+                tables.append(table)
+        return new, cached, tables
 
 
 def prepare_tp_inputs(scheduled: ScheduledRequests, kv_cache_manager: KVCacheManager, max_num_tokens: int) -> TpInputs:

@@ -32,6 +32,9 @@ class Response(NamedTuple):
     finished: bool = False
     error: str | None = None
     cancelled: bool = False
+    # Beam search: the returned beams, best first (``beam_search.Hypothesis``), on the final
+    # response only; ``new_token_ids`` then holds the best one's tokens (nothing was sent before).
+    beams: tuple | None = None
 
 
 ResponseCallback = Callable[[LlmRequest, Response], None]

@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
 import numpy as np
 
+from tensorrt_llm._torch.pyexecutor.beam_tables import BeamTables
 from tensorrt_llm._torch.pyexecutor.block_pool import TOKEN_BYTES, BlockPool, BlockTokens, KVBlock
 from tensorrt_llm._torch.pyexecutor.config import KvCacheConfig
 from tensorrt_llm._torch.pyexecutor.forward_cost import forward_cost
@@ -125,6 +126,9 @@ class _Sequence:
     # block_id of each of ``blocks``, kept in step with it: a held block never changes slot,
     # so the table only changes where ``blocks`` does (append, commit to a canonical block).
     table: list[int] = field(init=False)
+    # Beam search, from the first generation step: every beam's table. ``blocks`` is then beam
+    # 0's and ``beam_blocks`` the other beams' blocks that are not in it (each held once).
+    beams: BeamTables | None = None
 
     def __post_init__(self) -> None:
         self.table = [block.block_id for block in self.blocks]
@@ -295,6 +299,30 @@ class KVCacheManager:
     def block_table(self, request: LlmRequest) -> list[int]:
         return list(self._sequences[request.request_id].table)
 
+    def beam_block_tables(self, request: LlmRequest) -> list[list[int]]:
+        """One block table per beam of a beam-search request in generation (beam 0's is
+        :meth:`block_table`); before its first generation step, and for one beam, ``[block_table]``."""
+        seq = self._sequences[request.request_id]
+        if seq.beams is None:
+            return [list(seq.table)]
+        return [seq.beams.table_ids(beam) for beam in range(seq.beams.beam_width)]
+
+    def fork_beams(self, request: LlmRequest, parents: Sequence[int]) -> None:
+        """After a beam-search step: new beam ``j`` continues old beam ``parents[j]``
+        (``BeamStep.parents``). The blocks only dropped beams held go back to the pool; they
+        were never committed to the prefix tree, so no cached block holds a dropped beam's tokens.
+        Nothing to do before the request's beam tables exist (its first step forks from the prompt)."""
+        seq = self._sequences.get(request.request_id)
+        if seq is None or seq.beams is None:
+            return
+        before = max(0, seq.reserve - seq.num_held)
+        dropped = seq.beams.fork(parents)
+        if not dropped:
+            return
+        self._sync_beams(seq)
+        self.pool.release(dropped)
+        self._reserved += max(0, seq.reserve - seq.num_held) - before
+
     def num_computed_tokens(self, request: LlmRequest) -> int:
         seq = self._sequences.get(request.request_id)
         return 0 if seq is None else seq.num_computed
@@ -396,7 +424,12 @@ class KVCacheManager:
         if growing:
             short = set()
             for request in growing:
-                if not self._grow(request, sequences[request.request_id], self._generation_len(request)):
+                seq = sequences[request.request_id]
+                if request.beam_width > 1:
+                    grown = self._grow_beams(request, seq)
+                else:
+                    grown = self._grow(request, seq, self._generation_len(request))
+                if not grown:
                     logger.debug("request %d deferred: KV blocks unavailable", request.request_id)
                     deferred.append(request)
                     short.add(request.request_id)
@@ -456,6 +489,11 @@ class KVCacheManager:
         for request_id, seq in self._sequences.items():
             assert seq.table == [b.block_id for b in seq.blocks], f"request {request_id}: stale block table"
             assert seq.capacity == len(seq.blocks) * self.tokens_per_block, f"request {request_id}: stale capacity"
+            if seq.beams is not None:
+                seq.beams.check()
+                distinct = seq.beams.distinct()
+                assert {id(b) for b in distinct} == {id(b) for b in (*seq.blocks, *seq.beam_blocks)} and len(
+                    distinct) == seq.num_held, f"request {request_id}: beam tables out of step with its blocks"
         reserved = sum(max(0, seq.reserve - seq.num_held) for seq in self._sequences.values())
         assert self._reserved == reserved, f"reserved-blocks total {self._reserved} != {reserved}"
 
@@ -484,6 +522,40 @@ class KVCacheManager:
         seq.capacity = keep * self.tokens_per_block
         self.pool.release(rejected)
         self._reserved += max(0, seq.reserve - seq.num_held) - before
+
+    def _grow_beams(self, request: LlmRequest, seq: _Sequence) -> bool:
+        """A beam-search generation step: every beam writes the position of its newest token, in
+        a block of its own (see ``beam_tables``). The first step starts the beams on the prompt's
+        blocks; the blocks set aside for the prompt's last partial block at allocation
+        (``blocks_for_tokens`` counts one per extra beam) become the beams' copies of it. All or
+        nothing: False, changing nothing, when the blocks cannot be had."""
+        tpb = self.tokens_per_block
+        position = len(request.tokens) - 1
+        beams = seq.beams if seq.beams is not None else BeamTables(seq.blocks, request.beam_width)
+        spare = seq.beam_blocks if seq.beams is None else []
+        needed = beams.blocks_to_write(position, tpb)
+        missing = max(0, needed - len(spare))
+        if missing > self.pool.available:
+            return False
+        before = max(0, seq.reserve - seq.num_held)
+        fresh = spare[:needed] + self.pool.allocate_many(missing)
+        unused = spare[needed:]
+        for source, copy in beams.make_writable(position, tpb, fresh):
+            self.pool.copy(source, copy)
+        seq.beams = beams
+        self._sync_beams(seq)
+        self.pool.release(unused)
+        self._reserved += max(0, seq.reserve - seq.num_held) - before
+        return True
+
+    def _sync_beams(self, seq: _Sequence) -> None:
+        """``blocks`` / ``table`` / ``capacity`` are beam 0's; ``beam_blocks`` the rest, each once."""
+        beams = seq.beams
+        seq.blocks = list(beams.tables[0])
+        seq.table = [block.block_id for block in seq.blocks]
+        seq.capacity = len(seq.blocks) * self.tokens_per_block
+        own = {id(block) for block in seq.blocks}
+        seq.beam_blocks = [block for block in beams.distinct() if id(block) not in own]
 
     def _grow(self, request: LlmRequest, seq: _Sequence, needed_len: int) -> bool:
         tpb = self.tokens_per_block

@@ -33,6 +33,8 @@ the forward-retry counters                          ``retry_after_failed_forward
                                                    that step runs)
 ``py_logprobs``, ``py_prompt_logprobs``            the sampler (one entry per token it samples,
                                                    per prompt position it is given logits for)
+``py_beams``                                       ``PyExecutor``, from the sampler's ``BeamStep``
+                                                   (beam search; ``tokens`` then ends with beam 0's)
 =================================================  ==========================================
 
 The scheduler, the token-budget policy and the KV manager read requests and return
@@ -59,6 +61,7 @@ from typing import TYPE_CHECKING, Iterable, NamedTuple
 
 import numpy as np
 
+from tensorrt_llm._torch.pyexecutor.beam_search import EARLY_STOP, BeamConfig, BeamState
 from tensorrt_llm._torch.pyexecutor.errors import InvalidRequestError
 
 if TYPE_CHECKING:
@@ -159,6 +162,11 @@ class SamplingConfig:
     penalties, temperature and any mask), as vLLM reports them by default. ``prompt_logprobs``:
     the same for each prompt token after the first (the engine then returns the logits of every
     prompt position, and the request claims no cached prefix: every position is computed).
+
+    Beam search (a request with ``beam_width`` > 1; see ``beam_search``): ``length_penalty``
+    (finite; 0, the default, scores by cumulative log-probability alone), ``early_stopping`` (0, 1
+    the default, 2 = "never": upstream's encoding), ``num_return_sequences`` (how many of the
+    beams are returned; None: all of them).
     """
 
     temperature: float = 0.0
@@ -171,6 +179,9 @@ class SamplingConfig:
     min_tokens: int = 0
     logprobs: int | None = None
     prompt_logprobs: int | None = None  # the same for each prompt position after the first
+    length_penalty: float = 0.0
+    early_stopping: int = EARLY_STOP
+    num_return_sequences: int | None = None
 
     def __post_init__(self) -> None:
         if not _is_number(self.temperature) or not 0 <= self.temperature < math.inf:
@@ -193,6 +204,13 @@ class SamplingConfig:
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or not 0 <= value <= MAX_TOP_LOGPROBS):
                 raise ValueError(f"{name} must be an integer in [0, {MAX_TOP_LOGPROBS}], got {value!r}")
+        if not _is_number(self.length_penalty) or not math.isfinite(self.length_penalty):
+            raise ValueError(f"length_penalty must be a finite number, got {self.length_penalty!r}")
+        if not _is_int(self.early_stopping) or self.early_stopping not in (0, 1, 2):
+            raise ValueError(f"early_stopping must be 0, 1 or 2 (never), got {self.early_stopping!r}")
+        if self.num_return_sequences is not None and (
+                not _is_int(self.num_return_sequences) or self.num_return_sequences < 1):
+            raise ValueError(f"num_return_sequences must be an integer >= 1, got {self.num_return_sequences!r}")
 
     @property
     def is_greedy(self) -> bool:
@@ -275,6 +293,8 @@ class LlmRequest:
     py_logprobs: list[TokenLogprob] = field(default_factory=list)
     # With ``sampling_config.prompt_logprobs``: one per prompt position, None for the first (the sampler's).
     py_prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
+    # Beam search (beam_width > 1): the beams after the last step (None before the first one).
+    py_beams: BeamState | None = None
 
     def __post_init__(self) -> None:
         try:
@@ -353,6 +373,13 @@ class LlmRequest:
         return len(self.py_draft_tokens)
 
     @property
+    def beam_config(self) -> BeamConfig:
+        """What its beam search asks for (``beam_width`` > 1), from its sampling config."""
+        config = self.sampling_config
+        returned = config.num_return_sequences if config.num_return_sequences is not None else self.beam_width
+        return BeamConfig(self.beam_width, config.length_penalty, config.early_stopping, returned)
+
+    @property
     def output_token_ids(self) -> list[int]:
         return self.tokens[self.orig_prompt_len :].tolist()
 
@@ -402,6 +429,12 @@ class LlmRequest:
         self.retried_at_len = len(self.tokens)
 
     def _start_over(self) -> None:
+        if self.beam_width > 1 and self.py_beams is not None:
+            # A beam search starts again from its prompt: its tokens are beam 0's so far, not a
+            # sequence to continue, and recomputing every beam's KV is a fresh search anyway.
+            # Deterministic, and nothing was sent yet (beams answer once, at the end).
+            del self.tokens[self.orig_prompt_len :]
+            self.py_beams = None
         self.state = LlmRequestState.CONTEXT_INIT
         self.prompt_len = len(self.tokens)
         self.context_current_position = 0

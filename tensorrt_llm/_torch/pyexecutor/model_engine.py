@@ -25,7 +25,14 @@ from tensorrt_llm._torch.models.modeling_llama import AttentionMetadata, LlamaFo
 from tensorrt_llm._torch.pyexecutor.config import CudaGraphConfig
 from tensorrt_llm._torch.pyexecutor.cuda_graph_runner import CudaGraphRunner
 from tensorrt_llm._torch.pyexecutor.engine import ForwardOutput, ModelEngine, PendingForward, ReadyForward
-from tensorrt_llm._torch.pyexecutor.engine_inputs import PAD_TOKEN_ID, DraftSpan, TpInputs, draft_targets
+from tensorrt_llm._torch.pyexecutor.engine_inputs import (
+    PAD_TOKEN_ID,
+    BeamSpan,
+    DraftSpan,
+    TpInputs,
+    beam_rows,
+    draft_targets,
+)
 from tensorrt_llm._torch.pyexecutor.kv_cache_manager import KVCacheManager
 
 # Upstream's names, where an engineer looks for them.
@@ -51,6 +58,9 @@ class TorchModelEngine(ModelEngine):
     # Drafts run as extra positions of their request (causal over its cache, like a chunk); the
     # greedy pick at each draft row comes back in ForwardOutput.draft_targets.
     supports_draft_tokens = True
+    # Beams run as sequences of their own to attention, one row each, over their own block
+    # tables (TpInputs.attention_batch); their rows come back in ForwardOutput.beam_logits.
+    max_beam_width = 64
 
     def __new__(cls, model: LlamaForCausalLM, *args, **kwargs) -> "TorchModelEngine":
         if cls is TorchModelEngine:
@@ -106,10 +116,11 @@ class CpuTorchModelEngine(TorchModelEngine):
     @torch.inference_mode()
     def _run(self, inputs: TpInputs) -> ForwardOutput:
         storage = self.kv_cache_manager.storage
+        num_new, num_cached, tables = inputs.attention_batch()  # a beam-search request: one sequence per beam
         metadata = AttentionMetadata(
-            num_new_tokens=inputs.num_new_tokens,
-            num_cached_tokens=inputs.num_cached_tokens,
-            block_tables=inputs.block_tables,
+            num_new_tokens=num_new,
+            num_cached_tokens=num_cached,
+            block_tables=tables,
             tokens_per_block=self.kv_cache_manager.tokens_per_block,
         )
         hidden = self.model(
@@ -119,12 +130,13 @@ class CpuTorchModelEngine(TorchModelEngine):
             storage.k_cache,
             storage.v_cache,
         )  # (T, hidden)
-        rows, sampling, spans, drafts = inputs.logit_rows()  # sampling rows, then prompt rows, then draft rows
+        rows, sampling, spans, drafts, beams = inputs.logit_layout()  # sampling, prompt, draft, then beam rows
         logits = self.model.compute_logits(hidden[rows]) if rows else hidden.new_empty((0, self.vocab_size))
-        picked = logits if drafts else logits[: len(sampling)]  # prompt rows need no pick; draft rows do
+        picked = logits if drafts else logits[: len(sampling)]  # prompt and beam rows need no pick; draft rows do
         picks = picked.argmax(dim=-1).tolist() if len(picked) else []  # (rows,)
         return ForwardOutput(logits=dict(zip(sampling, logits)), greedy_tokens=dict(zip(sampling, picks)),
-                             prompt_logits=_prompt_logits(logits, spans), draft_targets=draft_targets(picks, drafts))
+                             prompt_logits=_prompt_logits(logits, spans), draft_targets=draft_targets(picks, drafts),
+                             beam_logits=beam_rows(logits, beams))
 
 
 class CudaTorchModelEngine(TorchModelEngine):
@@ -189,10 +201,10 @@ class CudaTorchModelEngine(TorchModelEngine):
             raise ValueError(f"input_ids must lie in [0, {config.vocab_size})")
         if positions.size and (positions.min() < 0 or positions.max() >= config.max_position_embeddings):
             raise ValueError(f"position_ids must lie in [0, {config.max_position_embeddings})")
-        rows, sampling, spans, drafts = inputs.logit_rows()  # prompt and draft rows after the sampling rows
+        rows, sampling, spans, drafts, beams = inputs.logit_layout()  # prompt, draft, beam rows after the sampling rows
 
         size = None
-        if self.graph_runner is not None and all(inputs.samples) and not spans:
+        if self.graph_runner is not None and all(inputs.samples) and not spans and not beams:
             size = self.graph_runner.graph_size(inputs.num_new_tokens, inputs.num_cached_tokens)
         storage = self.kv_cache_manager.storage
         start = None
@@ -207,12 +219,13 @@ class CudaTorchModelEngine(TorchModelEngine):
                 logits, tokens = self.graph_runner.replay(step, fill)
             else:
                 plan = self._plan(inputs)
-                storage.before_compute(inputs.block_tables)
+                storage.before_compute(inputs.attention_batch()[2])  # every beam's table too
                 if self.time_forwards:
                     start = _record_event()
                 logits, tokens = self._forward_eager(plan, ids, positions, rows, fill)
         self._device_picks = (dict(zip(sampling, range(len(sampling)))), tokens)
-        return CudaForward(sampling, logits, tokens, start, prompt_logits=_prompt_logits(logits, spans), drafts=drafts)
+        return CudaForward(sampling, logits, tokens, start, prompt_logits=_prompt_logits(logits, spans), drafts=drafts,
+                           beams=beams)
 
     def _in_flight_fill(self, inputs: TpInputs, slots: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """(flat slots, their tokens) on the device: each in-flight input's pick from the previous launch."""
@@ -228,10 +241,11 @@ class CudaTorchModelEngine(TorchModelEngine):
         return host_to_device(array, self.device, self._staging)
 
     def _plan(self, inputs: TpInputs) -> PagedAttentionPlan:
+        num_new, num_cached, tables = inputs.attention_batch()  # a beam-search request: one sequence per beam
         return build_plan(
-            inputs.num_new_tokens,
-            inputs.num_cached_tokens,
-            inputs.block_tables,
+            num_new,
+            num_cached,
+            tables,
             tokens_per_block=self.kv_cache_manager.tokens_per_block,
             num_blocks=self.kv_cache_manager.num_blocks,
             num_kv_heads=self.model.num_local_kv_heads,
@@ -268,23 +282,25 @@ class CudaForward:
     """
 
     __slots__ = ("_output", "_event", "_start", "_tokens_host", "_request_ids", "_drafts", "_logits", "num_tokens",
-                 "_prompt_logits")
+                 "_prompt_logits", "_beams")
 
     def __init__(
         self, request_ids: list[int], logits: torch.Tensor, tokens: torch.Tensor, start: torch.cuda.Event | None = None,
         *, prompt_logits: dict[int, tuple[int, torch.Tensor]] | None = None, drafts: list[DraftSpan] = (),
+        beams: list[BeamSpan] = (),
     ) -> None:
         """Enqueue the copy of ``tokens`` (device) to pinned host memory and an event after it;
         ``start``: an event recorded before the forward's first kernel (timing). ``logits`` and
         ``tokens`` may hold more rows than ``request_ids`` (prompt rows, ``prompt_logits`` views
-        them; draft rows, ``drafts``, as ``TpInputs.logit_rows`` lays them out); only the first
-        ``len(request_ids)`` are the requests' picks."""
+        them; draft rows, ``drafts``; beam rows, ``beams``, as ``TpInputs.logit_layout`` lays them
+        out); only the first ``len(request_ids)`` are the requests' picks."""
         self._prompt_logits = prompt_logits
         self._output: ForwardOutput | None = None
         self.num_tokens = 0  # positions in the forward
         self._start = start
         self._request_ids = request_ids
         self._drafts = drafts
+        self._beams = beams  # beam rows: the sampler reads their logits (on the device) itself
         self._logits = logits
         self._tokens_host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=tokens.numel() > 0)
         if tokens.numel():
@@ -328,6 +344,7 @@ class CudaForward:
                 nonfinite=nonfinite,
                 prompt_logits=self._prompt_logits,
                 draft_targets=targets,
+                beam_logits=beam_rows(self._logits, self._beams),
             )
         return self._output
 

@@ -63,6 +63,7 @@ from dataclasses import dataclass
 from operator import attrgetter
 from typing import Callable, Collection, Mapping, Sequence
 
+from tensorrt_llm._torch.pyexecutor.beam_search import BeamStep
 from tensorrt_llm._torch.pyexecutor.config import ExecutorConfig
 from tensorrt_llm._torch.pyexecutor.drafter import Drafter
 from tensorrt_llm._torch.pyexecutor.errors import (
@@ -534,6 +535,9 @@ class PyExecutor:
                 logger.error("%s", tokens)
                 self._fail(request, tokens)
                 continue
+            if isinstance(tokens, BeamStep):
+                self._advance_beams(request, tokens, now)
+                continue
             if slot is not None:
                 self._fill(request, slot, tokens, now)
                 continue
@@ -559,7 +563,26 @@ class PyExecutor:
             del sequence[slot + 1 :]
         self._deliver(request, tokens[:1], finished, now)
 
-    def _deliver(self, request: LlmRequest, tokens: list[int], finished: bool, now: float) -> None:
+    def _advance_beams(self, request: LlmRequest, step: BeamStep, now: float) -> None:
+        """Apply a beam-search step: the request's beams, its tokens (beam 0's, so that its length
+        is every beam's), its KV (each new beam's tables are its parent's). Nothing is sent until
+        the search is over: a beam's tokens are not final while a better beam may replace it. Then
+        the one response carries the returned beams, and ``tokens`` ends with the best one's."""
+        state = step.state
+        request.py_beams = state
+        best = state.results[0] if state.done else state.live[0]
+        del request.tokens[request.orig_prompt_len :]
+        request.tokens.extend(best.tokens)
+        if not state.done:
+            if request.first_token_time is None:
+                request.first_token_time = now
+            self.kv_cache_manager.fork_beams(request, step.parents)
+            return
+        self._deliver(request, list(best.tokens), True, now, beams=state.results)
+
+    def _deliver(
+        self, request: LlmRequest, tokens: list[int], finished: bool, now: float, *, beams: tuple | None = None
+    ) -> None:
         if request.first_token_time is None:
             request.first_token_time = now
         if finished:
@@ -570,7 +593,7 @@ class PyExecutor:
         else:
             callback = self._callbacks.get(request.request_id)
         if callback is not None:
-            callback(request, Response(request.request_id, tokens, finished))
+            callback(request, Response(request.request_id, tokens, finished, beams=beams))
 
     def _fail_iteration(self, requests: list[LlmRequest], error: Exception, stats: IterationStats) -> None:
         """An unexpected error at launch or completion: log it with its traceback (call from the

@@ -90,6 +90,8 @@ def validate_request(request: LlmRequest, limits: RequestLimits, kv_cache_manage
             f"request {rid}: beam width {request.beam_width} is not implemented by this engine"
             f" (supported: 1..{limits.max_beam_width})"
         )
+    if request.beam_width > 1:
+        check_beam_search(request)
     if drafts and not limits.supports_draft_tokens:
         raise InvalidRequestError(f"request {rid}: draft tokens (speculative decoding) are not supported by this engine")
     if max(request.beam_width, 1 + drafts) > limits.max_num_tokens:
@@ -98,4 +100,31 @@ def validate_request(request: LlmRequest, limits: RequestLimits, kv_cache_manage
     if blocks_needed > limits.num_kv_blocks:
         raise InvalidRequestError(
             f"request {rid}: needs {blocks_needed} KV blocks at completion, the pool has {limits.num_kv_blocks}"
+        )
+
+
+def check_beam_search(request: LlmRequest) -> None:
+    """Raise InvalidRequestError naming what a beam-search request asks for that beam search
+    cannot honour: it scores the model's own log-probabilities, one token per beam per step."""
+    rid, config = request.request_id, request.sampling_config
+    if request.max_draft_len or request.py_draft_tokens:
+        # upstream refuses the combination too: a beam proposes no drafts, and a step is one token per beam
+        raise InvalidRequestError(f"request {rid}: beam search with draft tokens (speculative decoding) is not supported")
+    if not config.is_greedy or config.top_p < 1.0 or config.top_k > 1:
+        raise InvalidRequestError(
+            f"request {rid}: beam search ranks beams by the model's log-probabilities; temperature, top_k and top_p"
+            " do not apply (leave them at their defaults)"
+        )
+    unsupported = [name for name, on in (
+        ("guided decoding", request.guided_grammar is not None),
+        ("logprobs", config.logprobs is not None),
+        ("penalties", config.has_penalties),
+        ("min_tokens", config.min_tokens > 0),
+    ) if on]
+    if unsupported:
+        raise InvalidRequestError(f"request {rid}: beam search does not support {', '.join(unsupported)}")
+    returned = config.num_return_sequences
+    if returned is not None and returned > request.beam_width:
+        raise InvalidRequestError(
+            f"request {rid}: num_return_sequences {returned} exceeds the beam width {request.beam_width}"
         )

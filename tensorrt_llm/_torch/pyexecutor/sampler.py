@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import abc
 
+import math
+
 import torch
 
+from tensorrt_llm._torch.pyexecutor.beam_search import BeamState, BeamStep, Candidate, advance
 from tensorrt_llm._torch.pyexecutor.errors import NonFiniteLogitsError, SamplingError
 from tensorrt_llm._torch.pyexecutor.guided_decoder import GrammarMatcher
 from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequest, SamplingConfig
@@ -21,14 +24,18 @@ from tensorrt_llm._torch.speculative.verification import accept_greedy
 
 class Sampler(abc.ABC):
     @abc.abstractmethod
-    def sample(self, request: LlmRequest, output: ForwardOutput) -> list[int]:
+    def sample(self, request: LlmRequest, output: ForwardOutput) -> list[int] | BeamStep:
         """Tokens to append to ``request`` (at least one) after a forward in which it sampled:
-        one, or with draft tokens the accepted drafts and the token after them.
+        one, or with draft tokens the accepted drafts and the token after them. For a beam-search
+        request, a sampler that searches returns the :class:`BeamStep` instead (the executor
+        applies it); one that does not (the simulated engine's) treats it as one sequence.
 
         Raises NonFiniteLogitsError when its logits are not finite; the executor fails that
         request alone."""
 
-    def sample_batch(self, requests: list[LlmRequest], output: ForwardOutput) -> list[list[int] | SamplingError]:
+    def sample_batch(
+        self, requests: list[LlmRequest], output: ForwardOutput
+    ) -> list[list[int] | BeamStep | SamplingError]:
         """:meth:`sample` for each of ``requests``, in order (a sampler may do it in one go).
 
         Whatever one request's sampling raises (logits that are not finite, a setting the
@@ -76,9 +83,12 @@ class TorchSampler(Sampler):
         self._generators: dict[int, torch.Generator] = {}
         self._matchers: dict[int, GrammarMatcher] = {}
 
-    def sample(self, request: LlmRequest, output: ForwardOutput) -> list[int]:
+    def sample(self, request: LlmRequest, output: ForwardOutput) -> list[int] | BeamStep:
         """Raises NonFiniteLogitsError when the logits hold NaN or inf: argmax or multinomial
-        over them would return a token that means nothing."""
+        over them would return a token that means nothing. A beam-search request gets its
+        :class:`BeamStep` (:meth:`beam_step`)."""
+        if request.beam_width > 1:
+            return self.beam_step(request, output)
         logits = output.logits[request.request_id]  # (vocab,)
         if output.nonfinite is not None:  # checked on the engine's device, without waiting for it
             if request.request_id in output.nonfinite:
@@ -114,6 +124,33 @@ class TorchSampler(Sampler):
         if config.logprobs is not None:
             request.py_logprobs.append(token_logprob(raw, token, config.logprobs))
         return [token]
+
+    @staticmethod
+    def beam_step(request: LlmRequest, output: ForwardOutput) -> BeamStep:
+        """One beam-search step (``beam_search``): the log-softmax of each live beam's row (float64,
+        on the host) plus the beam's cumulative log-probability, ranked over every (beam, token);
+        the ``2 * beam_width`` best, ties in (beam, token) order, go to :func:`beam_search.advance`.
+
+        The forward that completes a request's prompt has one row (its last position), and the
+        search starts from it; later forwards have one row per beam (``output.beam_logits``)."""
+        rid = request.request_id
+        state = request.py_beams if request.py_beams is not None else BeamState.start(request.beam_width)
+        if output.beam_logits is not None and rid in output.beam_logits:
+            rows = output.beam_logits[rid]  # (beam_width, vocab), beam 0 first
+        else:
+            rows = output.logits[rid][None]  # (1, vocab): the prompt's last position
+        rows = rows.to("cpu", torch.float64)
+        if not bool(torch.isfinite(rows).all()):
+            raise NonFiniteLogitsError(rid, len(request.tokens))
+        cum = torch.tensor([h.cum_logprob for h in state.live[: rows.shape[0]]], dtype=torch.float64)  # (rows,)
+        totals = (torch.log_softmax(rows, dim=-1) + cum[:, None]).flatten()  # (rows * vocab,); padding at -inf
+        width, vocab = request.beam_width, rows.shape[1]
+        values, order = torch.sort(totals, descending=True, stable=True)
+        values, order = values[: 2 * width].tolist(), order[: 2 * width].tolist()
+        candidates = [Candidate(i // vocab, i % vocab, v) for v, i in zip(values, order) if v > -math.inf]
+        end_id, stops = request.end_id, request.stop_token_ids
+        return advance(state, candidates, request.beam_config, lambda t: t == end_id or t in stops,
+                       request.max_new_tokens)
 
     def release(self, request: LlmRequest) -> None:
         self._generators.pop(request.request_id, None)
