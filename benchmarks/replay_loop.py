@@ -261,7 +261,8 @@ class _PolicyReplay:
             r = requests[slot]
             # The prompt is materialised only now, and only the executor holds it.
             request = LlmRequest(
-                input_token_ids=r.prompt_token_ids(), max_new_tokens=r.output_len, request_id=slot, arrival_time=r.arrival_s
+                input_token_ids=r.prompt_token_ids(), max_new_tokens=r.output_len, request_id=slot, arrival_time=r.arrival_s,
+                beam_width=self.settings.beam_width_of(slot),
             )
             outcomes.injected(slot)
             self.executor.enqueue_request(request, outcomes.on_response(slot))

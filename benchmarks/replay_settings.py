@@ -66,6 +66,10 @@ class ReplaySettings:
     device: str = field(default="auto", metadata={"choices": ("auto", "cpu", "cuda")})
     # Sim engine: a cost model saved by `python -m benchmarks.cost_model refit` (default: the fit to benchmarks/calibration/).
     cost_model: str | None = field(default=None, metadata={"metavar": "MODEL.json"})
+    # Beam search in the trace: every beam_every-th request (by trace position, the first included;
+    # 0: none) searches with beam_width beams. The sim engine charges and allocates them as beams.
+    beam_every: int = 0
+    beam_width: int = 4
 
     def __post_init__(self) -> None:
         if self.device not in ("auto", "cpu", "cuda"):
@@ -84,6 +88,14 @@ class ReplaySettings:
             raise ValueError("the replay sizes the KV pool in blocks: kv_cache_config.num_blocks is required")
         if isinstance(self.host_cache_blocks, bool) or not isinstance(self.host_cache_blocks, int) or self.host_cache_blocks < 0:
             raise ValueError(f"host_cache_blocks must be an int >= 0, got {self.host_cache_blocks!r}")
+        for name, minimum in (("beam_every", 0), ("beam_width", 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+                raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+
+    def beam_width_of(self, slot: int) -> int:
+        """The beam width of the trace's request at position ``slot`` (``beam_every``)."""
+        return self.beam_width if self.beam_every and slot % self.beam_every == 0 else 1
 
     @classmethod
     def from_options(cls, **options: Any) -> ReplaySettings:
