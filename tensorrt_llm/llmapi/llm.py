@@ -42,10 +42,18 @@ class SamplingParams:
 
     ``n``: samples returned; ``best_of`` (>= n): samples drawn, of which the ``n`` with the
     highest cumulative log-probability are returned (upstream's meaning when beam search is
-    off; beams are not on the engine). Each sample is a request of its own, charged by the token
-    budget like any other: the first computes the prompt, the others are submitted once it has,
-    and claim its prompt blocks from the prefix cache (``enable_block_reuse``) instead of
-    recomputing them. With a ``seed``, sample ``i`` draws with ``seed + i``.
+    off). Each sample is a request of its own, charged by the token budget like any other: the
+    first computes the prompt, the others are submitted once it has, and claim its prompt blocks
+    from the prefix cache (``enable_block_reuse``) instead of recomputing them. With a ``seed``,
+    sample ``i`` draws with ``seed + i``.
+
+    Beam search (upstream's meaning): ``use_beam_search`` searches with ``best_of`` beams
+    (default ``n``) and returns the ``n`` best; ``beam_width`` > 1 does the same without
+    ``use_beam_search`` (``n`` of its beams returned). One request runs every beam (charged
+    ``beam_width`` positions a step); ``length_penalty`` (default 0: none) and ``early_stopping``
+    (0, 1 = default, 2 = "never") as upstream's; see ``beam_search``. Beam search ranks the model's
+    log-probabilities: temperature, top-k/top-p, penalties, ``min_tokens``, ``logprobs`` and
+    ``guided_decoding`` do not combine with it (refused).
 
     Penalties, ``min_tokens`` and ``logprobs``: see ``SamplingConfig``. ``guided_decoding``:
     structured output (``GuidedDecodingParams``; needs the model's tokenizer).
@@ -69,6 +77,9 @@ class SamplingParams:
     logprobs: int | None = None  # alternatives reported beside each sampled token's log-probability
     prompt_logprobs: int | None = None  # the same for each prompt token after the first (no prefix reuse then)
     guided_decoding: GuidedDecodingParams | None = None
+    use_beam_search: bool = False
+    length_penalty: float | None = None  # beam search: None = upstream's default, 0
+    early_stopping: int | None = None  # beam search: None = upstream's default, 1
 
     def __post_init__(self) -> None:
         if isinstance(self.n, bool) or not isinstance(self.n, int) or not 1 <= self.n <= MAX_SAMPLES:
@@ -79,21 +90,56 @@ class SamplingParams:
         if self.guided_decoding is not None and self.ignore_eos:
             # a complete document leaves the grammar nothing but its end token: it must end the output
             raise ValueError("guided_decoding ends the output with the end-of-generation token; ignore_eos cannot be honoured")
+        if isinstance(self.beam_width, bool) or not isinstance(self.beam_width, int) or self.beam_width < 1:
+            raise ValueError(f"beam_width must be an integer >= 1, got {self.beam_width!r}")
+        if self.use_beam_search and self.beam_width > 1 and self.best_of not in (None, self.beam_width):
+            raise ValueError(f"beam_width ({self.beam_width}) and best_of ({self.best_of}) disagree on the number of beams")
+        if self.is_beam_search:
+            self._check_beam_search()
+
+    @property
+    def search_width(self) -> int:
+        """Beams searched: ``best_of`` (or ``n``) with ``use_beam_search``, else ``beam_width``; 1: no beam search."""
+        if self.use_beam_search:
+            return self.best_of or (self.beam_width if self.beam_width > 1 else self.n)
+        return self.beam_width
+
+    @property
+    def is_beam_search(self) -> bool:
+        return self.search_width > 1
+
+    def _check_beam_search(self) -> None:
+        if self.n > self.search_width:
+            raise ValueError(f"n ({self.n}) must be at most the number of beams ({self.search_width})")
+        if not self.use_beam_search and self.best_of is not None:
+            raise ValueError("best_of with beam_width > 1: set use_beam_search (best_of is then the beam width)")
+        unsupported = [name for name, on in (
+            ("temperature", self.temperature > 0), ("top_k", self.top_k > 1), ("top_p", self.top_p < 1.0),
+            ("presence_penalty", bool(self.presence_penalty)), ("frequency_penalty", bool(self.frequency_penalty)),
+            ("repetition_penalty", self.repetition_penalty != 1.0), ("min_tokens", self.min_tokens > 0),
+            ("logprobs", self.logprobs is not None), ("guided_decoding", self.guided_decoding is not None),
+        ) if on]
+        if unsupported:
+            raise ValueError(f"beam search ranks the model's log-probabilities; {', '.join(unsupported)}"
+                             " cannot be combined with it")
 
     @property
     def num_samples(self) -> int:
-        """Samples drawn: ``best_of``, or ``n``."""
+        """Executor requests: ``best_of``, or ``n``; one for beam search (it runs every beam)."""
+        if self.is_beam_search:
+            return 1
         return self.best_of if self.best_of is not None else self.n
 
     @property
     def ranks_samples(self) -> bool:
-        """Whether more samples are drawn than returned (``best_of > n``)."""
-        return self.num_samples > self.n
+        """Whether more samples are drawn than returned (``best_of > n``), or beams searched: the
+        outputs are known only at the end."""
+        return self.is_beam_search or self.num_samples > self.n
 
     def sampling_config(self, index: int = 0) -> SamplingConfig:
         """Sample ``index``'s settings (its own seed; the log-probabilities ranking needs)."""
         logprobs = self.logprobs
-        if logprobs is None and self.ranks_samples:
+        if logprobs is None and self.ranks_samples and not self.is_beam_search:
             logprobs = 0  # ranking reads each sampled token's log-probability
         return SamplingConfig(
             temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
@@ -102,7 +148,18 @@ class SamplingParams:
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty, min_tokens=self.min_tokens, logprobs=logprobs,
             prompt_logprobs=self.prompt_logprobs if index == 0 else None,  # the samples share one prompt
+            **self._beam_config(),
         )
+
+    def _beam_config(self) -> dict:
+        if not self.is_beam_search:
+            return {}
+        config = {"num_return_sequences": self.n}
+        if self.length_penalty is not None:
+            config["length_penalty"] = self.length_penalty
+        if self.early_stopping is not None:
+            config["early_stopping"] = int(self.early_stopping)
+        return config
 
 
 #: Most samples one request may ask for (n or best_of): each is a request of its own in the executor.
@@ -293,13 +350,15 @@ class LLM:
             # The ranks sample; what comes back is tokens, neither matchers nor log-probabilities.
             raise ValueError("guided_decoding, logprobs, prompt_logprobs and best_of > n run with one rank only"
                              " (tensor_parallel_size=1)")
+        if self.tensor_parallel_size > 1 and params.is_beam_search:
+            raise ValueError("beam search runs with one rank only (tensor_parallel_size=1, no attention DP)")
         grammar = self.compile_grammar(params.guided_decoding) if params.guided_decoding is not None else None
         end_id, stop_token_ids = self._stop_ids(params)
         return [
             LlmRequest(
                 input_token_ids=token_ids,
                 max_new_tokens=params.max_tokens,
-                beam_width=params.beam_width,
+                beam_width=params.search_width,
                 end_id=end_id,
                 stop_token_ids=stop_token_ids,
                 sampling_config=params.sampling_config(index),

@@ -81,6 +81,7 @@ class RequestOutputHandle:
         """``executor``: what ``LLM`` serves with (``enqueue_request``, ``cancel_request``);
         ``requests``: one per sample, all of one prompt; ``keep``: the samples returned (best_of)."""
         self._executor = executor
+        self._tokenizer = tokenizer
         self._requests = requests
         self._keep = keep if keep is not None else len(requests)
         self._report_logprobs = report_logprobs
@@ -161,6 +162,9 @@ class RequestOutputHandle:
         tokenizer does not know) fails this request alone, as an executor error would: it is
         cancelled in the executor and its output finishes with a DetokenizationError."""
         index, response = event.index, event.response
+        if response.beams is not None:
+            self._apply_beams(response)
+            return
         completion = self.output.outputs[index]
         completion.token_ids.extend(response.new_token_ids)
         self.output.generated_tokens += len(response.new_token_ids)
@@ -197,6 +201,26 @@ class RequestOutputHandle:
         if all(c.finish_reason is not None for c in self.output.outputs):
             self.output.finished = True
             self._rank()
+
+    def _apply_beams(self, response: Response) -> None:
+        """A beam search's one response: an output per returned beam, best first, with its
+        cumulative log-probability; ``finish_reason`` "stop" for a beam that ended on an end
+        token, "length" for one cut at ``max_tokens``."""
+        outputs = []
+        for index, beam in enumerate(response.beams):
+            completion = CompletionOutput(index, list(beam.tokens), "stop" if beam.finished else "length",
+                                          cumulative_logprob=beam.cum_logprob)
+            if self._tokenizer is not None:
+                detokenizer = IncrementalDetokenizer(self._tokenizer)
+                try:
+                    completion.text = completion.text_diff = detokenizer.step(completion.token_ids) + detokenizer.flush()
+                except Exception as failure:  # noqa: BLE001 - whatever decoding raises is this request's alone
+                    self.output.error = f"DetokenizationError: request {self.request_id}: {type(failure).__name__}: {failure}"
+                    completion.finish_reason, completion.text = "error", ""
+            outputs.append(completion)
+        self.output.outputs = outputs
+        self.output.generated_tokens += sum(len(c.token_ids) for c in outputs)
+        self.output.finished = True
 
     def _rank(self) -> None:
         """``best_of``: keep the ``keep`` samples with the highest cumulative log-probability."""

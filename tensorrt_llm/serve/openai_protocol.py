@@ -20,7 +20,10 @@ executor in a form it cannot serve (issue 21):
   ``top_logprobs`` needs ``logprobs: true``, as OpenAI and vLLM refuse them. ``echo`` with
   ``logprobs`` reports the prompt tokens' log-probabilities too (the first one's is null).
 * Sampling fields beyond OpenAI's, as vLLM takes them: ``top_k``, ``repetition_penalty``,
-  ``min_tokens``, ``stop_token_ids``, ``ignore_eos``. Structured output: ``response_format``
+  ``min_tokens``, ``stop_token_ids``, ``ignore_eos``. Beam search, as upstream's ``trtllm-serve``
+  takes it (both endpoints): ``use_beam_search`` (``best_of`` beams, default ``n``; the ``n``
+  best returned, whole, at the end, also when streamed), ``length_penalty``, ``early_stopping``
+  (true, false or "never"). Structured output: ``response_format``
   ``{"type": "json_object"}`` or ``{"type": "json_schema", "json_schema": {"name", "schema",
   "strict"}}`` (both endpoints, as vLLM).
 
@@ -141,6 +144,27 @@ class _SamplingRequest(_Request):
     repetition_penalty: float | None = Field(None, gt=0.0, le=100.0)
     min_tokens: int | None = Field(None, ge=0, le=MAX_COUNT)
     stop_token_ids: list[int] | None = None
+    # Beam search, as upstream's trtllm-serve: best_of beams (default n), the n best returned.
+    best_of: int | None = Field(None, ge=1, le=MAX_SAMPLES)
+    use_beam_search: bool | None = False
+    length_penalty: float | None = Field(None, ge=-100.0, le=100.0)
+    early_stopping: bool | Literal["never"] | None = None
+
+    @model_validator(mode="after")
+    def _samples(self):
+        n = self.n or 1
+        if self.best_of is not None and self.best_of < n:
+            raise ValueError(f"best_of ({self.best_of}) must be at least n ({n})")
+        if self.best_of is not None and self.best_of > n and self.stream and not self.use_beam_search:
+            raise ValueError("best_of > n cannot stream: the best samples are known only when all have finished")
+        return self
+
+    @property
+    def early_stopping_value(self) -> int | None:
+        """Upstream's integer encoding: false 0, true 1, "never" 2; None: the engine's default."""
+        if self.early_stopping is None:
+            return None
+        return 2 if self.early_stopping == "never" else int(self.early_stopping)
 
     @field_validator("stop")
     @classmethod
@@ -186,17 +210,7 @@ class CompletionRequest(_SamplingRequest):
     prompt: Any
     echo: bool | None = False
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    best_of: int | None = Field(None, ge=1, le=MAX_SAMPLES)
     suffix: str | None = None
-
-    @model_validator(mode="after")
-    def _samples_and_echo(self):
-        n = self.n or 1
-        if self.best_of is not None and self.best_of < n:
-            raise ValueError(f"best_of ({self.best_of}) must be at least n ({n})")
-        if self.best_of is not None and self.best_of > n and self.stream:
-            raise ValueError("best_of > n cannot stream: the best samples are known only when all have finished")
-        return self
 
     @field_validator("prompt")
     @classmethod

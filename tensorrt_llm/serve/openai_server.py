@@ -261,14 +261,18 @@ class OpenAIServer:
         try:
             params = SamplingParams(
                 max_tokens=max_tokens,
-                temperature=1.0 if body.temperature is None else body.temperature,
+                # OpenAI's default temperature is 1; beam search ranks log-probabilities and takes none
+                temperature=(0.0 if body.use_beam_search else 1.0) if body.temperature is None else body.temperature,
                 top_k=body.top_k_value,
                 top_p=1.0 if body.top_p is None else body.top_p,
                 seed=body.seed,
                 ignore_eos=bool(body.ignore_eos),
                 stop_token_ids=tuple(body.stop_token_ids or ()),
                 n=body.n or 1,
-                best_of=getattr(body, "best_of", None),
+                best_of=body.best_of,
+                use_beam_search=bool(body.use_beam_search),
+                length_penalty=body.length_penalty,
+                early_stopping=body.early_stopping_value,
                 presence_penalty=body.presence_penalty or 0.0,
                 frequency_penalty=body.frequency_penalty or 0.0,
                 repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,

@@ -295,7 +295,7 @@ GOOD = prompt_of(12, seed=6)
         ([1, 2, 512], SamplingParams(), r"token id 512 is outside the vocabulary \[0, 512\)"),
         ([1, -3], SamplingParams(), "token id -3 is outside the vocabulary"),
         ([1, 2.5], SamplingParams(), "integer token ids"),
-        (GOOD, SamplingParams(beam_width=2), "beam width 2 is not implemented by this engine"),
+        (GOOD, SamplingParams(beam_width=65), "beam width 65 is not implemented by this engine"),
     ],
 )
 def test_bad_input_raises_before_anything_is_queued(llm, monkeypatch, prompt, params, problem):
