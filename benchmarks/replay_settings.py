@@ -69,7 +69,7 @@ class ReplaySettings:
     # Beam search in the trace: every beam_every-th request (by trace position, the first included;
     # 0: none) searches with beam_width beams. The sim engine charges and allocates them as beams.
     beam_every: int = 0
-    beam_width: int = 4
+    beam_width: int = 4  # the beams of the requests beam_every picks
 
     def __post_init__(self) -> None:
         if self.device not in ("auto", "cpu", "cuda"):
