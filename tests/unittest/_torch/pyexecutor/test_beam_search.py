@@ -25,11 +25,23 @@ import math
 
 import pytest
 import torch
+from factories import make_config, make_kv_cache_manager, make_request, run_alone
 
+from tensorrt_llm._torch.distributed.multi_rank_executor import _Validator
 from tensorrt_llm._torch.models.modeling_llama import MODEL_PRESETS, LlamaForCausalLM
-from tensorrt_llm._torch.pyexecutor.config import ExecutorConfig, KvCacheConfig
-from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequest, SamplingConfig
+from tensorrt_llm._torch.pyexecutor.config import (
+    CapacitySchedulerPolicy,
+    ExecutorConfig,
+    FaultInjectionConfig,
+    KvCacheConfig,
+    SpeculativeConfig,
+)
+from tensorrt_llm._torch.pyexecutor.errors import InvalidRequestError
+from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequest, LlmRequestState, SamplingConfig
 from tensorrt_llm._torch.pyexecutor.py_executor_creator import create_py_executor
+from tensorrt_llm._torch.pyexecutor.synthetic_sampler import SyntheticSampler
+from tensorrt_llm.llmapi.llm import LLM, SamplingParams
+from tensorrt_llm.mapping import Mapping
 
 VOCAB = 8
 MODEL = dataclasses.replace(MODEL_PRESETS["tiny-random"], dtype="float64", vocab_size=VOCAB, seed=3)
@@ -105,12 +117,13 @@ def reference_beam_search(prompt, width, max_new, ends, length_penalty=0.0, earl
 
 
 def serve(requests: list[LlmRequest], *, tokens_per_block: int, max_num_tokens: int = 64, reuse: bool = True,
-          chunked: bool = False, blocks: int = 256):
+          chunked: bool = False, blocks: int = 256, **options):
     """Run ``requests`` together through a torch executor; their final responses, by request id."""
     config = ExecutorConfig(
         max_num_tokens=max_num_tokens, max_batch_size=16, max_seq_len=128, enable_chunked_prefill=chunked,
         kv_cache_config=KvCacheConfig(tokens_per_block=tokens_per_block, max_tokens=blocks * tokens_per_block,
                                       enable_block_reuse=reuse),
+        **options,
     )
     executor = create_py_executor(config, model=model())
     final = {}
@@ -206,3 +219,121 @@ def test_a_whole_vocabulary_of_beams_equals_an_exhaustive_search_over_two_steps(
     best = response.beams[0]
     assert best.score(1.0) == pytest.approx(penalized(exhaustive[0][1], 2, 1.0), abs=TOL)
     assert math.isclose(best.cum_logprob, max(c for _, c in exhaustive), abs_tol=TOL)
+
+
+# ---- the beams survive what the executor does to a request ------------------------------------
+
+
+def test_beams_start_over_after_a_pause_or_a_failed_forward():
+    """A beam search paused for memory (MAX_UTILIZATION, a pool too small for all) or whose
+    forward failed starts again from its prompt and returns the reference's beams."""
+    requests = [beam_request(p, 3, 6, end_id=7) for p in PROMPTS]
+    final, executor = serve(
+        requests, tokens_per_block=2, blocks=24, capacity_scheduler_policy=CapacitySchedulerPolicy.MAX_UTILIZATION,
+        fault_injection=FaultInjectionConfig(forward_error_every=7), max_forward_retries=20,
+    )
+    assert sum(r.num_pauses + r.num_forward_retries for r in requests) > 0, "nothing started over: the test tests nothing"
+    for prompt, request in zip(PROMPTS, requests):
+        assert_same_beams(final[request.request_id], reference_beam_search(prompt, 3, 6, {7}), f"prompt {prompt}")
+
+
+def test_speculative_decoding_leaves_beam_requests_alone():
+    """With speculation on, a beam request runs without drafts (upstream refuses drafts with beams)
+    and returns the reference's beams; a greedy request beside it is speculated on."""
+    beams = beam_request(PROMPTS[0], 2, 5, end_id=7)
+    greedy = LlmRequest(list(PROMPTS[1]) * 2, max_new_tokens=6)
+    final, _ = serve([beams, greedy], tokens_per_block=4, speculative_config=SpeculativeConfig(max_draft_len=2))
+    assert beams.max_draft_len == 0 and greedy.max_draft_len == 2
+    assert_same_beams(final[beams.request_id], reference_beam_search(PROMPTS[0], 2, 5, {7}), "speculation on")
+
+
+@pytest.mark.parametrize(
+    "request_options, config, problem",
+    [
+        (dict(max_draft_len=2), {}, "beam search with draft tokens"),
+        ({}, dict(temperature=0.8), "temperature, top_k and top_p do not apply"),
+        ({}, dict(top_p=0.5), "temperature, top_k and top_p do not apply"),
+        ({}, dict(logprobs=1, repetition_penalty=1.2), "does not support logprobs, penalties"),
+        ({}, dict(num_return_sequences=3), "num_return_sequences 3 exceeds the beam width 2"),
+    ],
+)
+def test_what_beam_search_cannot_honour_is_refused_by_name(request_options, config, problem):
+    _, executor = serve([], tokens_per_block=4)
+    request = LlmRequest([1, 2, 3], max_new_tokens=2, beam_width=2, sampling_config=SamplingConfig(**config),
+                         **request_options)
+    with pytest.raises(InvalidRequestError, match=problem):
+        executor.validate(request)
+
+
+def test_several_ranks_refuse_beam_search_by_name():
+    config = make_config(max_seq_len=128)
+    validator = _Validator(MODEL, config, Mapping(world_size=2, rank=0, tp_size=2))
+    validator(LlmRequest([1, 2, 3], max_new_tokens=2))  # one beam: served
+    with pytest.raises(InvalidRequestError, match="beam search runs with one rank only"):
+        validator(LlmRequest([1, 2, 3], max_new_tokens=2, beam_width=2))
+
+
+# ---- the LLM API ------------------------------------------------------------------------------
+
+
+def test_llm_returns_the_n_best_beams():
+    """``use_beam_search`` with ``best_of`` beams returns the ``n`` best; ``beam_width`` alone, one."""
+    prompt = list(PROMPTS[3])
+    with LLM(MODEL, max_seq_len=64, max_num_tokens=64, kv_cache_config=KvCacheConfig(tokens_per_block=4)) as llm:
+        searched = llm.generate(prompt, SamplingParams(use_beam_search=True, n=2, best_of=3, max_tokens=5,
+                                                       length_penalty=1.0, early_stopping=0, end_id=7))
+        one = llm.generate(prompt, SamplingParams(beam_width=3, max_tokens=5, end_id=7))
+    expected = reference_beam_search(prompt, 3, 5, {7}, length_penalty=1.0, early_stopping=0, returned=2)
+    assert [(c.index, tuple(c.token_ids)) for c in searched.outputs] == [(i, t) for i, (t, _) in enumerate(expected)]
+    for completion, (tokens, cum) in zip(searched.outputs, expected):
+        assert completion.cumulative_logprob == pytest.approx(cum, abs=TOL)
+        assert completion.finish_reason == ("stop" if tokens[-1] == 7 else "length")
+    assert [tuple(c.token_ids) for c in one.outputs] == [reference_beam_search(prompt, 3, 5, {7}, returned=1)[0][0]]
+
+
+def test_sampling_params_refuse_what_beam_search_cannot_honour():
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(use_beam_search=True, n=2, temperature=0.7)
+    with pytest.raises(ValueError, match=r"n \(3\) must be at most the number of beams \(2\)"):
+        SamplingParams(beam_width=2, n=3)
+    assert SamplingParams(use_beam_search=True, n=3).search_width == 3
+    assert SamplingParams(use_beam_search=True, n=1).is_beam_search is False  # one beam: greedy
+
+
+# ---- the KV cache: shared prompt blocks, copy-on-write, forks, nothing cached from a beam -----
+
+
+def test_beam_tables_share_prompt_blocks_copy_on_write_and_free_dropped_beams():
+    """prompt 10 tokens, 4 per block, 3 beams: the two full prompt blocks are shared by every beam
+    and held once; the prompt's partial block is copied for all but one beam; a fork that drops
+    a beam frees its own block; beams that share a block copy it before writing; finished, only
+    the prompt's full blocks stay cached."""
+    config = make_config(tokens_per_block=4, num_blocks=32)
+    kv = make_kv_cache_manager(config)
+    sampler = SyntheticSampler(VOCAB_SIM)
+    request = make_request(list(range(1, 11)), beam_width=3, max_new_tokens=8)
+    assert run_alone(kv, request, sampler)  # the prompt, and its first token
+    assert kv.num_held_blocks(request) == 3 + 2  # 3 prompt blocks + 2 set aside for the beams' copies
+    assert run_alone(kv, request, sampler)  # the first beam step: each beam writes position 10
+    tables = kv.beam_block_tables(request)
+    assert len({tuple(t[:2]) for t in tables}) == 1, f"full prompt blocks are shared: {tables}"
+    assert len({t[2] for t in tables}) == 3, f"each beam has its own copy of the partial block: {tables}"
+    assert kv.num_held_blocks(request) == 2 + 3 == kv.blocks_for_tokens(request, len(request.tokens))
+    free = kv.pool.num_free
+    kv.fork_beams(request, (0, 0, 1))  # beam 2 dropped; beams 0 and 1 continue old beam 0
+    tables = kv.beam_block_tables(request)
+    assert tables[0] == tables[1] and kv.pool.num_free == free + 1 and kv.num_held_blocks(request) == 2 + 2
+    kv.check_integrity()
+    assert run_alone(kv, request, sampler)  # position 11: beams 0 and 1 share that block: one copies it
+    tables = kv.beam_block_tables(request)
+    assert len({t[2] for t in tables}) == 3 and kv.num_held_blocks(request) == 5
+    assert run_alone(kv, request, sampler)  # position 12: a new block for every beam
+    assert [len(t) for t in kv.beam_block_tables(request)] == [4, 4, 4] and kv.num_held_blocks(request) == 8
+    kv.check_integrity()
+    request.state = LlmRequestState.GENERATION_COMPLETE
+    kv.free_resources(request)
+    kv.check_integrity()
+    assert kv.pool.num_cached == 2 and kv.pool.stats().num_held == 0, "only the full prompt blocks are cached"
+
+
+VOCAB_SIM = 1000
