@@ -134,6 +134,26 @@ def test_best_of_returns_the_samples_with_the_highest_cumulative_logprob(tiny_se
     assert without[0].logprobs is None and without[0].token_ids == every[ranked[0]].token_ids
 
 
+def test_beam_search_returns_the_n_best_beams_on_both_endpoints(tiny_server):
+    """use_beam_search with best_of beams, as upstream's trtllm-serve takes it: the n best beams,
+    the same as the LLM API's, streamed or not; early_stopping "never" and length_penalty pass through."""
+    from tensorrt_llm.llmapi.llm import SamplingParams
+
+    client = tiny_server.client()
+    beam = {"use_beam_search": True, "length_penalty": 1.0, "early_stopping": "never"}
+    kwargs = dict(model=tiny_server.model, prompt=PROMPT, max_tokens=4, n=2, best_of=3, extra_body=beam)
+    response = client.completions.create(**kwargs)
+    expected = tiny_server.llm.generate(PROMPT, SamplingParams(use_beam_search=True, n=2, best_of=3, max_tokens=4,
+                                                               length_penalty=1.0, early_stopping=2))
+    assert [c.token_ids for c in response.choices] == [c.token_ids for c in expected.outputs]
+    assert [c.index for c in response.choices] == [0, 1] and response.choices[0].finish_reason == "length"
+    chunks = list(client.completions.create(**kwargs, stream=True))
+    streamed = {c.choices[0].index: c.choices[0].token_ids for c in chunks if c.choices}
+    assert [streamed[0], streamed[1]] == [c.token_ids for c in expected.outputs]
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        client.completions.create(**{**kwargs, "temperature": 0.5})
+
+
 # ---- penalties, min_tokens, stop_token_ids ------------------------------------------------------
 
 
