@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-
+import functools
 import itertools
 from typing import Sequence
 
@@ -97,6 +97,30 @@ def make_resource_manager(config: ExecutorConfig, kv: KVCacheManager) -> Resourc
 def make_sim_engine(config: ExecutorConfig, kv: KVCacheManager) -> SimulatedModelEngine:
     """The simulated engine an executor with ``config`` would run over ``kv``."""
     return SimulatedModelEngine(config.max_num_tokens, kv, vocab_size=VOCAB)
+
+
+@functools.cache
+def cost_model():
+    """The torch model the cost properties run on the real engine: tiny-random's shape with one
+    layer and a vocabulary that holds every id the strategies draw (``VOCAB``), float32."""
+    from tensorrt_llm._torch.models.modeling_llama import MODEL_PRESETS, LlamaForCausalLM
+
+    return LlamaForCausalLM(dataclasses.replace(MODEL_PRESETS["tiny-random"], vocab_size=VOCAB, num_layers=1))
+
+
+def make_torch_engine(config: ExecutorConfig):
+    """``(kv, engine)``: the CPU torch engine over real K/V tensors, with the pool ``config`` asks
+    for (its host tier too, in blocks as ``make_config`` counts them)."""
+    from tensorrt_llm._torch.pyexecutor.model_engine import TorchModelEngine
+
+    model = cost_model()
+    kv_config = config.kv_cache_config
+    host_blocks = kv_config.host_cache_size // (kv_config.tokens_per_block * KV_BYTES_PER_TOKEN)
+    host_bytes = host_blocks * kv_config.tokens_per_block * model.config.kv_bytes_per_token
+    config = dataclasses.replace(config, kv_cache_config=dataclasses.replace(kv_config, host_cache_size=host_bytes))
+    kv = create_kv_cache_manager(config, model=model)
+    assert kv.num_blocks == kv_config.num_blocks and kv.pool.num_host_blocks == host_blocks
+    return kv, TorchModelEngine(model, config.max_num_tokens, kv)
 
 
 def make_scheduler(config: ExecutorConfig, kv: KVCacheManager) -> SimpleScheduler:

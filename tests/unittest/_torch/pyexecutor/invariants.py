@@ -127,6 +127,7 @@ class BatchOutcome:
     kv_before: str = ""
     policy: str = ""
     built: dict[int, int] = field(default_factory=dict)  # request id -> positions appended
+    output: object = None  # the engine's ForwardOutput, when the engine ran the batch (run_batch(forward=True))
 
     @property
     def total_tokens(self) -> int:
@@ -142,8 +143,12 @@ class BatchOutcome:
         return [(d.request, d.reason) for d in self.prepared.deferred]
 
 
-def run_batch(scheduled: ScheduledRequests, resources: ResourceManager, engine: ModelEngine) -> BatchOutcome:
-    """``prepare_resources`` then ``_prepare_tp_inputs`` on one batch, recording what each step saw."""
+def run_batch(
+    scheduled: ScheduledRequests, resources: ResourceManager, engine: ModelEngine, *, forward: bool = False
+) -> BatchOutcome:
+    """``prepare_resources`` then ``_prepare_tp_inputs`` on one batch, recording what each step saw.
+    ``forward``: the engine runs the batch (``_prepare_tp_inputs``, then its model) and the outcome
+    keeps what it returned (:func:`check_engine_output`)."""
     kv = resources.kv_cache_manager
     outcome = BatchOutcome(
         scheduled,
@@ -155,8 +160,13 @@ def run_batch(scheduled: ScheduledRequests, resources: ResourceManager, engine: 
         policy=resources.token_budget.name.value,
     )
     outcome.prepared = resources.prepare_resources(scheduled)
+    batch = outcome.prepared.scheduled
     try:
-        outcome.forward_tokens = prepare_tp_inputs(outcome.prepared.scheduled, kv, engine.max_num_tokens).total_num_tokens
+        if forward and not batch.is_empty:
+            outcome.output = engine.forward(batch)
+            outcome.forward_tokens = outcome.output.num_tokens
+        else:
+            outcome.forward_tokens = prepare_tp_inputs(batch, kv, engine.max_num_tokens).total_num_tokens
     except TokenBudgetExceeded as error:
         outcome.overshoot = error
     outcome.built = positions(outcome.prepared.scheduled)
@@ -208,6 +218,26 @@ def check_batch(
     if check_deferrals:
         check_deferrals_clean(outcome.prepared, outcome.before, kv, context)
     kv.check_integrity()
+
+
+def check_engine_output(outcome: BatchOutcome) -> None:
+    """What the engine returned for the batch it ran: a logits row for every request that samples,
+    every beam's row for a beam-search request in generation, a pick after every draft verified."""
+    output, batch = outcome.output, outcome.prepared.scheduled
+    if output is None:
+        assert outcome.overshoot is not None or batch.is_empty, "the engine did not run the batch"
+        return
+    context = f"\n{format_batch(outcome)}"
+    assert output.num_tokens == outcome.forward_tokens == sum(outcome.built.values()), context
+    sampling = [c.request for c in batch.context_chunks if c.is_last] + list(batch.generation_requests)
+    assert set(output.logits) == {r.request_id for r in sampling}, f"a sampling row is missing{context}"
+    vocab = next(iter(output.logits.values())).shape[-1] if output.logits else 0
+    beams = {r.request_id: r.beam_width for r in batch.generation_requests if r.beam_width > 1}
+    assert {rid: tuple(rows.shape) for rid, rows in (output.beam_logits or {}).items()} == {
+        rid: (width, vocab) for rid, width in beams.items()}, f"beam rows are not one per beam{context}"
+    drafts = {r.request_id: len(r.py_draft_tokens) for r in sampling if r.py_draft_tokens}
+    verified = {rid: len(picks) - 1 for rid, picks in (output.draft_targets or {}).items()}
+    assert verified == drafts, f"draft picks {verified} != drafts {drafts}{context}"
 
 
 def check_costs(

@@ -39,6 +39,7 @@ from factories import (
     make_resource_manager,
     make_scheduler,
     make_sim_engine,
+    make_torch_engine,
     run_alone,
 )
 from hypothesis import settings
@@ -244,11 +245,19 @@ class World:
     active_before: str = ""  # the active set as the batch found it
 
 
-def realize(recipe: BatchRecipe) -> World:
-    """Build the KV state and active set a recipe describes (deterministic)."""
+def realize(recipe: BatchRecipe, engine: str = "sim") -> World:
+    """Build the KV state and active set a recipe describes (deterministic).
+
+    ``engine``: "sim", the simulated engine over a bookkeeping KV manager; "torch", the CPU torch
+    engine running :func:`factories.cost_model` over real K/V tensors (the same pool, host tier
+    included). The history is bookkeeping either way (its KV content is zeros): what is checked
+    is what ``_prepare_tp_inputs`` builds and the engine then runs."""
     config = recipe.setting.config(recipe.policy)
-    kv = make_kv_cache_manager(config)
-    engine = make_sim_engine(config, kv)
+    if engine == "torch":
+        kv, engine = make_torch_engine(config)
+    else:
+        kv = make_kv_cache_manager(config)
+        engine = make_sim_engine(config, kv)
     limits = make_request_limits(config, kv, engine)
     sampler = SyntheticSampler(engine.vocab_size)
     unit = config.chunk_unit_size
@@ -352,10 +361,10 @@ def _direct_batch(world: World) -> ScheduledRequests:
     )
 
 
-def run_recipe(recipe: BatchRecipe) -> tuple[World, BatchOutcome]:
-    """Realize, schedule and run the batch once."""
-    world = realize(recipe)
-    outcome = run_batch(schedule(world), world.resources, world.engine)
+def run_recipe(recipe: BatchRecipe, engine: str = "sim") -> tuple[World, BatchOutcome]:
+    """Realize, schedule and run the batch once; with ``engine="torch"`` the engine runs its forward."""
+    world = realize(recipe, engine)
+    outcome = run_batch(schedule(world), world.resources, world.engine, forward=engine == "torch")
     return world, outcome
 
 
