@@ -181,15 +181,18 @@ def test_length_penalty_and_early_stopping_follow_upstream(length_penalty, early
         assert_same_beams(final[request.request_id], expected, f"prompt {prompt} lp={length_penalty} es={early_stopping}")
 
 
-def test_beams_with_chunked_prefill_plain_requests_and_reuse():
-    """Chunked prompts, plain greedy requests in the same batches, a prefix cached by an earlier
-    request: the beams are the reference's, and the greedy requests are greedy."""
+@pytest.mark.parametrize("overlap", [False, True], ids=["no-overlap", "overlap"])
+def test_beams_with_chunked_prefill_plain_requests_and_reuse(overlap):
+    """Chunked prompts, plain greedy requests in the same batches (picked one forward ahead under
+    the overlap scheduler; a beam request never is), a prefix cached by an earlier request: the
+    beams are the reference's, and the greedy requests are greedy."""
     prompt = tuple(itertools.islice(itertools.cycle((1, 4, 2, 5, 3)), 23))
     warm = LlmRequest(list(prompt[:16]), max_new_tokens=2, end_id=None)
-    serve_first, executor = None, None
     requests = [beam_request(prompt, 3, 5), LlmRequest(list(prompt[:9]), max_new_tokens=5),
                 beam_request(prompt[:17], 2, 4, end_id=0)]
-    final, executor = serve([warm, *requests], tokens_per_block=4, max_num_tokens=8, chunked=True)
+    final, executor = serve([warm, *requests], tokens_per_block=4, max_num_tokens=8, chunked=True,
+                            disable_overlap_scheduler=not overlap)
+    assert executor.overlap is overlap
     assert_same_beams(final[requests[0].request_id], reference_beam_search(prompt, 3, 5, set()), "chunked")
     assert_same_beams(final[requests[2].request_id], reference_beam_search(prompt[:17], 2, 4, {0}), "end id 0")
     greedy = []
