@@ -247,6 +247,32 @@ def test_host_tier_copies_run_beside_the_forward_in_flight() -> None:
     assert storage.num_copy_stream_tail_waits == 1  # the first copy only (after the test's own writes)
 
 
+def test_host_tier_batches_equal_the_copies_one_by_one() -> None:
+    """Offloads and onboards issued as batches (one gather, a transfer per run of host slots, one
+    scatter) give what the copies give one by one: runs of slots and single slots, an onboard of a
+    block offloaded in the same batch, a slot freed by an onboard and offloaded into again (which
+    issues the batch first), and a full batch issued before the next copy joins."""
+    storage = _tier_storage(num_blocks=12, num_host_blocks=8, max_batch_blocks=6)
+    pools = storage.pools.clone()
+    host = storage.host.to(CUDA)
+    ops = [("off", 0, 0), ("off", 1, 1), ("on", 1, 10),  # block 1 back from the slot it just went to
+           ("off", 7, 1),  # host slot 1 is read by the pending onboard: batch 1 is issued first
+           ("off", 2, 2), ("off", 3, 3), ("off", 4, 4), ("off", 5, 6), ("on", 6, 9),  # 6 copies: batch 2
+           ("on", 0, 11), ("on", 3, 0), ("on", 4, 2), ("on", 2, 7), ("on", 1, 5)]  # batch 3, at synchronize
+    for kind, a, b in ops:
+        if kind == "off":
+            storage.offload(a, b)
+            host[b] = pools[:, :, a]
+        else:
+            storage.onboard(a, b)
+            pools[:, :, b] = host[a]
+    storage.synchronize()
+    storage.before_compute()
+    assert storage.num_batches == 3
+    assert torch.equal(storage.pools, pools)
+    assert torch.equal(storage.host.to(CUDA), host)
+
+
 def _tier_prompts() -> list[list[int]]:
     """Prompts sharing a prefix, each followed by a long one that evicts it (to the host tier)."""
     rng = random.Random(11)
