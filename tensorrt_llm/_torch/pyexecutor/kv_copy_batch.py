@@ -1,17 +1,22 @@
 """Host-tier copies gathered into batches: one gather and a few transfers instead of one each per block.
 
 An allocation that evicts or onboards hundreds of blocks used to enqueue two operations per block
-(a strided gather of the block's ``2 * num_layers`` pieces and one transfer), at tens of
-microseconds of host time each. :class:`CopyBatch` collects them instead, and the storage issues a
-batch as one gather of every offloaded block, one transfer per run of consecutive host slots, and
-the same in reverse for onboards (one scatter), so the host's cost per block is a list append.
+(a strided gather or scatter of the block's ``2 * num_layers`` pieces, and a transfer), at tens of
+microseconds of host time each. :class:`CopyBatch` collects them instead, and the storage runs a
+batch as:
 
-A batch runs its offloads first, then its onboards, each group in issue order. That is the issue
-order with some offloads moved before onboards issued earlier, which is safe unless such an
-offload reads a device block a pending onboard writes, or writes a host slot a pending onboard
-reads; and an onboard's scatter must not write a device block twice. :meth:`CopyBatch.conflicts`
-says when a new copy would break one of those, and the storage issues the batch before taking it.
-So a batch's result equals the copies run one by one in issue order (a property test checks it).
+* each onboard's transfer, host slot to a row of a device staging buffer, enqueued when the
+  onboard is added (so the slot may be offloaded into again at once, as the pool does when its
+  tier is full);
+* when the batch is issued: one gather of every offloaded block, one transfer per run of
+  consecutive host slots, then one scatter of the staged onboards into their blocks.
+
+That reorders the issue order: onboards read their host slot early and write their block late,
+offloads read their block and write their slot late. The result equals the copies run one by one
+in issue order unless an offload reads a block a pending onboard writes, an onboard reads a slot
+a pending offload writes, or two onboards write one block. :meth:`CopyBatch.conflicts` says when a
+new copy would do one of those, and the storage issues the batch before taking it (a property
+test checks the equality over any sequence of copies).
 
 No torch here: the storage does the moving.
 """
@@ -25,12 +30,13 @@ __all__ = ["CopyBatch", "runs"]
 
 @dataclass(slots=True)
 class CopyBatch:
-    """Pending offloads ``(block_id, host_id)`` and onboards ``(host_id, block_id)``, in issue order."""
+    """Pending offloads ``(block_id, host_id)`` and onboards ``(host_id, block_id)``, in issue order.
+    An onboard's staging row is its index in ``onboards``."""
 
     offloads: list[tuple[int, int]] = field(default_factory=list)
     onboards: list[tuple[int, int]] = field(default_factory=list)
-    _onboard_reads: set[int] = field(default_factory=set)  # host slots the pending onboards read
-    _onboard_writes: set[int] = field(default_factory=set)  # device blocks they write
+    _offload_writes: set[int] = field(default_factory=set)  # host slots the pending offloads write
+    _onboard_writes: set[int] = field(default_factory=set)  # device blocks the pending onboards write
 
     def __len__(self) -> int:
         return len(self.offloads) + len(self.onboards)
@@ -38,21 +44,23 @@ class CopyBatch:
     def conflicts(self, *, offload: tuple[int, int] | None = None, onboard: tuple[int, int] | None = None) -> bool:
         """Whether this copy cannot join the batch (it must be issued first; module docstring)."""
         if offload is not None:
-            block_id, host_id = offload
-            return block_id in self._onboard_writes or host_id in self._onboard_reads
-        _, block_id = onboard
-        return block_id in self._onboard_writes
+            block_id, _ = offload
+            return block_id in self._onboard_writes
+        host_id, block_id = onboard
+        return host_id in self._offload_writes or block_id in self._onboard_writes
 
     def add_offload(self, block_id: int, host_id: int) -> None:
         self.offloads.append((block_id, host_id))
+        self._offload_writes.add(host_id)
 
-    def add_onboard(self, host_id: int, block_id: int) -> None:
+    def add_onboard(self, host_id: int, block_id: int) -> int:
+        """Add an onboard; returns its staging row."""
         self.onboards.append((host_id, block_id))
-        self._onboard_reads.add(host_id)
         self._onboard_writes.add(block_id)
+        return len(self.onboards) - 1
 
     def blocks(self) -> set[int]:
-        """The device blocks the batch reads or writes."""
+        """The device blocks the batch reads or writes when it is issued."""
         return {b for b, _ in self.offloads} | self._onboard_writes
 
 

@@ -46,8 +46,9 @@ copies issued before the work that follows. Work on the compute stream that touc
 through a forward (:meth:`before_compute` with its tables) or ``copy_block`` — a test writing a
 block — calls :meth:`before_compute` with no tables first; then the next copy waits for all of it.
 On CUDA, offloads and onboards are not issued one by one: they join a :class:`CopyBatch`
-(``kv_copy_batch``), issued as one gather, one transfer per run of consecutive host slots and one
-scatter once it holds ``max_batch_blocks`` copies, before a copy that would conflict with it, and
+(``kv_copy_batch``; an onboard's transfer into a staging buffer is enqueued at once), issued as
+one gather, one transfer per run of consecutive host slots and one scatter once it holds
+``max_batch_blocks`` copies, before a copy that would conflict with it, and
 before anything on the compute stream touches the pools (:meth:`before_compute`, ``copy_block``)
 or the host reads the tier (:meth:`synchronize`). The ordering above applies to a batch as to a
 copy: the copy stream waits for the compute stream's tail if any of the batch's blocks is busy.
@@ -105,6 +106,7 @@ class KVCacheStorage:
         self.num_copy_stream_tail_waits = 0  # batches that had to wait for the forward in flight (see docstring)
         self._batch = CopyBatch()  # offloads and onboards not issued yet (CUDA with a tier only)
         self._max_batch_blocks = max_batch_blocks
+        self._landed: torch.Tensor | None = None  # the batch's onboards, staged on the device (row per onboard)
         self.num_batches = 0  # batches issued, for the benchmarks' counts
 
     @property
@@ -137,13 +139,22 @@ class KVCacheStorage:
         self._maybe_issue()
 
     def onboard(self, host_id: int, block_id: int) -> None:
-        """Copy host slot ``host_id`` into device block ``block_id`` (on CUDA: in the next batch)."""
+        """Copy host slot ``host_id`` into device block ``block_id`` (on CUDA: its transfer into the
+        batch's staging buffer now, the write into the block when the batch is issued)."""
         if self._copy_stream is None:
             self.pools[:, :, block_id].copy_(self.host[host_id])
             return
         if self._batch.conflicts(onboard=(host_id, block_id)):
             self._issue_batch()
-        self._batch.add_onboard(host_id, block_id)
+        if self._landed is None:
+            # The copy stream's own memory: reused by its next batch, in stream order.
+            with torch.cuda.stream(self._copy_stream):
+                shape = (self._max_batch_blocks, *self.host.shape[1:])
+                self._landed = torch.empty(shape, dtype=self.host.dtype, device=self.device)
+        row = self._batch.add_onboard(host_id, block_id)
+        with torch.cuda.stream(self._copy_stream):  # reads the tier only: no wait on the compute stream
+            self._landed[row].copy_(self.host[host_id], non_blocking=True)
+        self._copies_unjoined = True
         self._maybe_issue()
 
     def _maybe_issue(self) -> None:
@@ -153,10 +164,10 @@ class KVCacheStorage:
 
     def _issue_batch(self) -> None:
         """Enqueue the pending copies on the copy stream: offloads, then onboards (``kv_copy_batch``)."""
-        batch = self._batch
+        batch, landed = self._batch, self._landed
         if not len(batch):
             return
-        self._batch = CopyBatch()
+        self._batch, self._landed = CopyBatch(), None
         self.num_batches += 1
         by_block = self.pools.movedim(2, 0)  # (rows, 2, num_layers, ...): a block's pieces at one index
         with self._on_copy_stream(batch.blocks()):
@@ -166,11 +177,8 @@ class KVCacheStorage:
                 for i, first, n in runs(list(host_ids)):
                     self.host[first:first + n].copy_(gathered[i:i + n], non_blocking=True)
             if batch.onboards:
-                host_ids, blocks = zip(*batch.onboards)
-                landed = torch.empty((len(blocks), *self.host.shape[1:]), dtype=self.host.dtype, device=self.device)
-                for i, first, n in runs(list(host_ids)):
-                    landed[i:i + n].copy_(self.host[first:first + n], non_blocking=True)
-                by_block[self._index(blocks)] = landed  # one scatter kernel
+                blocks = [block_id for _, block_id in batch.onboards]
+                by_block[self._index(blocks)] = landed[:len(blocks)]  # one scatter kernel
 
     def _index(self, block_ids) -> torch.Tensor:
         """Block ids on the device, through pinned memory (a pageable copy would wait for the device)."""

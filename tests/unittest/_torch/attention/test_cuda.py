@@ -248,17 +248,19 @@ def test_host_tier_copies_run_beside_the_forward_in_flight() -> None:
 
 
 def test_host_tier_batches_equal_the_copies_one_by_one() -> None:
-    """Offloads and onboards issued as batches (one gather, a transfer per run of host slots, one
-    scatter) give what the copies give one by one: runs of slots and single slots, an onboard of a
-    block offloaded in the same batch, a slot freed by an onboard and offloaded into again (which
-    issues the batch first), and a full batch issued before the next copy joins."""
+    """Offloads and onboards issued as batches (onboards staged as they come; at issue one gather,
+    a transfer per run of host slots, one scatter) give what the copies give one by one: runs of
+    slots and single slots, an onboard of a slot an offload of the batch writes (which issues the
+    batch first), a slot offloaded into again while the onboard that freed it is pending, and
+    full batches issued before the next copy joins."""
     storage = _tier_storage(num_blocks=12, num_host_blocks=8, max_batch_blocks=6)
     pools = storage.pools.clone()
     host = storage.host.to(CUDA)
-    ops = [("off", 0, 0), ("off", 1, 1), ("on", 1, 10),  # block 1 back from the slot it just went to
-           ("off", 7, 1),  # host slot 1 is read by the pending onboard: batch 1 is issued first
-           ("off", 2, 2), ("off", 3, 3), ("off", 4, 4), ("off", 5, 6), ("on", 6, 9),  # 6 copies: batch 2
-           ("on", 0, 11), ("on", 3, 0), ("on", 4, 2), ("on", 2, 7), ("on", 1, 5)]  # batch 3, at synchronize
+    ops = [("off", 0, 0), ("off", 1, 1),
+           ("on", 1, 10),  # reads host slot 1, which the pending offload writes: batch 1 is issued first
+           ("off", 7, 1),  # slot 1 again, while the onboard that read it is pending (staged already)
+           ("off", 2, 2), ("off", 3, 3), ("off", 4, 4), ("off", 5, 6),  # 6 copies: batch 2
+           ("on", 6, 9), ("on", 0, 11), ("on", 3, 0), ("on", 4, 2), ("on", 2, 7), ("on", 1, 5)]  # batch 3
     for kind, a, b in ops:
         if kind == "off":
             storage.offload(a, b)
