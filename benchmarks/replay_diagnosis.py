@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+from tensorrt_llm._torch.pyexecutor.forward_cost import forward_cost
 from tensorrt_llm._torch.pyexecutor.kv_cache_manager import ClaimRecord
 from tensorrt_llm._torch.pyexecutor.scheduled_requests import ContextChunk, ScheduledRequests
 
@@ -23,7 +24,9 @@ class Overshoot:
 
     ``request_id`` is the request whose positions exceeded its admission charge the most;
     ``estimated``/``claimed`` are that request's reuse estimate at admission and what its
-    allocation actually claimed (None when it was not a first chunk).
+    allocation actually claimed (None when it was not a first chunk). ``step``: when no context
+    chunk ran past its charge, the generation step that did ("beams 4", "first draft 4",
+    "drafts 2"), blamed under ``other``: a charge that misses beams or first-draft padding.
     """
 
     iteration: int
@@ -37,11 +40,15 @@ class Overshoot:
     ran: int | None = None
     estimated: int | None = None
     claimed: int | None = None
+    step: str | None = None
 
     def describe(self) -> str:
         where = f"iteration {self.iteration} at t={self.time_s:.2f} s: {self.forward_tokens} positions (+{self.overshoot})"
         if self.request_id is None:
             return f"{where}, mechanism {self.mechanism}"
+        if self.step is not None:
+            return (f"{where}, mechanism {self.mechanism}: the generation step of request {self.request_id}"
+                    f" ({self.step}) was charged {self.charged} and ran {self.ran}")
         return (
             f"{where}, mechanism {self.mechanism}: request {self.request_id} (prompt {self.prompt_len}) was charged "
             f"{self.charged} and ran {self.ran}; reuse estimated {self.estimated}, claimed {self.claimed}"
@@ -85,7 +92,7 @@ def diagnose_overshoot(
             worst = (excess, chunk)
     base = dict(iteration=iteration, time_s=time_s, forward_tokens=forward_tokens, overshoot=overshoot)
     if worst is None or worst[0] <= 0:
-        return Overshoot(mechanism="other", **base)
+        return _blame_generation(batch, charges, base)
     excess, chunk = worst
     request = chunk.request
     claim = by_id.get(request.request_id)
@@ -100,3 +107,25 @@ def diagnose_overshoot(
         claimed=claim.reused_tokens if claim else None,
         **base,
     )
+
+
+def _blame_generation(batch: ScheduledRequests, charges: dict[int, int], base: dict) -> Overshoot:
+    """No context chunk ran past its charge: the generation step that ran furthest past its own
+    (``other``), or nobody."""
+    worst = None
+    for request in batch.generation_requests:
+        ran = forward_cost(request)
+        excess = ran - charges.get(request.request_id, ran)
+        if excess > 0 and (worst is None or excess > worst[0]):
+            worst = (excess, request, ran)
+    if worst is None:
+        return Overshoot(mechanism="other", **base)
+    _, request, ran = worst
+    if request.is_first_draft:
+        step = f"first draft {request.max_draft_len}"
+    elif request.py_draft_tokens:
+        step = f"drafts {len(request.py_draft_tokens)}"
+    else:
+        step = f"beams {request.beam_width}"
+    return Overshoot(mechanism="other", request_id=request.request_id, prompt_len=request.prompt_len,
+                     charged=charges.get(request.request_id), ran=ran, step=step, **base)

@@ -354,7 +354,7 @@ class _PolicyReplay:
             # Extras beyond DESIGN.md §5.
             "unserved": n - o.completed - o.errored,
             "overshoot_mechanisms": mechanisms,
-            "overshoot_events": [dataclasses.asdict(event) for event in self.overshoots[:20]],
+            "overshoot_events": [_event_json(event) for event in self.overshoots[:20]],
             "capacity_deferrals": o.capacity_deferrals,
             "budget_cuts": cuts,  # first chunks the re-check admitted smaller than scheduled
             "output_tokens": o.output_tokens,
@@ -377,3 +377,11 @@ def percentiles(values: Sequence[float]) -> dict:
         return float(ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo))
 
     return {"p50": q(0.50), "p99": q(0.99), "n": len(ordered)}
+
+
+def _event_json(event: Overshoot) -> dict:
+    """An overshoot as JSON; ``step`` only where a generation step was blamed."""
+    fields = dataclasses.asdict(event)
+    if fields["step"] is None:
+        del fields["step"]
+    return fields

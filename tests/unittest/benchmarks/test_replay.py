@@ -314,3 +314,26 @@ def test_torch_engine_refuses_a_request_longer_than_the_model_alone():
     assert settings.max_seq_len(trace) == limit
     result = replay_trace(trace, settings, ("recheck",), progress=False).to_json()["results"]["recheck"]
     assert result["errored"] == 1 and result["completed"] == 1  # the short request is not collateral damage
+
+
+def test_a_generation_step_charged_less_than_it_ran_is_named():
+    """No context chunk ran past its charge: the diagnosis names the generation step that did
+    (a first draft charged without its padding, beams charged as one position), under ``other``."""
+    from factories import make_batch, make_request
+
+    from benchmarks.replay_diagnosis import diagnose_overshoot
+    from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequestState
+
+    first = make_request(prompt_len=3, max_draft_len=4, is_first_draft=True)
+    beams = make_request(prompt_len=3, beam_width=4)
+    for request in (first, beams):
+        request.state = LlmRequestState.GENERATION_IN_PROGRESS
+    batch = make_batch(generation=[first, beams])
+    event = diagnose_overshoot(batch, {first.request_id: 1, beams.request_id: 4}, [], 4, iteration=7, time_s=1.0,
+                               forward_tokens=9, overshoot=1)
+    assert (event.mechanism, event.request_id, event.step, event.charged, event.ran) == (
+        "other", first.request_id, "first draft 4", 1, 5)
+    assert "generation step" in event.describe()
+    event = diagnose_overshoot(batch, {first.request_id: 5, beams.request_id: 1}, [], 4, iteration=7, time_s=1.0,
+                               forward_tokens=9, overshoot=1)
+    assert (event.request_id, event.step, event.ran) == (beams.request_id, "beams 4", 4)
