@@ -44,17 +44,6 @@ class LogitRows(NamedTuple):
     beams: list[BeamSpan]
 
 
-def beam_rows(logits, spans: list[BeamSpan]) -> dict[int, object] | None:
-    """Each beam-search request's ``(beam_width, vocab)`` logits, beam 0 first, from the rows as
-    :meth:`TpInputs.logit_layout` lays them out (``logits`` indexes like a tensor). None: no beams."""
-    if not spans:
-        return None
-    import torch  # only an engine with a model has logits to read
-
-    return {rid: torch.cat((logits[index : index + 1], logits[first : first + count]))
-            for rid, index, first, count in spans}
-
-
 def draft_targets(picks: list[int], spans: list[DraftSpan]) -> dict[int, list[int]] | None:
     """Each verifying request's greedy picks, laid out as ``TpInputs.logit_rows`` lays out rows:
     at its sampling row, then after each draft (``ForwardOutput.draft_targets``). None: no drafts."""

@@ -30,7 +30,6 @@ from tensorrt_llm._torch.pyexecutor.engine_inputs import (
     BeamSpan,
     DraftSpan,
     TpInputs,
-    beam_rows,
     draft_targets,
 )
 from tensorrt_llm._torch.pyexecutor.kv_cache_manager import KVCacheManager
@@ -136,7 +135,7 @@ class CpuTorchModelEngine(TorchModelEngine):
         picks = picked.argmax(dim=-1).tolist() if len(picked) else []  # (rows,)
         return ForwardOutput(logits=dict(zip(sampling, logits)), greedy_tokens=dict(zip(sampling, picks)),
                              prompt_logits=_prompt_logits(logits, spans), draft_targets=draft_targets(picks, drafts),
-                             beam_logits=beam_rows(logits, beams))
+                             beam_logits=_beam_logits(logits, beams))
 
 
 class CudaTorchModelEngine(TorchModelEngine):
@@ -344,7 +343,7 @@ class CudaForward:
                 nonfinite=nonfinite,
                 prompt_logits=self._prompt_logits,
                 draft_targets=targets,
-                beam_logits=beam_rows(self._logits, self._beams),
+                beam_logits=_beam_logits(self._logits, self._beams),
             )
         return self._output
 
@@ -354,6 +353,15 @@ def _prompt_logits(logits: torch.Tensor, spans) -> dict[int, tuple[int, torch.Te
     if not spans:
         return None
     return {rid: (start, logits[first : first + count]) for rid, start, first, count in spans}
+
+
+def _beam_logits(logits: torch.Tensor, spans: list[BeamSpan]) -> dict[int, torch.Tensor] | None:
+    """Each beam-search request's ``(beam_width, vocab)`` logits, beam 0 (its sampling row) first,
+    from the rows as :meth:`TpInputs.logit_layout` lays them out. None: no beams."""
+    if not spans:
+        return None
+    return {rid: torch.cat((logits[index : index + 1], logits[first : first + count]))
+            for rid, index, first, count in spans}
 
 
 def _record_event() -> torch.cuda.Event:
