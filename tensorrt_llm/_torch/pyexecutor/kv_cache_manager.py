@@ -201,11 +201,13 @@ class PrefixClaim:
 
 @dataclass(frozen=True, slots=True)
 class ClaimRecord:
-    """What allocation found for a first chunk: the estimate it was admitted with and the claim."""
+    """What allocation found for a first chunk: the estimate it was admitted with and the claim.
+    ``prompt_len``: the prompt looked up, as it was at allocation (a restart makes it longer)."""
 
     request: LlmRequest
     estimated_reusable_tokens: int
     reused_tokens: int
+    prompt_len: int
 
     @property
     def request_id(self) -> int:
@@ -378,7 +380,7 @@ class KVCacheManager:
                 allocated = self._allocate_first_chunk(chunk, claims.get(request.request_id))
                 if allocated is not None:
                     estimate = scheduled.estimated_reusable.get(request.request_id, 0)
-                    records.append(ClaimRecord(request, estimate, allocated.reused))
+                    records.append(ClaimRecord(request, estimate, allocated.reused, request.prompt_len))
             else:
                 allocated = chunk if self._grow(request, seq, chunk.start + chunk.cost()) else None
             if allocated is None:
