@@ -35,6 +35,8 @@ _PHASES = (
     ("kv_cache_manager", "prepare_resources", "kv allocation", True),
     ("model_engine", "forward_async", "launch", False),
     ("model_engine", "_prepare_tp_inputs", "prepare_tp_inputs", True),
+    ("model_engine", "_plan", "attention plan", True),  # before the forward's start event
+    ("model_engine", "_forward_eager", "eager forward", True),  # after it: overlaps the GPU's work
     ("", "_complete", "complete", False),
     ("", "_update_requests", "sample+respond", True),
     ("kv_cache_manager", "update_resources", "kv commit", True),
@@ -48,6 +50,7 @@ class Span:
     label: str
     start: float
     end: float
+    moved: tuple[int, int] = (0, 0)  # host-tier (offloads, onboards) during the span
 
 
 class TimelineSettings(RecordedSettings):
@@ -59,20 +62,23 @@ class TimelineSettings(RecordedSettings):
         if fresh:
             spans: list[Span] = self.recorded.setdefault("_host", {}).setdefault(policy, [])
             executor = engine.executor
+            pool = executor.kv_cache_manager.pool
             for owner, name, label, _ in _PHASES:
                 target = getattr(executor, owner) if owner else executor
-                setattr(target, name, _timed(getattr(target, name), label, spans))
+                setattr(target, name, _timed(getattr(target, name), label, spans, pool))
         return engine
 
 
-def _timed(method, label: str, spans: list[Span]):
+def _timed(method, label: str, spans: list[Span], pool):
     @functools.wraps(method)
     def wrapper(*args, **kwargs):
         start = time.perf_counter()
+        offloads, onboards = pool.num_offloads, pool.num_onboards
         try:
             return method(*args, **kwargs)
         finally:
-            spans.append(Span(label, start, time.perf_counter()))
+            moved = (pool.num_offloads - offloads, pool.num_onboards - onboards)
+            spans.append(Span(label, start, time.perf_counter(), moved))
 
     return wrapper
 
@@ -86,16 +92,20 @@ def gap_breakdown(forwards, spans: list[Span], top: int) -> list[dict]:
     for gap_ms, i in sorted(gaps, reverse=True)[:top]:
         a, b = timed[i], timed[i + 1]
         per_phase: dict[str, float] = collections.defaultdict(float)
+        offloads = onboards = 0
         for span in spans:
             overlap = min(span.end, b.host_t) - max(span.start, a.host_t)
             if overlap > 0:
                 per_phase[span.label] += overlap * 1e3
+                if span.label == "kv allocation":
+                    offloads, onboards = offloads + span.moved[0], onboards + span.moved[1]
         window = (b.host_t - a.host_t) * 1e3
         top_level = sum(ms for label, ms in per_phase.items() if label not in _NESTED)
         rows.append({"gap_ms": round(gap_ms, 2), "after": _kind(a), "before": _kind(b),
                      "host_between_launches_ms": round(window, 2),
                      "phases_ms": {k: round(v, 2) for k, v in sorted(per_phase.items(), key=lambda kv: -kv[1])},
-                     "outside_executor_ms": round(window - top_level, 2)})
+                     "outside_executor_ms": round(window - top_level, 2),
+                     "host_tier_blocks": {"offloaded": offloads, "onboarded": onboards}})
     return rows
 
 
@@ -120,7 +130,8 @@ def main(argv=None) -> int:
         phases = ", ".join(f"{k} {v:.1f}" for k, v in row["phases_ms"].items() if v >= 0.5)
         print(f"gap {row['gap_ms']:.1f} ms after [{row['after']}] before [{row['before']}]: host "
               f"{row['host_between_launches_ms']:.1f} ms between the launches: {phases}; "
-              f"outside the executor {row['outside_executor_ms']:.1f}")
+              f"outside the executor {row['outside_executor_ms']:.1f}; host tier "
+              f"{row['host_tier_blocks']['offloaded']} offloads, {row['host_tier_blocks']['onboarded']} onboards")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"policy": args.policy, "requests": args.requests, "gaps": rows}, f, indent=1)

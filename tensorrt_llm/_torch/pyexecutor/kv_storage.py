@@ -45,6 +45,14 @@ So the host waits for nothing here, and the compute stream waits, on the device,
 copies issued before the work that follows. Work on the compute stream that touches the pools other than
 through a forward (:meth:`before_compute` with its tables) or ``copy_block`` — a test writing a
 block — calls :meth:`before_compute` with no tables first; then the next copy waits for all of it.
+On CUDA, offloads and onboards are not issued one by one: they join a :class:`CopyBatch`
+(``kv_copy_batch``; an onboard's transfer into a staging buffer is enqueued at once), issued as
+one gather, one transfer per run of consecutive host slots and one scatter once it holds
+``max_batch_blocks`` copies, before a copy that would conflict with it, and
+before anything on the compute stream touches the pools (:meth:`before_compute`, ``copy_block``)
+or the host reads the tier (:meth:`synchronize`). The ordering above applies to a batch as to a
+copy: the copy stream waits for the compute stream's tail if any of the batch's blocks is busy.
+
 On the CPU every copy is a plain synchronous one.
 """
 
@@ -54,6 +62,8 @@ import itertools
 from typing import Sequence
 
 import torch
+
+from .kv_copy_batch import CopyBatch, runs
 
 
 class KVCacheStorage:
@@ -69,6 +79,7 @@ class KVCacheStorage:
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
         num_scratch_blocks: int = 0,
+        max_batch_blocks: int = 64,
     ) -> None:
         self.device = torch.device(device)
         self.num_blocks = num_blocks
@@ -92,7 +103,11 @@ class KVCacheStorage:
         self._busy_tables: Sequence[Sequence[int]] = ()  # T: the newest forward's block tables
         self._busy: set[int] | None = set()  # blocks of T and of copy_block since M; None: not built from T yet
         self._copies_unjoined = False  # copies issued that the compute stream does not wait for yet
-        self.num_copy_stream_tail_waits = 0  # copies that had to wait for the forward in flight (see docstring)
+        self.num_copy_stream_tail_waits = 0  # batches that had to wait for the forward in flight (see docstring)
+        self._batch = CopyBatch()  # offloads and onboards not issued yet (CUDA with a tier only)
+        self._max_batch_blocks = max_batch_blocks
+        self._landed: torch.Tensor | None = None  # the batch's onboards, staged on the device (row per onboard)
+        self.num_batches = 0  # batches issued, for the benchmarks' counts
 
     @property
     def scratch_block_ids(self) -> range:
@@ -108,25 +123,66 @@ class KVCacheStorage:
     def copy_block(self, src_block_id: int, dst_block_id: int) -> None:
         """Copy a block's K/V on the compute stream (after every copy of the tier issued so far)."""
         if self._copy_stream is not None:
+            self._issue_batch()
             self._join_copies(torch.cuda.current_stream(self.device))
             self._busy_blocks().update((src_block_id, dst_block_id))
         self.pools[:, :, dst_block_id].copy_(self.pools[:, :, src_block_id])
 
     def offload(self, block_id: int, host_id: int) -> None:
+        """Copy device block ``block_id`` into host slot ``host_id`` (on CUDA: in the next batch)."""
         if self._copy_stream is None:
             self.host[host_id].copy_(self.pools[:, :, block_id])
             return
-        with self._on_copy_stream(block_id):
-            # a gather of the block's 2 * num_layers pieces on the device, then one transfer
-            self.host[host_id].copy_(self.pools[:, :, block_id], non_blocking=True)
+        if self._batch.conflicts(offload=(block_id, host_id)):
+            self._issue_batch()
+        self._batch.add_offload(block_id, host_id)
+        self._maybe_issue()
 
     def onboard(self, host_id: int, block_id: int) -> None:
+        """Copy host slot ``host_id`` into device block ``block_id`` (on CUDA: its transfer into the
+        batch's staging buffer now, the write into the block when the batch is issued)."""
         if self._copy_stream is None:
             self.pools[:, :, block_id].copy_(self.host[host_id])
             return
-        with self._on_copy_stream(block_id):
-            # one transfer into a device buffer, then a scatter into the block's pieces
-            self.pools[:, :, block_id].copy_(self.host[host_id], non_blocking=True)
+        if self._batch.conflicts(onboard=(host_id, block_id)):
+            self._issue_batch()
+        if self._landed is None:
+            # The copy stream's own memory: reused by its next batch, in stream order.
+            with torch.cuda.stream(self._copy_stream):
+                shape = (self._max_batch_blocks, *self.host.shape[1:])
+                self._landed = torch.empty(shape, dtype=self.host.dtype, device=self.device)
+        row = self._batch.add_onboard(host_id, block_id)
+        with torch.cuda.stream(self._copy_stream):  # reads the tier only: no wait on the compute stream
+            self._landed[row].copy_(self.host[host_id], non_blocking=True)
+        self._copies_unjoined = True
+        self._maybe_issue()
+
+    def _maybe_issue(self) -> None:
+        # Issue full batches at once, so the copies run while the host goes on allocating.
+        if len(self._batch) >= self._max_batch_blocks:
+            self._issue_batch()
+
+    def _issue_batch(self) -> None:
+        """Enqueue the pending copies on the copy stream: offloads, then onboards (``kv_copy_batch``)."""
+        batch, landed = self._batch, self._landed
+        if not len(batch):
+            return
+        self._batch, self._landed = CopyBatch(), None
+        self.num_batches += 1
+        by_block = self.pools.movedim(2, 0)  # (rows, 2, num_layers, ...): a block's pieces at one index
+        with self._on_copy_stream(batch.blocks()):
+            if batch.offloads:
+                blocks, host_ids = zip(*batch.offloads)
+                gathered = by_block[self._index(blocks)]  # one gather kernel: (n, 2, num_layers, ...)
+                for i, first, n in runs(list(host_ids)):
+                    self.host[first:first + n].copy_(gathered[i:i + n], non_blocking=True)
+            if batch.onboards:
+                blocks = [block_id for _, block_id in batch.onboards]
+                by_block[self._index(blocks)] = landed[:len(blocks)]  # one scatter kernel
+
+    def _index(self, block_ids) -> torch.Tensor:
+        """Block ids on the device, through pinned memory (a pageable copy would wait for the device)."""
+        return torch.tensor(block_ids, dtype=torch.int64).pin_memory().to(self.device, non_blocking=True)
 
     # ---- ordering with the compute stream ---------------------------------------------
     def before_compute(self, block_tables: Sequence[Sequence[int]] | None = None) -> None:
@@ -138,6 +194,7 @@ class KVCacheStorage:
         A no-op on the CPU or without a host tier."""
         if self._copy_stream is None:
             return
+        self._issue_batch()
         compute = torch.cuda.current_stream(self.device)
         self._join_copies(compute)
         if block_tables is None:
@@ -151,6 +208,7 @@ class KVCacheStorage:
     def synchronize(self) -> None:
         """Wait on the host for every copy of the tier issued so far (tests; the step path never does)."""
         if self._copy_stream is not None:
+            self._issue_batch()
             self._copy_stream.synchronize()
 
     def _join_copies(self, compute: torch.cuda.Stream) -> None:
@@ -165,10 +223,10 @@ class KVCacheStorage:
             self._busy_tables = ()
         return self._busy
 
-    def _on_copy_stream(self, block_id: int) -> torch.cuda.StreamContext:
-        """Order the copy stream after the compute work that may touch ``block_id``; enter it."""
+    def _on_copy_stream(self, block_ids: set[int]) -> torch.cuda.StreamContext:
+        """Order the copy stream after the compute work that may touch ``block_ids``; enter it."""
         copy = self._copy_stream
-        if self._any_busy or block_id in self._busy_blocks():
+        if self._any_busy or not block_ids.isdisjoint(self._busy_blocks()):
             self._tail.record(torch.cuda.current_stream(self.device))
             copy.wait_event(self._tail)  # covers M and everything since: nothing is left to wait for
             self._any_busy, self._mark_waited = False, True

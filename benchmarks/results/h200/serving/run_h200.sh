@@ -2,7 +2,7 @@
 # The H200 serving runs of benchmarks/results/h200/serving/README.md, one phase per device call.
 #   bash benchmarks/results/h200/serving/run_h200.sh PHASE OUT_DIR
 # PHASE: setup | cuda-tests | load RATES [DURATION_S] | smollm2 MODEL | faults DURATION_S [SERVE_FLAGS] | gaps
-#        | phase-b [REQUESTS] | faults-bg DURATION_S | faults-wait
+#        | phase-b [REQUESTS] | faults-bg DURATION_S | faults-wait | profile-gaps [REQUESTS]
 # faults-bg starts the fault soak detached (in /tmp/faults) so that a soak longer than one device call
 # (600 s) spans two: the next call's faults-wait waits for it and copies its results to OUT_DIR.
 # The H200 image lacks fastapi, uvicorn, openai and gguf: setup installs the wheels in .whl
@@ -51,6 +51,17 @@ case $phase in
     ;;
   gaps)
     "$PY" -m benchmarks.gpu_gaps --requests "${1:-150}" --policy recheck --top 10 --json "$out/gaps.json" 2>&1 | tail -30
+    ;;
+  profile-gaps)  # gaps under cProfile: where the host's time goes in the KV allocation and the launch
+    timeout 300 "$PY" -m cProfile -o "$out/gaps.prof" -m benchmarks.gpu_gaps --requests "${1:-150}" --top 5 > "$out/gaps.txt" 2>&1
+    "$PY" - "$out/gaps.prof" > "$out/profile.txt" 2>&1 <<'PY'
+import pstats, sys
+stats = pstats.Stats(sys.argv[1])
+stats.sort_stats("tottime").print_stats(30)
+for name in ("kv_cache_manager.py.*prepare_resources", "_issue_batch", "_evict_until", "forward_async"):
+    stats.sort_stats("cumulative").print_callees(name)
+PY
+    tail -5 "$out/gaps.txt"; head -70 "$out/profile.txt"
     ;;
   *) echo "unknown phase $phase"; exit 2 ;;
 esac

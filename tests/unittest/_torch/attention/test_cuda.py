@@ -247,6 +247,34 @@ def test_host_tier_copies_run_beside_the_forward_in_flight() -> None:
     assert storage.num_copy_stream_tail_waits == 1  # the first copy only (after the test's own writes)
 
 
+def test_host_tier_batches_equal_the_copies_one_by_one() -> None:
+    """Offloads and onboards issued as batches (onboards staged as they come; at issue one gather,
+    a transfer per run of host slots, one scatter) give what the copies give one by one: runs of
+    slots and single slots, an onboard of a slot an offload of the batch writes (which issues the
+    batch first), a slot offloaded into again while the onboard that freed it is pending, and
+    full batches issued before the next copy joins."""
+    storage = _tier_storage(num_blocks=12, num_host_blocks=8, max_batch_blocks=6)
+    pools = storage.pools.clone()
+    host = storage.host.to(CUDA)
+    ops = [("off", 0, 0), ("off", 1, 1),
+           ("on", 1, 10),  # reads host slot 1, which the pending offload writes: batch 1 is issued first
+           ("off", 7, 1),  # slot 1 again, while the onboard that read it is pending (staged already)
+           ("off", 2, 2), ("off", 3, 3), ("off", 4, 4), ("off", 5, 6),  # 6 copies: batch 2
+           ("on", 6, 9), ("on", 0, 11), ("on", 3, 0), ("on", 4, 2), ("on", 2, 7), ("on", 1, 5)]  # batch 3
+    for kind, a, b in ops:
+        if kind == "off":
+            storage.offload(a, b)
+            host[b] = pools[:, :, a]
+        else:
+            storage.onboard(a, b)
+            pools[:, :, b] = host[a]
+    storage.synchronize()
+    storage.before_compute()
+    assert storage.num_batches == 3
+    assert torch.equal(storage.pools, pools)
+    assert torch.equal(storage.host.to(CUDA), host)
+
+
 def _tier_prompts() -> list[list[int]]:
     """Prompts sharing a prefix, each followed by a long one that evicts it (to the host tier)."""
     rng = random.Random(11)
