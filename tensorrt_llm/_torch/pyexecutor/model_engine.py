@@ -166,7 +166,6 @@ class CudaTorchModelEngine(TorchModelEngine):
         self._plans = PagedPlanBuilder(self.device, tokens_per_block=kv.tokens_per_block, num_blocks=kv.num_blocks,
                                        num_kv_heads=self.model.num_local_kv_heads, staging=self._staging)
         if cuda_graph_config is not None:
-            kv = self.kv_cache_manager
             self.graph_runner = CudaGraphRunner(
                 self.model,
                 kv.storage,
