@@ -63,7 +63,7 @@ def run_probe(path: str, serve_argv: list[str]) -> int:
     def timed_step(self):
         start = time.perf_counter()
         iteration = step(self)
-        if iteration is not None and iteration.stats.forward_tokens > 0:
+        if iteration is not None and iteration.launch.forward_tokens > 0:
             totals["step_s"] += time.perf_counter() - start
             totals["steps"] += 1
             Path(path).write_text(json.dumps(totals))

@@ -39,7 +39,7 @@ _PHASES = (
     ("model_engine", "_forward_eager", "eager forward", True),  # after it: overlaps the GPU's work
     ("", "_complete", "complete", False),
     ("", "_update_requests", "sample+respond", True),
-    ("kv_cache_manager", "update_resources", "kv commit", True),
+    ("kv_cache_manager", "commit", "kv commit", True),
     ("", "_free_finished", "free_finished", False),
 )
 _NESTED = frozenset(label for _, _, label, nested in _PHASES if nested)

@@ -236,10 +236,10 @@ class _PolicyReplay:
             bar.update(self.outcomes.completed + self.outcomes.errored)
             if iteration is None:
                 continue
-            stats = iteration.stats
-            if stats.overshoot > 0 and self._overshot(iteration, stop_at_crash):
+            launch = iteration.launch  # what is known at once, with or without overlap
+            if launch.overshoot > 0 and self._overshot(iteration, stop_at_crash):
                 return
-            if stats.forward_tokens and not stats.overshoot:
+            if launch.forward_tokens and not launch.overshoot:
                 idle_steps = 0
                 continue
             idle_steps += 1
@@ -269,16 +269,16 @@ class _PolicyReplay:
 
     def _overshot(self, iteration: Iteration, stop_at_crash: bool) -> bool:
         """Record an overshooting iteration; True when the replay stops here (``none``: upstream crashes)."""
-        executor, stats = self.executor, iteration.stats
+        executor, launch = self.executor, iteration.launch
         event = diagnose_overshoot(
             iteration.batch, iteration.scheduled.charges, iteration.prepared.claims, self.settings.executor.kv_cache_config.tokens_per_block,
-            iteration=stats.iteration, time_s=stats.start_time, forward_tokens=stats.forward_tokens,
-            overshoot=stats.overshoot,
+            iteration=launch.iteration, time_s=launch.start_time, forward_tokens=launch.forward_tokens,
+            overshoot=launch.overshoot,
         )
         self.overshoots.append(event)
         if not (stop_at_crash and self.policy == TokenBudgetPolicyName.NONE.value):
             return False
-        self.crash, self.crash_message = event, stats.error
+        self.crash, self.crash_message = event, iteration.error
         # Upstream's assertion kills the executor thread: the failing batch gets no response
         # at all (here the loop failed it), so it is unserved, not errored.
         for request in iteration.batch.all_requests:

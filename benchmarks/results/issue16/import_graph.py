@@ -14,6 +14,7 @@ import importlib.util
 from pathlib import Path
 
 GROUPS = ("tensorrt_llm._torch.modules", "tensorrt_llm._torch.attention_backend", "tensorrt_llm._torch.models",
+          "tensorrt_llm._torch.speculative",
           "tensorrt_llm._torch.pyexecutor", "tensorrt_llm._torch.distributed", "tensorrt_llm.llmapi",
           "tensorrt_llm.serve", "tensorrt_llm.commands", "tensorrt_llm.mapping", "benchmarks")
 PYEXECUTOR = "tensorrt_llm._torch.pyexecutor."

@@ -1,19 +1,26 @@
 """Paged attention backends (upstream's ``attention_backend`` package).
 
-On a GPU the model's attention calls :class:`PagedLayerKV.attend`, driven by a
-:class:`PagedAttentionPlan` built once per forward by :func:`build_plan`; on the CPU it calls
-:class:`CpuLayerKV.attend`, driven by a :class:`CpuAttentionPlan` from :func:`build_cpu_plan`
-(``cpu_paged``: padded batches through torch's SDPA, no loop over requests). Importing this package needs neither a GPU nor
+The model's attention calls ``attend`` on one layer's view of a per-forward plan. A device's
+plan builder is chosen once (``backend``: :func:`plan_builder`; an engine makes its own at
+construction): on a GPU a :class:`PagedPlanBuilder` (``paged``: :class:`PagedAttentionPlan`,
+:class:`PagedLayerKV`), on the CPU a :class:`CpuPlanBuilder` (``cpu_paged``: padded batches
+through torch's SDPA, no loop over requests). Importing this package needs neither a GPU nor
 Triton; the kernels are chosen at call time by device and dtype (``kernels``).
 """
 
-from tensorrt_llm._torch.attention_backend.cpu_paged import CpuAttentionPlan, CpuLayerKV, build_cpu_plan
+from tensorrt_llm._torch.attention_backend.backend import AttentionPlan, LayerKV, PlanBuilder, plan_builder
+from tensorrt_llm._torch.attention_backend.cpu_paged import CpuAttentionPlan, CpuLayerKV, CpuPlanBuilder, build_cpu_plan
 from tensorrt_llm._torch.attention_backend.paged import (
     ContextBatch,
     DecodeBatch,
     PagedAttentionPlan,
     PagedLayerKV,
+    PagedPlanBuilder,
     build_plan,
 )
 
-__all__ = ["CpuAttentionPlan", "CpuLayerKV", "build_cpu_plan", "ContextBatch", "DecodeBatch", "PagedAttentionPlan", "PagedLayerKV", "build_plan"]
+__all__ = [
+    "AttentionPlan", "ContextBatch", "CpuAttentionPlan", "CpuLayerKV", "CpuPlanBuilder", "DecodeBatch", "LayerKV",
+    "PagedAttentionPlan", "PagedLayerKV", "PagedPlanBuilder", "PlanBuilder", "build_cpu_plan", "build_plan",
+    "plan_builder",
+]

@@ -1,7 +1,8 @@
 """Paged attention on the CPU: one plan per forward, a few batched calls per layer.
 
-The GPU plan (``paged.build_plan``) routes a forward's requests to two kernels; on the CPU the
-same idea runs on torch's own ops. :func:`build_cpu_plan` runs once per forward on the host,
+The GPU plan (``paged.PagedPlanBuilder``) routes a forward's requests to two kernels; on the CPU
+the same idea runs on torch's own ops. :func:`build_cpu_plan` (:class:`CpuPlanBuilder`, what the
+CPU engine holds) runs once per forward on the host,
 from plain ints: it checks the block tables, computes every slot the forward writes and
 reads, and packs the requests into a few *groups*, each attended by ONE
 ``scaled_dot_product_attention`` call over a padded batch. Every layer then
@@ -47,7 +48,7 @@ import torch.nn.functional as F
 
 from tensorrt_llm._torch.attention_backend.paged import decode_tables, slot_view, write_new_tokens
 
-__all__ = ["CpuAttentionPlan", "CpuLayerKV", "build_cpu_plan"]
+__all__ = ["CpuAttentionPlan", "CpuLayerKV", "CpuPlanBuilder", "build_cpu_plan"]
 
 # A group may hold up to this many times the work of its sequences unpadded (plus a small
 # allowance, so that short sequences always share a call): bounded waste, few calls.
@@ -150,16 +151,22 @@ def build_cpu_plan(
 ) -> CpuAttentionPlan:
     """The plan of one flat forward (request ``r`` owns the next ``num_new_tokens[r]`` rows).
 
-    The tables must cover each request's positions (``AttentionMetadata`` checks that); here
-    every block they use must lie in ``[0, num_blocks)`` and no two new tokens may share a slot.
-    Raises ValueError naming the request otherwise, before any pool is written. ``dtype``: the
-    model's, which the masks are built in (SDPA would convert a boolean mask in every layer).
+    Every table must cover its request's positions, every block they use must lie in
+    ``[0, num_blocks)`` and no two new tokens may share a slot. Raises ValueError naming the
+    request otherwise, before any pool is written. ``dtype``: the model's, which the masks are
+    built in (SDPA would convert a boolean mask in every layer).
     """
     tpb = tokens_per_block
     new = np.asarray(num_new_tokens, dtype=np.int64)
     cached = np.asarray(num_cached_tokens, dtype=np.int64)
     n = len(new)
     needed = -(-(cached + new) // tpb)  # (n,) blocks each request uses
+    table_lens = np.fromiter(map(len, block_tables), dtype=np.int64, count=n)
+    short = np.flatnonzero(table_lens < needed)
+    if short.size:  # the engine's tables come from the KV manager; AttentionMetadata checks callers' first
+        r = int(short[0])
+        raise ValueError(f"block_tables[{r}] has {table_lens[r]} blocks, {cached[r]} cached + {new[r]} new tokens "
+                         f"need {needed[r]} blocks of {tpb} tokens")
     tables = decode_tables(block_tables).astype(np.int64)  # (n, W), zero-padded
     used = np.arange(tables.shape[1]) < needed[:, None]  # (n, W)
     outside = used & (tables >= num_blocks)
@@ -188,6 +195,21 @@ def build_cpu_plan(
         for members in _group(new[kind], cached[kind] + new[kind], kind)
     ]
     return CpuAttentionPlan(total, torch.from_numpy(new_slots), tuple(groups))
+
+
+class CpuPlanBuilder:
+    """Builds the plans of the CPU engine's forwards (:func:`build_cpu_plan` with its settings)."""
+
+    def __init__(self, *, tokens_per_block: int, num_blocks: int, dtype: torch.dtype) -> None:
+        self.tokens_per_block = tokens_per_block
+        self.num_blocks = num_blocks
+        self.dtype = dtype
+
+    def build(
+        self, num_new_tokens: Sequence[int], num_cached_tokens: Sequence[int], block_tables: Sequence[Sequence[int]]
+    ) -> CpuAttentionPlan:
+        return build_cpu_plan(num_new_tokens, num_cached_tokens, block_tables, tokens_per_block=self.tokens_per_block,
+                              num_blocks=self.num_blocks, dtype=self.dtype)
 
 
 def _group(q_lens: np.ndarray, k_lens: np.ndarray, requests: np.ndarray) -> list[np.ndarray]:

@@ -1,9 +1,9 @@
 """Paged attention for accelerators: a per-forward plan built once on the host, read by every layer.
 
 On a GPU a loop over requests in every layer, or any read of a device value on the host, would
-stall the device, so this backend moves all of it into :func:`build_plan`, which runs once per
-forward on the host from plain ints, ships a handful of index tensors to the device, and decides
-which kernel serves which request:
+stall the device, so this backend moves all of it into :meth:`PagedPlanBuilder.build`, which runs
+once per forward on the host from plain ints, ships a handful of index tensors to the device, and
+decides which kernel serves which request:
 
     flat forward:  [ chunk A (5 tokens) | chunk B (3) | dec C | dec D ]   (rows of q, k, v)
                      context: one varlen call        decode: one paged kernel
@@ -27,13 +27,17 @@ the positions tensor itself is only used for RoPE.
 A plan holds no host state a layer would need to read back, so a forward built from it can be
 captured in a CUDA graph: ``cuda_graph_runner`` keeps one static plan per batch size and copies
 each step's indices into it.
+
+What depends on the device (how host arrays reach it, how many multiprocessors it has) is settled
+once, when a :class:`PagedPlanBuilder` is made (an engine makes one at construction); building a
+plan then branches on nothing but the batch. :func:`build_plan` is the one-off form.
 """
 
 from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -41,7 +45,12 @@ import torch
 from tensorrt_llm._torch.attention_backend.kernels import context_attention, decode_attention
 from tensorrt_llm._torch.attention_backend.staging import PinnedStaging
 
-__all__ = ["ContextBatch", "DecodeBatch", "PagedAttentionPlan", "PagedLayerKV", "build_plan", "host_to_device", "num_sms"]
+__all__ = [
+    "ContextBatch", "DecodeBatch", "PagedAttentionPlan", "PagedLayerKV", "PagedPlanBuilder", "build_plan", "device_copier",
+    "num_sms",
+]
+
+ToDevice = Callable[[np.ndarray], torch.Tensor]  # a host array -> a new tensor on the device, without blocking the host
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,25 +154,28 @@ def num_sms(device: torch.device) -> int:
     return _SMS[device]
 
 
-def decode_num_splits(num_seqs: int, num_kv_heads: int, device: torch.device, max_splits: int = 16) -> int:
-    """Flash-decoding splits so that about two programs per multiprocessor run: a power of two,
-    from the batch shape alone (a graph captured for a batch size keeps it for any lengths)."""
+def decode_num_splits(num_seqs: int, num_kv_heads: int, sms: int, max_splits: int = 16) -> int:
+    """Flash-decoding splits so that about two programs per multiprocessor (``sms``, see
+    :func:`num_sms`) run: a power of two, from the batch shape alone (a graph captured for a batch
+    size keeps it for any lengths)."""
     programs = max(1, num_seqs * num_kv_heads)
-    target = 2 * num_sms(device)
+    target = 2 * sms
     splits = 1
     while splits < max_splits and programs * splits < target:
         splits *= 2
     return splits
 
 
-def host_to_device(array: np.ndarray, device: torch.device, staging: PinnedStaging | None = None) -> torch.Tensor:
-    """Host array -> device tensor without blocking the host (through pinned memory on CUDA:
-    ``staging``'s persistent buffers inside its ``step()``, else a pinned copy of the array)."""
+def device_copier(device: torch.device | str, staging: PinnedStaging | None = None) -> ToDevice:
+    """How host arrays reach ``device`` without blocking the host, chosen once per device: on
+    CUDA through pinned memory (``staging``'s persistent buffers, inside its ``step()``, else a
+    pinned copy of each array), elsewhere a plain copy."""
+    device = torch.device(device)
     if device.type == "cuda":
         if staging is not None:
-            return staging.to_device(array)
-        return torch.from_numpy(array).pin_memory().to(device, non_blocking=True)
-    return torch.from_numpy(array).to(device)
+            return staging.to_device
+        return lambda array: torch.from_numpy(array).pin_memory().to(device, non_blocking=True)
+    return lambda array: torch.from_numpy(array).to(device)
 
 
 def slot_view(pool: torch.Tensor) -> torch.Tensor:
@@ -188,6 +200,88 @@ def decode_tables(block_tables: Sequence[Sequence[int]], width: int | None = Non
     return matrix
 
 
+class PagedPlanBuilder:
+    """Builds the plans of one device's forwards over pools of ``num_blocks`` blocks.
+
+    ``staging``: on CUDA, the engine's pinned buffers the index arrays travel through (plans are
+    then built inside its ``step()``); without it each array is pinned on its own. The device's
+    copier and multiprocessor count are taken here, once (:func:`device_copier`, :func:`num_sms`).
+    """
+
+    def __init__(
+        self,
+        device: torch.device | str,
+        *,
+        tokens_per_block: int,
+        num_blocks: int,
+        num_kv_heads: int,
+        staging: PinnedStaging | None = None,
+    ) -> None:
+        self.device = torch.device(device)
+        self.tokens_per_block = tokens_per_block
+        self.num_blocks = num_blocks
+        self.num_kv_heads = num_kv_heads
+        self._to_device = device_copier(self.device, staging)
+        self._sms = num_sms(self.device)
+
+    def build(
+        self,
+        num_new_tokens: Sequence[int],
+        num_cached_tokens: Sequence[int],
+        block_tables: Sequence[Sequence[int]],
+    ) -> PagedAttentionPlan:
+        """The plan of one flat forward (request ``r`` owns the next ``num_new_tokens[r]`` rows).
+
+        Checks what a wrong table would silently corrupt on a GPU: every table covers its
+        positions, names blocks in ``[0, num_blocks)``, and no two new tokens share a slot.
+        Raises ValueError naming the request otherwise, before anything is copied to the device.
+        """
+        tpb, num_blocks, to_device = self.tokens_per_block, self.num_blocks, self._to_device
+        new = np.asarray(num_new_tokens, dtype=np.int64)
+        cached = np.asarray(num_cached_tokens, dtype=np.int64)
+        n = len(new)
+        if len(cached) != n or len(block_tables) != n:
+            raise ValueError("num_new_tokens, num_cached_tokens and block_tables need one entry per request")
+        if n and (new.min() < 0 or cached.min() < 0):
+            raise ValueError("token counts must be >= 0")
+        table_lens = np.fromiter((len(t) for t in block_tables), dtype=np.int64, count=n)
+        needed = -(-(cached + new) // tpb)
+        short = np.flatnonzero(table_lens < needed)
+        if short.size:
+            r = int(short[0])
+            raise ValueError(f"block_tables[{r}] has {table_lens[r]} blocks, {cached[r]} cached + {new[r]} new tokens "
+                             f"need {needed[r]} blocks of {tpb} tokens")
+        tables = decode_tables(block_tables)  # (n, W) int32
+        used = np.arange(tables.shape[1]) < needed[:, None]  # (n, W)
+        bad = used & ((tables < 0) | (tables >= num_blocks))
+        if bad.any():
+            r = int(np.flatnonzero(bad.any(axis=1))[0])
+            raise ValueError(f"block_tables[{r}] names a block outside [0, {num_blocks}): {list(block_tables[r])}")
+
+        starts = np.concatenate(([0], np.cumsum(new)))  # (n+1,) first row of each request
+        total = int(starts[-1])
+        # Slot of every new token: request r's position cached[r] + j lives in block table[r][pos // tpb].
+        owner = np.repeat(np.arange(n), new)  # (T,)
+        position = cached[owner] + (np.arange(total) - starts[owner])  # (T,)
+        new_slots = tables[owner, position // tpb].astype(np.int64) * tpb + position % tpb  # (T,)
+        if np.unique(new_slots).size != total:
+            raise ValueError("two new tokens of this forward map to the same KV slot (a block being written is shared)")
+
+        is_ctx = new >= 2
+        is_dec = new == 1
+        context = _context_batch(np.flatnonzero(is_ctx), new, cached, starts, tables, tpb, to_device)
+        decode = None
+        if is_dec.any():
+            dec = np.flatnonzero(is_dec)
+            decode = DecodeBatch(
+                rows=to_device(starts[dec]),
+                block_tables=to_device(np.ascontiguousarray(tables[dec])),
+                seq_lens=to_device((cached[dec] + 1).astype(np.int32)),
+                num_splits=decode_num_splits(len(dec), self.num_kv_heads, self._sms),
+            )
+        return PagedAttentionPlan(tpb, total, to_device(new_slots), context, decode)
+
+
 def build_plan(
     num_new_tokens: Sequence[int],
     num_cached_tokens: Sequence[int],
@@ -199,64 +293,15 @@ def build_plan(
     device: torch.device | str,
     staging: PinnedStaging | None = None,
 ) -> PagedAttentionPlan:
-    """The plan of one flat forward (request ``r`` owns the next ``num_new_tokens[r]`` rows).
-
-    Checks what a wrong table would silently corrupt on a GPU: every table covers its
-    positions, names blocks in ``[0, num_blocks)``, and no two new tokens share a slot.
-    Raises ValueError naming the request otherwise, before anything is copied to the device.
-    ``staging``: on CUDA, the engine's pinned buffers (inside its ``step()``) the index
-    arrays travel through; without it each is pinned on its own.
-    """
-    device = torch.device(device)
-    tpb = tokens_per_block
-    new = np.asarray(num_new_tokens, dtype=np.int64)
-    cached = np.asarray(num_cached_tokens, dtype=np.int64)
-    n = len(new)
-    if len(cached) != n or len(block_tables) != n:
-        raise ValueError("num_new_tokens, num_cached_tokens and block_tables need one entry per request")
-    if n and (new.min() < 0 or cached.min() < 0):
-        raise ValueError("token counts must be >= 0")
-    table_lens = np.fromiter((len(t) for t in block_tables), dtype=np.int64, count=n)
-    needed = -(-(cached + new) // tpb)
-    short = np.flatnonzero(table_lens < needed)
-    if short.size:
-        r = int(short[0])
-        raise ValueError(f"block_tables[{r}] has {table_lens[r]} blocks, {cached[r]} cached + {new[r]} new tokens "
-                         f"need {needed[r]} blocks of {tpb} tokens")
-    tables = decode_tables(block_tables)  # (n, W) int32
-    used = np.arange(tables.shape[1]) < needed[:, None]  # (n, W)
-    bad = used & ((tables < 0) | (tables >= num_blocks))
-    if bad.any():
-        r = int(np.flatnonzero(bad.any(axis=1))[0])
-        raise ValueError(f"block_tables[{r}] names a block outside [0, {num_blocks}): {list(block_tables[r])}")
-
-    starts = np.concatenate(([0], np.cumsum(new)))  # (n+1,) first row of each request
-    total = int(starts[-1])
-    # Slot of every new token: request r's position cached[r] + j lives in block table[r][pos // tpb].
-    owner = np.repeat(np.arange(n), new)  # (T,)
-    position = cached[owner] + (np.arange(total) - starts[owner])  # (T,)
-    new_slots = tables[owner, position // tpb].astype(np.int64) * tpb + position % tpb  # (T,)
-    if np.unique(new_slots).size != total:
-        raise ValueError("two new tokens of this forward map to the same KV slot (a block being written is shared)")
-
-    is_ctx = new >= 2
-    is_dec = new == 1
-    context = _context_batch(np.flatnonzero(is_ctx), new, cached, starts, tables, tpb, device, staging)
-    decode = None
-    if is_dec.any():
-        dec = np.flatnonzero(is_dec)
-        decode = DecodeBatch(
-            rows=host_to_device(starts[dec], device, staging),
-            block_tables=host_to_device(np.ascontiguousarray(tables[dec]), device, staging),
-            seq_lens=host_to_device((cached[dec] + 1).astype(np.int32), device, staging),
-            num_splits=decode_num_splits(len(dec), num_kv_heads, device),
-        )
-    return PagedAttentionPlan(tpb, total, host_to_device(new_slots, device, staging), context, decode)
+    """One plan, from a builder made for it (tests, kernels benchmarks); see :class:`PagedPlanBuilder`."""
+    builder = PagedPlanBuilder(device, tokens_per_block=tokens_per_block, num_blocks=num_blocks,
+                               num_kv_heads=num_kv_heads, staging=staging)
+    return builder.build(num_new_tokens, num_cached_tokens, block_tables)
 
 
 def _context_batch(
     ctx: np.ndarray, new: np.ndarray, cached: np.ndarray, starts: np.ndarray, tables: np.ndarray, tpb: int,
-    device: torch.device, staging: PinnedStaging | None,
+    to_device: ToDevice,
 ) -> ContextBatch | None:
     if ctx.size == 0:
         return None
@@ -270,14 +315,12 @@ def _context_batch(
         owner = np.repeat(np.arange(ctx.size), k_lens)  # (sum k_lens,)
         k_starts = np.concatenate(([0], np.cumsum(k_lens)))
         position = np.arange(int(k_starts[-1])) - k_starts[owner]
-        kv_slots = host_to_device(
-            tables[ctx[owner], position // tpb].astype(np.int64) * tpb + position % tpb, device, staging
-        )
+        kv_slots = to_device(tables[ctx[owner], position // tpb].astype(np.int64) * tpb + position % tpb)
     return ContextBatch(
-        rows=None if in_order else host_to_device(rows, device, staging),
+        rows=None if in_order else to_device(rows),
         num_tokens=num_tokens,
-        cu_seqlens_q=host_to_device(np.concatenate(([0], np.cumsum(q_lens))).astype(np.int32), device, staging),
-        cu_seqlens_k=host_to_device(np.concatenate(([0], np.cumsum(k_lens))).astype(np.int32), device, staging),
+        cu_seqlens_q=to_device(np.concatenate(([0], np.cumsum(q_lens))).astype(np.int32)),
+        cu_seqlens_k=to_device(np.concatenate(([0], np.cumsum(k_lens))).astype(np.int32)),
         q_lens=tuple(int(x) for x in q_lens),
         k_lens=tuple(int(x) for x in k_lens),
         kv_slots=kv_slots,

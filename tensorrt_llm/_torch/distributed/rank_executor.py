@@ -48,6 +48,7 @@ from tensorrt_llm._torch.distributed.communicator import Communicator, Contribut
 from tensorrt_llm._torch.distributed.digest import digest
 from tensorrt_llm._torch.distributed.errors import DistributedError, GroupAborted
 from tensorrt_llm._torch.distributed.request_spec import RequestSpec
+from tensorrt_llm._torch.pyexecutor.iteration import Iteration
 from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequest
 from tensorrt_llm._torch.pyexecutor.py_executor import PyExecutor, Response, ResponseCallback
 from tensorrt_llm._torch.pyexecutor.stats import IterationStats
@@ -76,7 +77,7 @@ class GroupStep:
     """One group iteration, as this rank saw it."""
 
     iteration: int
-    stats: IterationStats | None  # this rank's step (None: it had nothing to do)
+    stats: IterationStats | None  # this rank's step (None: it had nothing to do, or its forward is in flight)
     assigned: tuple[int, ...] = ()  # ids of the new requests this rank admitted
     group_idle: bool = False  # no rank had work and nothing came in: the step did nothing anywhere
     stopped: bool = False  # rank 0 stopped the group, or a rank overshot (``stop_on_overshoot``); no step ran
@@ -210,9 +211,8 @@ class RankExecutor:
         if self.agreement is not None:
             self.agreement.begin(iteration)
         step = self.executor.step()
-        stats = step.stats if step is not None else None
-        self._after_step(iteration, stats)
-        return GroupStep(iteration, stats, assigned, group_idle)
+        self._after_step(iteration, step)
+        return GroupStep(iteration, step.stats if step is not None else None, assigned, group_idle)
 
     def _begin(self, iteration: int) -> list[Contribution]:
         executor = self.executor
@@ -253,22 +253,22 @@ class RankExecutor:
             self.executor.cancel_request(request_id)
         return tuple(spec.request_id for spec in mine)
 
-    def _after_step(self, iteration: int, stats: IterationStats | None) -> None:
-        self._overshot = stats is not None and bool(stats.overshoot)
+    def _after_step(self, iteration: int, step: Iteration | None) -> None:
+        self._overshot = step is not None and bool(step.launch.overshoot)
         agreement = self.agreement
         if agreement is not None:
             if agreement.divergence is not None:
                 raise agreement.divergence
             if not self.attention_dp:
                 self._check_value, self._check_records = agreement.outcome
-        if self.attention_dp or stats is None or stats.error is None or stats.overshoot:
+        if self.attention_dp or step is None or step.error is None or step.launch.overshoot:
             return
         # A budget overshoot is decided before the forward, identically on every rank. Any
         # other failed batch may have left this rank's collectives out of step with its peers'.
         record = self.comm.abort_record()
         if record is not None and record.rank != self.rank:
             raise GroupAborted(record.rank, record.iteration, record.message)
-        message = self.comm.explain(stats.error)  # a model collective failed: which peer is gone, if known
+        message = self.comm.explain(step.error)  # a model collective failed: which peer is gone, if known
         self.comm.abort(message, iteration)
         raise DistributedError(f"rank {self.rank} failed at iteration {iteration}: {message}")
 

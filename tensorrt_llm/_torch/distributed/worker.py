@@ -64,6 +64,8 @@ def serve_rank(ctx: RankContext, config: ServeConfig) -> int:
         executor, ctx.comm, mapping, check_decisions=config.check_decisions, forward_responses=True
     )
     posts_stats = ctx.rank == 0 or config.enable_attention_dp  # under TP every rank's are rank 0's
+    if posts_stats:  # when they are made: under overlap an iteration completes in the next step
+        executor.add_iteration_listener(lambda stats: ctx.post(("stats", stats)))
     idle, load = True, None
     while True:
         if ctx.rank == 0:
@@ -71,8 +73,6 @@ def serve_rank(ctx: RankContext, config: ServeConfig) -> int:
         step = rank_executor.step()
         if step.stopped:
             break
-        if posts_stats and step.stats is not None:
-            ctx.post(("stats", step.stats))
         if posts_stats and (now := executor.load()) != load:
             load = now
             ctx.post(("load", load))

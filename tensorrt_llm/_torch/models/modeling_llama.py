@@ -50,14 +50,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from tensorrt_llm._torch.attention_backend.kernels import fused_rope_applies, rotate_qk_
-from tensorrt_llm._torch.attention_backend.cpu_paged import CpuLayerKV, build_cpu_plan
-from tensorrt_llm._torch.attention_backend.paged import PagedAttentionPlan, PagedLayerKV, build_plan
+from tensorrt_llm._torch.attention_backend.backend import AttentionPlan, LayerKV, plan_builder
 from tensorrt_llm._torch.modules.linear import Linear, TensorParallelMode
 from tensorrt_llm.mapping import Mapping
 
 WeightMap = WeightMapping[str, torch.Tensor]
 FLOAT16_WEIGHTS = "float16-weights"
-LayerKV = CpuLayerKV | PagedLayerKV  # one layer's paged KV on the CPU / an accelerator: ``attend(q, k, v, scale)``
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -296,22 +294,14 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
         self.dtype = config.torch_dtype
-        self.max_positions = config.max_position_embeddings
         exponents = torch.arange(0, config.head_dim, 2, dtype=torch.float64) / config.head_dim
         # Angles are computed in float64 and rounded once, so both paths and both dtypes agree.
         inv_freq = 1.0 / (config.rope_theta**exponents)  # (head_dim/2,)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def forward(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # Checked on the CPU only: on an accelerator the check would wait for the device (the
-        # engine validates positions on the host before they travel).
-        if position_ids.device.type == "cpu" and position_ids.numel() and (
-            int(position_ids.min()) < 0 or int(position_ids.max()) >= self.max_positions
-        ):
-            raise ValueError(
-                f"position_ids must lie in [0, {self.max_positions}), got "
-                f"[{int(position_ids.min())}, {int(position_ids.max())}]"
-            )
+        # Positions are not checked here, on every forward: a check would read them back from
+        # the device. The model's checked entry points and the engines check them first.
         angles = position_ids.to(torch.float64)[:, None] * self.inv_freq[None, :]  # (T, head_dim/2)
         return angles.cos().to(self.dtype), angles.sin().to(self.dtype)
 
@@ -608,45 +598,38 @@ class LlamaForCausalLM(nn.Module):
         (cached prefix + new tokens); request r's new tokens sit at positions num_cached_tokens[r],
         num_cached_tokens[r] + 1, ... (position_ids must say so: they drive RoPE, the masks follow
         the metadata). Returns hidden states (T, hidden) after the final norm. Never reads slots
-        beyond a request's own length. The attention is ``attention_backend.cpu_paged``'s batched
-        calls on the CPU, ``build_plan``'s kernels on an accelerator (``forward_with_plan``)."""
+        beyond a request's own length.
+
+        The checked entry point: it validates every input, token ids and positions by value too
+        (on an accelerator that reads them back, so it waits for the device), and picks the
+        attention backend of the pools' device (``attention_backend.plan_builder``). The engines
+        check their inputs on the host and call :meth:`forward_with_plan` with their own builder's plan."""
         T = attn_metadata.num_tokens
         self._check_ids(input_ids, "input_ids", T)
         self._check_ids(position_ids, "position_ids", T)
-        self._check_pools(k_cache, v_cache, attn_metadata.tokens_per_block)
-        num_blocks = k_cache[0].shape[0]
-        if k_cache[0].device.type != "cpu":
-            plan = build_plan(
-                attn_metadata.num_new_tokens,
-                attn_metadata.num_cached_tokens,
-                attn_metadata.block_tables,
-                tokens_per_block=attn_metadata.tokens_per_block,
-                num_blocks=num_blocks,
-                num_kv_heads=self.num_local_kv_heads,
-                device=k_cache[0].device,
-            )
-            return self.forward_with_plan(input_ids, position_ids, plan, k_cache, v_cache)
-        plan = build_cpu_plan(
-            attn_metadata.num_new_tokens,
-            attn_metadata.num_cached_tokens,
-            attn_metadata.block_tables,
+        self.check_kv_pools(k_cache, v_cache, attn_metadata.tokens_per_block)
+        builder = plan_builder(
+            k_cache[0].device,
             tokens_per_block=attn_metadata.tokens_per_block,
-            num_blocks=num_blocks,
+            num_blocks=k_cache[0].shape[0],
+            num_kv_heads=self.num_local_kv_heads,
             dtype=self.config.torch_dtype,
         )
-        return self.model(input_ids, position_ids, [plan.layer(k, v) for k, v in zip(k_cache, v_cache)])
+        plan = builder.build(attn_metadata.num_new_tokens, attn_metadata.num_cached_tokens, attn_metadata.block_tables)
+        return self.forward_with_plan(input_ids, position_ids, plan, k_cache, v_cache)
 
     def forward_with_plan(
         self,
         input_ids: torch.Tensor,
         position_ids: torch.Tensor,
-        plan: PagedAttentionPlan,
+        plan: AttentionPlan,
         k_cache: list[torch.Tensor],
         v_cache: list[torch.Tensor],
     ) -> torch.Tensor:
-        """The accelerator forward: as :meth:`forward`, with the attention plan built beforehand
-        (``attention_backend.build_plan``). Nothing in it waits for the device, so an engine can
-        enqueue it ahead of the GPU or capture it in a CUDA graph. Returns (T, hidden)."""
+        """What the engines run: as :meth:`forward`, with the attention plan built beforehand by
+        their device's builder (``attention_backend``), and nothing checked or read back. Nothing
+        in it waits for the device, so an engine can enqueue it ahead of the GPU or capture it in
+        a CUDA graph. Returns (T, hidden)."""
         paged = [plan.layer(k, v) for k, v in zip(k_cache, v_cache)]
         return self.model(input_ids, position_ids, paged)
 
@@ -659,6 +642,8 @@ class LlamaForCausalLM(nn.Module):
         plain causal attention."""
         L = input_ids.shape[0] if input_ids.dim() == 1 else -1
         self._check_ids(input_ids, "input_ids", L)
+        if L > self.config.max_position_embeddings:
+            raise ValueError(f"position_ids must lie in [0, {self.config.max_position_embeddings}), got [0, {L - 1}]")
         position_ids = torch.arange(L, dtype=torch.int64, device=input_ids.device)  # (L,)
         return self.compute_logits(self.model(input_ids, position_ids, None))  # (L, vocab)
 
@@ -671,14 +656,20 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(
                 f"{name} has {ids.shape[0]} tokens, attn_metadata.num_new_tokens sum to {length}"
             )
-        if name == "input_ids" and ids.device.type == "cpu" and ids.numel() and (
-            int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab_size
-        ):
+        if not ids.numel():
+            return
+        low, high = int(ids.min()), int(ids.max())  # reads them back: the checked entry points only
+        if name == "input_ids" and (low < 0 or high >= self.config.vocab_size):
             raise ValueError(f"input_ids must lie in [0, {self.config.vocab_size})")
+        if name == "position_ids" and (low < 0 or high >= self.config.max_position_embeddings):
+            raise ValueError(f"position_ids must lie in [0, {self.config.max_position_embeddings}), got [{low}, {high}]")
 
-    def _check_pools(
+    def check_kv_pools(
         self, k_cache: list[torch.Tensor], v_cache: list[torch.Tensor], tokens_per_block: int
     ) -> None:
+        """Raise ValueError unless ``k_cache`` and ``v_cache`` are one contiguous pool per layer of
+        :meth:`kv_cache_shape` (any number of blocks) and the model's dtype. :meth:`forward`
+        checks every call; an engine checks its pools once, at construction."""
         n = self.config.num_layers
         if len(k_cache) != n or len(v_cache) != n:
             raise ValueError(

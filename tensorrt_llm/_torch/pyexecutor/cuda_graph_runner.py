@@ -32,7 +32,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from tensorrt_llm._torch.attention_backend.paged import DecodeBatch, PagedAttentionPlan, decode_num_splits
+from tensorrt_llm._torch.attention_backend.paged import DecodeBatch, PagedAttentionPlan, decode_num_splits, num_sms
 from tensorrt_llm._torch.attention_backend.staging import PinnedStaging
 from tensorrt_llm._torch.models.modeling_llama import LlamaForCausalLM
 from tensorrt_llm._torch.pyexecutor.kv_storage import KVCacheStorage
@@ -167,7 +167,7 @@ class CudaGraphRunner:
         longs[2] = self.scratch_block * tpb  # every row padding until a step writes it
         seq_lens = torch.ones(size, dtype=torch.int32, device=device)
         tables = torch.full((size, self.max_blocks), self.scratch_block, dtype=torch.int32, device=device)
-        splits = decode_num_splits(size, self.model.config.num_kv_heads, device)
+        splits = decode_num_splits(size, self.model.config.num_kv_heads, num_sms(device))
         rows = torch.arange(size, dtype=torch.int64, device=device)
         plan = PagedAttentionPlan(tpb, size, longs[2], None, DecodeBatch(rows, tables, seq_lens, splits))
         g = _DecodeGraph(size, longs, seq_lens, tables, plan)

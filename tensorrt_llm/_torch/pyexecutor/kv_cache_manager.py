@@ -1,24 +1,33 @@
 """``KVCacheManager``: per-request block tables over a :class:`BlockPool`, with prefix reuse.
 
 The KV manager answers questions about memory and allocates; it knows nothing of token
-budgets. Lifecycle per iteration (upstream's resource-manager protocol):
+budgets. It has a few verbs, in vLLM's shape, and queries that change nothing::
 
-* ``prepare_resources(scheduled)``: allocation, one request after another in batch order.
-  A first chunk walks the prefix tree, claims what matches (at most ``prompt_len - 1``
-  tokens: the last prompt token is always computed, to get logits), copies a partly
-  matching block (partial reuse), onboards host blocks, and allocates fresh blocks for the
-  whole prompt; its chunk window moves onto the reused prefix. Allocation is all-or-nothing
-  per request: if its blocks cannot be had, the request is returned as deferred and
-  nothing stays claimed. It returns a :class:`KVAllocation`: the batch as allocated, the
-  deferred requests and what each first chunk claimed.
-* ``update_resources(scheduled)``: after a forward, full blocks that now hold computed KV
-  are committed to the prefix tree, so later requests can reuse them.
-* ``free_resources(request)``: blocks go back, leaves first, so that LRU eviction takes the
-  deepest blocks of a prefix before its root.
+    match(request) ─► PrefixMatch             what a waiting prompt matches now (nothing claimed)
+    allocate(chunk, claim) ─► Allocation | None   one request's blocks, all or nothing
+    commit(scheduled)                         after a forward: computed full blocks join the tree
+    free(request)                             every block back, leaves first
+    available_blocks                          what an allocation could obtain now
 
-``claim_prefix`` / ``release_claim`` pin a first chunk's matched prefix ahead of its
-allocation (claim-then-charge); the claim is a value the caller hands back to
-``prepare_resources``.
+* ``allocate(chunk, claim)``: a first chunk walks the prefix tree, claims what matches (at
+  most ``prompt_len - 1`` tokens: the last prompt token is always computed, to get logits),
+  copies a partly matching block (partial reuse), onboards host blocks, and allocates fresh
+  blocks for the whole prompt; its chunk window moves onto the reused prefix. A later chunk,
+  or a generation request's next step, grows its sequence. All or nothing: None when the
+  blocks cannot be had, and then nothing stays claimed. ``prepare_resources(scheduled)``,
+  upstream's name (DESIGN.md §4), allocates a batch this way, one request after another in
+  batch order, and returns a :class:`KVAllocation`: the batch as allocated, the deferred
+  requests and what each first chunk claimed.
+* ``commit(scheduled)``: after a forward, full blocks that now hold computed KV are committed
+  to the prefix tree, so later requests can reuse them.
+* ``free(request)``: blocks go back, leaves first, so that LRU eviction takes the deepest
+  blocks of a prefix before its root.
+
+``ResourceManager`` calls the last two from upstream's ``update_resources`` and
+``free_resources``. ``claim_prefix`` / ``release_claim`` pin a first chunk's matched prefix
+ahead of its allocation (claim-then-charge); the claim is a value the caller hands back to
+``allocate``. The capacity scheduler's block counts are queries too: ``blocks_needed`` (a
+waiting request), ``blocks_reserved_to_completion`` and ``step_needs`` (started ones).
 
 ``match(request)`` answers, before anything is claimed, what a waiting request's prompt
 matches now, as a :class:`PrefixMatch` value: upstream's pre-allocation estimate (full prompt
@@ -205,15 +214,40 @@ class PrefixClaim:
 
 @dataclass(frozen=True, slots=True)
 class ClaimRecord:
-    """What allocation found for a first chunk: the estimate it was admitted with and the claim."""
+    """What allocation found for a first chunk: the estimate it was admitted with and the claim.
+    ``prompt_len``: the prompt looked up, as it was at allocation (a restart makes it longer)."""
 
     request: LlmRequest
     estimated_reusable_tokens: int
     reused_tokens: int
+    prompt_len: int
 
     @property
     def request_id(self) -> int:
         return self.request.request_id
+
+
+@dataclass(frozen=True, slots=True)
+class Allocation:
+    """What :meth:`KVCacheManager.allocate` got for one request. ``chunk``: a context chunk as
+    allocated (a first chunk moved onto the prefix it reused, ``chunk.reused`` tokens), None for
+    a generation step; ``first``: the chunk started the sequence (it claimed its prefix)."""
+
+    chunk: ContextChunk | None = None
+    first: bool = False
+
+
+_STEP = Allocation()  # a generation step's: nothing to tell but that it got its blocks
+
+
+@dataclass(frozen=True, slots=True)
+class StepNeed:
+    """A started request's next forward, for the capacity scheduler: the blocks it still needs
+    and the blocks it holds (what pausing it gives back)."""
+
+    request: LlmRequest
+    blocks: int
+    held: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -323,47 +357,48 @@ class KVCacheManager:
         self.pool.release(dropped)
         self._reserved += max(0, seq.reserve - seq.num_held) - before
 
-    def num_computed_tokens(self, request: LlmRequest) -> int:
-        seq = self._sequences.get(request.request_id)
-        return 0 if seq is None else seq.num_computed
+    def blocks_needed(self, request: LlmRequest, match: PrefixMatch = NO_MATCH, *, to_completion: bool = True) -> int:
+        """Blocks a request that holds none needs: for its whole sequence to completion (draft
+        slots and beams included), or for its prompt only; less the blocks ``match`` says it
+        would share with started requests (those need no pool slot)."""
+        length = self._max_sequence_len(request) if to_completion else request.prompt_len
+        return max(0, self._blocks_for_tokens(request, length) - match.shared_blocks)
 
-    def blocks_for_tokens(self, request: LlmRequest, num_tokens: int) -> int:
+    def blocks_reserved_to_completion(self, started: Sequence[LlmRequest]) -> int:
+        """The blocks requests that hold blocks still need to completion, summed; O(1) when
+        ``started`` is every such request (kept as a running total)."""
+        if len(started) == len(self._sequences):  # distinct allocated requests: all of them
+            return self._reserved
+        sequences = self._sequences
+        return sum(max(0, seq.reserve - seq.num_held) for seq in (sequences[r.request_id] for r in started))
+
+    def step_needs(self, started: Sequence[LlmRequest]) -> list[StepNeed]:
+        """Each request that holds blocks, in the order they started (MAX_UTILIZATION pauses the
+        latest): the blocks its next forward still needs (a later chunk: its whole remaining
+        prompt, the most a chunk can be) and the blocks it holds."""
+        sequences = self._sequences
+        needs = []
+        for request in sorted(started, key=lambda r: sequences[r.request_id].stamp):
+            seq = sequences[request.request_id]
+            if request.state is _CONTEXT_INIT:
+                needed_len = request.prompt_len + request.num_draft_tokens
+            else:
+                needed_len = self._generation_len(request)
+            blocks = max(0, self._blocks_for_tokens(request, needed_len) - seq.num_held)
+            needs.append(StepNeed(request, blocks, seq.num_held))
+        return needs
+
+    def _blocks_for_tokens(self, request: LlmRequest, num_tokens: int) -> int:
         """Blocks a sequence of ``num_tokens`` positions holds, beams included."""
         blocks = _ceil_div(num_tokens, self.tokens_per_block)
         if request.beam_width > 1:  # beams share full prompt blocks and own everything after
             blocks += (request.beam_width - 1) * max(0, blocks - request.prompt_len // self.tokens_per_block)
         return blocks
 
-    def max_sequence_len(self, request: LlmRequest) -> int:
+    @staticmethod
+    def _max_sequence_len(request: LlmRequest) -> int:
         """Positions a request may hold before it finishes, draft slots included."""
         return request.max_total_len + max(request.max_draft_len, request.num_draft_tokens)
-
-    def blocks_to_completion(self, request: LlmRequest) -> int:
-        seq = self._sequences.get(request.request_id)
-        if seq is None:
-            return self.blocks_for_tokens(request, self.max_sequence_len(request))
-        return max(0, seq.reserve - seq.num_held)
-
-    def blocks_reserved_to_completion(self, started: Sequence[LlmRequest]) -> int:
-        """``sum(blocks_to_completion(r) for r in started)`` for requests that hold blocks; O(1)
-        when ``started`` is every such request (kept as a running total)."""
-        if len(started) == len(self._sequences):  # distinct allocated requests: all of them
-            return self._reserved
-        return sum(map(self.blocks_to_completion, started))
-
-    def blocks_for_next_step(self, request: LlmRequest) -> int:
-        """Blocks an allocated request still needs for its next forward (a later chunk: its
-        whole remaining prompt, the most a chunk can be)."""
-        seq = self._sequences[request.request_id]
-        if request.state is _CONTEXT_INIT:
-            needed_len = request.prompt_len + request.num_draft_tokens
-        else:
-            needed_len = self._generation_len(request)
-        return max(0, self.blocks_for_tokens(request, needed_len) - seq.num_held)
-
-    def allocation_stamp(self, request: LlmRequest) -> int:
-        """Order in which allocated requests started (MAX_UTILIZATION pauses the latest)."""
-        return self._sequences[request.request_id].stamp
 
     def match(self, request: LlmRequest) -> PrefixMatch:
         """What ``request``'s prompt matches now (:class:`PrefixMatch`); no match once it holds blocks.
@@ -384,11 +419,32 @@ class KVCacheManager:
             shared = bisect.bisect_left(chain, True, 1, claimable - 1, key=_unreferenced)
         return PrefixMatch(len(chain) * self.tokens_per_block, shared)
 
-    # ---- lifecycle ------------------------------------------------------------------
+    # ---- verbs ----------------------------------------------------------------------
+    def allocate(self, work: ContextChunk | LlmRequest, claim: PrefixClaim | None = None) -> Allocation | None:
+        """Blocks for one request's next forward, all or nothing; None when they cannot be had
+        (what it held is unchanged, and nothing stays claimed for it).
+
+        ``work`` is a context chunk, or a generation request (its next step, drafts included).
+        A first chunk claims its reusable prefix, or takes ``claim`` (pinned by
+        :meth:`claim_prefix`; the chunk must already start at it, and the claim is consumed
+        either way), onboards it and allocates the rest of the prompt; the :class:`Allocation`
+        carries the chunk moved onto the reused prefix. A later chunk grows to its end.
+        """
+        if not isinstance(work, ContextChunk):
+            seq = self._sequences[work.request_id]
+            if work.beam_width > 1:  # every beam writes its next position in a block of its own
+                return _STEP if self._grow_beams(work, seq) else None
+            return _STEP if self._grow(work, seq, self._generation_len(work)) else None
+        seq = self._sequences.get(work.request.request_id)
+        if seq is None:
+            chunk = self._allocate_first_chunk(work, claim)
+            return Allocation(chunk, first=True) if chunk is not None else None
+        return Allocation(work) if self._grow(work.request, seq, work.start + work.cost()) else None
+
     def prepare_resources(
         self, scheduled: ScheduledRequests, claims: Mapping[int, PrefixClaim] | None = None
     ) -> KVAllocation:
-        """Allocate the batch's next positions, one request after another, all-or-nothing each.
+        """Allocate the batch, one request after another in batch order (:meth:`allocate` each).
 
         ``claims`` are prefixes already pinned by :meth:`claim_prefix`, by request id; such
         a first chunk's window must already start at its claim. Every claim handed in is
@@ -401,19 +457,15 @@ class KVCacheManager:
         records: list[ClaimRecord] = []
         for chunk in scheduled.context_chunks:
             request = chunk.request
-            seq = sequences.get(request.request_id)
-            if seq is None:
-                allocated = self._allocate_first_chunk(chunk, claims.get(request.request_id))
-                if allocated is not None:
-                    estimate = scheduled.estimated_reusable.get(request.request_id, 0)
-                    records.append(ClaimRecord(request, estimate, allocated.reused))
-            else:
-                allocated = chunk if self._grow(request, seq, chunk.start + chunk.cost()) else None
-            if allocated is None:
+            allocation = self.allocate(chunk, claims.get(request.request_id))
+            if allocation is None:
                 logger.debug("request %d deferred: KV blocks unavailable", request.request_id)
                 deferred.append(request)
                 continue
-            chunks.append(allocated)
+            chunks.append(allocation.chunk)
+            if allocation.first:
+                estimate = scheduled.estimated_reusable.get(request.request_id, 0)
+                records.append(ClaimRecord(request, estimate, allocation.chunk.reused, request.prompt_len))
         generation = scheduled.generation_requests
         # Most steps need no block: a plain sequence whose blocks already cover its next
         # position. Only the others allocate, in batch order.
@@ -424,12 +476,7 @@ class KVCacheManager:
         if growing:
             short = set()
             for request in growing:
-                seq = sequences[request.request_id]
-                if request.beam_width > 1:
-                    grown = self._grow_beams(request, seq)
-                else:
-                    grown = self._grow(request, seq, self._generation_len(request))
-                if not grown:
+                if self.allocate(request) is None:
                     logger.debug("request %d deferred: KV blocks unavailable", request.request_id)
                     deferred.append(request)
                     short.add(request.request_id)
@@ -437,7 +484,7 @@ class KVCacheManager:
                 generation = [r for r in generation if r.request_id not in short]
         return KVAllocation(scheduled.with_batch(chunks, list(generation)), deferred, records)
 
-    def update_resources(self, scheduled: ScheduledRequests) -> None:
+    def commit(self, scheduled: ScheduledRequests) -> None:
         """Record the KV the forward computed and commit newly full blocks to the prefix tree."""
         sequences, reuse, tpb = self._sequences, self.enable_block_reuse, self.tokens_per_block
         error = LlmRequestState.ERROR
@@ -465,7 +512,7 @@ class KVCacheManager:
             if not seq.plain and request.beam_width == 1 and seq.capacity >= len(tokens) + tpb:
                 self._trim(seq, len(tokens))  # blocks that held only rejected drafts
 
-    def free_resources(self, request: LlmRequest, *, store_for_reuse: bool = True) -> None:
+    def free(self, request: LlmRequest, *, store_for_reuse: bool = True) -> None:
         """Release every block ``request`` holds; computed full blocks stay cached for reuse."""
         claim = self._claims.get(request.request_id)
         if claim is not None:
@@ -527,7 +574,7 @@ class KVCacheManager:
         """A beam-search generation step: every beam writes the position of its newest token, in
         a block of its own (see ``beam_tables``). The first step starts the beams on the prompt's
         blocks; the blocks set aside for the prompt's last partial block at allocation
-        (``blocks_for_tokens`` counts one per extra beam) become the beams' copies of it. All or
+        (``_blocks_for_tokens`` counts one per extra beam) become the beams' copies of it. All or
         nothing: False, changing nothing, when the blocks cannot be had."""
         tpb = self.tokens_per_block
         position = len(request.tokens) - 1
@@ -560,7 +607,7 @@ class KVCacheManager:
     def _grow(self, request: LlmRequest, seq: _Sequence, needed_len: int) -> bool:
         tpb = self.tokens_per_block
         shared = _ceil_div(needed_len, tpb) - len(seq.blocks)
-        beam = self.blocks_for_tokens(request, needed_len) - _ceil_div(needed_len, tpb) - len(seq.beam_blocks)
+        beam = self._blocks_for_tokens(request, needed_len) - _ceil_div(needed_len, tpb) - len(seq.beam_blocks)
         missing = max(shared, 0) + max(beam, 0)
         if missing == 0:
             return True
@@ -616,7 +663,7 @@ class KVCacheManager:
         """Unpin a claim: the pool is left exactly as before it."""
         if self._claims.pop(claim.request_id, None) is None:
             return
-        # Leaves first, as free_resources does: a root released after its leaves stays
+        # Leaves first, as free does: a root released after its leaves stays
         # younger in LRU, so one eviction cannot drop the whole cached prefix.
         for block in reversed(claim.pinned):
             self.pool.decref(block)
@@ -635,7 +682,7 @@ class KVCacheManager:
             raise ValueError(f"{chunk!r} does not start at its claim of {claim.reused} tokens")
         chain, tpb = claim.chain, self.tokens_per_block
         needed_len = max(request.prompt_len, chunk.start + chunk.cost())
-        total = self.blocks_for_tokens(request, needed_len)
+        total = self._blocks_for_tokens(request, needed_len)
         to_onboard = sum(1 for block in chain if block.block_id is None)
         # A partial-match source pinned by this claim alone goes back to the cache once it is
         # copied into the first fresh block, so the rest of the allocation may take its slot.
@@ -661,7 +708,7 @@ class KVCacheManager:
             num_computed=claim.reused,
             beam_blocks=beam_blocks,
             stamp=next(self._stamps),
-            reserve=self.blocks_for_tokens(request, self.max_sequence_len(request)),
+            reserve=self._blocks_for_tokens(request, self._max_sequence_len(request)),
             plain=request.beam_width == 1 and request.max_draft_len == 0,
             capacity=len(chain + fresh) * tpb,
         )

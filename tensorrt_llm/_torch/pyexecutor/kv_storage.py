@@ -46,8 +46,9 @@ copies issued before the work that follows. Work on the compute stream that touc
 through a forward (:meth:`before_compute` with its tables) or ``copy_block`` — a test writing a
 block — calls :meth:`before_compute` with no tables first; then the next copy waits for all of it.
 On CUDA, offloads and onboards are not issued one by one: they join a :class:`CopyBatch`
-(``kv_copy_batch``; an onboard's transfer into a staging buffer is enqueued at once), issued as
-one gather, one transfer per run of consecutive host slots and one scatter once it holds
+(``kv_copy_batch``; an onboard's transfer into a staging buffer is enqueued at once, on an upload
+stream of its own so that it overlaps the copy stream's offloads), issued as one gather, one
+transfer per run of consecutive host slots and one scatter once it holds
 ``max_batch_blocks`` copies, before a copy that would conflict with it, and
 before anything on the compute stream touches the pools (:meth:`before_compute`, ``copy_block``)
 or the host reads the tier (:meth:`synchronize`). The ordering above applies to a batch as to a
@@ -58,8 +59,9 @@ On the CPU every copy is a plain synchronous one.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import torch
 
@@ -94,7 +96,12 @@ class KVCacheStorage:
         self.v_host = list(self.host[:, 1].transpose(0, 1))
         # The copy stream and its ordering state (module docstring); None on the CPU or without a tier.
         self._copy_stream = torch.cuda.Stream(self.device) if pin else None
+        # Onboards' transfers into the staging buffer run on a stream of their own, so that they
+        # overlap the previous batch's offloads (the two directions use separate copy engines).
+        self._upload_stream = torch.cuda.Stream(self.device) if pin else None
         if pin:
+            self._uploaded = torch.cuda.Event()  # upload stream, after the staged transfers so far
+            self._issued = torch.cuda.Event()  # copy stream, after the newest batch's transfers
             self._mark = torch.cuda.Event()  # M: compute stream, before the newest forward
             self._tail = torch.cuda.Event()  # the compute stream's tail, when a copy must wait for all of it
             self._copied = torch.cuda.Event()  # C: copy stream, after the copies so far
@@ -108,6 +115,8 @@ class KVCacheStorage:
         self._max_batch_blocks = max_batch_blocks
         self._landed: torch.Tensor | None = None  # the batch's onboards, staged on the device (row per onboard)
         self.num_batches = 0  # batches issued, for the benchmarks' counts
+        self._slot_written = {}  # host slot -> the number of the issued batch whose offload last wrote it
+        self._upload_waited = 0  # the upload stream waits for the copy stream's batches up to this number
 
     @property
     def scratch_block_ids(self) -> range:
@@ -146,15 +155,16 @@ class KVCacheStorage:
             return
         if self._batch.conflicts(onboard=(host_id, block_id)):
             self._issue_batch()
-        if self._landed is None:
-            # The copy stream's own memory: reused by its next batch, in stream order.
-            with torch.cuda.stream(self._copy_stream):
+        upload = self._upload_stream
+        if self._slot_written.get(host_id, 0) > self._upload_waited:
+            upload.wait_event(self._issued)  # the slot's offload, issued in a recent batch, lands first
+            self._upload_waited = self.num_batches
+        with torch.cuda.stream(upload):  # reads the tier only: no wait on the compute stream
+            if self._landed is None:
                 shape = (self._max_batch_blocks, *self.host.shape[1:])
                 self._landed = torch.empty(shape, dtype=self.host.dtype, device=self.device)
-        row = self._batch.add_onboard(host_id, block_id)
-        with torch.cuda.stream(self._copy_stream):  # reads the tier only: no wait on the compute stream
+            row = self._batch.add_onboard(host_id, block_id)
             self._landed[row].copy_(self.host[host_id], non_blocking=True)
-        self._copies_unjoined = True
         self._maybe_issue()
 
     def _maybe_issue(self) -> None:
@@ -170,15 +180,24 @@ class KVCacheStorage:
         self._batch, self._landed = CopyBatch(), None
         self.num_batches += 1
         by_block = self.pools.movedim(2, 0)  # (rows, 2, num_layers, ...): a block's pieces at one index
-        with self._on_copy_stream(batch.blocks()):
+        with self._on_copy_stream(batch.blocks()) as copy:
+            if batch.onboards:
+                # The staged transfers come first: the scatter reads them, and an offload below
+                # may write a slot one of them reads.
+                self._uploaded.record(self._upload_stream)
+                copy.wait_event(self._uploaded)
+                landed.record_stream(copy)  # the upload stream's memory, read here
             if batch.offloads:
                 blocks, host_ids = zip(*batch.offloads)
                 gathered = by_block[self._index(blocks)]  # one gather kernel: (n, 2, num_layers, ...)
                 for i, first, n in runs(list(host_ids)):
                     self.host[first:first + n].copy_(gathered[i:i + n], non_blocking=True)
+                for host_id in host_ids:
+                    self._slot_written[host_id] = self.num_batches
             if batch.onboards:
                 blocks = [block_id for _, block_id in batch.onboards]
                 by_block[self._index(blocks)] = landed[:len(blocks)]  # one scatter kernel
+            self._issued.record(copy)
 
     def _index(self, block_ids) -> torch.Tensor:
         """Block ids on the device, through pinned memory (a pageable copy would wait for the device)."""
@@ -223,7 +242,7 @@ class KVCacheStorage:
             self._busy_tables = ()
         return self._busy
 
-    def _on_copy_stream(self, block_ids: set[int]) -> torch.cuda.StreamContext:
+    def _on_copy_stream(self, block_ids: set[int]) -> contextlib.AbstractContextManager[torch.cuda.Stream]:
         """Order the copy stream after the compute work that may touch ``block_ids``; enter it."""
         copy = self._copy_stream
         if self._any_busy or not block_ids.isdisjoint(self._busy_blocks()):
@@ -236,4 +255,11 @@ class KVCacheStorage:
             copy.wait_event(self._mark)
             self._mark_waited = True
         self._copies_unjoined = True
-        return torch.cuda.stream(copy)
+        return _entered(copy)
+
+
+@contextlib.contextmanager
+def _entered(stream: torch.cuda.Stream) -> Iterator[torch.cuda.Stream]:
+    """``torch.cuda.stream(stream)``, yielding the stream."""
+    with torch.cuda.stream(stream):
+        yield stream

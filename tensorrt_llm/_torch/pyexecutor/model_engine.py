@@ -5,10 +5,14 @@ The engine interface (``ModelEngine``, ``PendingForward``, ``ForwardOutput``) is
 :mod:`.engine_inputs`; both import no torch. Here, the device is chosen once, at
 construction: ``TorchModelEngine(model, ...)`` makes a :class:`CpuTorchModelEngine` or a
 :class:`CudaTorchModelEngine` after the model's device (as ``pathlib.Path`` makes a
-``PosixPath``), so no step runs an ``if device.type`` branch::
+``PosixPath``), so no step runs an ``if device.type`` branch. Each makes the attention plan
+builder of its device at construction (``attention_backend``) and checks its inputs on the host;
+the model's forward then runs unchecked (``LlamaForCausalLM.forward_with_plan``)::
 
-    CpuTorchModelEngine    a forward runs to completion at launch (ReadyForward)
+    CpuTorchModelEngine    a forward runs to completion at launch (ReadyForward);
+                           plans from a CpuPlanBuilder
     CudaTorchModelEngine   a forward is enqueued on the GPU and returns (CudaForward);
+                           plans from a PagedPlanBuilder through the pinned staging buffers;
                            decode batches replay CUDA graphs; overlap on by default
 """
 
@@ -19,9 +23,10 @@ import abc
 import numpy as np
 import torch
 
-from tensorrt_llm._torch.attention_backend.paged import PagedAttentionPlan, build_plan, host_to_device
+from tensorrt_llm._torch.attention_backend.cpu_paged import CpuPlanBuilder
+from tensorrt_llm._torch.attention_backend.paged import PagedAttentionPlan, PagedPlanBuilder
 from tensorrt_llm._torch.attention_backend.staging import PinnedStaging
-from tensorrt_llm._torch.models.modeling_llama import AttentionMetadata, LlamaForCausalLM
+from tensorrt_llm._torch.models.modeling_llama import LlamaForCausalLM
 from tensorrt_llm._torch.pyexecutor.config import CudaGraphConfig
 from tensorrt_llm._torch.pyexecutor.cuda_graph_runner import CudaGraphRunner
 from tensorrt_llm._torch.pyexecutor.engine import ForwardOutput, ModelEngine, PendingForward, ReadyForward
@@ -84,15 +89,27 @@ class TorchModelEngine(ModelEngine):
         self.device = model.device
         if storage.device != self.device:
             raise ValueError(f"the KV pools are on {storage.device}, the model on {self.device}")
+        model.check_kv_pools(storage.k_cache, storage.v_cache, kv_cache_manager.tokens_per_block)  # once: forwards do not
         self.graph_runner: CudaGraphRunner | None = None
         self._prepare_device(cuda_graph_config, max_batch_size, max_seq_len)
 
+    @abc.abstractmethod
     def _prepare_device(self, cuda_graph_config: CudaGraphConfig | None, max_batch_size: int, max_seq_len: int | None) -> None:
-        """What the device needs before the first forward: nothing on the CPU."""
+        """What the device needs before the first forward (its attention plan builder first)."""
 
     @property
     def vocab_size(self) -> int:
         return self.model.config.vocab_size
+
+    def _check(self, ids: np.ndarray, positions: np.ndarray) -> None:
+        """Check a forward's int64 ids and positions on the host: the model's forward does not
+        (on a device it would have to read them back). Raises ValueError, before anything runs,
+        for ids outside the vocabulary or positions past the model's."""
+        config = self.model.config
+        if ids.size and (ids.min() < 0 or ids.max() >= config.vocab_size):
+            raise ValueError(f"input_ids must lie in [0, {config.vocab_size})")
+        if positions.size and (positions.min() < 0 or positions.max() >= config.max_position_embeddings):
+            raise ValueError(f"position_ids must lie in [0, {config.max_position_embeddings})")
 
     def warmup(self) -> None:
         """Capture the decode graphs of every batch size now rather than at first use (also
@@ -109,25 +126,24 @@ class CpuTorchModelEngine(TorchModelEngine):
     """On the CPU: each forward runs to completion at launch, in order with the KV manager's
     block copies, and still delivers its tokens one iteration later under overlap."""
 
+    def _prepare_device(self, cuda_graph_config: CudaGraphConfig | None, max_batch_size: int, max_seq_len: int | None) -> None:
+        """The CPU's attention plan builder; nothing else."""
+        kv = self.kv_cache_manager
+        self._plans = CpuPlanBuilder(tokens_per_block=kv.tokens_per_block, num_blocks=kv.num_blocks,
+                                     dtype=self.model.config.torch_dtype)
+
     def launch(self, inputs: TpInputs) -> PendingForward:
         return ReadyForward(self._run(inputs))
 
     @torch.inference_mode()
     def _run(self, inputs: TpInputs) -> ForwardOutput:
         storage = self.kv_cache_manager.storage
-        num_new, num_cached, tables = inputs.attention_batch()  # a beam-search request: one sequence per beam
-        metadata = AttentionMetadata(
-            num_new_tokens=num_new,
-            num_cached_tokens=num_cached,
-            block_tables=tables,
-            tokens_per_block=self.kv_cache_manager.tokens_per_block,
-        )
-        hidden = self.model(
-            torch.tensor(inputs.input_ids, dtype=torch.long),
-            torch.tensor(inputs.position_ids, dtype=torch.long),
-            metadata,
-            storage.k_cache,
-            storage.v_cache,
+        ids = np.asarray(inputs.input_ids, dtype=np.int64)  # in-flight inputs resolved already (ModelEngine._launch)
+        positions = np.asarray(inputs.position_ids, dtype=np.int64)
+        self._check(ids, positions)
+        plan = self._plans.build(*inputs.attention_batch())  # a beam-search request: one sequence per beam
+        hidden = self.model.forward_with_plan(
+            torch.from_numpy(ids), torch.from_numpy(positions), plan, storage.k_cache, storage.v_cache
         )  # (T, hidden)
         rows, sampling, spans, drafts, beams = inputs.logit_layout()  # sampling, prompt, draft, then beam rows
         logits = self.model.compute_logits(hidden[rows]) if rows else hidden.new_empty((0, self.vocab_size))
@@ -156,8 +172,10 @@ class CudaTorchModelEngine(TorchModelEngine):
         self._device_picks: tuple[dict[int, int], torch.Tensor] | None = None
         # Every host array a launch ships goes through these pinned buffers (one per launch, in turn).
         self._staging = PinnedStaging(self.device)
+        kv = self.kv_cache_manager
+        self._plans = PagedPlanBuilder(self.device, tokens_per_block=kv.tokens_per_block, num_blocks=kv.num_blocks,
+                                       num_kv_heads=self.model.num_local_kv_heads, staging=self._staging)
         if cuda_graph_config is not None:
-            kv = self.kv_cache_manager
             self.graph_runner = CudaGraphRunner(
                 self.model,
                 kv.storage,
@@ -195,11 +213,7 @@ class CudaTorchModelEngine(TorchModelEngine):
         if slots:
             ids[slots] = 0  # the previous launch's picks are written over them on the device
         positions = np.asarray(inputs.position_ids, dtype=np.int64)
-        config = self.model.config
-        if ids.size and (ids.min() < 0 or ids.max() >= config.vocab_size):
-            raise ValueError(f"input_ids must lie in [0, {config.vocab_size})")
-        if positions.size and (positions.min() < 0 or positions.max() >= config.max_position_embeddings):
-            raise ValueError(f"position_ids must lie in [0, {config.max_position_embeddings})")
+        self._check(ids, positions)
         rows, sampling, spans, drafts, beams = inputs.logit_layout()  # prompt, draft, beam rows after the sampling rows
 
         size = None
@@ -237,20 +251,12 @@ class CudaTorchModelEngine(TorchModelEngine):
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         """A host array on the device, through the launch's pinned buffer (inside ``_staging.step()``)."""
-        return host_to_device(array, self.device, self._staging)
+        return self._staging.to_device(array)
 
     def _plan(self, inputs: TpInputs) -> PagedAttentionPlan:
-        num_new, num_cached, tables = inputs.attention_batch()  # a beam-search request: one sequence per beam
-        return build_plan(
-            num_new,
-            num_cached,
-            tables,
-            tokens_per_block=self.kv_cache_manager.tokens_per_block,
-            num_blocks=self.kv_cache_manager.num_blocks,
-            num_kv_heads=self.model.num_local_kv_heads,
-            device=self.device,
-            staging=self._staging,
-        )
+        """The forward's attention plan, its index arrays through the launch's pinned buffer; a
+        beam-search request is one sequence per beam."""
+        return self._plans.build(*inputs.attention_batch())
 
     def _forward_eager(self, plan: PagedAttentionPlan, ids: np.ndarray, positions: np.ndarray, rows: list[int], fill=None):
         storage = self.kv_cache_manager.storage

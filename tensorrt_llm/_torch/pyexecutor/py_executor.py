@@ -15,9 +15,10 @@ upstream's, as a chain of values::
         ─► record deferrals and reuse on the requests
         ─► model_engine.forward_async(batch) ─► PendingForward; requests move past it ─► _InFlight
         ─► complete the previous forward: sample / fill in its tokens, respond,
-               resource_manager.update_resources, IterationStats
+               resource_manager.update_resources
+           ─► make_stats(Launch, Completion) ─► IterationStats, published (see ``iteration``)
         ─► free finished requests
-    ─► Iteration(stats, scheduled, prepared)
+    ─► Iteration(launch, stats)
 
 **Overlap** (upstream's overlap scheduler; ``disable_overlap_scheduler`` False, the default
 when the engine completes asynchronously, i.e. on CUDA): the forward launched by step n+1 is
@@ -56,6 +57,7 @@ The loop's thread calls the same ``step`` that a replay with a virtual clock cal
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections import deque
@@ -79,6 +81,15 @@ from tensorrt_llm._torch.pyexecutor.executor_client import (
     ResponseCallback,
 )
 from tensorrt_llm._torch.pyexecutor.executor_loop import Arrival, ExecutorLoop, StepCounts
+from tensorrt_llm._torch.pyexecutor.iteration import (
+    NO_DRAFTS,
+    BatchFailure,
+    Completion,
+    Drafts,
+    Iteration,
+    Launch,
+    make_stats,
+)
 from tensorrt_llm._torch.pyexecutor.kv_cache_manager import KVCacheManager
 from tensorrt_llm._torch.pyexecutor.llm_request import (
     IN_FLIGHT_TOKEN_ID,
@@ -113,25 +124,6 @@ _RESPONSE_DEFAULTS = tuple(Response._field_defaults.values())
 assert Response._fields[2:] == tuple(Response._field_defaults), "every Response field after the tokens has a default"
 
 
-@dataclass(frozen=True, slots=True)
-class Iteration:
-    """What one :meth:`PyExecutor.step` did, as values.
-
-    ``scheduled`` is the batch as the scheduler built it (admission charges, reuse
-    estimates); ``prepared`` what ``prepare_resources`` made of it — the batch that ran,
-    the deferrals, the claims — or None when ``prepare_resources`` itself failed.
-    """
-
-    stats: IterationStats
-    scheduled: ScheduledRequests
-    prepared: PreparedBatch | None
-
-    @property
-    def batch(self) -> ScheduledRequests:
-        """The batch that ran (or would have run, for a batch that failed)."""
-        return self.prepared.scheduled if self.prepared is not None else self.scheduled
-
-
 @dataclass(slots=True)
 class _InFlight:
     """A launched forward whose tokens have not reached its requests yet."""
@@ -141,9 +133,7 @@ class _InFlight:
     sampling: list[LlmRequest]  # the requests that sample in it, in batch order
     slots: list[int | None]  # each one's placeholder index in its tokens, or None: appended at completion
     request_ids: frozenset[int]  # every request in the forward: their blocks stay held until it completes
-    stats: IterationStats
-    scheduled: ScheduledRequests
-    prepared: PreparedBatch
+    launch: Launch  # what the iteration decided and measured up to its launch
 
     @property
     def overlappable(self) -> bool:
@@ -269,18 +259,17 @@ class PyExecutor:
         if self.drafter is not None:  # the tokens of every forward it drafts from have arrived (can_pick)
             self.drafter.prepare_draft_tokens(self.active_requests)
         scheduled = self._schedule()
-        stats = IterationStats(self._iteration, self.clock(), max_num_tokens=self.config.max_num_tokens)
-        self._iteration += 1
-        prepared, launched = self._launch(scheduled, stats)
+        launch, launched = self._launch(scheduled)
         previous, self._in_flight = self._in_flight, launched
         if previous is not None:
             self._complete(previous)
+        stats = None
         if launched is None:
-            self._record(stats, scheduled, prepared)
+            stats = self._record(launch)
         elif not self.overlap:
-            self._complete_in_flight()
+            stats = self._complete_in_flight()
         self._free_finished()
-        return Iteration(stats, scheduled, prepared)
+        return Iteration(launch, stats)
 
     def run_until_idle(self, max_iterations: int = 1_000_000) -> None:
         """Step until every submitted request has finished (tests and replays)."""
@@ -291,8 +280,9 @@ class PyExecutor:
         raise RuntimeError(f"still busy after {max_iterations} iterations: {self.active_requests[:5]}")
 
     def add_iteration_listener(self, listener: IterationListener) -> None:
-        """Call ``listener(stats)`` on the executor thread after every iteration; it must be quick.
-        An exception it raises is logged and ignored."""
+        """Call ``listener(stats)`` on the executor thread when an iteration's statistics are
+        made (its forward completed, or nothing ran); it must be quick. An exception it raises
+        is logged and ignored."""
         self._iteration_listeners.append(listener)
 
     @property
@@ -411,33 +401,40 @@ class PyExecutor:
             if r.tokens[-1] != IN_FLIGHT_TOKEN_ID or len(r.tokens) < r.max_total_len
         ]
 
-    def _launch(
-        self, scheduled: ScheduledRequests, stats: IterationStats
-    ) -> tuple[PreparedBatch | None, _InFlight | None]:
-        """prepare_resources, then launch the forward; None for the launch when nothing runs
-        (an empty batch, or a batch that failed: its requests have their error)."""
+    def _launch(self, scheduled: ScheduledRequests) -> tuple[Launch, _InFlight | None]:
+        """prepare_resources, then launch the forward: what that decided and measured, and the
+        forward in flight, None when nothing runs (an empty batch, or a batch that failed: its
+        requests have their error)."""
+        iteration = self._iteration
+        self._iteration += 1
+        # What is known before prepare_resources; each way out adds what it learnt.
+        launch = functools.partial(Launch, iteration, self.clock(), self.config.max_num_tokens, scheduled)
         prepared = None
+        budget_bound = False
+        forward_tokens = 0
         try:
-            prepared = self._prepare_resources(scheduled, stats)
+            prepared = self._prepare_resources(scheduled)
+            budget_bound = self._budget_bound(prepared.scheduled)
             batch = prepared.scheduled
             if batch.is_empty:
-                return prepared, None
+                return launch(prepared, budget_bound), None
             pending = self.model_engine.forward_async(batch)
-            stats.forward_tokens = pending.num_tokens
-            return prepared, self._advance(batch, pending, stats, scheduled, prepared)
+            forward_tokens = pending.num_tokens
+            launched = launch(prepared, budget_bound, forward_tokens)
+            return launched, self._advance(batch, pending, launched)
         except TokenBudgetExceeded as error:
             self.num_budget_violations += 1
-            stats.forward_tokens, stats.overshoot = error.total_num_tokens, error.overshoot
-            self._fail_batch(prepared.scheduled.all_requests, error, stats)
+            failure = self._fail_batch(prepared.scheduled.all_requests, error)
+            return launch(prepared, budget_bound, error.total_num_tokens, error.overshoot, failure), None
         except Exception as error:  # one bad batch must not take the server down
             if prepared is None:  # the KV manager or the budget policy raised: a bug, not the device
-                self._fail_iteration(scheduled.all_requests, error, stats)
+                failure = self._fail_iteration(scheduled.all_requests, error, iteration)
             else:  # the launch failed; a forward in flight before it is still good
-                retry = self._forward_failed(prepared.scheduled.all_requests, error, stats)
+                retry, failure = self._forward_failed(prepared.scheduled.all_requests, error, iteration)
                 self._start_over(retry, in_flight_output_valid=True)
-        return prepared, None
+            return launch(prepared, budget_bound, forward_tokens, failure=failure), None
 
-    def _prepare_resources(self, scheduled: ScheduledRequests, stats: IterationStats) -> PreparedBatch:
+    def _prepare_resources(self, scheduled: ScheduledRequests) -> PreparedBatch:
         """Re-check, allocate, fix up (``ResourceManager``); then record on the requests what
         that decided: who was deferred, and the prefix each new allocation reused."""
         prepared = self.resource_manager.prepare_resources(scheduled)
@@ -449,20 +446,19 @@ class PyExecutor:
         for claim in prepared.claims:
             if claim.reused_tokens:
                 claim.request.reuse_prefix(claim.reused_tokens)
-        # DESIGN.md §5: the budget, not the traffic, limited this iteration when some active
-        # request still has prompt tokens to compute after this batch.
-        finishing = {c.request.request_id for c in prepared.scheduled.context_chunks if c.is_last}
-        # Newest first: requests still in their prompt are the latest to arrive, so the scan
-        # usually stops at once instead of passing every generation request first.
-        stats.budget_bound = any(
-            r.state is _CONTEXT_INIT and r.request_id not in finishing for r in reversed(self.active_requests)
-        )
         return prepared
 
-    def _advance(
-        self, batch: ScheduledRequests, pending: PendingForward, stats: IterationStats,
-        scheduled: ScheduledRequests, prepared: PreparedBatch,
-    ) -> _InFlight:
+    def _budget_bound(self, batch: ScheduledRequests) -> bool:
+        """DESIGN.md §5: the budget, not the traffic, limited this iteration when some active
+        request still has prompt tokens to compute after ``batch`` (taken before it runs)."""
+        finishing = {c.request.request_id for c in batch.context_chunks if c.is_last}
+        # Newest first: requests still in their prompt are the latest to arrive, so the scan
+        # usually stops at once instead of passing every generation request first.
+        return any(
+            r.state is _CONTEXT_INIT and r.request_id not in finishing for r in reversed(self.active_requests)
+        )
+
+    def _advance(self, batch: ScheduledRequests, pending: PendingForward, launch: Launch) -> _InFlight:
         """Move each request past the positions the launched forward computes. Under overlap a
         request that samples and whose token the engine picks gets that token's placeholder."""
         sampling = [chunk.request for chunk in batch.context_chunks if chunk.is_last]
@@ -487,49 +483,56 @@ class PyExecutor:
                     slots[index] = len(request.tokens)
                     request.tokens.append(IN_FLIGHT_TOKEN_ID)
         ids = frozenset(map(_request_id, batch.all_requests))
-        return _InFlight(pending, batch, sampling, slots, ids, stats, scheduled, prepared)
+        return _InFlight(pending, batch, sampling, slots, ids, launch)
 
-    def _complete_in_flight(self) -> None:
+    def _complete_in_flight(self) -> IterationStats | None:
+        """Complete the forward in flight, if any; its statistics."""
         flight, self._in_flight = self._in_flight, None
-        if flight is not None:
-            self._complete(flight)
+        return self._complete(flight) if flight is not None else None
 
-    def _complete(self, flight: _InFlight) -> None:
+    def _complete(self, flight: _InFlight) -> IterationStats:
         """Wait for the forward; its tokens reach the requests, the KV manager records what it
-        computed, its statistics are published. A forward that failed on the device retries its
-        requests (:meth:`_forward_failed`); a failure after it fails that batch's requests."""
+        computed, its statistics are made and published. A forward that failed on the device
+        retries its requests (:meth:`_forward_failed`); a failure after it fails that batch's
+        requests."""
+        launch = flight.launch
         try:
             output = flight.pending.result()
         except Exception as error:  # the forward failed on the device: retry its requests
-            retry = self._forward_failed(flight.batch.all_requests, error, flight.stats)
-            self._record(flight.stats, flight.scheduled, flight.prepared)  # before the forward _start_over completes
+            retry, failure = self._forward_failed(flight.batch.all_requests, error, launch.iteration)
+            stats = self._record(launch, failure=failure)  # before the forward _start_over completes
             self._start_over(retry, in_flight_output_valid=False)
-            return
+            return stats
+        drafts, failure = NO_DRAFTS, None
         try:
-            self._update_requests(flight, output)
+            now = self.clock()  # one instant for every token of this forward
+            live, sampled = self._sample(flight, output)
+            if output.draft_targets:
+                drafts = _count_drafts(live, sampled, output.draft_targets)
+            self._update_requests(live, sampled, now)
             self.resource_manager.update_resources(flight.batch)
         except Exception as error:  # one bad batch must not take the server down
-            self._fail_iteration(flight.batch.all_requests, error, flight.stats)
-        self._record(flight.stats, flight.scheduled, flight.prepared)
+            failure = self._fail_iteration(flight.batch.all_requests, error, launch.iteration)
+        return self._record(launch, drafts, failure)
 
-    def _update_requests(self, flight: _InFlight, output: ForwardOutput) -> None:
-        """Sample; write each token over its placeholder (or append it); respond. A request
-        that finished while the forward was in flight gets nothing from it (upstream drops it).
-        Whether a request is over is :func:`~stop_rule.finish`'s answer, on every path.
-
-        The usual request (tokens appended, not its last, not its first) is answered in the
-        loop itself, with a call only to its callback: this runs for every generated token."""
-        now = self.clock()  # one instant for every token of this forward
+    def _sample(self, flight: _InFlight, output: ForwardOutput) -> tuple[list[tuple[LlmRequest, int | None]], list]:
+        """The requests of ``flight`` that still want its tokens (with their placeholder slots),
+        and what the sampler returned for each. A request that finished while the forward was
+        in flight gets nothing from it (upstream drops it)."""
         dropping = self._dropping
         live = [(r, slot) for r, slot in zip(flight.sampling, flight.slots)
                 if r.state is not _COMPLETE and r.state is not _ERROR and (not dropping or r.request_id not in dropping)]
-        requests = [r for r, _ in live]
-        callbacks = self._callbacks
         if output.prompt_logits:  # before sampling: a request's first response carries its prompt's
             self.sampler.record_prompt_logprobs([c.request for c in flight.batch.context_chunks], output)
-        sampled = self.sampler.sample_batch(requests, output)
-        if output.draft_targets:
-            _count_drafts(flight.stats, requests, sampled, output.draft_targets)
+        return live, self.sampler.sample_batch([r for r, _ in live], output)
+
+    def _update_requests(self, live: list[tuple[LlmRequest, int | None]], sampled: list, now: float) -> None:
+        """Write each sampled token over its placeholder (or append it); respond. Whether a
+        request is over is :func:`~stop_rule.finish`'s answer, on every path.
+
+        The usual request (tokens appended, not its last, not its first) is answered in the
+        loop itself, with a call only to its callback: this runs for every generated token."""
+        callbacks = self._callbacks
         for (request, slot), tokens in zip(live, sampled):
             if isinstance(tokens, SamplingError):  # this request's logits or settings are broken, not the batch's
                 logger.error("%s", tokens)
@@ -595,31 +598,32 @@ class PyExecutor:
         if callback is not None:
             callback(request, Response(request.request_id, tokens, finished, beams=beams))
 
-    def _fail_iteration(self, requests: list[LlmRequest], error: Exception, stats: IterationStats) -> None:
+    def _fail_iteration(self, requests: list[LlmRequest], error: Exception, iteration: int) -> BatchFailure:
         """An unexpected error at launch or completion: log it with its traceback (call from the
         ``except`` block) and fail the batch's requests."""
-        logger.exception("iteration %d failed; failing its %d requests", stats.iteration, len(requests))
-        self._fail_batch(requests, error, stats)
+        logger.exception("iteration %d failed; failing its %d requests", iteration, len(requests))
+        return self._fail_batch(requests, error)
 
-    def _forward_failed(self, requests: list[LlmRequest], error: Exception, stats: IterationStats) -> list[LlmRequest]:
+    def _forward_failed(
+        self, requests: list[LlmRequest], error: Exception, iteration: int
+    ) -> tuple[list[LlmRequest], BatchFailure]:
         """A forward failed at launch or on the device (call from the ``except`` block). The batch
         counts as failed; its requests with a retry left (``max_forward_retries`` in a row, see
         ``LlmRequest.can_retry_forward``) are returned to :meth:`_start_over`, the others fail
         with the error."""
         logger.exception("iteration %d: the forward failed; retrying or failing its %d requests",
-                         stats.iteration, len(requests))
+                         iteration, len(requests))
         self.num_failed_batches += 1
-        self.last_error = stats.error = str(error)
+        self.last_error = str(error)
         live = [r for r in requests if not r.is_finished and r.request_id not in self._dropping]
         retry, failed = [], []
         for request in live:
             (retry if request.can_retry_forward(self.config.max_forward_retries) else failed).append(request)
-        stats.num_failed_requests, stats.num_retried_requests = len(failed), len(retry)
         for request in failed:
             logger.warning("request %s fails: its forward failed again before it made progress (max_forward_retries=%d)",
                            request.request_id, self.config.max_forward_retries)
             self._fail(request, error)
-        return retry
+        return retry, BatchFailure(str(error), len(failed), len(retry))
 
     def _start_over(self, requests: list[LlmRequest], *, in_flight_output_valid: bool) -> None:
         """The requests of a failed forward start over as context: KV freed (what the forward
@@ -647,13 +651,12 @@ class PyExecutor:
             request.retry_after_failed_forward()
             self._check_restartable(request, "its forward failed and it starts over")
 
-    def _fail_batch(self, requests: list[LlmRequest], error: Exception, stats: IterationStats) -> None:
+    def _fail_batch(self, requests: list[LlmRequest], error: Exception) -> BatchFailure:
         self.num_failed_batches += 1
         self.last_error = str(error)
-        stats.error = str(error)
-        stats.num_failed_requests = len(requests)
         for request in requests:
             self._fail(request, error)
+        return BatchFailure(str(error), len(requests))
 
     def _fail(self, request: LlmRequest, error: Exception) -> None:
         if request.is_finished:
@@ -687,47 +690,32 @@ class PyExecutor:
         if callback is not None:
             callback(request, response)
 
-    def _record(self, stats: IterationStats, scheduled: ScheduledRequests, prepared: PreparedBatch | None) -> None:
-        batch = prepared.scheduled if prepared is not None else scheduled
-        stats.end_time = self.clock()
-        stats.num_active_requests = len(self.active_requests)
-        stats.num_context_requests = len(batch.context_chunks)
-        stats.num_generation_requests = len(batch.generation_requests)
-        stats.num_paused_requests = len(scheduled.paused_requests)
-        stats.scheduled_tokens = scheduled.scheduled_tokens
-        if prepared is None:
-            self._publish(stats)
-            return
-        for deferral in prepared.deferred:
-            if deferral.reason is DeferReason.BUDGET:
-                stats.num_budget_deferrals += 1
-                stats.budget_deferred_tokens += deferral.cost
-            else:
-                stats.num_capacity_deferrals += 1
-        if prepared.budget is not None:
-            stats.num_budget_cuts = len(prepared.budget.cut)
-        for claim in prepared.claims:
-            stats.reuse_estimated_tokens += claim.estimated_reusable_tokens
-            stats.reuse_claimed_tokens += claim.reused_tokens
-            stats.reuse_query_tokens += claim.request.prompt_len
-        self._publish(stats)
-
-    def _publish(self, stats: IterationStats) -> None:
+    def _record(
+        self, launch: Launch, drafts: Drafts = NO_DRAFTS, failure: BatchFailure | None = None
+    ) -> IterationStats:
+        """The iteration is over: make its statistics, once, and publish them."""
+        completion = Completion(self.clock(), len(self.active_requests), drafts, failure)
+        stats = make_stats(launch, completion)
         self._stats.append(stats)
         for listener in self._iteration_listeners:
             try:
                 listener(stats)
             except Exception:  # statistics must never stop the loop
                 logger.exception("iteration listener %r failed", listener)
+        return stats
 
 
-def _count_drafts(stats: IterationStats, requests: list[LlmRequest], sampled: list, targets: Mapping[int, list[int]]) -> None:
+def _count_drafts(
+    live: list[tuple[LlmRequest, int | None]], sampled: list, targets: Mapping[int, list[int]]
+) -> Drafts:
     """Drafts the forward verified, and how many the sampler accepted (before the stop rule)."""
-    for request, tokens in zip(requests, sampled):
+    verified = accepted = 0
+    for (request, _), tokens in zip(live, sampled):
         picks = targets.get(request.request_id)
         if picks is not None and not isinstance(tokens, SamplingError):
-            stats.num_draft_tokens += len(picks) - 1
-            stats.num_accepted_draft_tokens += len(tokens) - 1
+            verified += len(picks) - 1
+            accepted += len(tokens) - 1
+    return Drafts(verified, accepted)
 
 
 def _drop_in_flight_tokens(request: LlmRequest) -> None:

@@ -96,7 +96,7 @@ def validate_request(request: LlmRequest, limits: RequestLimits, kv_cache_manage
         raise InvalidRequestError(f"request {rid}: draft tokens (speculative decoding) are not supported by this engine")
     if max(request.beam_width, 1 + drafts) > limits.max_num_tokens:
         raise InvalidRequestError(f"request {rid}: one generation step needs more than max_num_tokens positions")
-    blocks_needed = kv_cache_manager.blocks_for_tokens(request, kv_cache_manager.max_sequence_len(request))
+    blocks_needed = kv_cache_manager.blocks_needed(request)
     if blocks_needed > limits.num_kv_blocks:
         raise InvalidRequestError(
             f"request {rid}: needs {blocks_needed} KV blocks at completion, the pool has {limits.num_kv_blocks}"

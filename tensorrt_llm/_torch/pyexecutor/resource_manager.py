@@ -13,7 +13,9 @@ module sequences them, so neither calls the other. Under claim-then-charge it fi
 every first chunk's prefix (``KVCacheManager.claim_prefix``) and hands the claims to the
 re-check as shifted chunk windows, then to the allocation.
 
-The KV cache manager is a named field, with its own calls (it allocates). Every other
+The KV cache manager is a named field, with its own verbs (``allocate`` through its batch form
+``prepare_resources``, ``commit``, ``free``): upstream's ``update_resources`` and
+``free_resources`` are this class's, which call them. Every other
 manager (:meth:`ResourceManager.add_resource_manager`) is a :class:`ResourceObserver`: one
 interface, one signature per phase. Observers are prepared after allocation, with the
 :class:`PreparedBatch` itself (what runs and what left it), in registration order; updated
@@ -131,11 +133,13 @@ class ResourceManager:
         return prepared
 
     def update_resources(self, scheduled: ScheduledRequests) -> None:
-        self.kv_cache_manager.update_resources(scheduled)
+        """After the forward of ``scheduled``: the KV manager commits what it computed, then the observers."""
+        self.kv_cache_manager.commit(scheduled)
         for observer in self.observers.values():
             observer.update_resources(scheduled)
 
     def free_resources(self, request: LlmRequest, *, store_for_reuse: bool = True) -> None:
+        """``request`` is over (or starts over): the observers release theirs, then the KV manager frees its blocks."""
         for observer in reversed(self.observers.values()):
             observer.free_resources(request, store_for_reuse=store_for_reuse)
-        self.kv_cache_manager.free_resources(request, store_for_reuse=store_for_reuse)
+        self.kv_cache_manager.free(request, store_for_reuse=store_for_reuse)

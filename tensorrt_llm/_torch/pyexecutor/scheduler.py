@@ -100,8 +100,7 @@ class CapacityScheduler:
         kv = self.kv
         for request in waiting:
             match = kv.match(request)
-            length = kv.max_sequence_len(request) if to_completion else request.prompt_len
-            needed = max(0, kv.blocks_for_tokens(request, length) - match.shared_blocks)
+            needed = kv.blocks_needed(request, match, to_completion=to_completion)
             if needed > available:
                 return  # first come, first served: nobody overtakes the oldest waiting request
             available -= needed
@@ -120,19 +119,18 @@ class CapacityScheduler:
     ) -> tuple[CapacityDecision, Iterator[tuple[LlmRequest, int]]]:
         kv = self.kv
         available = kv.available_blocks
-        running = sorted(started, key=kv.allocation_stamp)
+        running = kv.step_needs(started)  # oldest first
         decision = CapacityDecision([])
         fitting, paused = decision.fitting, decision.paused
         while running:
-            request = running[0]
-            needed = kv.blocks_for_next_step(request)
-            if needed <= available:
-                available -= needed
-                fitting.append(running.pop(0))
+            need = running[0]
+            if need.blocks <= available:
+                available -= need.blocks
+                fitting.append(running.pop(0).request)
                 continue
             victim = running.pop()  # the most recently started request gives way
-            available += kv.num_held_blocks(victim)
-            paused.append(victim)
+            available += victim.held
+            paused.append(victim.request)
         if paused:  # memory is short while anything is paused: admit nothing new
             return decision, iter(())
         return decision, self._admit(waiting, available, to_completion=False)

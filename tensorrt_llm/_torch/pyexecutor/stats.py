@@ -1,11 +1,15 @@
-"""Per-iteration statistics: what was scheduled, what ran, what was deferred, what overshot."""
+"""Per-iteration statistics: what was scheduled, what ran, what was deferred, what overshot.
+
+A value, made once per iteration by :func:`~iteration.make_stats` when the iteration
+completes; ``/metrics``, the Prometheus counters and the replay JSON read it.
+"""
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class IterationStats:
     """One executor iteration. Token counts are positions in the forward pass.
 

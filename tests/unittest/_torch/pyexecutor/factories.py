@@ -204,7 +204,7 @@ def prepare_alone(kv: KVCacheManager, request: LlmRequest, chunk: int | None = N
 def complete(kv: KVCacheManager, batch: ScheduledRequests, sampler: Sampler) -> None:
     """Play the forward for an allocated ``batch``: move each request past what it computed,
     sample where it samples, then record the KV (``PyExecutor._update_requests`` then
-    ``update_resources``)."""
+    ``commit``)."""
     for chunk in batch.context_chunks:
         request = chunk.request
         request.complete_context_chunk(chunk.end)
@@ -214,7 +214,7 @@ def complete(kv: KVCacheManager, batch: ScheduledRequests, sampler: Sampler) -> 
     for request in batch.generation_requests:
         request.add_new_token(sampler.sample(request, None)[0])
         request.is_first_draft = False
-    kv.update_resources(batch)
+    kv.commit(batch)
 
 
 def run_alone(kv: KVCacheManager, request: LlmRequest, sampler: Sampler, *, chunk: int | None = None) -> bool:

@@ -379,20 +379,23 @@ class ExecutorChecker:
         if iteration is None:
             return None
         self.iterations.append(iteration)
-        stats, prepared = iteration.stats, iteration.prepared
-        self.num_budget_deferrals += stats.num_budget_deferrals
-        self.num_capacity_deferrals += stats.num_capacity_deferrals
-        context = f"\niteration {stats.iteration}: {iteration.scheduled!r} -> {iteration.batch!r}"
+        # What the iteration decided and measured at launch: under overlap its statistics
+        # are made a step later, when its forward completes.
+        launch, prepared = iteration.launch, iteration.prepared
+        context = f"\niteration {launch.iteration}: {iteration.scheduled!r} -> {iteration.batch!r}"
         # the loop survives any batch failure, so a bug would only show as failed requests:
         # the one failure by design is a policy without safety overshooting
-        assert stats.error is None or stats.overshoot > 0, f"batch failed: {stats.error}{context}"
+        assert iteration.error is None or launch.overshoot > 0, f"batch failed: {iteration.error}{context}"
         assert prepared is not None, context
+        budget = sum(d.reason is DeferReason.BUDGET for d in prepared.deferred)
+        self.num_budget_deferrals += budget
+        self.num_capacity_deferrals += len(prepared.deferred) - budget
         # A chunk's cost depends only on its window, its prompt and its drafts: it can be
         # taken now, although the requests that ran have moved on.
         built = {chunk.request.request_id: chunk.cost() for chunk in prepared.scheduled.context_chunks}
         built.update((r.request_id, step_cost[r.request_id]) for r in prepared.scheduled.generation_requests)
         if 1 in check:
-            assert stats.overshoot == 0, f"invariant 1 violated at iteration {stats.iteration}: {stats.error}"
+            assert launch.overshoot == 0, f"invariant 1 violated at iteration {launch.iteration}: {iteration.error}"
             total = sum(built.values())
             assert total <= self.executor.config.max_num_tokens, f"invariant 1: {total} positions{context}"
         if 2 in check:

@@ -271,10 +271,10 @@ def realize(recipe: BatchRecipe, engine: str = "sim") -> World:
             continue
         if not _run_history_step(kv, request, step, sampler, unit, config.enable_chunked_prefill):
             world.log.append(f"{step!r}: ran out of blocks, dropped")
-            kv.free_resources(request)
+            kv.free(request)
             continue
         if step.kind == "finish":
-            kv.free_resources(request)
+            kv.free(request)
         else:
             running.append(request)
     arrivals = []
@@ -317,7 +317,7 @@ def schedule(world: World) -> ScheduledRequests:
     if world.recipe.picks is None:
         scheduled = world.scheduler.schedule_request(world.active)
         for request in scheduled.paused_requests:  # as PyExecutor._schedule
-            world.kv.free_resources(request)
+            world.kv.free(request)
             request.pause()
         return scheduled
     return _direct_batch(world)

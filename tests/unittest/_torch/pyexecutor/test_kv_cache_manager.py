@@ -3,7 +3,7 @@ hash collisions, all-or-nothing allocation and the leak oracle.
 
 The tests play the scheduler and the engine by hand: a chunk is scheduled as a one-request
 batch and allocated by ``prepare_resources`` (:func:`factories.prepare_alone`), "computed"
-by moving the request past it and calling ``update_resources``. Where tensors matter, the manager is built
+by moving the request past it and calling ``commit``. Where tensors matter, the manager is built
 for the real model and block contents are written and read directly.
 """
 
@@ -22,6 +22,7 @@ from tensorrt_llm._torch.pyexecutor.kv_cache_manager import KVAllocation, KVCach
 from tensorrt_llm._torch.pyexecutor.kv_storage import KVCacheStorage
 from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequestState
 from tensorrt_llm._torch.pyexecutor.py_executor_creator import create_kv_cache_manager
+from tensorrt_llm._torch.pyexecutor.scheduled_requests import ContextChunk
 
 TPB = 4
 
@@ -69,7 +70,7 @@ def compute(kv, request) -> None:
     """Play the engine: the rest of the prompt (allocated whole) now holds computed KV."""
     batch = make_batch([request])
     request.complete_context_chunk(request.prompt_len)
-    kv.update_resources(batch)
+    kv.commit(batch)
 
 
 def cache_prompt(kv, prompt):
@@ -79,7 +80,7 @@ def cache_prompt(kv, prompt):
     assert kv.is_allocated(request)
     table = kv.block_table(request)
     compute(kv, request)
-    kv.free_resources(request)
+    kv.free(request)
     return table
 
 
@@ -143,7 +144,6 @@ def test_reuse_estimate_vs_claim(prompt_len, partial, estimated, claimed):
     assert request.prepopulated_prompt_len == request.context_current_position == claimed
     [chunk] = allocation.scheduled.context_chunks
     assert (chunk.start, chunk.size, chunk.reused) == (claimed, prompt_len - claimed, claimed)  # the rest runs
-    assert kv.num_computed_tokens(request) == claimed
     kv.check_integrity()
 
 
@@ -180,7 +180,7 @@ def test_partial_reuse_copies_the_matching_part_of_a_block():
     source_ids = kv.block_table(source)
     written = write_random(kv.storage, source_ids, seed=0)
     compute(kv, source)
-    kv.free_resources(source)
+    kv.free(source)
 
     # Shares block 0 and the first two tokens of block 1.
     request = make_request(base[:6] + tokens(3, seed=6))
@@ -290,7 +290,7 @@ def test_offload_then_onboard_restores_the_kv():
     a_ids = kv.block_table(first)
     a_kv = write_random(kv.storage, a_ids, seed=1)
     compute(kv, first)
-    kv.free_resources(first)
+    kv.free(first)
 
     b = tokens(16, seed=22)
     second = hold(kv, b)  # 2 free + both of a's blocks evicted to the host tier
@@ -298,7 +298,7 @@ def test_offload_then_onboard_restores_the_kv():
     b_ids = kv.block_table(second)
     b_kv = write_random(kv.storage, b_ids, seed=2)  # overwrites a's old primary slots
     compute(kv, second)
-    kv.free_resources(second)
+    kv.free(second)
     assert (kv.pool.num_free, kv.pool.num_cached) == (0, 4)
     assert estimate(kv, a + [1]) == 8  # host blocks still match
 
@@ -317,7 +317,7 @@ def test_offload_then_onboard_restores_the_kv():
     kv.check_integrity()
 
     # b's offloaded blocks come back intact too.
-    kv.free_resources(request)
+    kv.free(request)
     again = make_request(b)
     allocate(kv, again)
     assert again.prepopulated_prompt_len == 12  # claim stops at prompt_len - 1: three blocks
@@ -347,7 +347,7 @@ def test_hash_collisions_never_reuse_the_wrong_kv():
         tables[name] = kv.block_table(request)
         contents.update(write_random(kv.storage, tables[name], seed=seed))
         compute(kv, request)
-        kv.free_resources(request)
+        kv.free(request)
     assert kv.pool.num_cached == 4  # same hash, different tokens: both cached
 
     unrelated = tokens(8, seed=28)
@@ -386,7 +386,7 @@ def test_a_colliding_sibling_still_matches_after_the_first_is_evicted():
     assert kv.pool.num_evictions == 1
     assert estimate(kv, a + [1]) == 0 and estimate(kv, b + [1]) == TPB
     kv.check_integrity()
-    kv.free_resources(held)
+    kv.free(held)
     request = make_request(b + [1])
     allocate(kv, request)
     assert request.prepopulated_prompt_len == TPB  # b's KV, found by its tokens
@@ -402,8 +402,8 @@ def test_concurrent_commit_of_the_same_content_keeps_one_copy():
     compute(kv, first)
     compute(kv, second)
     assert kv.block_table(first)[:2] == kv.block_table(second)[:2]  # the second adopted the first's
-    kv.free_resources(first)
-    kv.free_resources(second)
+    kv.free(first)
+    kv.free(second)
     assert kv.pool.num_cached == 2
     kv.check_integrity()
 
@@ -450,7 +450,7 @@ def test_host_blocks_to_onboard_count_against_the_pool():
     allocate(kv, request)
     assert kv.is_allocated(request)
 
-    kv.free_resources(request)
+    kv.free(request)
     hold(kv, tokens(4, seed=39))
     bigger = make_request(a + tokens(8, seed=40))  # 2 onboard + 2 fresh > what is left
     before = counts(kv)
@@ -482,6 +482,43 @@ def test_one_failed_allocation_leaves_the_others_in_the_batch():
     assert allocation.scheduled.context_requests == [small]
     assert allocation.deferred == [big]
     assert kv.num_held_blocks(small) == 2 and not kv.is_allocated(big)
+    kv.check_integrity()
+
+
+# ---- the verbs, one request at a time -----------------------------------------------
+def test_allocate_returns_the_chunk_on_its_reused_prefix_or_none():
+    """``allocate`` is the one-request verb under ``prepare_resources``: a first chunk comes back
+    moved onto the prefix it claimed; a chunk whose blocks cannot be had gets None and leaves
+    the pool as it was."""
+    kv = manager(num_blocks=6)
+    a = tokens(8, seed=61)
+    cache_prompt(kv, a)
+    request = make_request(a + tokens(4, seed=62))
+    got = kv.allocate(ContextChunk.of(request, 12))
+    assert got is not None and got.first
+    assert (got.chunk.start, got.chunk.size, got.chunk.reused) == (8, 4, 8)
+    assert kv.is_allocated(request) and kv.num_held_blocks(request) == 3
+
+    before = counts(kv)
+    too_big = make_request(tokens(16, seed=63))  # 4 blocks, 3 available
+    assert kv.allocate(ContextChunk.of(too_big, 16)) is None
+    assert counts(kv) == before and not kv.is_allocated(too_big)
+
+    request.complete_context_chunk(12)
+    request.state = LlmRequestState.GENERATION_IN_PROGRESS
+    request.add_new_token(5)  # position 12: a fourth block
+    step = kv.allocate(request)
+    assert step is not None and step.chunk is None and kv.num_held_blocks(request) == 4
+    kv.check_integrity()
+
+
+def test_step_needs_list_started_requests_oldest_first():
+    kv = manager(num_blocks=16)
+    first, second = hold(kv, tokens(8, seed=64)), hold(kv, tokens(4, seed=65))
+    needs = kv.step_needs([second, first])
+    assert [n.request for n in needs] == [first, second]
+    assert [(n.blocks, n.held) for n in needs] == [(0, 2), (0, 1)]  # their prompts are allocated whole
+    assert kv.blocks_needed(make_request(tokens(8, seed=66), max_new_tokens=4)) == 3
     kv.check_integrity()
 
 

@@ -27,7 +27,7 @@ def in_generation(kv, request, *, new_tokens=1):
     request.state = LlmRequestState.GENERATION_IN_PROGRESS
     for i in range(new_tokens):
         request.add_new_token(100 + i)
-    kv.update_resources(allocation.scheduled)
+    kv.commit(allocation.scheduled)
     return request
 
 
@@ -85,7 +85,7 @@ def test_non_last_chunk_leaves_the_drafts_out():
 def test_chunk_after_reuse_starts_at_the_reused_prefix():
     engine, kv = engine_for(enable_partial_reuse=False)
     first = in_generation(kv, make_request(prompt_len=12))
-    kv.free_resources(first)  # its 3 prompt blocks stay cached
+    kv.free(first)  # its 3 prompt blocks stay cached
     request = make_request(first.input_token_ids + [1, 2])
     inputs = build(engine, kv, context=[(request, 14)])
     assert request.prepopulated_prompt_len == 12

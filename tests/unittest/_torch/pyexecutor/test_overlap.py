@@ -51,6 +51,30 @@ def test_overlap_gives_the_same_tokens_and_forwards_as_the_plain_loop():
     assert forwards == forwards_plain
 
 
+def test_an_iterations_statistics_are_made_once_when_its_forward_completes():
+    """Under overlap step n returns its launch; its statistics come with step n+1, made once
+    (a frozen value) from that launch and what the completion measured."""
+    executor = make_sim_executor(make_config(max_num_tokens=32, num_blocks=64), overlap=True)
+    published = []
+    executor.add_iteration_listener(published.append)
+    executor.enqueue_request(make_request(prompt_len=20, max_new_tokens=3, request_id=1000, seed=1))
+    first = executor.step()
+    assert first.stats is None and published == []  # in flight
+    assert first.launch.forward_tokens == 20 and first.error is None
+    executor.step()
+    stats = published[0]
+    assert (stats.iteration, stats.forward_tokens, stats.start_time) == (
+        first.launch.iteration, first.launch.forward_tokens, first.launch.start_time)
+    assert stats.num_context_requests == 1 and stats.end_time >= stats.start_time
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        stats.error = "written later"
+    executor.run_until_idle()
+    assert [s.iteration for s in executor.iteration_stats] == list(range(len(published)))
+    plain = make_sim_executor(make_config(max_num_tokens=32, num_blocks=64))
+    plain.enqueue_request(make_request(prompt_len=20, max_new_tokens=3, request_id=1000, seed=1))
+    assert plain.step().stats == plain.iteration_stats[0]  # without overlap, in the step itself
+
+
 @pytest.mark.usefixtures("one_torch_thread")
 def test_a_request_stopping_while_its_next_step_is_in_flight_drops_that_step():
     """Upstream's way: the stop token's request was also in forward n+1; that token is dropped."""

@@ -53,7 +53,7 @@ def prefill(kv, request):
     request.complete_context_chunk(request.prompt_len)
     request.state = LlmRequestState.GENERATION_IN_PROGRESS
     request.add_new_token(7)
-    kv.update_resources(allocation.scheduled)
+    kv.commit(allocation.scheduled)
 
 
 # ---- upstream's reuse-discounted charge (DESIGN.md §1) ------------------------------
@@ -85,7 +85,7 @@ def test_context_charge_uses_the_estimate_only_before_allocation(policy):
     prompt = make_request(prompt_len=16).input_token_ids
     cached = make_request(prompt)
     prefill(kv, cached)
-    kv.free_resources(cached)
+    kv.free(cached)
 
     request = make_request(prompt + [3, 4])
     assert kv.match(request).reusable_tokens == 16
@@ -259,7 +259,7 @@ def test_guaranteed_no_evict_reserves_to_completion_and_admits_in_order():
     assert decision.fitting == [r1] and decision.paused == []
 
     prefill(kv, r1)  # holds its 3 prompt blocks now, reserves 2 more to completion
-    assert kv.num_held_blocks(r1) == 3 and kv.blocks_to_completion(r1) == 2
+    assert kv.num_held_blocks(r1) == 3 and kv.blocks_reserved_to_completion([r1]) == 2
     fits = make_request(prompt_len=16, max_new_tokens=4)  # 5 blocks: 3 held + 2 reserved + 5 = 10
     too_big = make_request(prompt_len=16, max_new_tokens=5)  # 6 blocks
     assert scheduler.schedule([r1, fits]).fitting == [r1, fits]
@@ -271,7 +271,7 @@ def test_guaranteed_no_evict_credits_only_blocks_started_requests_hold():
     prompt = make_request(prompt_len=16).input_token_ids
     cached = make_request(prompt)
     prefill(kv, cached)
-    kv.free_resources(cached)  # 4 cached, unreferenced blocks
+    kv.free(cached)  # 4 cached, unreferenced blocks
     reuser = make_request(prompt + [1, 2, 3, 4], max_new_tokens=4)  # 6 blocks to completion
     other = make_request(prompt_len=4, max_new_tokens=12)  # 4 blocks
     # Claiming a cached block takes it out of the pool like a fresh one: no credit, 6 + 4 = 10 fits.

@@ -14,6 +14,7 @@ TORCH_FREE = [
     "tensorrt_llm._torch.pyexecutor.engine_inputs",
     "tensorrt_llm._torch.pyexecutor.simulated_engine",
     "tensorrt_llm._torch.pyexecutor.executor_client",
+    "tensorrt_llm._torch.pyexecutor.iteration",
 ]
 
 
