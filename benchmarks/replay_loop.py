@@ -15,7 +15,7 @@ import math
 import sys
 import time
 from array import array
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -106,6 +106,7 @@ class _Outcomes:
         self.capacity_deferrals = 0
         self.completed = 0
         self.errored = 0
+        self.error_of: dict[int, str] = {}  # an errored request's slot -> why it failed
         self.output_tokens = 0
         self.in_context = 0  # injected requests that have had no response yet (still in their prompt)
         self._silent = bytearray(num_requests)
@@ -135,6 +136,7 @@ class _Outcomes:
             else:
                 self.status[slot] = 2
                 self.errored += 1
+                self.error_of[slot] = str(response.error) if response.error is not None else request.state.name
 
         return record
 
@@ -143,6 +145,7 @@ class _Outcomes:
         if self.status[slot] == 2:
             self.status[slot] = 0
             self.errored -= 1
+            del self.error_of[slot]
 
 
 def replay_policy(
@@ -353,6 +356,7 @@ class _PolicyReplay:
             "wall_s": time.perf_counter() - self.wall_t0,
             # Extras beyond DESIGN.md §5.
             "unserved": n - o.completed - o.errored,
+            "errors": dict(Counter(o.error_of.values()).most_common(10)),  # the errored requests' messages, most frequent first
             "overshoot_mechanisms": mechanisms,
             "overshoot_events": [_event_json(event) for event in self.overshoots[:20]],
             "capacity_deferrals": o.capacity_deferrals,

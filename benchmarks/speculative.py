@@ -18,7 +18,8 @@ with a tokenizer stops at its end of text; a random-weight one generates ``--max
 
     python -m benchmarks.speculative [--model smollm2-135m-instruct] [--workloads repetitive,default]
         [--batch 4] [--max-tokens 96] [--max-draft-len 4] [--max-matching-ngram-size 3]
-        [--num-requests 16] [--max-prompt-len 512] [--repeats 3] [--device auto] [--json OUT.json]
+        [--num-requests 16] [--max-prompt-len 512] [--repeats 3] [--device auto] [--kv-memory-fraction 0.4]
+        [--json OUT.json]
 """
 
 from __future__ import annotations
@@ -110,11 +111,14 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--max-prompt-len", type=int, default=512, help="default workload: prompts cut to this")
     parser.add_argument("--max-num-tokens", type=int, default=2048)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--kv-memory-fraction", type=float, default=0.4,
+                        help="on a GPU, each LLM's KV pool takes this share of the memory free when it starts: the two "
+                             "LLMs (with and without drafts) share the device, and the second needs room for its weights")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
 
     common = dict(dtype=args.dtype, device=args.device, max_num_tokens=args.max_num_tokens, max_batch_size=64,
-                  enable_chunked_prefill=True, kv_cache_config=KvCacheConfig(tokens_per_block=32))
+                  enable_chunked_prefill=True, kv_cache_config=KvCacheConfig(tokens_per_block=32, free_gpu_memory_fraction=args.kv_memory_fraction))
     spec = SpeculativeConfig(max_draft_len=args.max_draft_len, max_matching_ngram_size=args.max_matching_ngram_size)
     llms = {"ngram": LLM(args.model, speculative_config=spec, **common), "none": LLM(args.model, **common)}
     # A model with a tokenizer stops at its end of text (past it, SmolLM2 starts a new conversation

@@ -3,10 +3,11 @@
 #   bash benchmarks/results/h200/serving/run_h200.sh PHASE OUT_DIR
 # PHASE: setup | cuda-tests | load RATES [DURATION_S] | smollm2 MODEL | faults DURATION_S [SERVE_FLAGS] | gaps
 #        | phase-b [REQUESTS] | faults-bg DURATION_S | faults-wait | profile-gaps [REQUESTS]
+#        | speculative-smollm2 | speculative-nemo | replay-drafts-beams [REQUESTS]
 # faults-bg starts the fault soak detached (in /tmp/faults) so that a soak longer than one device call
 # (600 s) spans two: the next call's faults-wait waits for it and copies its results to OUT_DIR.
 # The H200 image lacks fastapi, uvicorn, openai and gguf: setup installs the wheels in .whl
-# (README: "Serving on a GPU" says how to fetch them) into /tmp/site.
+# (fetched here, beside the checkout's .venv, by fetch_wheels.sh) into /tmp/site.
 set -uo pipefail
 PY=${PY:-python3}
 phase=$1; out=$2; shift 2
@@ -24,7 +25,9 @@ case $phase in
     python3 -c "import fastapi, uvicorn, openai, gguf, torch; print('torch', torch.__version__, torch.cuda.get_device_name())"
     ;;
   cuda-tests)
-    timeout 400 "$PY" -m pytest tests/unittest/_torch/attention/test_cuda.py tests/unittest/serve/test_serve_gpu.py -q -x -p no:cacheprovider 2>&1 | tail -15 | tee "$out/pytest_cuda.log"
+    timeout 400 "$PY" -m pytest tests/unittest/_torch/attention/test_cuda.py tests/unittest/serve/test_serve_gpu.py \
+      tests/unittest/_torch/speculative/test_speculative_cuda.py tests/unittest/_torch/pyexecutor/test_beam_search_cuda.py \
+      -q -rs -p no:cacheprovider --durations=5 2>&1 | tail -25 | tee "$out/pytest_cuda.log"
     ;;
   load)
     "$PY" -m benchmarks.serve_soak --out "$out" --rates "$1" --duration-s "${2:-180}" -- "${NEMO[@]}"
@@ -62,6 +65,26 @@ for name in ("kv_cache_manager.py.*prepare_resources", "_issue_batch", "_evict_u
     stats.sort_stats("cumulative").print_callees(name)
 PY
     tail -5 "$out/gaps.txt"; head -70 "$out/profile.txt"
+    ;;
+  speculative-smollm2)  # issue 20: NGram drafts against none on SmolLM2 (a real acceptance rate), bf16
+    for b in 1 4 8; do
+      "$PY" -m benchmarks.speculative --model smollm2-135m-instruct --device cuda --dtype bfloat16 \
+        --workloads repetitive --batch $b --max-tokens 256 --repeats 5 --json "$out/h200_smollm2_repetitive_b$b.json"
+    done
+    "$PY" -m benchmarks.speculative --model smollm2-135m-instruct --device cuda --dtype bfloat16 --workloads default \
+      --num-requests 64 --max-prompt-len 4096 --max-num-tokens 8192 --max-tokens 256 --repeats 3 \
+      --json "$out/h200_smollm2_default.json"
+    ;;
+  speculative-nemo)  # random weights: acceptance near 0, so this measures what speculating costs when it does not pay
+    for b in 1 8; do
+      "$PY" -m benchmarks.speculative --model "$MODEL" --device cuda --workloads repetitive,default --batch $b \
+        --max-tokens 128 --num-requests 32 --max-prompt-len 4096 --max-num-tokens 8192 --repeats 3 \
+        --json "$out/h200_nemo_b$b.json"
+    done
+    ;;
+  replay-drafts-beams)  # the five policies on the real engine with drafts (first drafts) and beams on
+    "$PY" -m benchmarks.replay --engine torch --device cuda --model "$MODEL" --num-requests "${1:-150}" \
+      --speculative-config.max-draft-len 4 --beam-every 4 --beam-width 4 --json "$out/h200_replay_drafts4_beams4.json" 2>&1 | tail -25
     ;;
   *) echo "unknown phase $phase"; exit 2 ;;
 esac
