@@ -7,7 +7,8 @@ the ``--top`` largest gaps between two forwards, where the host's time went betw
 launches: per phase (nested phases are listed under their parent's time too) and the rest
 (the replay loop: arrivals, the clock).
 
-    PYTHONPATH=. python -m benchmarks.gpu_gaps [--requests 150] [--policy recheck] [--top 8] [--json OUT.json]
+    PYTHONPATH=. python -m benchmarks.gpu_gaps [--requests 150] [--policy recheck] [--top 8]
+        [--host-cache-blocks 512] [--json OUT.json]
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch
 
 from benchmarks.gpu_phase_b import RecordedSettings, _kind
 from benchmarks.replay import TraceSpec, replay_trace
+from benchmarks.replay_settings import ReplaySettings
 from benchmarks.sim_engine import Engine
 
 # (object attribute holding the target, method name, label, nested in the phase listed before it);
@@ -115,6 +117,8 @@ def main(argv=None) -> int:
     p.add_argument("--requests", type=int, default=150)
     p.add_argument("--policy", default="recheck")
     p.add_argument("--top", type=int, default=8)
+    p.add_argument("--host-cache-blocks", type=int, default=ReplaySettings.host_cache_blocks,
+                   help="the host (offload) tier in blocks; 0 turns it off, to tell its copies' share of a gap")
     p.add_argument("--json")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -123,7 +127,8 @@ def main(argv=None) -> int:
     spec = TraceSpec(num_requests=args.requests)
     trace = spec.load_for(vocab_size=32000, tokens_per_block=32)
     recorded: dict = {}
-    settings = TimelineSettings(engine="torch", model=args.model, device="cuda", recorded=recorded)
+    settings = TimelineSettings(engine="torch", model=args.model, device="cuda", recorded=recorded,
+                                host_cache_blocks=args.host_cache_blocks)
     replay_trace(trace, settings, [args.policy], spec=spec, progress=False)
     rows = gap_breakdown(recorded[args.policy], recorded["_host"][args.policy], args.top)
     for row in rows:
@@ -134,7 +139,8 @@ def main(argv=None) -> int:
               f"{row['host_tier_blocks']['offloaded']} offloads, {row['host_tier_blocks']['onboarded']} onboards")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"policy": args.policy, "requests": args.requests, "gaps": rows}, f, indent=1)
+            json.dump({"policy": args.policy, "requests": args.requests, "host_cache_blocks": args.host_cache_blocks,
+                       "gaps": rows}, f, indent=1)
     return 0
 
 

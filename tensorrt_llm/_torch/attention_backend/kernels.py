@@ -106,7 +106,7 @@ def decode_attention(
     sequence ``b``, whose K/V live in the flat pools (num_slots, Hkv, D) at the slots
     ``block_tables[b]`` gives. Triton on CUDA, the torch reference elsewhere."""
     head_dim = q.shape[-1]
-    if q.is_cuda and has_triton() and head_dim & (head_dim - 1) == 0 and head_dim >= 16:
+    if _triton_takes(q) and head_dim & (head_dim - 1) == 0 and head_dim >= 16:
         from tensorrt_llm._torch.attention_backend.triton_paged_decode import paged_decode_attention
 
         paged_decode_attention(
@@ -151,7 +151,13 @@ def reference_decode_attention(
 def fused_rope_applies(q: torch.Tensor) -> bool:
     """True where :func:`rotate_qk_` runs as one Triton kernel: CUDA, half head dim a power of two."""
     half = q.shape[-1] // 2
-    return q.is_cuda and has_triton() and half & (half - 1) == 0 and half >= 1
+    return _triton_takes(q) and half & (half - 1) == 0 and half >= 1
+
+
+def _triton_takes(q: torch.Tensor) -> bool:
+    """The Triton kernels' device and dtypes: CUDA, 16- or 32-bit floats (they accumulate in
+    float32, so a float64 model, the reference tests', takes the torch paths and keeps its precision)."""
+    return q.is_cuda and q.dtype in (torch.bfloat16, torch.float16, torch.float32) and has_triton()
 
 
 def rotate_qk_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
