@@ -13,7 +13,8 @@ Two workloads:
 Each of ``--repeats`` rounds serves a workload with speculation, then without (order swapped
 every other round), on one ``LLM`` each built once; the machine may be shared, so speeds are
 reported as the ratio of the two measured in the same run (median over rounds), with absolute
-numbers beside them. Greedy outputs must be equal, token for token (checked every round). A model
+numbers beside them. Greedy outputs must be equal, token for token (checked every round), in float32
+and float64; in 16-bit floats their agreement is reported (``_agreement``). A model
 with a tokenizer stops at its end of text; a random-weight one generates ``--max-tokens``.
 
     python -m benchmarks.speculative [--model smollm2-135m-instruct] [--workloads repetitive,default]
@@ -97,6 +98,18 @@ def measure(llm: LLM, prompts: list, params: SamplingParams) -> dict:
     }
 
 
+def _agreement(speculative: list[tuple], plain: list[tuple]) -> dict:
+    """How far greedy outputs with drafts follow those without: the share of requests whose
+    outputs are identical, and the mean share of each output before the first difference."""
+    identical = sum(a == b for a, b in zip(speculative, plain))
+    prefixes = []
+    for a, b in zip(speculative, plain):
+        common = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        prefixes.append(common / max(len(b), 1))
+    return {"identical_requests": identical / max(len(plain), 1),
+            "common_prefix_fraction": statistics.mean(prefixes) if prefixes else 1.0}
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m-instruct")
@@ -124,7 +137,13 @@ def main(argv: list[str] | None = None) -> dict:
     # A model with a tokenizer stops at its end of text (past it, SmolLM2 starts a new conversation
     # that repeats nothing: not the workload); a random-weight model generates max_tokens.
     params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=llms["none"].tokenizer is None)
-    report: dict = {"config": vars(args), "results": {}}
+    # Greedy outputs must be equal token for token where the arithmetic is exact enough (float32,
+    # float64). In 16-bit floats the verification forward (several positions per request, the
+    # prefill kernels) and a decode step (one position, the decode kernels or a CUDA graph) round
+    # differently, and a near-tie in the argmax can flip: there the agreement is measured, not
+    # required (the CUDA tests check equality in float32 on the GPU).
+    exact = llms["none"].model_config.torch_dtype.itemsize >= 4
+    report: dict = {"config": vars(args), "exact_dtype": exact, "results": {}}
     try:
         for workload in args.workloads.split(","):
             if workload == "repetitive":
@@ -134,13 +153,16 @@ def main(argv: list[str] | None = None) -> dict:
             else:
                 raise SystemExit(f"unknown workload {workload!r}")
             rounds: dict[str, list[dict]] = {"ngram": [], "none": []}
+            agreements: list[dict] = []
             for repeat in range(args.repeats):
                 order = ("ngram", "none") if repeat % 2 == 0 else ("none", "ngram")
                 for name in order:
                     rounds[name].append(measure(llms[name], prompts, params))
-                if rounds["ngram"][-1]["outputs"] != rounds["none"][-1]["outputs"]:
-                    raise SystemExit(f"{workload}: outputs with speculation differ from those without")
-            result = {}
+                agreement = _agreement(rounds["ngram"][-1]["outputs"], rounds["none"][-1]["outputs"])
+                agreements.append(agreement)
+                if agreement["identical_requests"] < 1 and exact:
+                    raise SystemExit(f"{workload}: outputs with speculation differ from those without ({agreement})")
+            result = {key: min(a[key] for a in agreements) for key in agreements[0]}  # the worst round
             for name, runs in rounds.items():
                 result[name] = {key: statistics.median(run[key] for run in runs)
                                 for key in runs[0] if key != "outputs"}
@@ -153,7 +175,8 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"{workload}: acceptance {ngram['acceptance_rate']:.2f}, tokens/forward {ngram['tokens_per_forward']:.2f},"
                   f" output tok/s {ngram['output_tokens_per_s']:.1f} vs {none['output_tokens_per_s']:.1f}"
                   f" (x{result['speedup_output_tokens_per_s']:.2f}, median of {args.repeats} A/B rounds),"
-                  f" ITL {ngram['itl_ms']:.1f} vs {none['itl_ms']:.1f} ms")
+                  f" ITL {ngram['itl_ms']:.1f} vs {none['itl_ms']:.1f} ms; outputs identical for"
+                  f" {result['identical_requests']:.0%} of requests")
     finally:
         for llm in llms.values():
             llm.shutdown()

@@ -70,10 +70,10 @@ PY
     ;;
   speculative-smollm2)  # issue 20: NGram drafts against none on SmolLM2 (a real acceptance rate), bf16
     for b in 1 4 8; do
-      "$PY" -m benchmarks.speculative --model smollm2-135m-instruct --device cuda --dtype bfloat16 \
+      "$PY" -m benchmarks.speculative --model "${SMOLLM2:-smollm2-135m-instruct}" --device cuda --dtype bfloat16 \
         --workloads repetitive --batch $b --max-tokens 256 --repeats 5 --json "$out/h200_smollm2_repetitive_b$b.json"
     done
-    "$PY" -m benchmarks.speculative --model smollm2-135m-instruct --device cuda --dtype bfloat16 --workloads default \
+    "$PY" -m benchmarks.speculative --model "${SMOLLM2:-smollm2-135m-instruct}" --device cuda --dtype bfloat16 --workloads default \
       --num-requests 64 --max-prompt-len 4096 --max-num-tokens 8192 --max-tokens 256 --repeats 3 \
       --json "$out/h200_smollm2_default.json"
     ;;
