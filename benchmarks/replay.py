@@ -44,7 +44,7 @@ import math
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 from benchmarks import replay_ranks, replay_report
 from benchmarks.replay_diagnosis import MECHANISMS, Overshoot, classify_claim, diagnose_overshoot
@@ -194,9 +194,10 @@ def describe_config(trace: Trace, spec: TraceSpec, settings: ReplaySettings, pol
 
 def run_replay(
     spec: TraceSpec, settings: ReplaySettings, policies: Sequence[str] = POLICIES, *, progress: bool = True,
+    on_policy: Callable[[ReplayResult], None] | None = None,
 ) -> ReplayResult:
     """Load the trace ``spec`` describes and replay it under each of ``policies``."""
-    return replay_trace(spec.load(settings), settings, policies, spec=spec, progress=progress)
+    return replay_trace(spec.load(settings), settings, policies, spec=spec, progress=progress, on_policy=on_policy)
 
 
 def replay_trace(
@@ -206,19 +207,31 @@ def replay_trace(
     *,
     spec: TraceSpec | None = None,
     progress: bool = True,
+    on_policy: Callable[[ReplayResult], None] | None = None,
 ) -> ReplayResult:
-    """Replay an in-memory ``trace`` under each policy, each on a fresh executor."""
+    """Replay an in-memory ``trace`` under each policy, each on a fresh executor.
+
+    ``on_policy``: called after each policy with the result of the policies replayed so far (a
+    long replay on a real engine that is stopped part-way keeps what it finished)."""
     if not len(trace):
         raise ValueError("the trace has no requests")
     if not policies:
         raise ValueError("no policy to replay")
     spec = spec or TraceSpec(path=None)
     max_seq_len = settings.max_seq_len(trace)
-    runs = {policy: replay_policy(trace, settings, policy, max_seq_len=max_seq_len, progress=progress) for policy in policies}
-    _utilization_before_crash(runs, settings.executor.max_num_tokens)
-    probe = settings.build_engine(policies[0], max_seq_len)  # only to describe it; nothing runs on it
-    engine = {**probe.description, "kv_bytes_per_token": probe.kv_bytes_per_token}
-    del probe
+    runs: dict[str, PolicyRun] = {}
+    engine: dict | None = None
+    for policy in policies:
+        runs[policy] = replay_policy(trace, settings, policy, max_seq_len=max_seq_len, progress=progress)
+        if engine is None:
+            # Built after the first run, not before: a settings subclass that records its first
+            # engine per policy (gpu_phase_b) must record the replayed one, not this probe.
+            probe = settings.build_engine(policies[0], max_seq_len)  # only to describe it; nothing runs on it
+            engine = {**probe.description, "kv_bytes_per_token": probe.kv_bytes_per_token}
+            del probe
+        _utilization_before_crash(runs, settings.executor.max_num_tokens)
+        if on_policy is not None and len(runs) < len(policies):
+            on_policy(ReplayResult(describe_config(trace, spec, settings, list(runs), engine), dict(runs), trace.notes))
     return ReplayResult(describe_config(trace, spec, settings, policies, engine), runs, trace.notes)
 
 
@@ -377,7 +390,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     layout = rank_layout(args)
     if layout is not None:
         return _main_on_ranks(args, spec, settings, policies, layout)
-    result = run_replay(spec, settings, policies)
+    partial = None if not args.json else (lambda so_far: replay_report.write_json(so_far, Path(args.json)))
+    result = run_replay(spec, settings, policies, on_policy=partial)  # the JSON grows policy by policy
     print(replay_report.format_report(result))
     if args.json:
         replay_report.write_json(result, Path(args.json))
