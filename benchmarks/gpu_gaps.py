@@ -8,7 +8,7 @@ launches: per phase (nested phases are listed under their parent's time too) and
 (the replay loop: arrivals, the clock).
 
     PYTHONPATH=. python -m benchmarks.gpu_gaps [--requests 150] [--policy recheck] [--top 8]
-        [--host-cache-blocks 512] [--json OUT.json]
+        [--host-cache-blocks 512] [--offload-ahead-blocks 0] [--json OUT.json]
 """
 
 from __future__ import annotations
@@ -119,6 +119,8 @@ def main(argv=None) -> int:
     p.add_argument("--top", type=int, default=8)
     p.add_argument("--host-cache-blocks", type=int, default=ReplaySettings.host_cache_blocks,
                    help="the host (offload) tier in blocks; 0 turns it off, to tell its copies' share of a gap")
+    p.add_argument("--offload-ahead-blocks", type=int, default=0,
+                   help="KvCacheConfig.offload_ahead_blocks: primary blocks kept free by offloading after each launch")
     p.add_argument("--json")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -127,8 +129,9 @@ def main(argv=None) -> int:
     spec = TraceSpec(num_requests=args.requests)
     trace = spec.load_for(vocab_size=32000, tokens_per_block=32)
     recorded: dict = {}
-    settings = TimelineSettings(engine="torch", model=args.model, device="cuda", recorded=recorded,
-                                host_cache_blocks=args.host_cache_blocks)
+    settings = TimelineSettings.from_options(
+        engine="torch", model=args.model, device="cuda", recorded=recorded, host_cache_blocks=args.host_cache_blocks,
+        kv_cache_config={"offload_ahead_blocks": args.offload_ahead_blocks})  # the rest: the replay's defaults
     replay_trace(trace, settings, [args.policy], spec=spec, progress=False)
     rows = gap_breakdown(recorded[args.policy], recorded["_host"][args.policy], args.top)
     for row in rows:
@@ -140,7 +143,7 @@ def main(argv=None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"policy": args.policy, "requests": args.requests, "host_cache_blocks": args.host_cache_blocks,
-                       "gaps": rows}, f, indent=1)
+                       "offload_ahead_blocks": args.offload_ahead_blocks, "gaps": rows}, f, indent=1)
     return 0
 
 

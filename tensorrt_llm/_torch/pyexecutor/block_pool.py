@@ -440,6 +440,14 @@ class BlockPool:
         self._serial = serial
 
     # ---- eviction -------------------------------------------------------------------
+    def offload_until(self, num_free: int) -> int:
+        """Evict least recently used cached blocks until ``num_free`` primary slots are free or
+        nothing cached is left, as an allocation would (each moves to the host tier); returns
+        how many were evicted. Only with a host tier: without one, eviction drops content."""
+        if not self.num_host_blocks:
+            raise ValueError("offload_until needs a host tier: without one, eviction drops the blocks")
+        return self._evict_until(num_free)
+
     def _evict_one(self) -> bool:
         """Free one primary slot from the LRU cached block; offload it if the host tier can take it."""
         return self._evict_until(len(self._free) + 1) > 0

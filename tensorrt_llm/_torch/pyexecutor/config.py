@@ -58,6 +58,12 @@ class KvCacheConfig:
     On a GPU, with neither size given, the pool takes ``free_gpu_memory_fraction`` of the device
     memory still free once the weights are loaded (upstream's default 0.9); the rest is left to
     activations, CUDA graphs and the allocator. On the CPU the fraction is not used.
+
+    ``offload_ahead_blocks`` (needs the host tier; 0, the default, turns it off): after each
+    launch the KV manager moves least recently used cached blocks to the host until this many
+    primary blocks are free. Their copies then run beside the forward just launched instead of
+    just before the forward that needs the slots (``KVCacheManager.offload_ahead``), at the price
+    of the reserve's share of the primary cache (its blocks stay matchable, from the host).
     """
 
     tokens_per_block: int = 32  # tokens per KV block, the unit of allocation and of prefix reuse
@@ -67,6 +73,7 @@ class KvCacheConfig:
     enable_partial_reuse: bool = True  # a partly matching block is copied and reused too
     host_cache_size: int = 0  # the host (offload) tier, in bytes; 0: none
     free_gpu_memory_fraction: float = 0.9  # GPU, neither size given: the share of free memory the pool takes
+    offload_ahead_blocks: int = 0  # with a host tier: primary blocks kept free by offloading after each launch
 
     def __post_init__(self) -> None:
         _positive("KvCacheConfig.tokens_per_block", self.tokens_per_block)
@@ -81,6 +88,8 @@ class KvCacheConfig:
             _positive("KvCacheConfig.num_blocks", self.num_blocks)
         if not isinstance(self.host_cache_size, int) or isinstance(self.host_cache_size, bool) or self.host_cache_size < 0:
             raise ValueError(f"KvCacheConfig.host_cache_size must be >= 0 bytes, got {self.host_cache_size!r}")
+        # Whether there is a host tier to offload to is checked where it is sized, by the KV manager.
+        _non_negative_int("KvCacheConfig.offload_ahead_blocks", self.offload_ahead_blocks)
 
     @property
     def is_sized(self) -> bool:

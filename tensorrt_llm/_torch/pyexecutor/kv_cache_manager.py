@@ -294,6 +294,12 @@ class KVCacheManager:
         self._stamps = itertools.count()
         self._claims: dict[int, PrefixClaim] = {}  # outstanding claims (pinned, not yet allocated)
         self._reserved = 0  # sum over sequences of the blocks they still need to completion
+        if config.offload_ahead_blocks and not 0 < config.offload_ahead_blocks < num_blocks:
+            raise ValueError(f"KvCacheConfig.offload_ahead_blocks={config.offload_ahead_blocks} must be below the"
+                             f" pool's {num_blocks} blocks")
+        if config.offload_ahead_blocks and not num_host_blocks:
+            raise ValueError(f"KvCacheConfig.offload_ahead_blocks={config.offload_ahead_blocks} needs a host tier of at"
+                             f" least one block; host_cache_size={config.host_cache_size} bytes holds none")
 
     # ---- queries --------------------------------------------------------------------
     @property
@@ -527,6 +533,25 @@ class KVCacheManager:
         self._reserved -= max(0, seq.reserve - seq.num_held)
         self.pool.release(seq.beam_blocks)
         self.pool.release(seq.blocks)  # leaves first: they become the oldest in LRU
+
+    def offload_ahead(self) -> int:
+        """Keep ``KvCacheConfig.offload_ahead_blocks`` primary blocks free: move least recently used
+        cached blocks to the host tier and start their copies now; returns how many moved (0: the
+        reserve is off, already free, or nothing cached is left).
+
+        The executor calls it after each launch. An allocation that finds free slots moves
+        nothing, so the tier's device-to-host copies then run beside the forward just launched
+        rather than right before the forward whose allocation would have evicted them (on CUDA
+        that forward waits, on the device, for every copy issued before it). Only unreferenced
+        blocks move, never one that a forward in flight or a claim holds; they stay in the
+        prefix tree, matchable from the host."""
+        reserve = self.config.offload_ahead_blocks
+        if not reserve or self.pool.num_free >= reserve:
+            return 0
+        moved = self.pool.offload_until(reserve)
+        if moved and self.storage is not None:
+            self.storage.flush()
+        return moved
 
     def check_integrity(self) -> None:
         """The leak oracle: free + cached + held partition the pool; no request holds a foreign block."""

@@ -224,6 +224,13 @@ class KVCacheStorage:
         self._any_busy = False
         self._busy_tables, self._busy = block_tables, None
 
+    def flush(self) -> None:
+        """Issue the pending offloads and onboards now, on the copy stream, rather than at the next
+        forward's :meth:`before_compute` (which would then wait for all of them). The host does
+        not wait; a no-op on the CPU or without a host tier."""
+        if self._copy_stream is not None:
+            self._issue_batch()
+
     def synchronize(self) -> None:
         """Wait on the host for every copy of the tier issued so far (tests; the step path never does)."""
         if self._copy_stream is not None:

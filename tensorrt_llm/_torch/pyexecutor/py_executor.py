@@ -242,7 +242,8 @@ class PyExecutor:
 
         The phases, in order (each takes what the one before returned): admit the arrivals,
         end the cancelled, schedule, prepare_resources, launch; then complete the previous
-        launch (overlap) or this one (sample, respond, update_resources); free. Returns the
+        launch (overlap) or this one (sample, respond, update_resources); free; offload ahead
+        (``KVCacheManager.offload_ahead``, when configured). Returns the
         iteration launched here; its statistics are published when its forward completes.
         """
         if arrivals is None:
@@ -269,6 +270,7 @@ class PyExecutor:
         elif not self.overlap:
             stats = self._complete_in_flight()
         self._free_finished()
+        self.kv_cache_manager.offload_ahead()  # after the launch: the host tier's copies run beside its forward
         return Iteration(launch, stats)
 
     def run_until_idle(self, max_iterations: int = 1_000_000) -> None:

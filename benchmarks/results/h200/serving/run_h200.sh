@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The H200 serving runs of benchmarks/results/h200/serving/README.md, one phase per device call.
 #   bash benchmarks/results/h200/serving/run_h200.sh PHASE OUT_DIR
-# PHASE: setup | cuda-tests | load RATES [DURATION_S] | smollm2 MODEL | faults DURATION_S [SERVE_FLAGS] | gaps [REQUESTS [HOST_CACHE_BLOCKS]]
+# PHASE: setup | cuda-tests | load RATES [DURATION_S] | smollm2 MODEL | faults DURATION_S [SERVE_FLAGS] | gaps [REQUESTS [HOST_CACHE_BLOCKS [OFFLOAD_AHEAD_BLOCKS]]]
 #        | phase-b [REQUESTS] | faults-bg DURATION_S | faults-wait | profile-gaps [REQUESTS]
 #        | speculative-smollm2 | speculative-nemo | replay-drafts-beams [REQUESTS]
 # faults-bg starts the fault soak detached (in /tmp/faults) so that a soak longer than one device call
@@ -53,9 +53,9 @@ case $phase in
   phase-b)  # the recheck replay with and without overlap: GPU idle, largest gaps, the refit cost model
     "$PY" -m benchmarks.gpu_phase_b --out "$out" --sections replay --policies recheck --requests "${1:-150}" 2>&1 | tail -40
     ;;
-  gaps)  # gaps [REQUESTS [HOST_CACHE_BLOCKS]]
+  gaps)  # gaps [REQUESTS [HOST_CACHE_BLOCKS [OFFLOAD_AHEAD_BLOCKS]]]
     "$PY" -m benchmarks.gpu_gaps --requests "${1:-150}" --policy recheck --top 10 --host-cache-blocks "${2:-512}" \
-      --json "$out/gaps.json" 2>&1 | tail -30
+      --offload-ahead-blocks "${3:-0}" --json "$out/gaps.json" 2>&1 | tail -30
     ;;
   profile-gaps)  # gaps under cProfile: where the host's time goes in the KV allocation and the launch
     timeout 300 "$PY" -m cProfile -o "$out/gaps.prof" -m benchmarks.gpu_gaps --requests "${1:-150}" --top 5 > "$out/gaps.txt" 2>&1

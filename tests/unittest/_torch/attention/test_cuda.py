@@ -286,10 +286,11 @@ def _tier_prompts() -> list[list[int]]:
     return prompts
 
 
-@pytest.mark.parametrize("graphs, overlap", [(True, True), (False, True), (True, False)])
-def test_host_tier_under_eviction_gives_the_cpu_tokens(graphs: bool, overlap: bool) -> None:
+@pytest.mark.parametrize("graphs, overlap, ahead", [(True, True, 0), (False, True, 0), (True, False, 0), (True, True, 12)])
+def test_host_tier_under_eviction_gives_the_cpu_tokens(graphs: bool, overlap: bool, ahead: int) -> None:
     """A pool of 40 blocks and a host tier: prefixes are offloaded and onboarded again while
-    forwards run (overlap), and the greedy tokens are the CPU's with a pool that never evicts."""
+    forwards run (overlap), and the greedy tokens are the CPU's with a pool that never evicts.
+    ``ahead``: ``offload_ahead_blocks``, whose copies run beside the forward just launched."""
     from tensorrt_llm._torch.pyexecutor.kv_storage import KVCacheStorage
 
     prompts = _tier_prompts()
@@ -301,7 +302,8 @@ def test_host_tier_under_eviction_gives_the_cpu_tokens(graphs: bool, overlap: bo
         max_num_tokens=96, tokens_per_block=8, num_blocks=40, max_batch_size=8,
         cuda_graph_config=CudaGraphConfig() if graphs else None, disable_overlap_scheduler=not overlap,
     )
-    kv_config = dataclasses.replace(config.kv_cache_config, host_cache_size=64 * bytes_per_block)
+    kv_config = dataclasses.replace(config.kv_cache_config, host_cache_size=64 * bytes_per_block,
+                                    offload_ahead_blocks=ahead)
     executor = create_py_executor(dataclasses.replace(config, kv_cache_config=kv_config), model=model)
     requests = [make_request(p, max_new_tokens=12) for p in prompts]
     for request in requests:

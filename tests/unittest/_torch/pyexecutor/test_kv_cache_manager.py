@@ -39,7 +39,7 @@ def manager(num_blocks=16, *, partial=True, host_blocks=0, block_hash=None) -> K
 FLOAT64_MODEL = LlamaConfig(dtype="float64")
 
 
-def tensor_manager(num_blocks=16, *, partial=True, host_blocks=0, block_hash=None) -> KVCacheManager:
+def tensor_manager(num_blocks=16, *, partial=True, host_blocks=0, block_hash=None, offload_ahead=0) -> KVCacheManager:
     """A manager with real K/V tensors shaped for the float64 tiny model."""
     model = LlamaForCausalLM(FLOAT64_MODEL)
     block_shape = model.kv_cache_shape(1, TPB)[1:]
@@ -49,6 +49,7 @@ def tensor_manager(num_blocks=16, *, partial=True, host_blocks=0, block_hash=Non
         num_blocks=num_blocks,
         enable_partial_reuse=partial,
         host_cache_size=host_blocks * bytes_per_block,
+        offload_ahead_blocks=offload_ahead,
     )
     config = ExecutorConfig(max_num_tokens=256, enable_chunked_prefill=True, kv_cache_config=kv_config)
     kv = create_kv_cache_manager(config, model=model, block_hash=block_hash)
@@ -335,6 +336,47 @@ def test_without_room_on_the_host_eviction_drops_the_block():
     assert kv.pool.num_host_cached == 1
     assert estimate(kv, a + [1]) == 4
     kv.check_integrity()
+
+
+def test_offload_ahead_keeps_the_reserve_free_and_the_moved_blocks_match_from_the_host():
+    kv = tensor_manager(num_blocks=8, host_blocks=8, offload_ahead=3)
+    a, b = tokens(8, seed=40), tokens(8, seed=41)
+    contents = {}
+    for prompt, seed in ((a, 5), (b, 6)):
+        request = hold(kv, prompt)
+        contents[tuple(prompt)] = write_random(kv.storage, kv.block_table(request), seed=seed)
+        compute(kv, request)
+        kv.free(request)
+    assert (kv.pool.num_free, kv.pool.num_cached) == (4, 4)
+    assert kv.offload_ahead() == 0, "the reserve is free already: nothing moves"
+
+    held = hold(kv, tokens(12, seed=42))  # takes 3 of the 4 free slots
+    table = kv.block_table(held)
+    assert kv.pool.num_free == 1 and kv.pool.num_offloads == 0
+    assert kv.offload_ahead() == 2
+    assert (kv.pool.num_free, kv.pool.num_cached, kv.pool.num_host_cached) == (3, 2, 2)
+    assert kv.pool.num_offloads == 2
+    assert kv.block_table(held) == table, "held blocks never move"
+    kv.check_integrity()
+
+    # a was used first, so its blocks moved (least recently used); they still match, from the host,
+    # and come back with their content.
+    assert estimate(kv, a + [1]) == 8
+    request = make_request(a + [1])
+    allocate(kv, request)
+    assert request.prepopulated_prompt_len == 8 and kv.pool.num_onboards == 2
+    for block_id, original in zip(kv.block_table(request)[:2], contents[tuple(a)].values()):
+        torch.testing.assert_close(read_block(kv.storage, block_id), original, rtol=0, atol=0)
+    kv.check_integrity()
+
+
+@pytest.mark.parametrize(
+    "num_blocks, host_blocks, ahead, problem",
+    [(8, 4, 8, "below the pool's 8 blocks"), (8, 0, 2, "needs a host tier")],
+)
+def test_offload_ahead_is_refused_where_it_cannot_work(num_blocks, host_blocks, ahead, problem):
+    with pytest.raises(ValueError, match=problem):
+        tensor_manager(num_blocks=num_blocks, host_blocks=host_blocks, offload_ahead=ahead)
 
 
 # ---- hash collisions ----------------------------------------------------------------

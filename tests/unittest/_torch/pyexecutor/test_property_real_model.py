@@ -63,6 +63,7 @@ class Workload:
     enable_chunked_prefill: bool
     num_blocks: int
     host_blocks: int
+    offload_ahead: int  # KvCacheConfig.offload_ahead_blocks (with a host tier only)
     capacity_policy: CapacitySchedulerPolicy
     chunking_policy: ContextChunkingPolicy
     max_tokens: int
@@ -78,6 +79,7 @@ class Workload:
         printer.text(
             f"Workload(tpb={self.tokens_per_block} max_num_tokens={self.max_num_tokens}"
             f" chunked={self.enable_chunked_prefill} blocks={self.num_blocks} host={self.host_blocks}"
+            f" ahead={self.offload_ahead}"
             f" {self.capacity_policy.value} {self.chunking_policy.value} max_tokens={self.max_tokens}"
             f" warm={[len(p) for p in self.warm]} probe={len(self.probe)} burst={[len(p) for p in self.burst]})"
         )
@@ -110,12 +112,15 @@ def workloads(draw) -> Workload:
     if not chunked:  # every prompt must fit a forward, also recomputed with its tokens after a pause
         budget = draw(st.integers(longest + max_tokens, longest + max_tokens + 2 * tpb))
     need = -(-(longest + max_tokens) // tpb)
+    num_blocks = draw(st.integers(need, 3 * need + 4))
+    host_blocks = draw(st.integers(0, 8)) if draw(st.booleans()) else 0
     return Workload(
         tokens_per_block=tpb,
         max_num_tokens=budget,
         enable_chunked_prefill=chunked,
-        num_blocks=draw(st.integers(need, 3 * need + 4)),
-        host_blocks=draw(st.integers(0, 8)) if draw(st.booleans()) else 0,
+        num_blocks=num_blocks,
+        host_blocks=host_blocks,
+        offload_ahead=draw(st.integers(0, min(num_blocks - 1, 4))) if host_blocks else 0,
         capacity_policy=draw(st.sampled_from(CapacitySchedulerPolicy)),
         chunking_policy=draw(st.sampled_from(ContextChunkingPolicy)),
         max_tokens=max_tokens,
@@ -145,6 +150,7 @@ def serve(workload: Workload, policy: str, reuse: bool, partial: bool, overlap: 
             enable_block_reuse=reuse,
             enable_partial_reuse=partial,
             host_cache_size=workload.host_blocks * block_bytes,
+            offload_ahead_blocks=workload.offload_ahead,
         ),
     )
     params = SamplingParams(max_tokens=workload.max_tokens)
