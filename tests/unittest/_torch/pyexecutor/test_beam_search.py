@@ -63,6 +63,16 @@ def next_logprobs(sequence: tuple[int, ...]) -> tuple[float, ...]:
     return tuple(torch.log_softmax(logits.double(), dim=-1).tolist())
 
 
+def greedy_reference(prompt: tuple[int, ...], steps: int) -> list[int]:
+    """Greedy decoding, every step recomputed from scratch."""
+    tokens, sequence = [], tuple(prompt)
+    for _ in range(steps):
+        logprobs = next_logprobs(sequence)
+        tokens.append(max(range(VOCAB), key=lambda t: logprobs[t]))
+        sequence += (tokens[-1],)
+    return tokens
+
+
 def penalized(cum: float, length: int, length_penalty: float) -> float:
     return cum if length_penalty == 0 or length == 1 else cum / length**length_penalty
 
@@ -117,15 +127,16 @@ def reference_beam_search(prompt, width, max_new, ends, length_penalty=0.0, earl
 
 
 def serve(requests: list[LlmRequest], *, tokens_per_block: int, max_num_tokens: int = 64, reuse: bool = True,
-          chunked: bool = False, blocks: int = 256, **options):
-    """Run ``requests`` together through a torch executor; their final responses, by request id."""
+          chunked: bool = False, blocks: int = 256, on_model: LlamaForCausalLM | None = None, **options):
+    """Run ``requests`` together through a torch executor (over ``on_model``, by default the CPU
+    reference's model); their final responses by request id, and the executor."""
     config = ExecutorConfig(
         max_num_tokens=max_num_tokens, max_batch_size=16, max_seq_len=128, enable_chunked_prefill=chunked,
         kv_cache_config=KvCacheConfig(tokens_per_block=tokens_per_block, max_tokens=blocks * tokens_per_block,
                                       enable_block_reuse=reuse),
         **options,
     )
-    executor = create_py_executor(config, model=model())
+    executor = create_py_executor(config, model=on_model or model())
     final = {}
     for request in requests:
         executor.enqueue_request(request, lambda r, response: final.__setitem__(r.request_id, response)
@@ -195,15 +206,8 @@ def test_beams_with_chunked_prefill_plain_requests_and_reuse(overlap):
     assert executor.overlap is overlap
     assert_same_beams(final[requests[0].request_id], reference_beam_search(prompt, 3, 5, set()), "chunked")
     assert_same_beams(final[requests[2].request_id], reference_beam_search(prompt[:17], 2, 4, {0}), "end id 0")
-    greedy = []
-    sequence = prompt[:9]
-    for _ in range(5):
-        logprobs = next_logprobs(sequence)
-        token = max(range(VOCAB), key=lambda t: logprobs[t])
-        greedy.append(token)
-        sequence += (token,)
     assert final[requests[1].request_id].error is None
-    assert requests[1].output_token_ids == greedy
+    assert requests[1].output_token_ids == greedy_reference(prompt[:9], 5)
 
 
 def test_a_whole_vocabulary_of_beams_equals_an_exhaustive_search_over_two_steps():

@@ -2,10 +2,10 @@
 graphs and the overlap scheduler on (the defaults there), equal the CPU reference of
 ``test_beam_search``, which recomputes every beam's whole sequence without a KV cache.
 
-The model is the same tiny-random float64 one, moved to the GPU; float64 takes the per-chunk SDPA
-kernels there, so GPU and reference differ by summation order alone. Greedy requests served in the
-same batches are the greedy reference's, so the graph-replayed decode steps (greedy alone) and the
-eager beam steps agree on one KV pool.
+The model is the same tiny-random float64 one, moved to the GPU; float64 takes the torch
+attention kernels there, so GPU and reference differ by summation order alone. Greedy requests
+served in the same batches are the greedy reference's, so the graph-replayed decode steps (greedy
+alone) and the eager beam steps agree on one KV pool.
 """
 
 from __future__ import annotations
@@ -16,19 +16,10 @@ import itertools
 
 import pytest
 import torch
-from test_beam_search import (
-    PROMPTS,
-    VOCAB,
-    assert_same_beams,
-    beam_request,
-    model,
-    next_logprobs,
-    reference_beam_search,
-)
+from test_beam_search import PROMPTS, assert_same_beams, beam_request, greedy_reference, model, reference_beam_search, serve
 
-from tensorrt_llm._torch.pyexecutor.config import CudaGraphConfig, ExecutorConfig, KvCacheConfig
+from tensorrt_llm._torch.pyexecutor.config import CudaGraphConfig
 from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequest
-from tensorrt_llm._torch.pyexecutor.py_executor_creator import create_py_executor
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -39,43 +30,17 @@ def _gpu_model():
     return copy.deepcopy(model()).to("cuda")
 
 
-def _serve_on_gpu(requests: list[LlmRequest], *, tokens_per_block: int, overlap: bool, max_num_tokens: int = 64):
-    """``requests`` served together by an executor whose model is on the GPU; final responses by id."""
-    config = ExecutorConfig(
-        max_num_tokens=max_num_tokens, max_batch_size=16, max_seq_len=128, enable_chunked_prefill=True,
-        kv_cache_config=KvCacheConfig(tokens_per_block=tokens_per_block, max_tokens=256 * tokens_per_block),
-        cuda_graph_config=CudaGraphConfig(), disable_overlap_scheduler=not overlap,
-    )
-    executor = create_py_executor(config, model=_gpu_model())
-    assert executor.overlap is overlap
-    final = {}
-    for request in requests:
-        executor.enqueue_request(request, lambda r, response: final.__setitem__(r.request_id, response)
-                                 if response.finished else None)
-    executor.run_until_idle()
-    executor.kv_cache_manager.check_integrity()
-    assert executor.kv_cache_manager.pool.stats().num_held == 0, "blocks still held after the drain"
-    return final
-
-
-def _greedy(prompt: tuple[int, ...], steps: int) -> list[int]:
-    tokens, sequence = [], tuple(prompt)
-    for _ in range(steps):
-        logprobs = next_logprobs(sequence)
-        tokens.append(max(range(VOCAB), key=lambda t: logprobs[t]))
-        sequence += (tokens[-1],)
-    return tokens
-
-
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
 @pytest.mark.parametrize("tokens_per_block,width", [(4, 2), (16, 4), (1, 3)])
 def test_beams_on_the_gpu_equal_the_reference(tokens_per_block: int, width: int, overlap: bool) -> None:
     beams = [beam_request(p, width, 6, end_id=7, num_return_sequences=width) for p in PROMPTS]
     greedy_prompt = tuple(itertools.islice(itertools.cycle((1, 4, 2, 5, 3)), 11))
     greedy = LlmRequest(list(greedy_prompt), max_new_tokens=8, end_id=None)
-    final = _serve_on_gpu([*beams, greedy], tokens_per_block=tokens_per_block, overlap=overlap)
+    final, executor = serve([*beams, greedy], tokens_per_block=tokens_per_block, chunked=True, on_model=_gpu_model(),
+                            cuda_graph_config=CudaGraphConfig(), disable_overlap_scheduler=not overlap)
+    assert executor.overlap is overlap
     for prompt, request in zip(PROMPTS, beams):
         expected = reference_beam_search(prompt, width, 6, {7})
         assert_same_beams(final[request.request_id], expected, f"GPU, prompt {prompt}, {width} beams")
     assert final[greedy.request_id].error is None
-    assert greedy.output_token_ids == _greedy(greedy_prompt, 8)
+    assert greedy.output_token_ids == greedy_reference(greedy_prompt, 8)
