@@ -20,6 +20,7 @@ with a tokenizer stops at its end of text; a random-weight one generates ``--max
     python -m benchmarks.speculative [--model smollm2-135m-instruct] [--workloads repetitive,default]
         [--batch 4] [--max-tokens 96] [--max-draft-len 4] [--max-matching-ngram-size 3]
         [--num-requests 16] [--max-prompt-len 512] [--repeats 3] [--device auto] [--kv-memory-fraction 0.4]
+        [--max-concurrency N] [--acceptance-rate-threshold X --acceptance-rate-window-size N]
         [--json OUT.json]
 """
 
@@ -124,6 +125,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--max-prompt-len", type=int, default=512, help="default workload: prompts cut to this")
     parser.add_argument("--max-num-tokens", type=int, default=2048)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--max-concurrency", type=int, default=None,
+                        help="SpeculativeConfig.max_concurrency: no drafts above this many generation requests")
+    parser.add_argument("--acceptance-rate-threshold", type=float, default=None,
+                        help="SpeculativeConfig: speculation off for good below this acceptance (with the window)")
+    parser.add_argument("--acceptance-rate-window-size", type=int, default=None)
     parser.add_argument("--kv-memory-fraction", type=float, default=0.4,
                         help="on a GPU, each LLM's KV pool takes this share of the memory free when it starts: the two "
                              "LLMs (with and without drafts) share the device, and the second needs room for its weights")
@@ -132,7 +138,9 @@ def main(argv: list[str] | None = None) -> dict:
 
     common = dict(dtype=args.dtype, device=args.device, max_num_tokens=args.max_num_tokens, max_batch_size=64,
                   enable_chunked_prefill=True, kv_cache_config=KvCacheConfig(tokens_per_block=32, free_gpu_memory_fraction=args.kv_memory_fraction))
-    spec = SpeculativeConfig(max_draft_len=args.max_draft_len, max_matching_ngram_size=args.max_matching_ngram_size)
+    spec = SpeculativeConfig(max_draft_len=args.max_draft_len, max_matching_ngram_size=args.max_matching_ngram_size,
+                             max_concurrency=args.max_concurrency, acceptance_rate_threshold=args.acceptance_rate_threshold,
+                             acceptance_rate_window_size=args.acceptance_rate_window_size)
     llms = {"ngram": LLM(args.model, speculative_config=spec, **common), "none": LLM(args.model, **common)}
     # A model with a tokenizer stops at its end of text (past it, SmolLM2 starts a new conversation
     # that repeats nothing: not the workload); a random-weight model generates max_tokens.

@@ -20,11 +20,19 @@ again with them; :meth:`Drafter.withdraw` otherwise): the drafter then sets its
 ``max_draft_len`` and marks its first generation step a first draft. Every other request runs
 exactly as without speculation. Greedy verification makes the outputs equal to those without
 drafts, token for token: only the number of forwards changes.
+
+Speculation that does not pay stops (``SpeculativeConfig``): above ``max_concurrency``
+generation requests an iteration gets no drafts, and once the acceptance over the last
+``acceptance_rate_window_size`` iterations with drafts is below ``acceptance_rate_threshold``
+(the executor reports each iteration's drafts to :meth:`Drafter.observe`) the drafter withdraws
+every request and admits no more.
 """
 
 from __future__ import annotations
 
 import abc
+import collections
+import logging
 from typing import Iterable
 
 import numpy as np
@@ -34,6 +42,8 @@ from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequest, LlmRequestSta
 from tensorrt_llm._torch.speculative.ngram import propose_ngram_drafts
 
 _CONTEXT_INIT = LlmRequestState.CONTEXT_INIT
+
+logger = logging.getLogger(__name__)
 
 
 class Drafter(abc.ABC):
@@ -45,6 +55,25 @@ class Drafter(abc.ABC):
     def __init__(self, config: SpeculativeConfig, max_seq_len: int) -> None:
         self.config = config
         self.max_seq_len = max_seq_len
+        self.enabled = True  # False for good once the acceptance fell below the threshold
+        # (verified, accepted) of the last iterations that verified drafts
+        self._window: collections.deque[tuple[int, int]] = collections.deque(maxlen=config.acceptance_rate_window_size)
+
+    def observe(self, verified: int, accepted: int) -> None:
+        """One iteration's drafts: ``verified`` draft tokens checked, ``accepted`` of them kept.
+        With ``acceptance_rate_threshold``, a full window of iterations with drafts whose
+        acceptance is below it turns speculation off for good (from the next iteration)."""
+        threshold = self.config.acceptance_rate_threshold
+        if threshold is None or not verified or not self.enabled:
+            return
+        self._window.append((verified, accepted))
+        if len(self._window) < self._window.maxlen:
+            return
+        total, kept = map(sum, zip(*self._window))
+        if kept < threshold * total:
+            self.enabled = False
+            logger.info("speculation off: acceptance %.3f over the last %d iterations with drafts is below %s",
+                        kept / total, len(self._window), threshold)
 
     def admit(self, request: LlmRequest) -> bool:
         """Make ``request`` speculative if it can be: greedy, one beam, no drafts of its own,
@@ -57,7 +86,8 @@ class Drafter(abc.ABC):
         (``ForwardOutput.draft_targets``) before ``accept_greedy``."""
         max_draft_len = self.config.max_draft_len
         eligible = (
-            request.sampling_config.is_greedy
+            self.enabled
+            and request.sampling_config.is_greedy
             and not request.needs_host_logits
             and request.beam_width == 1
             and not request.max_draft_len
@@ -70,8 +100,10 @@ class Drafter(abc.ABC):
         return eligible
 
     def withdraw(self, request: LlmRequest) -> None:
-        """Undo :meth:`admit` (before the request is scheduled): it runs without speculation,
-        e.g. when its draft slots would not fit the executor's limits."""
+        """Undo :meth:`admit`: from its next schedule on the request runs without speculation,
+        e.g. when its draft slots would not fit the executor's limits, or speculation stopped.
+        Between iterations it holds KV for its tokens only (rejected drafts' slots were trimmed),
+        and its reserve to completion stays as allocated (counted with the draft slots)."""
         request.max_draft_len = 0
         request.is_first_draft = False
         request.py_draft_tokens = []
@@ -82,12 +114,21 @@ class Drafter(abc.ABC):
 
         A request in its prompt gets none (its chunks are the scheduler's to size), and no
         request gets more drafts than the tokens it may still generate after the one its next
-        step yields anyway: a draft past ``max_total_len`` could only be thrown away.
+        step yields anyway: a draft past ``max_total_len`` could only be thrown away. Above
+        ``max_concurrency`` generation requests none gets drafts (a first draft still runs padded
+        to ``1 + max_draft_len``, as it is charged); once speculation is off, every request is
+        withdrawn.
         """
-        for request in requests:
-            if not request.max_draft_len:
-                continue
-            if request.state is _CONTEXT_INIT:
+        requests = list(requests)
+        speculative = [request for request in requests if request.max_draft_len]
+        if not self.enabled:
+            for request in speculative:
+                self.withdraw(request)
+            return
+        limit = self.config.max_concurrency
+        crowded = limit is not None and sum(r.state is not _CONTEXT_INIT for r in requests) > limit
+        for request in speculative:
+            if request.state is _CONTEXT_INIT or crowded:
                 request.py_draft_tokens = []
                 continue
             room = min(request.max_draft_len, request.max_total_len - len(request.tokens) - 1)

@@ -79,6 +79,8 @@ class Workload:
     period: int
     phase: int
     overlap: bool
+    max_concurrency: int | None  # SpeculativeConfig: no drafts above this many generation requests
+    acceptance: tuple[float, int] | None  # SpeculativeConfig: (acceptance_rate_threshold, window_size)
     warm: tuple[tuple[int, ...], ...]
     burst: tuple[tuple[tuple[int, ...], int, int | None], ...]  # (prompt, max_tokens, end_id index in the reference)
 
@@ -88,6 +90,7 @@ class Workload:
             f" chunked={self.chunked} blocks={self.num_blocks} reuse={self.reuse}/{self.partial}"
             f" {self.capacity.value} {self.chunking.value} max_draft_len={self.max_draft_len} {self.drafter}"
             f" wrong at (7p + id) % {self.period} == {self.phase} overlap={self.overlap}"
+            f" max_concurrency={self.max_concurrency} acceptance={self.acceptance}"
             f" warm={[len(p) for p in self.warm]} burst={[(len(p), n, e) for p, n, e in self.burst]})"
         )
 
@@ -131,6 +134,8 @@ def workloads(draw) -> Workload:
         period=draw(st.integers(2, 6)),
         phase=draw(st.integers(0, 5)),
         overlap=draw(st.integers(0, 3)) == 0,
+        max_concurrency=draw(st.none() | st.integers(1, 4)),
+        acceptance=draw(st.none() | st.tuples(st.sampled_from([0.3, 0.6, 0.9]), st.integers(1, 3))),
         warm=warm,
         burst=tuple(burst),
     )
@@ -146,7 +151,10 @@ def expected(prompt: tuple[int, ...], max_tokens: int, end_at: int | None) -> tu
 
 
 def serve(workload: Workload) -> tuple[ExecutorChecker, list[tuple[LlmRequest, tuple[int, ...]]]]:
-    spec = SpeculativeConfig(max_draft_len=workload.max_draft_len, max_matching_ngram_size=2)
+    threshold, window = workload.acceptance or (None, None)
+    spec = SpeculativeConfig(max_draft_len=workload.max_draft_len, max_matching_ngram_size=2,
+                             max_concurrency=workload.max_concurrency, acceptance_rate_threshold=threshold,
+                             acceptance_rate_window_size=window)
     config = ExecutorConfig(
         max_num_tokens=workload.max_num_tokens,
         max_batch_size=8,
@@ -209,5 +217,7 @@ def test_greedy_outputs_with_drafts_equal_greedy_decoding_under_every_policy(wor
         event("reference drafts: some accepted" if accepted else "reference drafts: none accepted")
     if checker.num_budget_deferrals:
         event("budget deferrals")
+    if not checker.executor.drafter.enabled:
+        event("speculation turned off part-way")
     if any(s.reuse_claimed_tokens for s in stats):
         event("reuse claimed")

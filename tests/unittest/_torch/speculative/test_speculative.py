@@ -12,7 +12,7 @@ import yaml
 from tensorrt_llm._torch.models.modeling_llama import MODEL_PRESETS
 from tensorrt_llm._torch.pyexecutor.config import DecodingType, ExecutorConfig, KvCacheConfig, SpeculativeConfig
 from tensorrt_llm._torch.pyexecutor.drafter import Drafter
-from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequest
+from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequest, LlmRequestState
 from tensorrt_llm._torch.pyexecutor.py_executor_creator import create_py_executor
 from tensorrt_llm._torch.speculative.ngram import propose_ngram_drafts
 from tensorrt_llm._torch.speculative.verification import accept_greedy
@@ -206,3 +206,82 @@ def test_drafts_share_forwards_with_prompt_logprobs_and_requests_that_need_their
     assert [e.token for e in got] == [e.token for e in want]
     assert [e.logprob for e in got] == pytest.approx([e.logprob for e in want], abs=1e-9)
     assert sum(s.num_draft_tokens for s in stats) > 0
+
+
+# ---- speculation that does not pay stops (SpeculativeConfig's upstream fields) ------------------
+
+
+@pytest.mark.parametrize(
+    "fields, problem",
+    [({"acceptance_rate_threshold": 0.5}, "together"), ({"acceptance_rate_window_size": 4}, "together"),
+     ({"acceptance_rate_threshold": 1.5, "acceptance_rate_window_size": 4}, r"\[0, 1\]"),
+     ({"acceptance_rate_threshold": 0.5, "acceptance_rate_window_size": 0}, "window_size"),
+     ({"max_concurrency": 0}, "max_concurrency")],
+)
+def test_speculation_limits_refuse_what_they_cannot_mean(fields, problem):
+    with pytest.raises(ValueError, match=problem):
+        SpeculativeConfig(**fields)
+
+
+class _NoDrafter(Drafter):
+    def propose(self, request: LlmRequest, max_drafts: int) -> list[int]:
+        return [0] * max_drafts
+
+
+def _generating(n: int) -> list[LlmRequest]:
+    requests = [LlmRequest([1, 2, 3], max_new_tokens=8) for _ in range(n)]
+    drafter = _NoDrafter(SpeculativeConfig(max_draft_len=2), 128)
+    for request in requests:
+        assert drafter.admit(request)
+        request.complete_context_chunk(request.prompt_len)
+        request.state = LlmRequestState.GENERATION_IN_PROGRESS  # as the executor moves it on
+    return requests
+
+
+def test_above_max_concurrency_an_iteration_gets_no_drafts():
+    drafter = _NoDrafter(SpeculativeConfig(max_draft_len=2, max_concurrency=2), 128)
+    requests = _generating(3)
+    drafter.prepare_draft_tokens(requests)
+    assert [r.py_draft_tokens for r in requests] == [[], [], []]
+    drafter.prepare_draft_tokens(requests[:2])
+    assert [r.py_draft_tokens for r in requests[:2]] == [[0, 0], [0, 0]]
+    assert all(r.max_draft_len == 2 for r in requests), "still speculative: only this iteration is skipped"
+
+
+def test_a_window_of_low_acceptance_turns_speculation_off_for_good():
+    config = SpeculativeConfig(max_draft_len=2, acceptance_rate_threshold=0.5, acceptance_rate_window_size=3)
+    drafter = _NoDrafter(config, 128)
+    requests = _generating(2)
+    for verified, accepted in ((4, 0), (0, 0), (4, 4)):  # an iteration without drafts is not counted
+        drafter.observe(verified, accepted)
+    assert drafter.enabled, "the window is not full yet"
+    drafter.observe(4, 1)  # 5 of 12 accepted: below one half
+    assert not drafter.enabled
+    drafter.prepare_draft_tokens(requests)
+    assert all(r.max_draft_len == 0 and not r.is_first_draft and not r.py_draft_tokens for r in requests)
+    assert not drafter.admit(LlmRequest([1, 2, 3], max_new_tokens=8))
+    drafter.observe(4, 4)
+    assert not drafter.enabled, "off for good"
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+def test_speculation_that_does_not_pay_stops_and_the_outputs_stay_greedy():
+    """The n-gram drafter on tiny-random, whose drafts are often wrong: once an iteration's
+    acceptance is below the threshold speculation stops, the requests run on without drafts,
+    and the tokens are those of plain greedy decoding."""
+    prompts = [[5, 6, 7, 8, 9, 10] * 3, [1, 2, 3, 4] * 3 + [1], [3, 9, 27, 11, 4]]
+    params = SamplingParams(max_tokens=24)
+    plain, _ = serve(prompts, params)
+    always = SpeculativeConfig(max_draft_len=3, max_matching_ngram_size=2)
+    _, stats = serve(prompts, params, speculative_config=always)
+    verified = sum(s.num_draft_tokens for s in stats)
+    assert verified > sum(s.num_accepted_draft_tokens for s in stats), "every draft accepted: nothing to stop"
+    last_always = max(i for i, s in enumerate(stats) if s.num_draft_tokens)
+    # threshold 1, window 1: the first iteration with a rejected draft stops speculation
+    spec = dataclasses.replace(always, acceptance_rate_threshold=1.0, acceptance_rate_window_size=1)
+    speculative, stats = serve(prompts, params, speculative_config=spec)
+    assert speculative == plain
+    with_drafts = [i for i, s in enumerate(stats) if s.num_draft_tokens]
+    assert with_drafts, "the drafter found matches: the test tests nothing otherwise"
+    first_rejection = next(i for i in with_drafts if stats[i].num_accepted_draft_tokens < stats[i].num_draft_tokens)
+    assert with_drafts[-1] == first_rejection < last_always, "no drafts after the first rejection"
