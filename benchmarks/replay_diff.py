@@ -7,8 +7,9 @@ and after it (``python -m benchmarks.replay ... --json OUT.json``) and compare::
 
 Exit status 0 when every policy present in both files has the same metrics (``wall_s``
 left out), 1 otherwise, with one line per differing metric. Policies in only one file are
-named and skipped; ``budget_utilization_before_crash`` is compared only when both files hold
-the same policies (it is taken over the forwards before the first crash among them).
+named and skipped, and so are metrics in only one file (a newer replay reports more, e.g.
+``errors``); ``budget_utilization_before_crash`` is compared only when both files hold the same
+policies (it is taken over the forwards before the first crash among them).
 """
 
 from __future__ import annotations
@@ -28,10 +29,11 @@ def differences(before: dict, after: dict) -> list[str]:
     ignored = TIMING_KEYS if set(a) == set(b) else TIMING_KEYS | _CROSS_POLICY_KEYS
     lines = [f"{policy}: only in {'before' if policy in a else 'after'}" for policy in sorted(set(a) ^ set(b))]
     for policy in (p for p in a if p in b):
-        for key in sorted((set(a[policy]) | set(b[policy])) - ignored):
-            old, new = a[policy].get(key), b[policy].get(key)
-            if old != new:
-                lines.append(f"{policy} {key}: {old!r} != {new!r}")
+        lines += [f"{policy} {key}: only in {'before' if key in a[policy] else 'after'}"
+                  for key in sorted((set(a[policy]) ^ set(b[policy])) - ignored)]
+        for key in sorted((set(a[policy]) & set(b[policy])) - ignored):
+            if a[policy][key] != b[policy][key]:
+                lines.append(f"{policy} {key}: {a[policy][key]!r} != {b[policy][key]!r}")
     return lines
 
 

@@ -28,6 +28,14 @@ def test_policies_in_one_file_only_are_named_and_cross_policy_figures_skipped():
     assert differences(_replay(), after) == ["fit: only in before"]
 
 
+def test_a_metric_only_a_newer_replay_reports_is_named_and_skipped(tmp_path):
+    assert differences(_replay(), _replay(errors={})) == ["recheck errors: only in after"]
+    before, after = tmp_path / "before.json", tmp_path / "after.json"
+    before.write_text(json.dumps(_replay()))
+    after.write_text(json.dumps(_replay(errors={})))
+    assert main([str(before), str(after)]) == 0
+
+
 def test_exit_status(tmp_path):
     before, after = tmp_path / "before.json", tmp_path / "after.json"
     before.write_text(json.dumps(_replay()))
