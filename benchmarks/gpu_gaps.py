@@ -43,6 +43,7 @@ _PHASES = (
     ("", "_update_requests", "sample+respond", True),
     ("kv_cache_manager", "commit", "kv commit", True),
     ("", "_free_finished", "free_finished", False),
+    ("kv_cache_manager", "offload_ahead", "offload ahead", False),  # after the launch (offload_ahead_blocks)
 )
 _NESTED = frozenset(label for _, _, label, nested in _PHASES if nested)
 

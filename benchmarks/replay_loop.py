@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import gc
 import math
+import re
 import sys
 import time
 from array import array
@@ -92,6 +93,16 @@ class ReplayResult:
         return {"config": self.config, "results": {name: run.metrics for name, run in self.runs.items()}}
 
 
+def _error_kind(request: LlmRequest, response: Response) -> str:
+    """Why a request did not complete, with its numbers (request id, lengths) as N so that the
+    same failure of many requests counts once."""
+    if request.is_cancelled:
+        return "cancelled"
+    if response.error is None:
+        return request.state.name
+    return re.sub(r"\d+", "N", str(response.error))
+
+
 class _Outcomes:
     """Per-request outcomes, filled from final responses; no request object is kept."""
 
@@ -106,7 +117,7 @@ class _Outcomes:
         self.capacity_deferrals = 0
         self.completed = 0
         self.errored = 0
-        self.error_of: dict[int, str] = {}  # an errored request's slot -> why it failed
+        self.error_of: dict[int, str] = {}  # an errored request's slot -> why it failed (_error_kind)
         self.output_tokens = 0
         self.in_context = 0  # injected requests that have had no response yet (still in their prompt)
         self._silent = bytearray(num_requests)
@@ -136,7 +147,7 @@ class _Outcomes:
             else:
                 self.status[slot] = 2
                 self.errored += 1
-                self.error_of[slot] = str(response.error) if response.error is not None else request.state.name
+                self.error_of[slot] = _error_kind(request, response)
 
         return record
 

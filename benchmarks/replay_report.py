@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from benchmarks.replay_loop import ReplayResult
@@ -66,7 +67,9 @@ def write_json(result: ReplayResult, path: Path) -> None:
     errors = schema_errors(document)
     if errors:  # a bug in the replay, not in the user's input
         raise AssertionError("replay JSON breaks DESIGN.md §5: " + "; ".join(errors))
-    path.write_text(json.dumps(document, indent=2, allow_nan=False) + "\n")
+    partial = path.with_name(path.name + ".partial")  # replaced whole: a run killed mid-write keeps the last file
+    partial.write_text(json.dumps(document, indent=2, allow_nan=False) + "\n")
+    os.replace(partial, path)
 
 
 def _mechanisms(metrics: dict) -> str:

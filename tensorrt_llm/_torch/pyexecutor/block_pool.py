@@ -442,8 +442,9 @@ class BlockPool:
     # ---- eviction -------------------------------------------------------------------
     def offload_until(self, num_free: int) -> int:
         """Evict least recently used cached blocks until ``num_free`` primary slots are free or
-        nothing cached is left, as an allocation would (each moves to the host tier); returns
-        how many were evicted. Only with a host tier: without one, eviction drops content."""
+        nothing cached is left, as an allocation would: each moves to the host tier, or, when no
+        host slot can be had (every host block held), leaves the tree. Returns how many were
+        evicted. Only with a host tier: without one, every eviction would drop content."""
         if not self.num_host_blocks:
             raise ValueError("offload_until needs a host tier: without one, eviction drops the blocks")
         return self._evict_until(num_free)

@@ -115,9 +115,9 @@ class Drafter(abc.ABC):
         A request in its prompt gets none (its chunks are the scheduler's to size), and no
         request gets more drafts than the tokens it may still generate after the one its next
         step yields anyway: a draft past ``max_total_len`` could only be thrown away. Above
-        ``max_concurrency`` generation requests none gets drafts (a first draft still runs padded
-        to ``1 + max_draft_len``, as it is charged); once speculation is off, every request is
-        withdrawn.
+        ``max_concurrency`` generation requests none gets drafts, and a first draft due now is
+        dropped (its step runs one position, and is charged one); the requests stay speculative,
+        so they still run without overlap. Once speculation is off, every request is withdrawn.
         """
         requests = list(requests)
         speculative = [request for request in requests if request.max_draft_len]
@@ -126,10 +126,14 @@ class Drafter(abc.ABC):
                 self.withdraw(request)
             return
         limit = self.config.max_concurrency
-        crowded = limit is not None and sum(r.state is not _CONTEXT_INIT for r in requests) > limit
+        skip_drafts_this_iteration = limit is not None and sum(r.state is not _CONTEXT_INIT for r in requests) > limit
         for request in speculative:
-            if request.state is _CONTEXT_INIT or crowded:
+            if request.state is _CONTEXT_INIT:
                 request.py_draft_tokens = []
+                continue
+            if skip_drafts_this_iteration:
+                request.py_draft_tokens = []
+                request.is_first_draft = False  # no padded first draft either: its next step is one position
                 continue
             room = min(request.max_draft_len, request.max_total_len - len(request.tokens) - 1)
             if room < 1:

@@ -440,6 +440,9 @@ class KVCacheManager:
             seq = self._sequences[work.request_id]
             if work.beam_width > 1:  # every beam writes its next position in a block of its own
                 return _STEP if self._grow_beams(work, seq) else None
+            # A request the drafter withdrew (Drafter.withdraw) is plain from now on: its steps
+            # take the fast path of prepare_resources again.
+            seq.plain = seq.plain or not work.max_draft_len
             return _STEP if self._grow(work, seq, self._generation_len(work)) else None
         seq = self._sequences.get(work.request.request_id)
         if seq is None:

@@ -697,7 +697,7 @@ class PyExecutor:
     ) -> IterationStats:
         """The iteration is over: make its statistics, once, and publish them."""
         completion = Completion(self.clock(), len(self.active_requests), drafts, failure)
-        if self.drafter is not None:  # whether speculation pays (SpeculativeConfig.acceptance_rate_threshold)
+        if self.drafter is not None and failure is None:  # whether speculation pays (acceptance_rate_threshold)
             self.drafter.observe(drafts.verified, drafts.accepted)
         stats = make_stats(launch, completion)
         self._stats.append(stats)

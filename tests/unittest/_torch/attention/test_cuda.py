@@ -305,6 +305,9 @@ def test_host_tier_under_eviction_gives_the_cpu_tokens(graphs: bool, overlap: bo
     kv_config = dataclasses.replace(config.kv_cache_config, host_cache_size=64 * bytes_per_block,
                                     offload_ahead_blocks=ahead)
     executor = create_py_executor(dataclasses.replace(config, kv_cache_config=kv_config), model=model)
+    kv, moved_ahead = executor.kv_cache_manager, []
+    offload_ahead = kv.offload_ahead
+    kv.offload_ahead = lambda: moved_ahead.append(offload_ahead()) or moved_ahead[-1]  # counted
     requests = [make_request(p, max_new_tokens=12) for p in prompts]
     for request in requests:
         executor.enqueue_request(request)
@@ -312,6 +315,7 @@ def test_host_tier_under_eviction_gives_the_cpu_tokens(graphs: bool, overlap: bo
     assert all(r.error is None for r in requests), [r.error for r in requests]
     pool = executor.kv_cache_manager.pool
     assert pool.num_offloads > 0 and pool.num_onboards > 0, (pool.num_offloads, pool.num_onboards)
+    assert (sum(moved_ahead) > 0) == (ahead > 0), "offload_ahead moved blocks exactly when a reserve is set"
     assert [r.output_token_ids for r in requests] == cpu
 
 

@@ -120,7 +120,7 @@ def workloads(draw) -> Workload:
         enable_chunked_prefill=chunked,
         num_blocks=num_blocks,
         host_blocks=host_blocks,
-        offload_ahead=draw(st.integers(0, min(num_blocks - 1, 4))) if host_blocks else 0,
+        offload_ahead=draw(st.integers(0, num_blocks - 1)) if host_blocks else 0,
         capacity_policy=draw(st.sampled_from(CapacitySchedulerPolicy)),
         chunking_policy=draw(st.sampled_from(ContextChunkingPolicy)),
         max_tokens=max_tokens,

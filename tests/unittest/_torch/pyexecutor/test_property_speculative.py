@@ -135,7 +135,7 @@ def workloads(draw) -> Workload:
         phase=draw(st.integers(0, 5)),
         overlap=draw(st.integers(0, 3)) == 0,
         max_concurrency=draw(st.none() | st.integers(1, 4)),
-        acceptance=draw(st.none() | st.tuples(st.sampled_from([0.3, 0.6, 0.9]), st.integers(1, 3))),
+        acceptance=draw(st.none() | st.tuples(st.sampled_from([0.3, 0.9, 1.0]), st.integers(1, 3))),
         warm=warm,
         burst=tuple(burst),
     )
