@@ -20,7 +20,7 @@ with a tokenizer stops at its end of text; a random-weight one generates ``--max
     python -m benchmarks.speculative [--model smollm2-135m-instruct] [--workloads repetitive,default]
         [--batch 4] [--max-tokens 96] [--max-draft-len 4] [--max-matching-ngram-size 3]
         [--num-requests 16] [--max-prompt-len 512] [--repeats 3] [--device auto] [--kv-memory-fraction 0.4]
-        [--max-concurrency N] [--acceptance-rate-threshold X --acceptance-rate-window-size N]
+        [--max-concurrency N] [--acceptance-rate-threshold X] [--acceptance-rate-window-size 8]
         [--json OUT.json]
 """
 
@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> dict:
                         help="SpeculativeConfig.max_concurrency: no drafts above this many generation requests")
     parser.add_argument("--acceptance-rate-threshold", type=float, default=None,
                         help="SpeculativeConfig: speculation off for good below this acceptance (with the window)")
-    parser.add_argument("--acceptance-rate-window-size", type=int, default=None)
+    parser.add_argument("--acceptance-rate-window-size", type=int, default=8)
     parser.add_argument("--kv-memory-fraction", type=float, default=0.4,
                         help="on a GPU, each LLM's KV pool takes this share of the memory free when it starts: the two "
                              "LLMs (with and without drafts) share the device, and the second needs room for its weights")

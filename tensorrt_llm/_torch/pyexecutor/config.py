@@ -197,7 +197,7 @@ class SpeculativeConfig:
     that (a large batch gains little from drafts and pays their positions), and
     ``acceptance_rate_threshold`` turns speculation off for good once the acceptance (accepted
     over verified drafts) over the last ``acceptance_rate_window_size`` iterations that verified
-    drafts falls below it. Then every request leaves speculation and runs as without it (CUDA
+    drafts (8 unless given) falls below it. Then every request leaves speculation and runs as without it (CUDA
     graphs and the overlap scheduler again).
     """
 
@@ -206,10 +206,8 @@ class SpeculativeConfig:
     # NGram: the longest suffix of the sequence looked up earlier in it (shorter ones are tried next)
     max_matching_ngram_size: int = 3
     max_concurrency: int | None = None  # no drafts in an iteration with more generation requests; None: no limit
-    # Speculation off for good when the acceptance over the last window_size iterations with drafts is below
-    # the threshold; both or neither.
-    acceptance_rate_threshold: float | None = None
-    acceptance_rate_window_size: int | None = None
+    acceptance_rate_threshold: float | None = None  # speculation off for good below this acceptance; None: never
+    acceptance_rate_window_size: int = 8  # iterations with drafts the threshold's acceptance is taken over
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "decoding_type", parse_enum(DecodingType, self.decoding_type, "speculative_config.decoding_type"))
@@ -217,11 +215,8 @@ class SpeculativeConfig:
         _positive("speculative_config.max_matching_ngram_size", self.max_matching_ngram_size)
         if self.max_concurrency is not None:
             _positive("speculative_config.max_concurrency", self.max_concurrency)
-        threshold, window = self.acceptance_rate_threshold, self.acceptance_rate_window_size
-        if (threshold is None) != (window is None):
-            raise ValueError("speculative_config: give acceptance_rate_threshold and acceptance_rate_window_size together")
-        if window is not None:
-            _positive("speculative_config.acceptance_rate_window_size", window)
+        _positive("speculative_config.acceptance_rate_window_size", self.acceptance_rate_window_size)
+        threshold = self.acceptance_rate_threshold
         if threshold is not None and (isinstance(threshold, bool) or not isinstance(threshold, (int, float))
                                       or not 0 <= threshold <= 1):
             raise ValueError(f"speculative_config.acceptance_rate_threshold must be in [0, 1], got {threshold!r}")

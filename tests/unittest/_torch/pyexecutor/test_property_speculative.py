@@ -151,7 +151,7 @@ def expected(prompt: tuple[int, ...], max_tokens: int, end_at: int | None) -> tu
 
 
 def serve(workload: Workload) -> tuple[ExecutorChecker, list[tuple[LlmRequest, tuple[int, ...]]]]:
-    threshold, window = workload.acceptance or (None, None)
+    threshold, window = workload.acceptance or (None, 8)
     spec = SpeculativeConfig(max_draft_len=workload.max_draft_len, max_matching_ngram_size=2,
                              max_concurrency=workload.max_concurrency, acceptance_rate_threshold=threshold,
                              acceptance_rate_window_size=window)

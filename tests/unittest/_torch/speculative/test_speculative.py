@@ -213,8 +213,8 @@ def test_drafts_share_forwards_with_prompt_logprobs_and_requests_that_need_their
 
 @pytest.mark.parametrize(
     "fields, problem",
-    [({"acceptance_rate_threshold": 0.5}, "together"), ({"acceptance_rate_window_size": 4}, "together"),
-     ({"acceptance_rate_threshold": 1.5, "acceptance_rate_window_size": 4}, r"\[0, 1\]"),
+    [({"acceptance_rate_threshold": 1.5, "acceptance_rate_window_size": 4}, r"\[0, 1\]"),
+     ({"acceptance_rate_threshold": -0.1}, r"\[0, 1\]"),
      ({"acceptance_rate_threshold": 0.5, "acceptance_rate_window_size": 0}, "window_size"),
      ({"max_concurrency": 0}, "max_concurrency")],
 )
