@@ -139,15 +139,13 @@ class TorchSampler(Sampler):
             rows = output.beam_logits[rid]  # (beam_width, vocab), beam 0 first
         else:
             rows = output.logits[rid][None]  # (1, vocab): the prompt's last position
-        rows = rows.to("cpu", torch.float64)
+        rows = rows.to(torch.float64)  # where the logits are: only the best candidates travel to the host
         if not bool(torch.isfinite(rows).all()):
             raise NonFiniteLogitsError(rid, len(request.tokens))
-        cum = torch.tensor([h.cum_logprob for h in state.live[: rows.shape[0]]], dtype=torch.float64)  # (rows,)
+        cum = torch.tensor([h.cum_logprob for h in state.live[: rows.shape[0]]], dtype=torch.float64, device=rows.device)
         totals = (torch.log_softmax(rows, dim=-1) + cum[:, None]).flatten()  # (rows * vocab,); padding at -inf
         width, vocab = request.beam_width, rows.shape[1]
-        values, order = torch.sort(totals, descending=True, stable=True)
-        values, order = values[: 2 * width].tolist(), order[: 2 * width].tolist()
-        candidates = [Candidate(i // vocab, i % vocab, v) for v, i in zip(values, order) if v > -math.inf]
+        candidates = [Candidate(i // vocab, i % vocab, v) for v, i in _best(totals, 2 * width)]
         end_id, stops = request.end_id, request.stop_token_ids
         return advance(state, candidates, request.beam_config, lambda t: t == end_id or t in stops,
                        request.max_new_tokens)
@@ -194,3 +192,18 @@ class TorchSampler(Sampler):
             sorted_probs[drop] = 0.0
             probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
         return probs / probs.sum()
+
+
+def _best(totals: torch.Tensor, k: int) -> list[tuple[float, int]]:
+    """The ``k`` largest finite entries of ``totals`` as (value, index), largest first and ties in
+    index order: what a stable descending sort of all of them would put first, at the cost of a
+    top-k (a beam step ranks beam_width * vocab candidates, over half a million for a large
+    vocabulary, where a full sort on the host took tens of milliseconds per request)."""
+    k = min(k, totals.numel())
+    if k == 0:
+        return []
+    kth = torch.topk(totals, k, sorted=False).values.min()
+    # Every entry at least as good as the k-th, so that ties with it are all considered.
+    picked = torch.nonzero(totals >= kth if kth > -math.inf else totals > -math.inf).flatten()
+    ranked = sorted(zip((-totals[picked]).tolist(), picked.tolist()))[:k]
+    return [(-negated, index) for negated, index in ranked]

@@ -344,3 +344,22 @@ def test_beam_tables_share_prompt_blocks_copy_on_write_and_free_dropped_beams():
 
 
 VOCAB_SIM = 1000
+
+
+# ---- the ranking of a step's candidates -------------------------------------------------------
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 5, 6, 7, 9])
+def test_a_step_ranks_candidates_as_a_stable_sort_of_all_would(k):
+    """``sampler._best`` (a top-k) returns what a stable descending sort of every (beam, token)
+    total puts first: ties at the k-th value included and in index order, -inf padding left out."""
+    from tensorrt_llm._torch.pyexecutor.sampler import _best
+
+    totals = torch.tensor([0.0, -1.0, -1.0, -1.0, float("-inf"), -1.0, -2.0, float("-inf"), -0.5], dtype=torch.float64)
+    values, order = torch.sort(totals, descending=True, stable=True)
+    expected = [(v, i) for v, i in zip(values[:k].tolist(), order[:k].tolist()) if v > -math.inf]
+    assert _best(totals, k) == expected
+    generator = torch.Generator().manual_seed(k)
+    wide = torch.randn(4 * 5000, generator=generator, dtype=torch.float64).round(decimals=1)  # many ties
+    values, order = torch.sort(wide, descending=True, stable=True)
+    assert _best(wide, k) == list(zip(values[:k].tolist(), order[:k].tolist()))
