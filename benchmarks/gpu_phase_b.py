@@ -86,7 +86,8 @@ def record_forwards(engine, into: list[Forward], clock=None) -> None:
         shape = forward_shape(inputs)  # before launch: the executor moves requests on after it
         pending = launch(inputs)
         decode_only = all(n == 1 for n in inputs.num_new_tokens) and not shape.contexts
-        into.append(Forward(shape, pending.events, len(inputs.requests), decode_only, time.perf_counter(), jumps[0]))
+        events = getattr(pending, "events", None)  # only a CUDA forward is timed (the --quick CPU check is not)
+        into.append(Forward(shape, events, len(inputs.requests), decode_only, time.perf_counter(), jumps[0]))
         return pending
 
     engine._launch = recorded
@@ -194,7 +195,8 @@ def replay_section(args, out_dir: Path, t0: float) -> dict:
     model_name = "tiny-random" if args.quick else args.model
     spec = TraceSpec(num_requests=args.requests, time_scale=args.time_scale)
     trace = spec.load_for(vocab_size=32000 if not args.quick else 500, tokens_per_block=32)
-    common = dict(max_num_tokens=args.max_num_tokens, kv_cache_config={"num_blocks": args.kv_blocks})
+    common = dict(max_num_tokens=args.max_num_tokens,
+                  kv_cache_config={"num_blocks": args.kv_blocks, "offload_ahead_blocks": args.offload_ahead_blocks})
     recorded: dict = {}
     # the quick CPU check runs the overlap loop too (its default is off on the CPU)
     gpu = RecordedSettings.from_options(engine="torch", model=model_name, device=device, recorded=recorded,
@@ -400,6 +402,8 @@ def main(argv=None) -> int:
     p.add_argument("--time-scale", type=float, default=1.0)
     p.add_argument("--max-num-tokens", type=int, default=4096)
     p.add_argument("--kv-blocks", type=int, default=ReplaySettings().executor.kv_cache_config.num_blocks)
+    p.add_argument("--offload-ahead-blocks", type=int, default=0,
+                   help="KvCacheConfig.offload_ahead_blocks (the host tier's copies run beside the forward in flight)")
     p.add_argument("--policies", type=lambda s: s.split(","), default=["none", "fit", "recheck", "claim"])
     p.add_argument("--sections", type=lambda s: s.split(","), default=["decode", "replay"])
     p.add_argument("--decode-context", type=int, default=2048)
