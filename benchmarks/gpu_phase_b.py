@@ -195,7 +195,7 @@ def replay_section(args, out_dir: Path, t0: float) -> dict:
     model_name = "tiny-random" if args.quick else args.model
     spec = TraceSpec(num_requests=args.requests, time_scale=args.time_scale)
     trace = spec.load_for(vocab_size=32000 if not args.quick else 500, tokens_per_block=32)
-    common = dict(max_num_tokens=args.max_num_tokens,
+    common = dict(max_num_tokens=args.max_num_tokens, host_cache_blocks=args.host_cache_blocks,
                   kv_cache_config={"num_blocks": args.kv_blocks, "offload_ahead_blocks": args.offload_ahead_blocks})
     recorded: dict = {}
     # the quick CPU check runs the overlap loop too (its default is off on the CPU)
@@ -402,6 +402,8 @@ def main(argv=None) -> int:
     p.add_argument("--time-scale", type=float, default=1.0)
     p.add_argument("--max-num-tokens", type=int, default=4096)
     p.add_argument("--kv-blocks", type=int, default=ReplaySettings().executor.kv_cache_config.num_blocks)
+    p.add_argument("--host-cache-blocks", type=int, default=ReplaySettings.host_cache_blocks,
+                   help="the host (offload) tier in blocks; 0 turns it off")
     p.add_argument("--offload-ahead-blocks", type=int, default=0,
                    help="KvCacheConfig.offload_ahead_blocks (the host tier's copies run beside the forward in flight)")
     p.add_argument("--policies", type=lambda s: s.split(","), default=["none", "fit", "recheck", "claim"])

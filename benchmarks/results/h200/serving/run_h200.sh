@@ -2,7 +2,7 @@
 # The H200 serving runs of benchmarks/results/h200/serving/README.md, one phase per device call.
 #   bash benchmarks/results/h200/serving/run_h200.sh PHASE OUT_DIR
 # PHASE: setup | cuda-tests | load RATES [DURATION_S] | smollm2 MODEL | faults DURATION_S [SERVE_FLAGS] | gaps [REQUESTS [HOST_CACHE_BLOCKS [OFFLOAD_AHEAD_BLOCKS]]]
-#        | phase-b [REQUESTS [OFFLOAD_AHEAD_BLOCKS]] | faults-bg DURATION_S | faults-wait | profile-gaps [REQUESTS]
+#        | phase-b [REQUESTS [OFFLOAD_AHEAD_BLOCKS [HOST_CACHE_BLOCKS]]] | faults-bg DURATION_S | faults-wait | profile-gaps [REQUESTS]
 #        | speculative-smollm2 | speculative-nemo | replay-drafts-beams [REQUESTS]
 # faults-bg starts the fault soak detached (in /tmp/faults) so that a soak longer than one device call
 # (600 s) spans two: the next call's faults-wait waits for it and copies its results to OUT_DIR.
@@ -50,10 +50,10 @@ case $phase in
     while pgrep -f "run_h200.sh faults /tmp/faults" > /dev/null; do sleep 5; done
     cp -r /tmp/faults/. "$out"/ && tail -20 "$out/soak.log"
     ;;
-  phase-b)  # phase-b [REQUESTS [OFFLOAD_AHEAD_BLOCKS]]: the recheck replay with and without overlap: GPU idle,
-            # largest gaps, the refit cost model
+  phase-b)  # phase-b [REQUESTS [OFFLOAD_AHEAD_BLOCKS [HOST_CACHE_BLOCKS]]]: the recheck replay with and without
+            # overlap: GPU idle, largest gaps, the refit cost model
     "$PY" -m benchmarks.gpu_phase_b --out "$out" --sections replay --policies recheck --requests "${1:-150}" \
-      --offload-ahead-blocks "${2:-0}" 2>&1 | tail -40
+      --offload-ahead-blocks "${2:-0}" --host-cache-blocks "${3:-512}" 2>&1 | tail -40
     ;;
   gaps)  # gaps [REQUESTS [HOST_CACHE_BLOCKS [OFFLOAD_AHEAD_BLOCKS]]]
     "$PY" -m benchmarks.gpu_gaps --requests "${1:-150}" --policy recheck --top 10 --host-cache-blocks "${2:-512}" \
