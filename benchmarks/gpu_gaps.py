@@ -23,9 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
-from benchmarks.gpu_phase_b import RecordedSettings, _kind
+from benchmarks.gpu_phase_b import RecordedSettings, _kind, add_host_tier_arguments
 from benchmarks.replay import TraceSpec, replay_trace
-from benchmarks.replay_settings import ReplaySettings
 from benchmarks.sim_engine import Engine
 
 # (object attribute holding the target, method name, label, nested in the phase listed before it);
@@ -118,10 +117,7 @@ def main(argv=None) -> int:
     p.add_argument("--requests", type=int, default=150)
     p.add_argument("--policy", default="recheck")
     p.add_argument("--top", type=int, default=8)
-    p.add_argument("--host-cache-blocks", type=int, default=ReplaySettings.host_cache_blocks,
-                   help="the host (offload) tier in blocks; 0 turns it off, to tell its copies' share of a gap")
-    p.add_argument("--offload-ahead-blocks", type=int, default=0,
-                   help="KvCacheConfig.offload_ahead_blocks: primary blocks kept free by offloading after each launch")
+    add_host_tier_arguments(p)
     p.add_argument("--json")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():

@@ -190,6 +190,14 @@ def per_iteration(forwards: list[Forward], models: dict) -> list[dict]:
     return rows
 
 
+def add_host_tier_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--host-cache-blocks`` and ``--offload-ahead-blocks``: the host tier the GPU replays run with."""
+    parser.add_argument("--host-cache-blocks", type=int, default=ReplaySettings.host_cache_blocks,
+                        help="the host (offload) tier in blocks; 0 turns it off, to tell its copies' share of a gap")
+    parser.add_argument("--offload-ahead-blocks", type=int, default=0,
+                        help="KvCacheConfig.offload_ahead_blocks: primary blocks kept free by offloading after each launch")
+
+
 def replay_section(args, out_dir: Path, t0: float) -> dict:
     device = "cuda" if torch.cuda.is_available() and not args.quick else "cpu"
     model_name = "tiny-random" if args.quick else args.model
@@ -402,10 +410,7 @@ def main(argv=None) -> int:
     p.add_argument("--time-scale", type=float, default=1.0)
     p.add_argument("--max-num-tokens", type=int, default=4096)
     p.add_argument("--kv-blocks", type=int, default=ReplaySettings().executor.kv_cache_config.num_blocks)
-    p.add_argument("--host-cache-blocks", type=int, default=ReplaySettings.host_cache_blocks,
-                   help="the host (offload) tier in blocks; 0 turns it off")
-    p.add_argument("--offload-ahead-blocks", type=int, default=0,
-                   help="KvCacheConfig.offload_ahead_blocks (the host tier's copies run beside the forward in flight)")
+    add_host_tier_arguments(p)
     p.add_argument("--policies", type=lambda s: s.split(","), default=["none", "fit", "recheck", "claim"])
     p.add_argument("--sections", type=lambda s: s.split(","), default=["decode", "replay"])
     p.add_argument("--decode-context", type=int, default=2048)

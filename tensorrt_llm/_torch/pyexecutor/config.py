@@ -197,8 +197,8 @@ class SpeculativeConfig:
     that (a large batch gains little from drafts and pays their positions), and
     ``acceptance_rate_threshold`` turns speculation off for good once the acceptance (accepted
     over verified drafts) over the last ``acceptance_rate_window_size`` iterations that verified
-    drafts (8 unless given) falls below it. Then every request leaves speculation and runs as without it (CUDA
-    graphs and the overlap scheduler again).
+    drafts (8 unless given) falls below it. Then every request leaves speculation and runs as
+    without it (CUDA graphs and the overlap scheduler again).
     """
 
     decoding_type: DecodingType = DecodingType.NGRAM  # the drafter, upstream's name: NGram (prompt lookup)

@@ -294,7 +294,7 @@ class KVCacheManager:
         self._stamps = itertools.count()
         self._claims: dict[int, PrefixClaim] = {}  # outstanding claims (pinned, not yet allocated)
         self._reserved = 0  # sum over sequences of the blocks they still need to completion
-        if config.offload_ahead_blocks and not 0 < config.offload_ahead_blocks < num_blocks:
+        if config.offload_ahead_blocks >= num_blocks:
             raise ValueError(f"KvCacheConfig.offload_ahead_blocks={config.offload_ahead_blocks} must be below the"
                              f" pool's {num_blocks} blocks")
         if config.offload_ahead_blocks and not num_host_blocks:

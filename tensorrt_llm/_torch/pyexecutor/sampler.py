@@ -203,7 +203,8 @@ def _best(totals: torch.Tensor, k: int) -> list[tuple[float, int]]:
     if k == 0:
         return []
     kth = torch.topk(totals, k, sorted=False).values.min()
-    # Every entry at least as good as the k-th, so that ties with it are all considered.
-    picked = torch.nonzero(totals >= kth if kth > -math.inf else totals > -math.inf).flatten()
+    # Every finite entry at least as good as the k-th, so that ties with it are all considered
+    # (one mask on the logits' device: deciding whether the k-th is finite would wait for it).
+    picked = torch.nonzero((totals >= kth) & (totals > -math.inf)).flatten()
     ranked = sorted(zip((-totals[picked]).tolist(), picked.tolist()))[:k]
     return [(-negated, index) for negated, index in ranked]
