@@ -115,9 +115,10 @@ class Drafter(abc.ABC):
         A request in its prompt gets none (its chunks are the scheduler's to size), and no
         request gets more drafts than the tokens it may still generate after the one its next
         step yields anyway: a draft past ``max_total_len`` could only be thrown away. Above
-        ``max_concurrency`` generation requests none gets drafts, and a first draft due now is
-        dropped (its step runs one position, and is charged one); the requests stay speculative,
-        so they still run without overlap. Once speculation is off, every request is withdrawn.
+        ``max_concurrency`` generation requests none gets drafts (a first draft due now still runs
+        padded to ``1 + max_draft_len``: only the executor clears it, once it ran); the requests
+        stay speculative, so they still run without overlap. Once speculation is off, every
+        request is withdrawn.
         """
         requests = list(requests)
         speculative = [request for request in requests if request.max_draft_len]
@@ -131,9 +132,8 @@ class Drafter(abc.ABC):
             if request.state is _CONTEXT_INIT:
                 request.py_draft_tokens = []
                 continue
-            if skip_drafts_this_iteration:
+            if skip_drafts_this_iteration:  # a first draft due now still runs padded, as it is charged
                 request.py_draft_tokens = []
-                request.is_first_draft = False  # no padded first draft either: its next step is one position
                 continue
             room = min(request.max_draft_len, request.max_total_len - len(request.tokens) - 1)
             if room < 1:
