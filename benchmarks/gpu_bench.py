@@ -146,15 +146,19 @@ def summary(result: dict) -> str:
         lines.append(f"{env['device']}, torch {env['torch']}, triton {env['triton']}: matmul "
                      f"{m['bf16_matmul_8192_tflops']:.0f} TFLOP/s, copy {m['copy_tb_s_read_plus_write']:.2f} TB/s")
     att = result["sections"].get("attention", {})
-    for key in ("prefill", "chunk_after_prefix"):
-        if key in att:
-            c = att[key]
+    for key, c in att.items():
+        if isinstance(c, dict) and "flops" in c and "engine_layer" in c:
+            nan = {"tflops": float("nan")}
             cudnn = c.get("cudnn_split", {})
-            lines.append(f"attention {key}: engine layer {c['engine_layer']['ms']:.3f} ms "
-                         f"({c['engine_layer']['tflops']:.0f} TFLOP/s), flash varlen {c['context_kernel']['tflops']:.0f}, "
-                         f"SDPA contiguous {c['sdpa_contiguous']['tflops']:.0f}, cuDNN "
+            best = c.get("triton_best", nan)
+            line = (f"attention {key}: engine layer {c['engine_layer']['ms']:.3f} ms "
+                    f"({c['engine_layer']['tflops']:.0f} TFLOP/s), flash varlen {c.get('flash_varlen', nan)['tflops']:.0f}, "
+                    f"best triton {best['tflops']:.0f} {best.get('config')}")
+            if "sdpa_contiguous" in c:
+                line += (f", SDPA contiguous {c['sdpa_contiguous']['tflops']:.0f}, cuDNN "
                          f"{cudnn.get('tflops', float('nan')):.0f} (first call of a shape "
                          f"{cudnn.get('first_call_ms', float('nan')):.0f} ms)")
+            lines.append(line)
     for key, c in att.items():
         if key.startswith("decode_") and isinstance(c, dict) and "engine_layer" in c:
             best = c.get("triton_best", {})

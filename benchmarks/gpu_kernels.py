@@ -33,6 +33,10 @@ logger = logging.getLogger(__name__)
 # is a Triton compile (~1 s), so the sweep is short: tiles at the automatic split count, then
 # split counts at the default tile.
 DECODE_CONFIGS = ((64, 4, 3), (64, 4, 2), (32, 4, 3), (128, 4, 3), (128, 8, 3))
+# (queries per program, keys per tile, warps, stages) of the Triton context kernel; the first is
+# its default.
+CONTEXT_CONFIGS = ((128, 64, 8, 3), (128, 64, 4, 3), (128, 64, 8, 4), (128, 64, 8, 2), (128, 128, 8, 2),
+                   (128, 128, 8, 3), (128, 32, 4, 3), (64, 64, 4, 3), (64, 128, 4, 3), (128, 128, 4, 2))
 
 
 def attention_benchmarks(device: torch.device, *, hq=32, hkv=8, d=128, tpb=32, quick=False) -> dict:
@@ -63,30 +67,46 @@ def attention_benchmarks(device: torch.device, *, hq=32, hkv=8, d=128, tpb=32, q
         return plan, layer, (q, k, v)
 
     # ---- context -------------------------------------------------------------------------
-    for name, n, p in (("prefill", prefill_len, 0), ("chunk_after_prefix", chunk, prefix)):
-        pairs = n * p + n * (n + 1) / 2
+    cases = (("prefill", [prefill_len], [0]), ("chunk_after_prefix", [chunk], [prefix]))
+    if big:  # shapes a serving forward also sees, for the choice between the kernels
+        cases += (("chunk_512_after_2k", [512], [2048]),
+                  ("mixed_chunks", [2048, 512, 256, 1024], [0, 6000, 300, 12000]))
+    for name, new, cached in cases:
+        pairs = sum(n * p + n * (n + 1) / 2 for n, p in zip(new, cached))
         flops = 4 * d * hq * pairs
-        plan, layer, (q, k, v) = layer_call([n], [p])
-        case = {"new_tokens": n, "prefix": p, "flops": flops}
+        plan, layer, (q, k, v) = layer_call(new, cached)
+        case = {"new_tokens": new, "prefix": cached, "flops": flops}
         engine = time_ms(lambda: layer.attend(q, k, v, scale), device, repeats=repeats)
         kc = layer.k_pool.index_select(0, plan.context.kv_slots) if plan.context.kv_slots is not None else k
         vc = layer.v_pool.index_select(0, plan.context.kv_slots) if plan.context.kv_slots is not None else v
         ctx = plan.context
         kernel = time_ms(lambda: context_attention(q, kc, vc, ctx.cu_seqlens_q, ctx.cu_seqlens_k, ctx.q_lens,
                                                    ctx.k_lens, scale), device, repeats=repeats)
+        timed = [("engine_layer", engine), ("context_kernel", kernel)]
         if device.type == "cuda":
-            case["cudnn_split"] = cudnn_variant(q, kc, vc, n, n + p, scale, flops, repeats, ctx)
-        qt, kt, vt = q.transpose(0, 1)[None], kc.transpose(0, 1)[None], vc.transpose(0, 1)[None]
-        if p == 0:
-            baseline = time_ms(lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale,
-                                                                      enable_gqa=True), device, repeats=repeats)
-        else:
-            from torch.nn.attention.bias import causal_lower_right
+            flash = time_ms(lambda: flash_varlen(q, kc, vc, ctx.cu_seqlens_q, ctx.cu_seqlens_k, ctx.q_lens,
+                                                 ctx.k_lens, scale), device, repeats=repeats)
+            timed.append(("flash_varlen", flash))
+            case["triton_sweep"] = triton_context_sweep(q, kc, vc, ctx, scale, flops, repeats)
+            ok = [s for s in case["triton_sweep"] if "ms" in s]
+            if ok:
+                case["triton_best"] = min(ok, key=lambda s: s["ms"])
+        if len(new) == 1:
+            n, p = new[0], cached[0]
+            if device.type == "cuda":
+                case["cudnn_split"] = cudnn_variant(q, kc, vc, n, n + p, scale, flops, repeats, ctx)
+            qt, kt, vt = q.transpose(0, 1)[None], kc.transpose(0, 1)[None], vc.transpose(0, 1)[None]
+            if p == 0:
+                baseline = time_ms(lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale,
+                                                                          enable_gqa=True), device, repeats=repeats)
+            else:
+                from torch.nn.attention.bias import causal_lower_right
 
-            bias = causal_lower_right(n, n + p)
-            baseline = time_ms(lambda: F.scaled_dot_product_attention(qt, kt, vt, attn_mask=bias, scale=scale,
-                                                                      enable_gqa=True), device, repeats=repeats)
-        for label, t in (("engine_layer", engine), ("context_kernel", kernel), ("sdpa_contiguous", baseline)):
+                bias = causal_lower_right(n, n + p)
+                baseline = time_ms(lambda: F.scaled_dot_product_attention(qt, kt, vt, attn_mask=bias, scale=scale,
+                                                                          enable_gqa=True), device, repeats=repeats)
+            timed.append(("sdpa_contiguous", baseline))
+        for label, t in timed:
             case[label] = {**t, "tflops": flops / (t["ms"] * 1e-3) / 1e12}
         out[name] = case
 
@@ -150,6 +170,33 @@ def attention_benchmarks(device: torch.device, *, hq=32, hkv=8, d=128, tpb=32, q
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return out
+
+
+def triton_context_sweep(q, k, v, ctx, scale: float, flops: float, repeats: int) -> list[dict]:
+    """The Triton context kernel under each tile configuration: time, TFLOP/s, error against flash."""
+    from tensorrt_llm._torch.attention_backend.kernels import has_triton
+
+    if not has_triton():
+        return []
+    from tensorrt_llm._torch.attention_backend.triton_context import ContextConfig, context_attention_triton
+
+    reference = flash_varlen(q, k, v, ctx.cu_seqlens_q, ctx.cu_seqlens_k, ctx.q_lens, ctx.k_lens, scale).float()
+    sweep = []
+    for block_m, block_n, warps, stages in CONTEXT_CONFIGS:
+        cfg = ContextConfig(block_m, block_n, warps, stages)
+
+        def call():
+            return context_attention_triton(q, k, v, ctx.cu_seqlens_q, ctx.cu_seqlens_k, max(ctx.q_lens), scale,
+                                            config=cfg)
+        try:
+            err = float((call().float() - reference).norm() / reference.norm())
+            t = time_ms(call, q.device, repeats=repeats)
+        except Exception as error:  # a tile that does not fit shared memory or registers: record, go on
+            sweep.append({"config": [block_m, block_n, warps, stages], "error": repr(error)[:200]})
+            continue
+        sweep.append({"config": [block_m, block_n, warps, stages], **t, "tflops": flops / (t["ms"] * 1e-3) / 1e12,
+                      "rel_err_vs_flash": err})
+    return sweep
 
 
 def _cudnn(q4, k4, v4, causal: bool, scale: float):

@@ -3,15 +3,20 @@
 ``context_attention``: every context chunk of the forward in ONE varlen call. Chunk ``i`` has
 ``q_lens[i]`` queries, the last ones of its ``k_lens[i]`` keys (its cached prefix, then itself),
 causal with the diagonal at the bottom right: query ``j`` sees keys ``[0, k_lens[i] - q_lens[i]
-+ j]``. On CUDA in bf16/fp16 this is torch's bundled FlashAttention-2 varlen kernel
-(``aten::_flash_attention_forward`` with cumulative lengths, native GQA, bottom-right causal),
-which packs the chunks without padding. Elsewhere (float32, CPU tests) a per-chunk SDPA with an
++ j]``. On CUDA in bf16/fp16 this is our Triton kernel (``triton_context``) where the head size
+is a power of two, else torch's bundled FlashAttention-2 varlen kernel
+(``aten::_flash_attention_forward`` with cumulative lengths, native GQA, bottom-right causal);
+both pack the chunks without padding. Elsewhere (float32, CPU tests) a per-chunk SDPA with an
 explicit mask computes the same function.
 
-Why not cuDNN, which runs Hopper's own kernels at nearly twice flash-2's rate on a fixed shape
-(``benchmarks/gpu_kernels.py`` measures it)? cuDNN builds an execution plan for every new
-shape, and serving rarely repeats one: on the H200 a replay paid ~85 ms per new chunk shape,
-more than any forward gains (``benchmarks/results/h200/README.md``).
+Why Triton first: on the H200 (Nemo's 32/8 heads of 128, bf16) it runs a 4096-token chunk after
+a 16k prefix at 488 TFLOP/s against flash-2's 334, a 4096-token prefill at 334-394 against 257,
+a mixed batch of four chunks at 437 against 243, and a 512-token chunk after 2k at 178 against
+171 (``benchmarks/results/h200/context/``). cuDNN runs Hopper's own kernels at a similar rate
+on a fixed shape (518 TFLOP/s on the first of those), but it builds an execution plan for every
+new shape, and serving rarely repeats one: on the H200 a replay paid ~85 ms per new chunk shape,
+more than any forward gains (``benchmarks/results/h200/README.md``). Triton compiles once per
+head size.
 
 ``decode_attention``: one query per sequence over its paged K/V, read in place by the Triton
 kernel (``triton_paged_decode``) on CUDA; a gather-and-mask reference in torch elsewhere.
@@ -56,8 +61,17 @@ def context_attention(
     cu_seqlens_q/k: (N+1,) int32 on q's device; q_lens/k_lens: the same lengths on the host.
     """
     if flash_varlen_available(q):
+        if has_triton() and _power_of_two_head(q):
+            from tensorrt_llm._torch.attention_backend.triton_context import context_attention_triton
+
+            return context_attention_triton(q, k, v, cu_seqlens_q, cu_seqlens_k, max(q_lens), scale)
         return flash_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, q_lens, k_lens, scale)
     return reference_context_attention(q, k, v, q_lens, k_lens, scale)
+
+
+def _power_of_two_head(q: torch.Tensor) -> bool:
+    d = q.shape[-1]
+    return 16 <= d <= 256 and d & (d - 1) == 0
 
 
 def flash_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, q_lens, k_lens, scale) -> torch.Tensor:

@@ -7,6 +7,7 @@ the kernel must not write were left untouched.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import sys
@@ -76,12 +77,34 @@ def run_rope_case(hq: int, hkv: int, head_dim: int) -> dict:
     return {"kernel": "rope", "heads": [hq, hkv], "untouched_rows_nan": True, "max_abs_err": err}
 
 
+def run_context_case(block_m: int, block_n: int, hq: int, hkv: int) -> dict:
+    from tensorrt_llm._torch.attention_backend.kernels import reference_context_attention
+    from tensorrt_llm._torch.attention_backend.triton_context import ContextConfig, context_attention_triton
+
+    head_dim = 16
+    gen = torch.Generator().manual_seed(block_m * block_n + hq)
+    # No prefix, a long prefix, one query over a prefix, a chunk ending on a tile edge, and one
+    # shorter than a tile after a prefix that is not a tile multiple.
+    q_lens, k_lens = (5, 33, 1, 32, 7), (5, 70, 9, 48, 26)
+    q = torch.randn(sum(q_lens), hq, head_dim, generator=gen)
+    k = torch.randn(sum(k_lens), hkv, head_dim, generator=gen)
+    v = torch.randn(sum(k_lens), hkv, head_dim, generator=gen)
+    cu_q = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32)
+    cu_k = torch.tensor([0, *itertools.accumulate(k_lens)], dtype=torch.int32)
+    expected = reference_context_attention(q, k, v, q_lens, k_lens, 0.3)
+    got = context_attention_triton(q, k, v, cu_q, cu_k, max(q_lens), 0.3,
+                                   config=ContextConfig(block_m=block_m, block_n=block_n, num_warps=4, num_stages=1))
+    return {"kernel": "context", "tiles": [block_m, block_n], "heads": [hq, hkv], "untouched_rows_nan": True,
+            "max_abs_err": float((got - expected).abs().max())}
+
+
 def main() -> int:
     if os.environ.get("TRITON_INTERPRET") != "1":
         print("set TRITON_INTERPRET=1", file=sys.stderr)
         return 2
     _fix_interpreter_for_numpy_2_4()
     results = [run_case(s, hq, hkv) for s in (1, 2, 4) for hq, hkv in ((4, 2), (8, 1))]
+    results += [run_context_case(bm, bn, hq, hkv) for bm, bn in ((16, 16), (32, 16), (16, 32)) for hq, hkv in ((4, 2), (3, 3))]
     results += [run_rope_case(hq, hkv, d) for hq, hkv, d in ((4, 2, 16), (3, 1, 8))]
     print(json.dumps(results))
     return 0

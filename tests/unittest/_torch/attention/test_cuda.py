@@ -9,6 +9,7 @@ Error measure: ||out - ref|| / ||ref|| over fresh random inputs, outputs poisone
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import random
 
 import pytest
@@ -72,7 +73,7 @@ def _layer_error(new, cached, tables, heads, num_blocks, tpb, dtype, seed) -> fl
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("heads", [(32, 8, 128), (4, 2, 16)])
 def test_layer_attention_matches_float64_reference(dtype, tol, heads) -> None:
-    """Mixed batches (flash varlen + Triton decode; float32: SDPA + Triton in IEEE)."""
+    """Mixed batches (Triton context + Triton decode; float32: SDPA + Triton decode in IEEE)."""
     tpb, num_blocks = 32, 600
     rng = random.Random(heads[0] + heads[2])
     for trial in range(6):
@@ -169,6 +170,32 @@ def test_single_chunk_matches_float64_reference(prefix: int) -> None:
     tables = [list(range(num_blocks))[::-1][: -(-(prefix + new) // tpb)]]
     err = _layer_error([new], [prefix], tables, (32, 8, 128), num_blocks, tpb, torch.bfloat16, seed=prefix)
     assert err < 2e-2, f"rel err {err:.2e}"
+
+
+@pytest.mark.parametrize("tiles", [(128, 64, 8, 4), (64, 64, 4, 3), (128, 128, 8, 2), (64, 32, 4, 2)])
+@pytest.mark.parametrize("heads", [(32, 8, 128), (9, 3, 64)])
+def test_triton_context_kernel_matches_float64_reference(tiles, heads) -> None:
+    """The Triton context kernel under several tile shapes (the default first) on packed chunks
+    with and without prefixes, lengths on and off the tiles' edges: bf16 against float64, and
+    against flash-2 on the same bf16 inputs."""
+    pytest.importorskip("triton")
+    from tensorrt_llm._torch.attention_backend.kernels import flash_varlen, reference_context_attention
+    from tensorrt_llm._torch.attention_backend.triton_context import ContextConfig, context_attention_triton
+
+    hq, hkv, d = heads
+    q_lens, k_lens = (300, 2, 64, 129, 1000), (300, 1500, 64, 700, 1013)
+    gen = torch.Generator().manual_seed(sum(tiles))
+    q = torch.randn(sum(q_lens), hq, d, generator=gen, dtype=torch.float64)
+    k = torch.randn(sum(k_lens), hkv, d, generator=gen, dtype=torch.float64)
+    v = torch.randn(sum(k_lens), hkv, d, generator=gen, dtype=torch.float64)
+    cu_q = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32, device=CUDA)
+    cu_k = torch.tensor([0, *itertools.accumulate(k_lens)], dtype=torch.int32, device=CUDA)
+    qc, kc, vc = (t.to(CUDA, torch.bfloat16) for t in (q, k, v))
+    got = context_attention_triton(qc, kc, vc, cu_q, cu_k, max(q_lens), d**-0.5, config=ContextConfig(*tiles))
+    reference = reference_context_attention(q, k, v, q_lens, k_lens, d**-0.5)
+    assert rel_err(got, reference) < 1e-2
+    flash = flash_varlen(qc, kc, vc, cu_q, cu_k, q_lens, k_lens, d**-0.5)
+    assert rel_err(got, flash) < 1e-2
 
 
 def test_host_tier_round_trip_on_cuda() -> None:

@@ -137,7 +137,7 @@ def test_plan_refuses_tables_that_would_corrupt_the_pool(new, cached, tables, ma
 
 
 def test_triton_kernels_match_references_interpreted() -> None:
-    """The Triton kernels (paged decode, RoPE) under Triton's CPU interpreter, in a fresh process:
+    """The Triton kernels (paged decode, context, RoPE) under Triton's CPU interpreter, in a fresh process:
     TRITON_INTERPRET must be set before Triton is first imported (torch may import it early)."""
     pytest.importorskip("triton")
     script = Path(__file__).with_name("interpreted_kernels.py")
@@ -145,7 +145,7 @@ def test_triton_kernels_match_references_interpreted() -> None:
     done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads(done.stdout.strip().splitlines()[-1])
-    assert len(results) == 8
+    assert len(results) == 14
     for case in results:
         assert case["untouched_rows_nan"], case
         assert case["max_abs_err"] < 1e-5, case
