@@ -151,13 +151,9 @@ def summary(result: dict) -> str:
             nan = {"tflops": float("nan")}
             cudnn = c.get("cudnn_split", {})
             best = c.get("triton_best", nan)
-            in_place = [s for s in c.get("triton_sweep_in_place", []) if "tflops" in s]
             line = (f"attention {key}: engine layer {c['engine_layer']['ms']:.3f} ms "
                     f"({c['engine_layer']['tflops']:.0f} TFLOP/s), flash varlen {c.get('flash_varlen', nan)['tflops']:.0f}, "
                     f"best triton {best['tflops']:.0f} {best.get('config')}")
-            if in_place:
-                top = max(in_place, key=lambda s: s["tflops"])
-                line += f", best triton in place {top['tflops']:.0f} {top['config']}"
             if "sdpa_contiguous" in c:
                 line += (f", SDPA contiguous {c['sdpa_contiguous']['tflops']:.0f}, cuDNN "
                          f"{cudnn.get('tflops', float('nan')):.0f} (first call of a shape "

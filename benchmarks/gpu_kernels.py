@@ -3,10 +3,8 @@
 Cases (Mistral-NeMo-12B attention: 32 query heads, 8 KV heads, head dim 128, bf16, 32-token
 blocks in shuffled order):
 
-* prefill 4096 with no prefix, a 4096-token chunk after a 16k cached prefix (and, full size, a
-  512-token chunk after 2k and a batch of four chunks): the engine's layer call (KV write, the
-  context kernel), the kernel alone on gathered K/V, flash varlen, and the Triton kernel under
-  each tile configuration (on gathered K/V, and reading the pool in place);
+* prefill 4096 with no prefix, and a 4096-token chunk after a 16k cached prefix: the engine's
+  layer call (KV write, gather when there is a prefix, flash varlen) and the flash call alone;
   baseline SDPA on contiguous K/V (``is_causal``; lower-right ``CausalBias`` for the chunk).
   TFLOP/s counts 4 * head_dim * heads per (query, key) pair, causal pairs only. Beside them,
   the road not taken: cuDNN (a chunk over a prefix as two calls merged by log-sum-exp, since
@@ -93,9 +91,6 @@ def attention_benchmarks(device: torch.device, *, hq=32, hkv=8, d=128, tpb=32, q
             ok = [s for s in case["triton_sweep"] if "ms" in s]
             if ok:
                 case["triton_best"] = min(ok, key=lambda s: s["ms"])
-            if ctx.kv_slots is not None:  # the pool read in place, through the slots
-                case["triton_sweep_in_place"] = triton_context_sweep(q, kc, vc, ctx, scale, flops, repeats,
-                                                                     pools=(layer.k_pool, layer.v_pool))
         if len(new) == 1:
             n, p = new[0], cached[0]
             if device.type == "cuda":
@@ -177,10 +172,8 @@ def attention_benchmarks(device: torch.device, *, hq=32, hkv=8, d=128, tpb=32, q
     return out
 
 
-def triton_context_sweep(q, k, v, ctx, scale: float, flops: float, repeats: int, pools=None) -> list[dict]:
-    """The Triton context kernel under each tile configuration: time, TFLOP/s, error against flash
-    (on the gathered k, v). ``pools``: the layer's (k_pool, v_pool), read in place through
-    ``ctx.kv_slots`` instead of k, v."""
+def triton_context_sweep(q, k, v, ctx, scale: float, flops: float, repeats: int) -> list[dict]:
+    """The Triton context kernel under each tile configuration: time, TFLOP/s, error against flash."""
     from tensorrt_llm._torch.attention_backend.kernels import has_triton
 
     if not has_triton():
@@ -193,9 +186,6 @@ def triton_context_sweep(q, k, v, ctx, scale: float, flops: float, repeats: int,
         cfg = ContextConfig(block_m, block_n, warps, stages)
 
         def call():
-            if pools is not None:
-                return context_attention_triton(q, *pools, ctx.cu_seqlens_q, ctx.cu_seqlens_k, max(ctx.q_lens), scale,
-                                                kv_slots=ctx.kv_slots, config=cfg)
             return context_attention_triton(q, k, v, ctx.cu_seqlens_q, ctx.cu_seqlens_k, max(ctx.q_lens), scale,
                                             config=cfg)
         try:

@@ -55,22 +55,16 @@ def context_attention(
     q_lens: tuple[int, ...],
     k_lens: tuple[int, ...],
     scale: float,
-    kv_slots: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q (Tq, Hq, D) packed chunk queries -> (Tq, Hq, D). cu_seqlens_q/k: (N+1,) int32 on q's
-    device; q_lens/k_lens: the same lengths on the host.
+    """q (Tq, Hq, D) packed chunk queries; k, v (Tk, Hkv, D) packed chunk keys -> (Tq, Hq, D).
 
-    k, v: (Tk, Hkv, D) packed chunk keys; or, with ``kv_slots`` (Tk,) int64, a layer's pools as
-    slots (num_slots, Hkv, D), where key ``p`` of chunk ``i`` is slot ``kv_slots[cu_k[i] + p]``:
-    the Triton kernel reads them in place, the others gather them first.
+    cu_seqlens_q/k: (N+1,) int32 on q's device; q_lens/k_lens: the same lengths on the host.
     """
-    if flash_varlen_available(q) and has_triton() and _power_of_two_head(q):
-        from tensorrt_llm._torch.attention_backend.triton_context import context_attention_triton
-
-        return context_attention_triton(q, k, v, cu_seqlens_q, cu_seqlens_k, max(q_lens), scale, kv_slots=kv_slots)
-    if kv_slots is not None:
-        k, v = k.index_select(0, kv_slots), v.index_select(0, kv_slots)  # (Tk, Hkv, D)
     if flash_varlen_available(q):
+        if has_triton() and _power_of_two_head(q):
+            from tensorrt_llm._torch.attention_backend.triton_context import context_attention_triton
+
+            return context_attention_triton(q, k, v, cu_seqlens_q, cu_seqlens_k, max(q_lens), scale)
         return flash_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, q_lens, k_lens, scale)
     return reference_context_attention(q, k, v, q_lens, k_lens, scale)
 

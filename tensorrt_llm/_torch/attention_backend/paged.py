@@ -9,16 +9,15 @@ decides which kernel serves which request:
                      context: one varlen call        decode: one paged kernel
     request:       num_cached  num_new   ->  served by
       A            0           5             context (its K/V are the new tokens' own)
-      B            8           3             context (K/V read from the pool: 8 cached + 3 new)
+      B            8           3             context (K/V gathered from the pool: 8 cached + 3 new)
       C, D         any         1             decode  (reads its blocks in place)
 
 A request with one new token is a decode whatever its state: attending to all of its positions
 is exactly what a one-token chunk does. Every layer then (``PagedLayerKV.attend``):
 
 1. writes the new tokens' K/V into their slots (``index_copy_``, one call per pool);
-2. runs the context chunks, if any, through one varlen causal call: over the new tokens' own K/V,
-   or, when some chunk has a cached prefix, over the pool through each position's slot (the
-   Triton kernel reads them in place; the fallbacks gather them first);
+2. runs the context chunks, if any, through one varlen causal call over packed K/V (gathered from
+   the pool only when some chunk has a cached prefix);
 3. runs the decodes, if any, through the paged decode kernel straight into the output.
 
 Masking follows the CPU path's rule, key ``p`` visible to a query at position ``x`` iff
@@ -132,10 +131,10 @@ class PagedLayerKV:
         if ctx.kv_slots is None:  # no cached prefix anywhere: the keys are the chunks' own tokens
             kc = k[: ctx.num_tokens] if ctx.rows is None else k.index_select(0, ctx.rows)
             vc = v[: ctx.num_tokens] if ctx.rows is None else v.index_select(0, ctx.rows)
-        else:  # the keys are in the pool (the new tokens' were just written): read through the slots
-            kc, vc = self.k_pool, self.v_pool
-        return context_attention(qc, kc, vc, ctx.cu_seqlens_q, ctx.cu_seqlens_k, ctx.q_lens, ctx.k_lens, scale,
-                                 kv_slots=ctx.kv_slots)
+        else:
+            kc = self.k_pool.index_select(0, ctx.kv_slots)  # (sum k_lens, Hkv, D)
+            vc = self.v_pool.index_select(0, ctx.kv_slots)
+        return context_attention(qc, kc, vc, ctx.cu_seqlens_q, ctx.cu_seqlens_k, ctx.q_lens, ctx.k_lens, scale)
 
 
 # --------------------------------------------------------------------------------------------

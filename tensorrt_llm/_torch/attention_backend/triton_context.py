@@ -8,12 +8,10 @@ shape much faster but builds a plan per shape (``kernels``' docstring). Triton c
 tile configuration and head size, whatever the lengths, and lowers ``tl.dot`` to Hopper's
 warp-group MMA.
 
-Layout, the flash varlen call's, or the pool read in place::
+Layout, the same as the flash varlen call it stands beside::
 
     q         (Tq, Hq, D)   every chunk's queries, packed; chunk i owns rows cu_q[i] .. cu_q[i+1]
-    k, v      (Tk, Hkv, D)  every chunk's keys (its cached prefix, then itself), packed by cu_k;
-      or      (S, Hkv, D)   a layer's pool as slots, with kv_slots (Tk,): key p of chunk i is
-                            row kv_slots[cu_k[i] + p] (no gathered copy of the prefix)
+    k, v      (Tk, Hkv, D)  every chunk's keys (its cached prefix, then itself), packed by cu_k
     out       (Tq, Hq, D)
 
 Query ``j`` of chunk ``i`` sees keys ``[0, k_len - q_len + j]`` of its chunk. One program handles
@@ -57,24 +55,17 @@ DEFAULT_CONFIG = ContextConfig()
 
 @triton.jit
 def _attend_tiles(
-    acc, l_i, m_i, q, k_base, v_base, slots_base, stride_kt, stride_vt,
+    acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt,
     lo, hi, offs_m, diagonal, k_len, sm_scale_log2,
-    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, PAGED: tl.constexpr, IEEE: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, IEEE: tl.constexpr,
 ):
     """Fold key tiles ``[lo, hi)`` into the running softmax state (log2 units)."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     for n0 in range(lo, hi, BLOCK_N):
         cols = n0 + offs_n  # (BN,) key positions in the chunk
-        if PAGED:  # each position's row of the pool, through the slot map
-            if MASKED:
-                rows = tl.load(slots_base + cols, mask=cols < k_len, other=0)
-            else:
-                rows = tl.load(slots_base + cols)
-        else:
-            rows = cols
-        kt_ptrs = k_base + rows[None, :] * stride_kt + offs_d[:, None]  # (D, BN)
-        v_ptrs = v_base + rows[:, None] * stride_vt + offs_d[None, :]  # (BN, D)
+        kt_ptrs = k_base + cols[None, :] * stride_kt + offs_d[:, None]  # (D, BN)
+        v_ptrs = v_base + cols[:, None] * stride_vt + offs_d[None, :]  # (BN, D)
         if MASKED:
             kt = tl.load(kt_ptrs, mask=cols[None, :] < k_len, other=0.0)
         else:
@@ -104,11 +95,11 @@ def _attend_tiles(
 
 @triton.jit
 def _context_kernel(
-    Q, K, V, Out, cu_q, cu_k, Slots,
+    Q, K, V, Out, cu_q, cu_k,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     sm_scale_log2,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    PAGED: tl.constexpr, IEEE: tl.constexpr,
+    IEEE: tl.constexpr,
 ):
     head = tl.program_id(0)
     m_block = tl.num_programs(1) - 1 - tl.program_id(1)  # heaviest blocks first
@@ -128,13 +119,8 @@ def _context_kernel(
     row_ok = offs_m < q_len
     q_rows = (q_start + offs_m).to(tl.int64)
     q = tl.load(Q + q_rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-    if PAGED:  # K/V are the pools; the chunk's positions map to rows through Slots[k_start:]
-        k_base = K + kv_head * stride_kh
-        v_base = V + kv_head * stride_vh
-    else:  # K/V are packed: the chunk's positions are rows k_start onwards
-        k_base = K + k_start.to(tl.int64) * stride_kt + kv_head * stride_kh
-        v_base = V + k_start.to(tl.int64) * stride_vt + kv_head * stride_vh
-    slots_base = Slots + k_start
+    k_base = K + k_start.to(tl.int64) * stride_kt + kv_head * stride_kh
+    v_base = V + k_start.to(tl.int64) * stride_vt + kv_head * stride_vh
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -144,10 +130,10 @@ def _context_kernel(
     # running maximum stays -inf (which would make alpha NaN).
     unmasked_end = (diagonal + m0 + 1) // BLOCK_N * BLOCK_N
     end = tl.minimum(diagonal + m0 + BLOCK_M, k_len)
-    acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, k_base, v_base, slots_base, stride_kt, stride_vt, 0, unmasked_end,
-                                  offs_m, diagonal, k_len, sm_scale_log2, HEAD_DIM, BLOCK_N, False, PAGED, IEEE)
-    acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, k_base, v_base, slots_base, stride_kt, stride_vt, unmasked_end, end,
-                                  offs_m, diagonal, k_len, sm_scale_log2, HEAD_DIM, BLOCK_N, True, PAGED, IEEE)
+    acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, 0, unmasked_end, offs_m,
+                                  diagonal, k_len, sm_scale_log2, HEAD_DIM, BLOCK_N, False, IEEE)
+    acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, unmasked_end, end, offs_m,
+                                  diagonal, k_len, sm_scale_log2, HEAD_DIM, BLOCK_N, True, IEEE)
     out = acc / l_i[:, None]
     tl.store(Out + q_rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :], out.to(Out.dtype.element_ty),
              mask=row_ok[:, None])
@@ -162,17 +148,12 @@ def context_attention_triton(
     max_q_len: int,
     scale: float,
     *,
-    kv_slots: torch.Tensor | None = None,
     config: ContextConfig = DEFAULT_CONFIG,
 ) -> torch.Tensor:
-    """q (Tq, Hq, D), unit stride on D; cu_seqlens_q/k (N+1,) int32 on q's device;
-    ``max_q_len`` the longest chunk's queries (a host int: it sizes the grid) -> the attention
-    output (Tq, Hq, D). Every chunk needs ``k_len >= q_len``; the head size is a power of two
-    from 16 to 256 (``tl.arange``, ``tl.dot``). No host synchronisation.
-
-    ``kv_slots`` None: k/v (Tk, Hkv, D) hold every chunk's keys, packed by cu_seqlens_k. Else
-    k/v are a layer's pools viewed as slots (num_slots, Hkv, D), read in place: position ``p`` of
-    chunk ``i`` is slot ``kv_slots[cu_seqlens_k[i] + p]`` (int64, (Tk,))."""
+    """q (Tq, Hq, D), k/v (Tk, Hkv, D), unit stride on D; cu_seqlens_q/k (N+1,) int32 on q's
+    device; ``max_q_len`` the longest chunk's queries (a host int: it sizes the grid) -> the
+    attention output (Tq, Hq, D). Every chunk needs ``k_len >= q_len``; the head size is a power
+    of two from 16 to 256 (``tl.arange``, ``tl.dot``). No host synchronisation."""
     out = torch.empty_like(q)
     num_chunks = cu_seqlens_q.shape[0] - 1
     if num_chunks == 0 or q.shape[0] == 0:
@@ -181,11 +162,11 @@ def context_attention_triton(
     group = num_q_heads // k.shape[1]
     grid = (num_q_heads, triton.cdiv(max_q_len, config.block_m), num_chunks)
     _context_kernel[grid](
-        q, k, v, out, cu_seqlens_q, cu_seqlens_k, cu_seqlens_k if kv_slots is None else kv_slots,
+        q, k, v, out, cu_seqlens_q, cu_seqlens_k,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
         scale * _LOG2E,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-        PAGED=kv_slots is not None, IEEE=q.dtype == torch.float32,
+        IEEE=q.dtype == torch.float32,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out

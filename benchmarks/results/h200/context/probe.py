@@ -28,42 +28,32 @@ for name, case in att.items():
     if isinstance(case, dict) and "triton_sweep" in case and "flops" in case:
         print(name, "flash", round(case["flash_varlen"]["tflops"]), "engine", round(case["engine_layer"]["tflops"]),
               "cudnn", round(case.get("cudnn_split", {}).get("tflops", 0)))
-        for label in ("triton_sweep", "triton_sweep_in_place"):
-            for s in case.get(label, []):
-                print("  ", label, s["config"], round(s.get("tflops", 0)), s.get("rel_err_vs_flash"), s.get("error", ""))
+        for s in case["triton_sweep"]:
+            print("  ", s["config"], round(s.get("tflops", 0)), s.get("rel_err_vs_flash"), s.get("error", ""))
 print(f"attention done at {time.perf_counter() - t0:.0f} s", flush=True)
 
-def gathered(k, v, kv_slots):
-    return (k, v) if kv_slots is None else (k.index_select(0, kv_slots), v.index_select(0, kv_slots))
+def flash(q, k, v, cu_q, cu_k, q_lens, k_lens, scale):
+    return kernels.flash_varlen(q, k, v, cu_q, cu_k, q_lens, k_lens, scale)
 
 
-def flash(q, k, v, cu_q, cu_k, q_lens, k_lens, scale, kv_slots=None):
-    return kernels.flash_varlen(q, *gathered(k, v, kv_slots), cu_q, cu_k, q_lens, k_lens, scale)
-
-
-def triton(config, in_place):
-    def call(q, k, v, cu_q, cu_k, q_lens, k_lens, scale, kv_slots=None):
-        if in_place:
-            return context_attention_triton(q, k, v, cu_q, cu_k, max(q_lens), scale, kv_slots=kv_slots, config=config)
-        return context_attention_triton(q, *gathered(k, v, kv_slots), cu_q, cu_k, max(q_lens), scale, config=config)
-    return call
+def triton(config):
+    return lambda q, k, v, cu_q, cu_k, q_lens, k_lens, scale: context_attention_triton(
+        q, k, v, cu_q, cu_k, max(q_lens), scale, config=config)
 
 
 # The context kernel of every layer's call (paged.py binds it by name), per variant.
-variants = {"flash": flash, "triton_default_gathered": triton(ContextConfig(), False),
-            "triton_default_in_place": triton(ContextConfig(), True)}
+variants = {"flash": flash}
 for case_name in ("chunk_after_prefix", "prefill"):
     best = att[case_name].get("triton_best")
     if best:
-        variants["triton_in_place_" + "_".join(map(str, best["config"]))] = triton(ContextConfig(*best["config"]), True)
+        variants["triton_" + "_".join(map(str, best["config"]))] = triton(ContextConfig(*best["config"]))
 default_kernel = paged.context_attention
 model = LlamaForCausalLM(MODEL_PRESETS["mistral-nemo-12b-random"], device=device)
 engine = gpu_forward.build_engine(model, max_batch_size=8, max_num_tokens=8192, max_seq_len=32768, num_blocks=4096)
 allocator = BlockAllocator(4096)
 shapes = {"prefill_4096": ForwardShape(contexts=((4096, 0),)),
           "chunk_4096_after_16k": ForwardShape(contexts=((4096, 16384),)),
-          "mixed_4_chunks": ForwardShape(contexts=((2048, 0), (512, 6000), (256, 300), (1024, 12000))),
-          "chunk_512_after_2k_and_16_decodes": ForwardShape(contexts=((512, 2048),), decodes=((1, 2047),) * 16)}
+          "mixed_4_chunks": ForwardShape(contexts=((2048, 0), (512, 6000), (256, 300), (1024, 12000)))}
 forwards = {}
 for label, kernel in variants.items():
     paged.context_attention = kernel

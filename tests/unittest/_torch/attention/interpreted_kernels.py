@@ -77,7 +77,7 @@ def run_rope_case(hq: int, hkv: int, head_dim: int) -> dict:
     return {"kernel": "rope", "heads": [hq, hkv], "untouched_rows_nan": True, "max_abs_err": err}
 
 
-def run_context_case(block_m: int, block_n: int, hq: int, hkv: int, paged: bool = False) -> dict:
+def run_context_case(block_m: int, block_n: int, hq: int, hkv: int) -> dict:
     from tensorrt_llm._torch.attention_backend.kernels import reference_context_attention
     from tensorrt_llm._torch.attention_backend.triton_context import ContextConfig, context_attention_triton
 
@@ -92,16 +92,10 @@ def run_context_case(block_m: int, block_n: int, hq: int, hkv: int, paged: bool 
     cu_q = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32)
     cu_k = torch.tensor([0, *itertools.accumulate(k_lens)], dtype=torch.int32)
     expected = reference_context_attention(q, k, v, q_lens, k_lens, 0.3)
-    config = ContextConfig(block_m=block_m, block_n=block_n, num_warps=4, num_stages=1)
-    if paged:  # the keys scattered over a larger pool, read through their slots
-        slots = torch.randperm(3 * k.shape[0], generator=gen)[: k.shape[0]]
-        k_pool = torch.randn(3 * k.shape[0], hkv, head_dim, generator=gen).index_copy_(0, slots, k)
-        v_pool = torch.randn(3 * k.shape[0], hkv, head_dim, generator=gen).index_copy_(0, slots, v)
-        got = context_attention_triton(q, k_pool, v_pool, cu_q, cu_k, max(q_lens), 0.3, kv_slots=slots, config=config)
-    else:
-        got = context_attention_triton(q, k, v, cu_q, cu_k, max(q_lens), 0.3, config=config)
-    return {"kernel": "context", "tiles": [block_m, block_n], "heads": [hq, hkv], "paged": paged,
-            "untouched_rows_nan": True, "max_abs_err": float((got - expected).abs().max())}
+    got = context_attention_triton(q, k, v, cu_q, cu_k, max(q_lens), 0.3,
+                                   config=ContextConfig(block_m=block_m, block_n=block_n, num_warps=4, num_stages=1))
+    return {"kernel": "context", "tiles": [block_m, block_n], "heads": [hq, hkv], "untouched_rows_nan": True,
+            "max_abs_err": float((got - expected).abs().max())}
 
 
 def main() -> int:
@@ -111,7 +105,6 @@ def main() -> int:
     _fix_interpreter_for_numpy_2_4()
     results = [run_case(s, hq, hkv) for s in (1, 2, 4) for hq, hkv in ((4, 2), (8, 1))]
     results += [run_context_case(bm, bn, hq, hkv) for bm, bn in ((16, 16), (32, 16), (16, 32)) for hq, hkv in ((4, 2), (3, 3))]
-    results += [run_context_case(bm, bn, 4, 2, paged=True) for bm, bn in ((16, 16), (32, 16))]
     results += [run_rope_case(hq, hkv, d) for hq, hkv, d in ((4, 2, 16), (3, 1, 8))]
     print(json.dumps(results))
     return 0

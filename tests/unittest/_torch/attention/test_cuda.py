@@ -172,14 +172,12 @@ def test_single_chunk_matches_float64_reference(prefix: int) -> None:
     assert err < 2e-2, f"rel err {err:.2e}"
 
 
-@pytest.mark.parametrize("paged", [False, True])
 @pytest.mark.parametrize("tiles", [(128, 64, 8, 4), (64, 64, 4, 3), (128, 128, 8, 2), (64, 32, 4, 2)])
 @pytest.mark.parametrize("heads", [(32, 8, 128), (9, 3, 64)])
-def test_triton_context_kernel_matches_float64_reference(tiles, heads, paged) -> None:
+def test_triton_context_kernel_matches_float64_reference(tiles, heads) -> None:
     """The Triton context kernel under several tile shapes (the default first) on packed chunks
-    with and without prefixes, lengths on and off the tiles' edges, K/V packed or read in place
-    from a larger pool through their slots: bf16 against float64, and against flash-2 on the
-    same bf16 inputs."""
+    with and without prefixes, lengths on and off the tiles' edges: bf16 against float64, and
+    against flash-2 on the same bf16 inputs."""
     pytest.importorskip("triton")
     from tensorrt_llm._torch.attention_backend.kernels import flash_varlen, reference_context_attention
     from tensorrt_llm._torch.attention_backend.triton_context import ContextConfig, context_attention_triton
@@ -193,14 +191,7 @@ def test_triton_context_kernel_matches_float64_reference(tiles, heads, paged) ->
     cu_q = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32, device=CUDA)
     cu_k = torch.tensor([0, *itertools.accumulate(k_lens)], dtype=torch.int32, device=CUDA)
     qc, kc, vc = (t.to(CUDA, torch.bfloat16) for t in (q, k, v))
-    if paged:
-        slots = torch.randperm(2 * k.shape[0], generator=gen)[: k.shape[0]].to(CUDA)
-        k_pool = torch.zeros(2 * k.shape[0], hkv, d, dtype=torch.bfloat16, device=CUDA).index_copy_(0, slots, kc)
-        v_pool = torch.zeros(2 * k.shape[0], hkv, d, dtype=torch.bfloat16, device=CUDA).index_copy_(0, slots, vc)
-        got = context_attention_triton(qc, k_pool, v_pool, cu_q, cu_k, max(q_lens), d**-0.5, kv_slots=slots,
-                                       config=ContextConfig(*tiles))
-    else:
-        got = context_attention_triton(qc, kc, vc, cu_q, cu_k, max(q_lens), d**-0.5, config=ContextConfig(*tiles))
+    got = context_attention_triton(qc, kc, vc, cu_q, cu_k, max(q_lens), d**-0.5, config=ContextConfig(*tiles))
     reference = reference_context_attention(q, k, v, q_lens, k_lens, d**-0.5)
     assert rel_err(got, reference) < 1e-2
     flash = flash_varlen(qc, kc, vc, cu_q, cu_k, q_lens, k_lens, d**-0.5)
