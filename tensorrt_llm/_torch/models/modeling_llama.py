@@ -376,6 +376,11 @@ class Attention(nn.Module):
         sin: torch.Tensor,
         paged: LayerKV | None,
     ) -> torch.Tensor:
+        q, k, v = self.project(x, cos, sin)
+        return self.output(self.attend(q, k, v, paged))
+
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """x (T, hidden) -> q (T, n_head, head_dim), k, v (T, n_kv_head, head_dim), RoPE applied."""
         T = x.shape[0]
         q = self.q_proj(x).view(T, self.n_head, self.head_dim)  # (T, n_head, head_dim)
         k = self.k_proj(x).view(T, self.n_kv_head, self.head_dim)  # (T, n_kv_head, head_dim)
@@ -384,15 +389,20 @@ class Attention(nn.Module):
             rotate_qk_(q, k, cos, sin)  # one kernel for both, in place (attention_backend)
         else:
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        return q, k, v
 
-        if paged is None:
-            # One sequence, no cache: key j is visible to query i iff j <= i.
-            mask = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()  # (T, T)
-            y = self._attend(q, k, v, mask)  # (T, n_head, head_dim)
-        else:  # the paged attention backend of the pools' device (attention_backend)
-            y = paged.attend(q, k, v, self.scale)  # (T, n_head, head_dim)
-        y = y.reshape(T, self.n_head * self.head_dim)  # (T, n_head * head_dim)
-        return self.o_proj(y)  # (T, hidden), summed over the ranks' heads
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, paged: LayerKV | None) -> torch.Tensor:
+        """The attention itself -> (T, n_head, head_dim): through the paged backend, or, with no
+        cache, one sequence where key j is visible to query i iff j <= i."""
+        if paged is not None:  # the paged attention backend of the pools' device (attention_backend)
+            return paged.attend(q, k, v, self.scale)
+        T = q.shape[0]
+        mask = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()  # (T, T)
+        return self._attend(q, k, v, mask)
+
+    def output(self, y: torch.Tensor) -> torch.Tensor:
+        """y (T, n_head, head_dim) -> (T, hidden), summed over the ranks' heads."""
+        return self.o_proj(y.reshape(y.shape[0], self.n_head * self.head_dim))
 
     def _attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
@@ -440,7 +450,17 @@ class DecoderLayer(nn.Module):
         sin: torch.Tensor,
         paged: LayerKV | None,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), position_ids, cos, sin, paged)
+        q, k, v = self.attention_inputs(x, cos, sin)
+        return self.finish(x, self.self_attn.attend(q, k, v, paged))
+
+    # The layer in two halves around its attention (the piecewise CUDA graphs capture each half).
+    def attention_inputs(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """x (T, hidden) -> the attention's q, k, v (RoPE applied)."""
+        return self.self_attn.project(self.input_layernorm(x), cos, sin)
+
+    def finish(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The residual stream x (T, hidden) and the attention's y (T, n_head, head_dim) -> the layer's output."""
+        x = x + self.self_attn.output(y)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -457,14 +477,17 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config, mapping) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.torch_dtype)
 
+    def embed(self, input_ids: torch.Tensor, position_ids: torch.Tensor):
+        """-> the residual stream x (T, hidden) and the RoPE tables cos, sin (T, head_dim/2)."""
+        return self.embed_tokens(input_ids), *self.rotary_emb(position_ids)
+
     def forward(
         self,
         input_ids: torch.Tensor,
         position_ids: torch.Tensor,
         paged: list[LayerKV] | None,
     ) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)  # (T, hidden)
-        cos, sin = self.rotary_emb(position_ids)  # (T, head_dim/2) each
+        x, cos, sin = self.embed(input_ids, position_ids)
         for i, layer in enumerate(self.layers):
             x = layer(x, position_ids, cos, sin, None if paged is None else paged[i])
         return self.norm(x)

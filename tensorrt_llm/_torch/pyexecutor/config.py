@@ -153,11 +153,19 @@ class CudaGraphConfig:
     executor's). Padding is on by default here (upstream: off), because decode batch sizes
     change every few iterations in serving. Graphs are captured when a size is first used.
     Ignored on the CPU.
+
+    Every other forward (context chunks, with or without decodes) of at most the largest of
+    ``capture_num_tokens`` tokens is padded up to the next of them and replays piecewise graphs:
+    everything but attention, which runs eagerly between them (``piecewise_cuda_graph``; the
+    name is upstream's, from its ``torch_compile_config``). Default: 16, 32, 64, 128, 256, 384,
+    512, 768, 1024, capped at ``max_num_tokens``; an empty list turns them off. Captured at the
+    engine's warm-up.
     """
 
     batch_sizes: list[int] | None = None  # the batch sizes with a graph; default: see above
     max_batch_size: int = 0  # the largest batch size with a graph; 0: the executor's max_batch_size
     enable_padding: bool = True  # a decode batch of a size without a graph is padded up to the next one
+    capture_num_tokens: list[int] | None = None  # mixed forwards' padded token counts with piecewise graphs
 
     def __post_init__(self) -> None:
         if self.batch_sizes is not None:
@@ -168,6 +176,17 @@ class CudaGraphConfig:
             self.batch_sizes = sorted(set(self.batch_sizes))
         if isinstance(self.max_batch_size, bool) or not isinstance(self.max_batch_size, int) or self.max_batch_size < 0:
             raise ValueError(f"CudaGraphConfig.max_batch_size must be an int >= 0, got {self.max_batch_size!r}")
+        if self.capture_num_tokens is not None:
+            for size in self.capture_num_tokens:
+                _positive("CudaGraphConfig.capture_num_tokens[]", size)
+            self.capture_num_tokens = sorted(set(self.capture_num_tokens))
+
+    def resolve_capture_num_tokens(self, max_num_tokens: int) -> list[int]:
+        """The padded token counts of the piecewise graphs (see the class docstring)."""
+        if self.capture_num_tokens is not None:
+            return list(self.capture_num_tokens)
+        top = min(1024, max_num_tokens)  # past ~1k tokens a mixed forward is bound by the GPU, not the host
+        return sorted(s for s in {16, 32, 64, 128, 256, 384, 512, 768, 1024, top} if s <= top)
 
     def resolve_batch_sizes(self, executor_max_batch_size: int) -> list[int]:
         if self.batch_sizes is not None:

@@ -29,6 +29,7 @@ from tensorrt_llm._torch.attention_backend.staging import PinnedStaging
 from tensorrt_llm._torch.models.modeling_llama import LlamaForCausalLM
 from tensorrt_llm._torch.pyexecutor.config import CudaGraphConfig
 from tensorrt_llm._torch.pyexecutor.cuda_graph_runner import CudaGraphRunner
+from tensorrt_llm._torch.pyexecutor.piecewise_cuda_graph import PiecewiseGraphRunner
 from tensorrt_llm._torch.pyexecutor.engine import ForwardOutput, ModelEngine, PendingForward, ReadyForward
 from tensorrt_llm._torch.pyexecutor.engine_inputs import (
     PAD_TOKEN_ID,
@@ -91,6 +92,7 @@ class TorchModelEngine(ModelEngine):
             raise ValueError(f"the KV pools are on {storage.device}, the model on {self.device}")
         model.check_kv_pools(storage.k_cache, storage.v_cache, kv_cache_manager.tokens_per_block)  # once: forwards do not
         self.graph_runner: CudaGraphRunner | None = None
+        self.piecewise_runner: PiecewiseGraphRunner | None = None
         self._prepare_device(cuda_graph_config, max_batch_size, max_seq_len)
 
     @abc.abstractmethod
@@ -112,10 +114,13 @@ class TorchModelEngine(ModelEngine):
             raise ValueError(f"position_ids must lie in [0, {config.max_position_embeddings})")
 
     def warmup(self) -> None:
-        """Capture the decode graphs of every batch size now rather than at first use (also
-        compiles the decode kernel for every split count). Nothing to do on the CPU."""
+        """Capture the decode graphs of every batch size and the piecewise graphs of every token
+        count now rather than at first use (also compiles the decode kernel for every split
+        count). Nothing to do on the CPU."""
         if self.graph_runner is not None:
             self.graph_runner.capture_all()
+        if self.piecewise_runner is not None:
+            self.piecewise_runner.capture_all()
 
     @abc.abstractmethod
     def launch(self, inputs: TpInputs) -> PendingForward:
@@ -159,7 +164,9 @@ class CudaTorchModelEngine(TorchModelEngine):
     their greedy pick, then a copy of the picked tokens to pinned host memory, and returns a
     :class:`CudaForward` without waiting for the GPU; ``result()`` waits for that copy alone. A
     decode batch (every request computes one token) replays a CUDA graph when
-    ``cuda_graph_config`` allows (see ``cuda_graph_runner``). A launch's inputs travel through
+    ``cuda_graph_config`` allows (see ``cuda_graph_runner``); another forward of up to its
+    largest ``capture_num_tokens`` replays piecewise graphs around eager attention
+    (``piecewise_cuda_graph``). A launch's inputs travel through
     persistent pinned buffers (``attention_backend.staging``), and the forward waits on the
     device, never on the host, for the KV storage's host-tier copies issued before it
     (``KVCacheStorage.before_compute``; ``benchmarks/results/h200/serving/sync_audit.md`` lists
@@ -167,7 +174,7 @@ class CudaTorchModelEngine(TorchModelEngine):
     """
 
     def _prepare_device(self, cuda_graph_config: CudaGraphConfig | None, max_batch_size: int, max_seq_len: int | None) -> None:
-        """The pinned staging buffers, and the decode graphs' runner when ``cuda_graph_config`` allows."""
+        """The pinned staging buffers, and the graph runners (decode, piecewise) when ``cuda_graph_config`` allows."""
         # The previous launch's picks, on the device: request id -> row, and the tokens.
         self._device_picks: tuple[dict[int, int], torch.Tensor] | None = None
         # Every host array a launch ships goes through these pinned buffers (one per launch, in turn).
@@ -185,6 +192,9 @@ class CudaTorchModelEngine(TorchModelEngine):
                 max_seq_len=max_seq_len or self.model.config.max_position_embeddings,
                 staging=self._staging,
             )
+            sizes = cuda_graph_config.resolve_capture_num_tokens(self.max_num_tokens)
+            if sizes:
+                self.piecewise_runner = PiecewiseGraphRunner(self.model, num_tokens=sizes)
 
     @property
     def completes_asynchronously(self) -> bool:
@@ -263,9 +273,11 @@ class CudaTorchModelEngine(TorchModelEngine):
         ids_device = self._to_device(ids)
         if fill is not None:
             ids_device.index_copy_(0, *fill)
-        hidden = self.model.forward_with_plan(
-            ids_device, self._to_device(positions), plan, storage.k_cache, storage.v_cache
-        )  # (T, hidden)
+        runner = self.piecewise_runner
+        forward = self.model.forward_with_plan
+        if runner is not None and runner.size_for(len(ids)) is not None:
+            forward = runner.forward  # everything but attention from graphs (piecewise_cuda_graph)
+        hidden = forward(ids_device, self._to_device(positions), plan, storage.k_cache, storage.v_cache)  # (T, hidden)
         if not rows:
             return hidden.new_empty((0, self.vocab_size)), torch.empty(0, dtype=torch.int64, device=self.device)
         if rows == list(range(len(rows))) and len(rows) == hidden.shape[0]:

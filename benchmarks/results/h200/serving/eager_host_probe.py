@@ -3,8 +3,9 @@ small mixed forwards ran at ~4x their roofline in run 6's replay (44 ms against 
 
     PYTHONPATH=. python benchmarks/results/h200/serving/eager_host_probe.py OUT_DIR
 
-For a few mixed shapes: the host's time to launch the forward (call to return of ``launch``) and
-its device time, then a torch.profiler trace of one launch: the ops by host time.
+For a few mixed shapes, eager and replayed piecewise (``piecewise_cuda_graph``): the host's time
+to launch the forward (call to return of ``launch``) and its device time, then a torch.profiler
+trace of one eager launch: the ops by host time.
 """
 
 import json
@@ -29,24 +30,25 @@ shapes = {"chunk 90 + 10 decodes": ForwardShape(contexts=((90, 300),), decodes=(
           "chunk 500 + 10 decodes": ForwardShape(contexts=((500, 1000),), decodes=((1, 2047),) * 10),
           "10 decodes, eager": ForwardShape(decodes=((1, 2047),) * 10)}
 result = {}
-for name, shape in shapes.items():
-    inputs = synthetic_inputs(shape, allocator, tpb, engine.vocab_size)
-    engine.graph_runner, runner = None, engine.graph_runner
-    host, device = [], []
-    for i in range(8):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        pending = engine.launch(inputs)
-        host.append((time.perf_counter() - t0) * 1e3)
-        pending.result()
-        device.append(pending.device_time_ms())
-    result[name] = {"launch_host_ms": sorted(host)[4], "device_ms": sorted(device)[4]}
-    print(name, result[name], flush=True)
-    if name.startswith("chunk 90"):
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-            engine.launch(inputs).result()
-        table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30)
-        (out / "profile.txt").write_text(table)
-        print(table, flush=True)
-    engine.graph_runner = runner
+piecewise = engine.piecewise_runner
+engine.graph_runner = None  # the decode-only shape must not take the decode graphs
+for mode in ("eager", "piecewise"):
+    engine.piecewise_runner = piecewise if mode == "piecewise" else None
+    for name, shape in shapes.items():
+        inputs = synthetic_inputs(shape, allocator, tpb, engine.vocab_size)
+        host, device = [], []
+        for i in range(8):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            pending = engine.launch(inputs)
+            host.append((time.perf_counter() - t0) * 1e3)
+            pending.result()
+            device.append(pending.device_time_ms())
+        result[f"{mode}: {name}"] = {"launch_host_ms": sorted(host)[4], "device_ms": sorted(device)[4]}
+        print(mode, name, result[f"{mode}: {name}"], flush=True)
+        if mode == "eager" and name.startswith("chunk 90"):
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                engine.launch(inputs).result()
+            table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30)
+            (out / "profile.txt").write_text(table)
 (out / "eager_host.json").write_text(json.dumps(result, indent=1))

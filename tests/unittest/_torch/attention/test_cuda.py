@@ -88,10 +88,12 @@ def _small(dtype: str) -> LlamaForCausalLM:
     return LlamaForCausalLM(dataclasses.replace(MODEL_PRESETS["small-random"], dtype=dtype, seed=5))
 
 
-def _generate(model, prompts, graphs: bool, **config):
+def _generate(model, prompts, graphs: bool | CudaGraphConfig, replays: list | None = None, **config):
+    """Greedy outputs of ``prompts``; ``replays``, if given, gets the engine's piecewise replays."""
+    graph_config = graphs if isinstance(graphs, CudaGraphConfig) else CudaGraphConfig() if graphs else None
     config = make_config(
         max_num_tokens=96, tokens_per_block=8, num_blocks=256, max_batch_size=8,
-        cuda_graph_config=CudaGraphConfig() if graphs else None, **config,
+        cuda_graph_config=graph_config, **config,
     )
     executor = create_py_executor(config, model=model)
     requests = [make_request(p, max_new_tokens=12) for p in prompts]
@@ -99,6 +101,9 @@ def _generate(model, prompts, graphs: bool, **config):
         executor.enqueue_request(request)
     executor.run_until_idle()
     assert all(r.error is None for r in requests), [r.error for r in requests]
+    runner = executor.model_engine.piecewise_runner
+    if replays is not None:
+        replays.append(runner.num_replays if runner is not None else 0)
     return [r.output_token_ids for r in requests]
 
 
@@ -127,6 +132,21 @@ def test_overlap_gives_the_tokens_of_the_plain_loop(graphs: bool) -> None:
     plain = _generate(model, prompts, graphs=graphs, disable_overlap_scheduler=True)
     overlapped = _generate(model, prompts, graphs=graphs, disable_overlap_scheduler=False)
     assert overlapped == plain
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_piecewise_graphs_give_the_tokens_of_eager_mixed_forwards(overlap: bool) -> None:
+    """Mixed forwards (chunks with decodes) replayed piecewise, padded to the captured token
+    counts, give the greedy tokens of the same forwards run eagerly (float32)."""
+    prompts = _prompts()
+    model = _small("float32").to(CUDA)
+    replays: list[int] = []
+    eager = _generate(model, prompts, graphs=CudaGraphConfig(capture_num_tokens=[]), replays=replays,
+                      disable_overlap_scheduler=not overlap)
+    piecewise = _generate(model, prompts, graphs=CudaGraphConfig(capture_num_tokens=[16, 48, 96]), replays=replays,
+                          disable_overlap_scheduler=not overlap)
+    assert replays[0] == 0 and replays[1] > 0, replays
+    assert piecewise == eager
 
 
 def test_bfloat16_forward_close_to_float32_reference() -> None:
