@@ -35,7 +35,7 @@ logger = logging.getLogger(__name__)
 DECODE_CONFIGS = ((64, 4, 3), (64, 4, 2), (32, 4, 3), (128, 4, 3), (128, 8, 3))
 # (queries per program, keys per tile, warps, stages) of the Triton context kernel; the first is
 # its default.
-CONTEXT_CONFIGS = ((128, 64, 8, 3), (128, 64, 4, 3), (128, 64, 8, 4), (128, 64, 8, 2), (128, 128, 8, 2),
+CONTEXT_CONFIGS = ((128, 64, 8, 4), (128, 64, 8, 3), (128, 64, 4, 3), (128, 64, 8, 2), (128, 128, 8, 2),
                    (128, 128, 8, 3), (128, 32, 4, 3), (64, 64, 4, 3), (64, 128, 4, 3), (128, 128, 4, 2))
 
 

@@ -3,8 +3,10 @@
 ``context_attention``: every context chunk of the forward in ONE varlen call. Chunk ``i`` has
 ``q_lens[i]`` queries, the last ones of its ``k_lens[i]`` keys (its cached prefix, then itself),
 causal with the diagonal at the bottom right: query ``j`` sees keys ``[0, k_lens[i] - q_lens[i]
-+ j]``. On CUDA in bf16/fp16 this is our Triton kernel (``triton_context``) where the head size
-is a power of two, else torch's bundled FlashAttention-2 varlen kernel
++ j]``. On CUDA in bf16/fp16 this is our Triton kernel (``triton_context``) on the GPUs it was
+tuned for (compute capability 9.x and 10.x: Hopper and datacenter Blackwell, whose 227 KB of
+shared memory its tiles need) with a power-of-two head size up to 128, else torch's bundled
+FlashAttention-2 varlen kernel
 (``aten::_flash_attention_forward`` with cumulative lengths, native GQA, bottom-right causal);
 both pack the chunks without padding. Elsewhere (float32, CPU tests) a per-chunk SDPA with an
 explicit mask computes the same function.
@@ -16,7 +18,7 @@ a mixed batch of four chunks at 437 against 243, and a 512-token chunk after 2k 
 on a fixed shape (518 TFLOP/s on the first of those), but it builds an execution plan for every
 new shape, and serving rarely repeats one: on the H200 a replay paid ~85 ms per new chunk shape,
 more than any forward gains (``benchmarks/results/h200/README.md``). Triton compiles once per
-head size.
+head size, query heads per KV head and dtype.
 
 ``decode_attention``: one query per sequence over its paged K/V, read in place by the Triton
 kernel (``triton_paged_decode``) on CUDA; a gather-and-mask reference in torch elsewhere.
@@ -61,7 +63,7 @@ def context_attention(
     cu_seqlens_q/k: (N+1,) int32 on q's device; q_lens/k_lens: the same lengths on the host.
     """
     if flash_varlen_available(q):
-        if has_triton() and _power_of_two_head(q):
+        if _triton_context_takes(q):
             from tensorrt_llm._torch.attention_backend.triton_context import context_attention_triton
 
             return context_attention_triton(q, k, v, cu_seqlens_q, cu_seqlens_k, max(q_lens), scale)
@@ -69,9 +71,16 @@ def context_attention(
     return reference_context_attention(q, k, v, q_lens, k_lens, scale)
 
 
-def _power_of_two_head(q: torch.Tensor) -> bool:
+def _triton_context_takes(q: torch.Tensor) -> bool:
+    """Where the Triton context kernel runs (module docstring): a power-of-two head size from 16 to
+    128, on a GPU of compute capability 9.x or 10.x."""
     d = q.shape[-1]
-    return 16 <= d <= 256 and d & (d - 1) == 0
+    return has_triton() and 16 <= d <= 128 and d & (d - 1) == 0 and _capability(q.device)[0] in (9, 10)
+
+
+@functools.cache
+def _capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
 
 
 def flash_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, q_lens, k_lens, scale) -> torch.Tensor:

@@ -64,8 +64,11 @@ def _attend_tiles(
     offs_d = tl.arange(0, HEAD_DIM)
     for n0 in range(lo, hi, BLOCK_N):
         cols = n0 + offs_n  # (BN,) key positions in the chunk
-        kt_ptrs = k_base + cols[None, :] * stride_kt + offs_d[:, None]  # (D, BN)
-        v_ptrs = v_base + cols[:, None] * stride_vt + offs_d[None, :]  # (BN, D)
+        # The tile's first row in 64 bits, its rows' offsets from it in 32 (a long chunk's
+        # position times the row stride can pass 2**31).
+        start = tl.cast(n0, tl.int64)
+        kt_ptrs = k_base + start * stride_kt + offs_n[None, :] * stride_kt + offs_d[:, None]  # (D, BN)
+        v_ptrs = v_base + start * stride_vt + offs_n[:, None] * stride_vt + offs_d[None, :]  # (BN, D)
         if MASKED:
             kt = tl.load(kt_ptrs, mask=cols[None, :] < k_len, other=0.0)
         else:
@@ -153,7 +156,8 @@ def context_attention_triton(
     """q (Tq, Hq, D), k/v (Tk, Hkv, D), unit stride on D; cu_seqlens_q/k (N+1,) int32 on q's
     device; ``max_q_len`` the longest chunk's queries (a host int: it sizes the grid) -> the
     attention output (Tq, Hq, D). Every chunk needs ``k_len >= q_len``; the head size is a power
-    of two from 16 to 256 (``tl.arange``, ``tl.dot``). No host synchronisation."""
+    of two from 16 (``tl.arange``, ``tl.dot``) to 128 with the default tiles, whose shared memory
+    (~160 KB at 128) only Hopper-class GPUs have. No host synchronisation."""
     out = torch.empty_like(q)
     num_chunks = cu_seqlens_q.shape[0] - 1
     if num_chunks == 0 or q.shape[0] == 0:

@@ -154,12 +154,14 @@ class CudaGraphConfig:
     change every few iterations in serving. Graphs are captured when a size is first used.
     Ignored on the CPU.
 
-    Every other forward (context chunks, with or without decodes) of at most the largest of
-    ``capture_num_tokens`` tokens is padded up to the next of them and replays piecewise graphs:
-    everything but attention, which runs eagerly between them (``piecewise_cuda_graph``; the
-    name is upstream's, from its ``torch_compile_config``). Default: 16, 32, 64, 128, 256, 384,
-    512, 768, 1024, capped at ``max_num_tokens``; an empty list turns them off. Captured at the
-    engine's warm-up.
+    Every other forward (context chunks, with or without decodes; a decode batch no decode graph
+    serves: beams, prompt logits, drafts, more requests than the largest size) of at most the
+    largest of ``capture_num_tokens`` tokens is padded up to the next of them and replays
+    piecewise graphs: everything but attention, which runs eagerly between them
+    (``piecewise_cuda_graph``; the name is upstream's, from its ``torch_compile_config``).
+    Default: 16, 32, 64, 128, 256, 384, 512, 768, 1024, with ``max_num_tokens`` in place of the
+    sizes above it. Given sizes above ``max_num_tokens`` are dropped (no forward needs them); an
+    empty list turns the piecewise graphs off. Captured at the engine's warm-up.
     """
 
     batch_sizes: list[int] | None = None  # the batch sizes with a graph; default: see above
@@ -177,6 +179,8 @@ class CudaGraphConfig:
         if isinstance(self.max_batch_size, bool) or not isinstance(self.max_batch_size, int) or self.max_batch_size < 0:
             raise ValueError(f"CudaGraphConfig.max_batch_size must be an int >= 0, got {self.max_batch_size!r}")
         if self.capture_num_tokens is not None:
+            if not isinstance(self.capture_num_tokens, (list, tuple)):
+                raise ValueError(f"CudaGraphConfig.capture_num_tokens must be a list of ints, got {self.capture_num_tokens!r}")
             for size in self.capture_num_tokens:
                 _positive("CudaGraphConfig.capture_num_tokens[]", size)
             self.capture_num_tokens = sorted(set(self.capture_num_tokens))
@@ -184,7 +188,7 @@ class CudaGraphConfig:
     def resolve_capture_num_tokens(self, max_num_tokens: int) -> list[int]:
         """The padded token counts of the piecewise graphs (see the class docstring)."""
         if self.capture_num_tokens is not None:
-            return list(self.capture_num_tokens)
+            return [s for s in self.capture_num_tokens if s <= max_num_tokens]
         top = min(1024, max_num_tokens)  # past ~1k tokens a mixed forward is bound by the GPU, not the host
         return sorted(s for s in {16, 32, 64, 128, 256, 384, 512, 768, 1024, top} if s <= top)
 

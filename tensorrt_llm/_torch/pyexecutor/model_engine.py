@@ -182,6 +182,10 @@ class CudaTorchModelEngine(TorchModelEngine):
         kv = self.kv_cache_manager
         self._plans = PagedPlanBuilder(self.device, tokens_per_block=kv.tokens_per_block, num_blocks=kv.num_blocks,
                                        num_kv_heads=self.model.num_local_kv_heads, staging=self._staging)
+        mapping = self.model.mapping
+        if cuda_graph_config is not None and (mapping.attn_tp_size > 1 or mapping.mlp_tp_size > 1):
+            # Row-parallel layers all-reduce through the process group, which a graph cannot capture.
+            raise ValueError("CUDA graphs are not supported on tensor-parallel ranks: set cuda_graph_config=None")
         if cuda_graph_config is not None:
             self.graph_runner = CudaGraphRunner(
                 self.model,

@@ -134,19 +134,20 @@ def test_overlap_gives_the_tokens_of_the_plain_loop(graphs: bool) -> None:
     assert overlapped == plain
 
 
-@pytest.mark.parametrize("overlap", [False, True])
-def test_piecewise_graphs_give_the_tokens_of_eager_mixed_forwards(overlap: bool) -> None:
+@pytest.mark.parametrize("dtype, overlap", [("float32", False), ("float32", True), ("bfloat16", True)])
+def test_piecewise_graphs_give_the_tokens_of_eager_mixed_forwards(dtype: str, overlap: bool) -> None:
     """Mixed forwards (chunks with decodes) replayed piecewise, padded to the captured token
-    counts, give the greedy tokens of the same forwards run eagerly (float32)."""
+    counts, give the greedy tokens of the same forwards run eagerly: all of them in float32; in
+    bf16 (the Triton context kernel between the pieces) a near-tie may flip one request's."""
     prompts = _prompts()
-    model = _small("float32").to(CUDA)
+    model = _small(dtype).to(CUDA)
     replays: list[int] = []
-    eager = _generate(model, prompts, graphs=CudaGraphConfig(capture_num_tokens=[]), replays=replays,
-                      disable_overlap_scheduler=not overlap)
+    eager = _generate(model, prompts, graphs=CudaGraphConfig(capture_num_tokens=[]), disable_overlap_scheduler=not overlap)
     piecewise = _generate(model, prompts, graphs=CudaGraphConfig(capture_num_tokens=[16, 48, 96]), replays=replays,
                           disable_overlap_scheduler=not overlap)
-    assert replays[0] == 0 and replays[1] > 0, replays
-    assert piecewise == eager
+    assert replays[0] > 0, "no forward replayed piecewise"
+    same = sum(a == b for a, b in zip(eager, piecewise))
+    assert same == len(prompts) if dtype == "float32" else same >= len(prompts) - 1
 
 
 def test_bfloat16_forward_close_to_float32_reference() -> None:

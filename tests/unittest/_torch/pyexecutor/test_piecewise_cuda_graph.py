@@ -39,7 +39,7 @@ def test_pieces_with_padding_give_the_model_forward(seed):
     new, cached, tables, ids, positions = _batch(random.Random(seed), num_blocks)
     builder = plan_builder("cpu", tokens_per_block=TPB, num_blocks=num_blocks, num_kv_heads=model.num_local_kv_heads,
                            dtype=CONFIG.torch_dtype)
-    runner = PiecewiseGraphRunner(model, num_tokens=[16, 64, 128])
+    runner = PiecewiseGraphRunner(model, num_tokens=[128])  # one size: both forwards share its buffers
     assert not runner.use_graphs
     assert runner.size_for(len(ids)) is not None
 
@@ -72,5 +72,7 @@ def test_capture_num_tokens_default_and_validation():
     assert CudaGraphConfig().resolve_capture_num_tokens(300) == [16, 32, 64, 128, 256, 300]
     assert CudaGraphConfig(capture_num_tokens=[]).resolve_capture_num_tokens(8192) == []
     assert CudaGraphConfig(capture_num_tokens=[64, 8, 64]).capture_num_tokens == [8, 64]
-    with pytest.raises(ValueError, match="capture_num_tokens"):
-        CudaGraphConfig(capture_num_tokens=[0])
+    assert CudaGraphConfig(capture_num_tokens=[64, 8, 512]).resolve_capture_num_tokens(100) == [8, 64]
+    for bad in ([0], 5):
+        with pytest.raises(ValueError, match="capture_num_tokens"):
+            CudaGraphConfig(capture_num_tokens=bad)
