@@ -63,7 +63,7 @@ def context_attention(
     cu_seqlens_q/k: (N+1,) int32 on q's device; q_lens/k_lens: the same lengths on the host.
     """
     if flash_varlen_available(q):
-        if _triton_context_takes(q):
+        if _triton_context_takes(q) and max(k_lens) * max(k.stride(0), v.stride(0)) < 2**31:
             from tensorrt_llm._torch.attention_backend.triton_context import context_attention_triton
 
             return context_attention_triton(q, k, v, cu_seqlens_q, cu_seqlens_k, max(q_lens), scale)

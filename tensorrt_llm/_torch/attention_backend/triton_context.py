@@ -64,11 +64,9 @@ def _attend_tiles(
     offs_d = tl.arange(0, HEAD_DIM)
     for n0 in range(lo, hi, BLOCK_N):
         cols = n0 + offs_n  # (BN,) key positions in the chunk
-        # The tile's first row in 64 bits, its rows' offsets from it in 32 (a long chunk's
-        # position times the row stride can pass 2**31).
-        start = tl.cast(n0, tl.int64)
-        kt_ptrs = k_base + start * stride_kt + offs_n[None, :] * stride_kt + offs_d[:, None]  # (D, BN)
-        v_ptrs = v_base + start * stride_vt + offs_n[:, None] * stride_vt + offs_d[None, :]  # (BN, D)
+        # 32-bit offsets from the chunk's (64-bit) base: the caller keeps k_len * stride < 2**31
+        kt_ptrs = k_base + cols[None, :] * stride_kt + offs_d[:, None]  # (D, BN)
+        v_ptrs = v_base + cols[:, None] * stride_vt + offs_d[None, :]  # (BN, D)
         if MASKED:
             kt = tl.load(kt_ptrs, mask=cols[None, :] < k_len, other=0.0)
         else:
@@ -155,7 +153,8 @@ def context_attention_triton(
 ) -> torch.Tensor:
     """q (Tq, Hq, D), k/v (Tk, Hkv, D), unit stride on D; cu_seqlens_q/k (N+1,) int32 on q's
     device; ``max_q_len`` the longest chunk's queries (a host int: it sizes the grid) -> the
-    attention output (Tq, Hq, D). Every chunk needs ``k_len >= q_len``; the head size is a power
+    attention output (Tq, Hq, D). Every chunk needs ``k_len >= q_len`` and ``k_len * k.stride(0) <
+    2**31`` (a key's offset from its chunk's first is 32-bit); the head size is a power
     of two from 16 (``tl.arange``, ``tl.dot``) to 128 with the default tiles, whose shared memory
     (~160 KB at 128) only Hopper-class GPUs have. No host synchronisation."""
     out = torch.empty_like(q)
