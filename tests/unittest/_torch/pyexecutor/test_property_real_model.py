@@ -199,7 +199,10 @@ def test_greedy_outputs_match_forward_full_under_every_policy_and_reuse_mode(wor
                 event(f"{policy}: deferrals happened")
             if interventions > deferrals:
                 event(f"{policy}: chunks were cut")
-        if policy == "recheck" and reuse and workload.enable_chunked_prefill:
+        # The probe's prefix is cached just before it (warmed last), so admission discounts it and
+        # its full cost exceeds the budget. Evicting ahead breaks that premise: it moves cached
+        # blocks to the host tier after every step, which drops them when the tier is small.
+        if policy == "recheck" and reuse and workload.enable_chunked_prefill and not workload.offload_ahead:
             assert interventions >= 1, f"{where}: the probe (full cost > max_num_tokens) was neither cut nor deferred"
         if any(s.num_paused_requests for s in stats):
             event(f"{policy}: a request was paused")
