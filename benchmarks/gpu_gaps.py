@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from benchmarks.gpu_phase_b import RecordedSettings, _kind, add_host_tier_arguments
+from benchmarks.gpu_phase_b import RecordedSettings, _kind, add_host_tier_arguments, host_tier_kv_config
 from benchmarks.replay import TraceSpec, replay_trace
 from benchmarks.sim_engine import Engine
 
@@ -128,7 +128,7 @@ def main(argv=None) -> int:
     recorded: dict = {}
     settings = TimelineSettings.from_options(
         engine="torch", model=args.model, device="cuda", recorded=recorded, host_cache_blocks=args.host_cache_blocks,
-        kv_cache_config={"offload_ahead_blocks": args.offload_ahead_blocks})  # the rest: the replay's defaults
+        kv_cache_config=host_tier_kv_config(args))  # the rest: the replay's defaults
     replay_trace(trace, settings, [args.policy], spec=spec, progress=False)
     rows = gap_breakdown(recorded[args.policy], recorded["_host"][args.policy], args.top)
     for row in rows:
@@ -140,7 +140,7 @@ def main(argv=None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"policy": args.policy, "requests": args.requests, "host_cache_blocks": args.host_cache_blocks,
-                       "offload_ahead_blocks": args.offload_ahead_blocks, "gaps": rows}, f, indent=1)
+                       **host_tier_kv_config(args), "gaps": rows}, f, indent=1)
     return 0
 
 

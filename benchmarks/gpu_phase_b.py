@@ -198,13 +198,18 @@ def add_host_tier_arguments(parser: argparse.ArgumentParser) -> None:
                         help="KvCacheConfig.offload_ahead_blocks: primary blocks kept free by offloading after each launch")
 
 
+def host_tier_kv_config(args: argparse.Namespace) -> dict:
+    """The ``kv_cache_config`` keys that :func:`add_host_tier_arguments`' flags set."""
+    return {"offload_ahead_blocks": args.offload_ahead_blocks}
+
+
 def replay_section(args, out_dir: Path, t0: float) -> dict:
     device = "cuda" if torch.cuda.is_available() and not args.quick else "cpu"
     model_name = "tiny-random" if args.quick else args.model
     spec = TraceSpec(num_requests=args.requests, time_scale=args.time_scale)
     trace = spec.load_for(vocab_size=32000 if not args.quick else 500, tokens_per_block=32)
     common = dict(max_num_tokens=args.max_num_tokens, host_cache_blocks=args.host_cache_blocks,
-                  kv_cache_config={"num_blocks": args.kv_blocks, "offload_ahead_blocks": args.offload_ahead_blocks})
+                  kv_cache_config={"num_blocks": args.kv_blocks, **host_tier_kv_config(args)})
     recorded: dict = {}
     # the quick CPU check runs the overlap loop too (its default is off on the CPU)
     gpu = RecordedSettings.from_options(engine="torch", model=model_name, device=device, recorded=recorded,

@@ -74,8 +74,7 @@ def context_attention(
 def _triton_context_takes(q: torch.Tensor) -> bool:
     """Where the Triton context kernel runs (module docstring): a power-of-two head size from 16 to
     128, on a GPU of compute capability 9.x or 10.x."""
-    d = q.shape[-1]
-    return has_triton() and 16 <= d <= 128 and d & (d - 1) == 0 and _capability(q.device)[0] in (9, 10)
+    return _triton_takes(q) and _power_of_two_in(q.shape[-1], 16, 128) and _capability(q.device)[0] in (9, 10)
 
 
 @functools.cache
@@ -128,8 +127,7 @@ def decode_attention(
     """``out[rows[b]]`` = attention of ``q[rows[b]]`` over positions ``[0, seq_lens[b])`` of
     sequence ``b``, whose K/V live in the flat pools (num_slots, Hkv, D) at the slots
     ``block_tables[b]`` gives. Triton on CUDA, the torch reference elsewhere."""
-    head_dim = q.shape[-1]
-    if _triton_takes(q) and head_dim & (head_dim - 1) == 0 and head_dim >= 16:
+    if _triton_takes(q) and _power_of_two_in(q.shape[-1], 16):
         from tensorrt_llm._torch.attention_backend.triton_paged_decode import paged_decode_attention
 
         paged_decode_attention(
@@ -173,8 +171,12 @@ def reference_decode_attention(
 
 def fused_rope_applies(q: torch.Tensor) -> bool:
     """True where :func:`rotate_qk_` runs as one Triton kernel: CUDA, half head dim a power of two."""
-    half = q.shape[-1] // 2
-    return _triton_takes(q) and half & (half - 1) == 0 and half >= 1
+    return _triton_takes(q) and _power_of_two_in(q.shape[-1] // 2, 1)
+
+
+def _power_of_two_in(n: int, low: int, high: int | None = None) -> bool:
+    """``n`` a power of two in ``[low, high]`` (the Triton kernels' ``tl.arange`` and ``tl.dot`` sizes)."""
+    return n >= low and (high is None or n <= high) and n & (n - 1) == 0
 
 
 def _triton_takes(q: torch.Tensor) -> bool:
