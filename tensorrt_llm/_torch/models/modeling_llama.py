@@ -1,8 +1,20 @@
-"""A Llama-style decoder run by the executor on a paged KV cache.
+"""A Llama-style decoder run by the executor on a paged KV cache: Llama 2/3/3.1/3.2, Mistral,
+Qwen2 and Qwen3 are one decoder with a few switches (``LlamaConfig``)::
 
-Weights are either given (a real checkpoint: ``checkpoints/gguf_loader.py``) or drawn from a
-local ``torch.Generator`` seeded by ``LlamaConfig.seed``, so two engines built from the same
-config compute the same tokens bit for bit, and greedy outputs can be compared across
+    architecture        q/k/v bias  o bias  q/k norm  RoPE scaling
+    LlamaForCausalLM    attention_bias      -         default, linear, dynamic, llama3
+    MistralForCausalLM  -           -       -         default
+    Qwen2ForCausalLM    yes         -       -         default
+    Qwen3ForCausalLM    attention_bias      yes       default
+
+plus, for all, tied embeddings, a ``head_dim`` of its own and any number of KV heads. The layers
+live in ``_torch/modules`` (upstream's names: ``rms_norm``, ``rotary_embedding``, ``attention``,
+``gated_mlp``, ``linear``); the metadata of a flat forward in ``attention_backend/interface.py``.
+Their names stay importable from here.
+
+Weights are either given (a checkpoint: ``checkpoints/``, Hugging Face safetensors or GGUF) or
+drawn from a local ``torch.Generator`` seeded by ``LlamaConfig.seed``, so two engines built from
+the same config compute the same tokens bit for bit, and greedy outputs can be compared across
 scheduling policies.
 
 Two forward paths share all weights:
@@ -41,18 +53,29 @@ positions ``[0, num_cached_tokens[r] + num_new_tokens[r])`` and no others.
 
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass
+from typing import Collection, Protocol
 from typing import Mapping as WeightMapping
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from tensorrt_llm._torch.attention_backend.kernels import fused_rope_applies, rotate_qk_
 from tensorrt_llm._torch.attention_backend.backend import AttentionPlan, LayerKV, plan_builder
+from tensorrt_llm._torch.attention_backend.interface import AttentionMetadata
+from tensorrt_llm._torch.modules.attention import Attention, HeadShard
+from tensorrt_llm._torch.modules.gated_mlp import GatedMLP
 from tensorrt_llm._torch.modules.linear import Linear, TensorParallelMode
+from tensorrt_llm._torch.modules.rms_norm import RMSNorm
+from tensorrt_llm._torch.modules.rotary_embedding import RopeScaling, RotaryEmbedding, apply_rotary
 from tensorrt_llm.mapping import Mapping
+
+# Re-exported: these lived here before the layers moved to ``modules`` and ``attention_backend``.
+MLP = GatedMLP
+__all__ = [
+    "FLOAT16_WEIGHTS", "MLP", "MODEL_PRESETS", "Attention", "AttentionMetadata", "DecoderLayer", "GatedMLP", "HeadShard",
+    "LlamaConfig", "LlamaForCausalLM", "LlamaModel", "RMSNorm", "RopeScaling", "RotaryEmbedding", "WeightSource",
+    "apply_rotary",
+]
 
 WeightMap = WeightMapping[str, torch.Tensor]
 FLOAT16_WEIGHTS = "float16-weights"
@@ -78,7 +101,14 @@ def _is_int(value: object) -> bool:
 
 @dataclass(frozen=True, slots=True)
 class LlamaConfig:
-    """Sizes of a Llama decoder, and the seed of its weights when none are given."""
+    """Sizes of a Llama-style decoder, its per-architecture switches, and the seed of its weights
+    when none are given.
+
+    ``max_position_embeddings`` is the number of positions the engine serves (a Hugging Face
+    checkpoint's own, or fewer where its attention would change past them: see
+    ``checkpoints/hf_config.py``). ``rope_scaling``: the frequencies' scaling
+    (:class:`RopeScaling`); a ``dynamic`` one serves at most its ``original_max_position_embeddings``.
+    """
 
     vocab_size: int = 512
     hidden_size: int = 64
@@ -93,6 +123,10 @@ class LlamaConfig:
     dtype: str = "float32"  # "float32" | "float64" | "bfloat16" | "float16" | "float16-weights"
     seed: int = 0
     tie_word_embeddings: bool = False  # the LM head is the embedding matrix (SmolLM2 and most small models)
+    qkv_bias: bool = False  # biases on q_proj, k_proj, v_proj (Qwen2; Llama's and Qwen3's attention_bias)
+    o_bias: bool = False  # a bias on o_proj (Llama's and Qwen3's attention_bias)
+    qk_norm: bool = False  # RMSNorm of each q and k head before RoPE (Qwen3), with rms_norm_eps
+    rope_scaling: RopeScaling = RopeScaling()
 
     def __post_init__(self) -> None:
         for name in (
@@ -126,8 +160,18 @@ class LlamaConfig:
             )
         if not _is_int(self.seed):
             raise ValueError(f"LlamaConfig.seed must be an int, got {self.seed!r}")
-        if not isinstance(self.tie_word_embeddings, bool):
-            raise ValueError(f"LlamaConfig.tie_word_embeddings must be a bool, got {self.tie_word_embeddings!r}")
+        for name in ("tie_word_embeddings", "qkv_bias", "o_bias", "qk_norm"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"LlamaConfig.{name} must be a bool, got {getattr(self, name)!r}")
+        if not isinstance(self.rope_scaling, RopeScaling):
+            raise ValueError(f"LlamaConfig.rope_scaling must be a RopeScaling, got {self.rope_scaling!r}")
+        scaling = self.rope_scaling
+        if scaling.rope_type == "dynamic" and self.max_position_embeddings > scaling.original_max_position_embeddings:
+            raise ValueError(
+                f"LlamaConfig.max_position_embeddings ({self.max_position_embeddings}) exceeds the dynamic RoPE's "
+                f"original_max_position_embeddings ({scaling.original_max_position_embeddings}), past which its "
+                "frequencies depend on each forward's length (see RopeScaling)"
+            )
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -175,272 +219,25 @@ MODEL_PRESETS: dict[str, LlamaConfig] = {
 }
 
 
-# --------------------------------------------------------------------------- attention metadata
-
-
-@dataclass(slots=True)
-class AttentionMetadata:
-    """Describes one flat forward over several requests.
-
-    Requests appear in the flat token order. For request r:
-      num_new_tokens[r]  tokens of this forward belong to r (contiguous in the flat input),
-      num_cached_tokens[r] tokens of r already have K/V in the paged cache (the first new
-                         token's position),
-      block_tables[r]    block ids (ints) covering positions [0, num_cached_tokens[r] +
-                         num_new_tokens[r]) of r, in order: position p of r lives in block
-                         block_tables[r][p // tokens_per_block] at offset p % tokens_per_block.
-
-    A block table may be longer than needed (blocks allocated ahead); the extra blocks are
-    neither read nor written. Blocks may be shared between requests (reused prefixes), but
-    the slots written by one forward must be distinct -- that is checked in the forward.
-    """
-
-    num_new_tokens: list[int]
-    num_cached_tokens: list[int]
-    block_tables: list[list[int]]
-    tokens_per_block: int
-
-    def __post_init__(self) -> None:
-        if not _is_int(self.tokens_per_block) or self.tokens_per_block <= 0:
-            raise ValueError(
-                f"AttentionMetadata.tokens_per_block must be a positive int, "
-                f"got {self.tokens_per_block!r}"
-            )
-        n = len(self.num_new_tokens)
-        if len(self.num_cached_tokens) != n or len(self.block_tables) != n:
-            raise ValueError(
-                "AttentionMetadata.num_new_tokens, num_cached_tokens and block_tables must have "
-                f"one entry per request, got lengths {n}, {len(self.num_cached_tokens)}, "
-                f"{len(self.block_tables)}"
-            )
-        for r in range(n):
-            new, cached = self.num_new_tokens[r], self.num_cached_tokens[r]
-            if not _is_int(new) or new < 0:
-                raise ValueError(
-                    f"AttentionMetadata.num_new_tokens[{r}] must be an int >= 0, got {new!r}"
-                )
-            if not _is_int(cached) or cached < 0:
-                raise ValueError(
-                    f"AttentionMetadata.num_cached_tokens[{r}] must be an int >= 0, got {cached!r}"
-                )
-            needed = self.num_blocks_needed(r)
-            table = self.block_tables[r]
-            if len(table) < needed:
-                raise ValueError(
-                    f"AttentionMetadata.block_tables[{r}] has {len(table)} blocks, but "
-                    f"{cached} cached + {new} new tokens need {needed} blocks of "
-                    f"{self.tokens_per_block} tokens"
-                )
-            used = table[:needed]
-            for block in used:
-                index = _as_index(block)
-                if index is None or index < 0:
-                    raise ValueError(
-                        f"AttentionMetadata.block_tables[{r}] holds {block!r}, "
-                        "block ids must be ints >= 0"
-                    )
-            if len(set(used)) != len(used):
-                raise ValueError(
-                    f"AttentionMetadata.block_tables[{r}] uses a block twice: {list(used)}"
-                )
-
-    @property
-    def num_requests(self) -> int:
-        return len(self.num_new_tokens)
-
-    @property
-    def num_tokens(self) -> int:
-        """Total new tokens of this forward: the length of the flat input."""
-        return sum(self.num_new_tokens)
-
-    def context_len(self, r: int) -> int:
-        """Positions of request r that have K/V after this forward: cached + new."""
-        return self.num_cached_tokens[r] + self.num_new_tokens[r]
-
-    def num_blocks_needed(self, r: int) -> int:
-        return -(-self.context_len(r) // self.tokens_per_block)
-
-
-def _as_index(value: object) -> int | None:
-    if isinstance(value, bool):
-        return None
-    try:
-        return operator.index(value)
-    except TypeError:
-        return None
-
-
-# --------------------------------------------------------------------------- modules
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.empty(hidden_size, dtype=dtype))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype in (torch.bfloat16, torch.float16):
-            # Half precision: torch's fused kernel, which accumulates in float32 (one launch
-            # instead of eight; what every Llama implementation computes).
-            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
-        rms = torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + self.eps)  # (T, 1)
-        return x * rms * self.weight
-
-
-class RotaryEmbedding(nn.Module):
-    """cos/sin tables for the given positions (rotate-half convention, as in Llama)."""
-
-    def __init__(self, config: LlamaConfig) -> None:
-        super().__init__()
-        self.dtype = config.torch_dtype
-        exponents = torch.arange(0, config.head_dim, 2, dtype=torch.float64) / config.head_dim
-        # Angles are computed in float64 and rounded once, so both paths and both dtypes agree.
-        inv_freq = 1.0 / (config.rope_theta**exponents)  # (head_dim/2,)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
-
-    def forward(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # Positions are not checked here, on every forward: a check would read them back from
-        # the device. The model's checked entry points and the engines check them first.
-        angles = position_ids.to(torch.float64)[:, None] * self.inv_freq[None, :]  # (T, head_dim/2)
-        return angles.cos().to(self.dtype), angles.sin().to(self.dtype)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate channel pairs (i, i + head_dim/2) of x (T, n_head, head_dim) by each token's angle."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]  # (T, n_head, head_dim/2) each
-    cos, sin = cos[:, None, :], sin[:, None, :]  # (T, 1, head_dim/2)
-    return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)  # (T, n_head, head_dim)
-
-
-@dataclass(frozen=True, slots=True)
-class HeadShard:
-    """The attention heads one rank computes: ``[start, stop)`` ranges of query and KV heads."""
-
-    q_heads: tuple[int, int]
-    kv_heads: tuple[int, int]
-
-    @staticmethod
-    def of(config: LlamaConfig, tp_size: int, tp_rank: int) -> HeadShard:
-        """Query heads split evenly; KV heads split with them, or replicated when ranks outnumber
-        them (each rank then holds the one KV head its query heads share)."""
-        n_head, n_kv = config.num_heads, config.num_kv_heads
-        if n_head % tp_size:
-            raise ValueError(f"num_heads ({n_head}) must be a multiple of the tensor-parallel size ({tp_size})")
-        if n_kv % tp_size and tp_size % n_kv:
-            raise ValueError(
-                f"num_kv_heads ({n_kv}) and the tensor-parallel size ({tp_size}) must divide one another"
-            )
-        per_rank = n_head // tp_size
-        q_start = tp_rank * per_rank
-        if tp_size <= n_kv:
-            kv_per_rank = n_kv // tp_size
-            kv_start = tp_rank * kv_per_rank
-            return HeadShard((q_start, q_start + per_rank), (kv_start, kv_start + kv_per_rank))
-        kv_head = q_start // (n_head // n_kv)  # all of this rank's query heads share it
-        return HeadShard((q_start, q_start + per_rank), (kv_head, kv_head + 1))
-
-
-class Attention(nn.Module):
-    """Grouped-query attention: n_head query heads share n_kv_head K/V heads.
-
-    Under tensor parallelism ``n_head`` and ``n_kv_head`` count this rank's heads only.
-    """
-
-    def __init__(self, config: LlamaConfig, mapping: Mapping) -> None:
-        super().__init__()
-        tp_size, tp_rank = mapping.attn_tp_size, mapping.attn_tp_rank
-        shard = HeadShard.of(config, tp_size, tp_rank)
-        self.n_head = shard.q_heads[1] - shard.q_heads[0]
-        self.n_kv_head = shard.kv_heads[1] - shard.kv_heads[0]
-        self.head_dim = hd = config.head_dim
-        self.scale = config.head_dim**-0.5
-        dtype, hidden = config.torch_dtype, config.hidden_size
-        column = dict(dtype=dtype, tp_size=tp_size, tp_rank=tp_rank, tensor_parallel_mode=TensorParallelMode.COLUMN)
-        q_rows = (shard.q_heads[0] * hd, shard.q_heads[1] * hd)
-        kv_rows = (shard.kv_heads[0] * hd, shard.kv_heads[1] * hd)
-        self.q_proj = Linear(hidden, config.num_heads * hd, shard=q_rows, **column)
-        self.k_proj = Linear(hidden, config.num_kv_heads * hd, shard=kv_rows, **column)
-        self.v_proj = Linear(hidden, config.num_kv_heads * hd, shard=kv_rows, **column)
-        self.o_proj = Linear(
-            config.num_heads * hd, hidden, dtype=dtype, tp_size=tp_size, tp_rank=tp_rank,
-            tensor_parallel_mode=TensorParallelMode.ROW, shard=q_rows,
-        )
-
-    def forward(
-        self,
-        x: torch.Tensor,
-        position_ids: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        paged: LayerKV | None,
-    ) -> torch.Tensor:
-        q, k, v = self.project(x, cos, sin)
-        return self.output(self.attend(q, k, v, paged))
-
-    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """x (T, hidden) -> q (T, n_head, head_dim), k, v (T, n_kv_head, head_dim), RoPE applied."""
-        T = x.shape[0]
-        q = self.q_proj(x).view(T, self.n_head, self.head_dim)  # (T, n_head, head_dim)
-        k = self.k_proj(x).view(T, self.n_kv_head, self.head_dim)  # (T, n_kv_head, head_dim)
-        v = self.v_proj(x).view(T, self.n_kv_head, self.head_dim)  # (T, n_kv_head, head_dim)
-        if fused_rope_applies(q):
-            rotate_qk_(q, k, cos, sin)  # one kernel for both, in place (attention_backend)
-        else:
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        return q, k, v
-
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, paged: LayerKV | None) -> torch.Tensor:
-        """The attention itself -> (T, n_head, head_dim): through the paged backend, or, with no
-        cache, one sequence where key j is visible to query i iff j <= i."""
-        if paged is not None:  # the paged attention backend of the pools' device (attention_backend)
-            return paged.attend(q, k, v, self.scale)
-        T = q.shape[0]
-        mask = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()  # (T, T)
-        return self._attend(q, k, v, mask)
-
-    def output(self, y: torch.Tensor) -> torch.Tensor:
-        """y (T, n_head, head_dim) -> (T, hidden), summed over the ranks' heads."""
-        return self.o_proj(y.reshape(y.shape[0], self.n_head * self.head_dim))
-
-    def _attend(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
-    ) -> torch.Tensor:
-        """q (Tq, n_head, head_dim), k/v (Tk, n_kv_head, head_dim), mask (Tq, Tk) True = visible."""
-        group = self.n_head // self.n_kv_head
-        k = k.repeat_interleave(group, dim=1).transpose(0, 1)  # (n_head, Tk, head_dim)
-        v = v.repeat_interleave(group, dim=1).transpose(0, 1)  # (n_head, Tk, head_dim)
-        q = q.transpose(0, 1)  # (n_head, Tq, head_dim)
-        scores = (q @ k.transpose(1, 2)) * self.scale  # (n_head, Tq, Tk)
-        scores = scores.masked_fill(~mask[None, :, :], float("-inf"))
-        probs = torch.softmax(scores, dim=-1)  # (n_head, Tq, Tk)
-        return (probs @ v).transpose(0, 1)  # (Tq, n_head, head_dim)
-
-
-class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x)); gate/up column-parallel, down row-parallel."""
-
-    def __init__(self, config: LlamaConfig, mapping: Mapping) -> None:
-        super().__init__()
-        hidden, inner = config.hidden_size, config.intermediate_size
-        tp = dict(dtype=config.torch_dtype, tp_size=mapping.mlp_tp_size, tp_rank=mapping.mlp_tp_rank)
-        self.gate_proj = Linear(hidden, inner, tensor_parallel_mode=TensorParallelMode.COLUMN, **tp)
-        self.up_proj = Linear(hidden, inner, tensor_parallel_mode=TensorParallelMode.COLUMN, **tp)
-        self.down_proj = Linear(inner, hidden, tensor_parallel_mode=TensorParallelMode.ROW, **tp)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+# --------------------------------------------------------------------------- layers
 
 
 class DecoderLayer(nn.Module):
+    """Pre-norm decoder layer: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``. The architectures
+    differ only inside the attention (``LlamaConfig``'s switches)."""
+
     def __init__(self, config: LlamaConfig, mapping: Mapping) -> None:
         super().__init__()
         dtype = config.torch_dtype
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.self_attn = Attention(config, mapping)
+        self.self_attn = Attention(
+            config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim, dtype=dtype,
+            tp_size=mapping.attn_tp_size, tp_rank=mapping.attn_tp_rank, qkv_bias=config.qkv_bias,
+            o_bias=config.o_bias, qk_norm_eps=config.rms_norm_eps if config.qk_norm else None,
+        )
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.mlp = MLP(config, mapping)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, dtype=dtype, tp_size=mapping.mlp_tp_size,
+                            tp_rank=mapping.mlp_tp_rank)
 
     def forward(
         self,
@@ -473,7 +270,7 @@ class LlamaModel(nn.Module):
         # decompositions, several seconds in every process (each rank is one).
         weight = torch.empty(config.vocab_size, config.hidden_size, dtype=config.torch_dtype)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=weight)
-        self.rotary_emb = RotaryEmbedding(config)
+        self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta, config.torch_dtype, config.rope_scaling)
         self.layers = nn.ModuleList(DecoderLayer(config, mapping) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.torch_dtype)
 
@@ -493,13 +290,39 @@ class LlamaModel(nn.Module):
         return self.norm(x)
 
 
-class LlamaForCausalLM(nn.Module):
-    """Llama decoder run on a paged KV cache.
+class WeightSource(Protocol):
+    """Full (unsharded) tensors by parameter name, read one at a time (a memory-mapped checkpoint:
+    ``checkpoints/safetensors_reader.py``). The model reads each tensor once, copies its slice,
+    then calls :meth:`release`."""
 
-    ``weights`` maps every parameter name (``named_parameters()``: a tied LM head appears only
-    as ``model.embed_tokens.weight``) to a tensor of its shape; one already of the config's dtype
-    (and contiguous) becomes the parameter itself, without a copy (a checkpoint's weights are not
-    duplicated), others are converted. Without ``weights`` they are drawn from ``config.seed``.
+    def names(self) -> Collection[str]: ...
+
+    def shape(self, name: str) -> tuple[int, ...]: ...
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """The full tensor (its bytes may be read only where it is sliced)."""
+        ...
+
+    def release(self, name: str) -> None:
+        """Done with ``name``: whatever was read for it may be dropped."""
+        ...
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama-style decoder run on a paged KV cache.
+
+    ``weights`` gives every parameter (``named_parameters()``: a tied LM head appears only as
+    ``model.embed_tokens.weight``) a full tensor of its shape, either
+
+    * a mapping of name to tensor: one already of the config's dtype (and contiguous) becomes
+      the parameter itself, without a copy (a checkpoint's cached weights are not duplicated),
+      others are converted; or
+    * a :class:`WeightSource` (a checkpoint streamed from its files): each tensor is read once,
+      this rank's slice copied into the parameter, converted to the config's dtype, then
+      released, so the host holds one tensor beside the model at most.
+
+    A missing, unexpected or misshapen tensor is a ValueError naming it (and both shapes).
+    Without ``weights`` they are drawn from ``config.seed``.
 
     Weights never require grad: the model only serves. Both forwards work with or without
     ``torch.inference_mode()``; the KV pools must then be ordinary tensors, or inference
@@ -561,23 +384,37 @@ class LlamaForCausalLM(nn.Module):
     def device(self) -> torch.device:
         return self.lm_head.weight.device
 
+    def full_shape(self, name: str) -> tuple[int, ...]:
+        """The unsharded shape of parameter ``name`` (what a checkpoint holds)."""
+        module_name, _, leaf = name.rpartition(".")
+        owner = self.get_submodule(module_name)
+        return owner.full_shape_of(leaf) if isinstance(owner, Linear) else tuple(getattr(owner, leaf).shape)
+
     @torch.no_grad()
-    def _load_weights(self, weights: WeightMap) -> None:
+    def _load_weights(self, weights: WeightMap | WeightSource) -> None:
+        source = weights if hasattr(weights, "release") else _MappingSource(weights)
         params = dict(self.named_parameters())
-        modules = dict(self.named_modules())
-        missing, unexpected = sorted(params.keys() - weights.keys()), sorted(weights.keys() - params.keys())
+        given = set(source.names())
+        missing, unexpected = sorted(params.keys() - given), sorted(given - params.keys())
         if missing or unexpected:
-            raise ValueError(f"weights do not match the model: missing {missing}, unexpected {unexpected}")
+            needs = ", ".join(f"{name} {self.full_shape(name)}" for name in missing[:8])
+            raise ValueError(f"weights do not match the model: missing [{needs}{' ...' if len(missing) > 8 else ''}], "
+                             f"unexpected {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}")
+        for name in params:  # every shape first: a misshapen tensor is found before anything is read
+            if tuple(source.shape(name)) != (full := self.full_shape(name)):
+                raise ValueError(f"weight {name} has shape {tuple(source.shape(name))}, the model needs {full}")
+        borrow = isinstance(source, _MappingSource)
         for name, param in params.items():
-            owner = modules[name.rpartition(".")[0]]
-            full = owner.full_shape if isinstance(owner, Linear) else tuple(param.shape)
-            if tuple(weights[name].shape) != tuple(full):
-                raise ValueError(f"weight {name} has shape {tuple(weights[name].shape)}, the model needs {tuple(full)}")
-            tensor = owner.shard_weight(weights[name]) if isinstance(owner, Linear) else weights[name]
-            if tensor.dtype == param.dtype and tensor.is_contiguous():
-                param.data = tensor
+            module_name, _, leaf = name.rpartition(".")
+            owner = self.get_submodule(module_name)
+            tensor = source.tensor(name)
+            part = owner.shard_parameter(leaf, tensor) if isinstance(owner, Linear) else tensor  # a view
+            if borrow and part.dtype == param.dtype and part.is_contiguous() and part.device == param.device:
+                param.data = part
             else:
-                param.copy_(tensor)
+                param.copy_(part)
+            del tensor, part
+            source.release(name)
 
     @torch.no_grad()
     def _init_weights(self) -> None:
@@ -592,15 +429,18 @@ class LlamaForCausalLM(nn.Module):
         modules = dict(self.named_modules())
         for name, param in self.named_parameters():
             owner = modules[name.rpartition(".")[0]]
-            shape = owner.full_shape if isinstance(owner, Linear) else tuple(param.shape)
+            leaf = name.rpartition(".")[2]
+            shape = self.full_shape(name)
             noise = torch.randn(shape, generator=gen, dtype=noise_dtype, device=device)
             if name.endswith("norm.weight"):
                 value = 1.0 + 0.1 * noise  # near 1, but not exactly, so the norms are exercised
             elif name == "model.embed_tokens.weight":
                 value = noise
+            elif leaf == "bias":
+                value = 0.1 * noise
             else:
                 value = noise * shape[1] ** -0.5  # keeps activations O(1) for any width
-            param.copy_(owner.shard_weight(value) if isinstance(owner, Linear) else value)
+            param.copy_(owner.shard_parameter(leaf, value) if isinstance(owner, Linear) else value)
 
     def kv_cache_shape(self, num_blocks: int, tokens_per_block: int) -> tuple[int, ...]:
         """Shape of ONE layer's K (or V) pool on this rank:
@@ -710,3 +550,22 @@ class LlamaForCausalLM(nn.Module):
                 )
             if not pool.is_contiguous():
                 raise ValueError(f"{which} must be contiguous (slots are addressed flat)")
+
+
+class _MappingSource:
+    """A mapping of name to tensor, as a :class:`WeightSource` (its tensors may become parameters)."""
+
+    def __init__(self, weights: WeightMap) -> None:
+        self._weights = weights
+
+    def names(self) -> Collection[str]:
+        return self._weights.keys()
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._weights[name].shape)
+
+    def tensor(self, name: str) -> torch.Tensor:
+        return self._weights[name]
+
+    def release(self, name: str) -> None:
+        pass

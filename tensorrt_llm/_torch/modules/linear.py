@@ -1,12 +1,14 @@
-"""``Linear``: a bias-free projection, optionally one rank's shard of a tensor-parallel layer.
+"""``Linear``: a projection with an optional bias, optionally one rank's shard of a tensor-parallel layer.
 
-Upstream's two modes (Megatron's column / row split), for ``y = x @ W.T`` with ``W`` of
+Upstream's two modes (Megatron's column / row split), for ``y = x @ W.T + b`` with ``W`` of
 shape ``(out_features, in_features)``::
 
     COLUMN  rank r holds rows [a_r, b_r) of W      -> y[:, a_r:b_r], a slice of the outputs
+            and b[a_r:b_r] (its outputs' biases)
             (gather_output: every rank then holds all of y, by an all-gather)
     ROW     rank r holds columns [a_r, b_r) of W   -> a partial sum of all of y from the
-            inputs x[:, a_r:b_r]; the all-reduce adds the ranks' partial sums
+            inputs x[:, a_r:b_r]; the all-reduce adds the ranks' partial sums, and every
+            rank then adds the whole b (held whole on every rank, added once)
 
 A column layer followed by a row layer needs one collective for the pair: the column
 layer's output slice is exactly the row layer's input slice.
@@ -52,8 +54,10 @@ class Linear(nn.Module):
 
     ``shard`` overrides the even split with an explicit ``[start, stop)`` range of the split
     dimension: replicated KV heads need it, when there are more ranks than KV heads and two
-    ranks hold the same head. Weights start uninitialised; :meth:`shard_weight` cuts this
-    rank's part out of a full weight.
+    ranks hold the same head. Weights start uninitialised (no page is written until a value
+    is loaded); :meth:`shard_weight` (:meth:`shard_parameter` for the bias too) cuts this rank's
+    part out of a full tensor, as a view: a memory-mapped checkpoint tensor is then read only
+    where this rank's slice lies.
     """
 
     def __init__(
@@ -67,6 +71,7 @@ class Linear(nn.Module):
         tensor_parallel_mode: TensorParallelMode | None = None,
         gather_output: bool = False,
         shard: tuple[int, int] | None = None,
+        bias: bool = False,
     ) -> None:
         super().__init__()
         if gather_output and tensor_parallel_mode is not TensorParallelMode.COLUMN:
@@ -91,6 +96,12 @@ class Linear(nn.Module):
             TensorParallelMode.ROW: (out_features, local),
         }[mode]
         self.weight = nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
+        # A column shard holds its outputs' biases; otherwise every rank holds all of them.
+        bias_len = local if mode is TensorParallelMode.COLUMN else out_features
+        if bias:
+            self.bias = nn.Parameter(torch.empty(bias_len, dtype=dtype), requires_grad=False)
+        else:
+            self.register_parameter("bias", None)
         # fbgemm's packed float16 copy of ``weight`` (pack_float16); what forward multiplies by when set.
         self._packed: torch.ScriptObject | None = None
 
@@ -98,13 +109,22 @@ class Linear(nn.Module):
     def full_shape(self) -> tuple[int, int]:
         return self.out_features, self.in_features
 
+    def full_shape_of(self, name: str) -> tuple[int, ...]:
+        """The unsharded shape of parameter ``name`` (``"weight"`` or ``"bias"``)."""
+        return self.full_shape if name == "weight" else (self.out_features,)
+
     def shard_weight(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's part of a full ``(out_features, in_features)`` weight."""
-        if tuple(full.shape) != self.full_shape:
-            raise ValueError(f"expected a weight of shape {self.full_shape}, got {tuple(full.shape)}")
+        return self.shard_parameter("weight", full)
+
+    def shard_parameter(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        """This rank's part (a view) of the full tensor of parameter ``name`` (``"weight"`` or ``"bias"``)."""
+        expected = self.full_shape_of(name)
+        if tuple(full.shape) != expected:
+            raise ValueError(f"expected a {name} of shape {expected}, got {tuple(full.shape)}")
         if self.tensor_parallel_mode is TensorParallelMode.COLUMN:
             return full[self.start : self.stop]
-        if self.tensor_parallel_mode is TensorParallelMode.ROW:
+        if self.tensor_parallel_mode is TensorParallelMode.ROW and name == "weight":
             return full[:, self.start : self.stop]
         return full
 
@@ -121,16 +141,22 @@ class Linear(nn.Module):
         return self._packed is not None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        row = self.tensor_parallel_mode is TensorParallelMode.ROW
+        bias = None if row else self.bias  # a row layer adds its bias once, after the all-reduce
         if self._packed is not None:
             y = torch.ops.quantized.linear_dynamic_fp16(x, self._packed)  # (T, local out), float32
+            if bias is not None:
+                y = y + bias
         else:
-            y = F.linear(x, self.weight)  # (T, local out) or (T, out) partial sum
-        if self.tensor_parallel_mode is TensorParallelMode.ROW:
-            return collectives.allreduce(y)  # (T, out)
+            y = F.linear(x, self.weight, bias)  # (T, local out) or (T, out) partial sum
+        if row:
+            y = collectives.allreduce(y)  # (T, out)
+            return y if self.bias is None else y + self.bias
         if self.gather_output:
             return collectives.allgather(y, self._gather_sizes)  # (T, out)
         return y
 
     def extra_repr(self) -> str:
         mode = "" if self.tensor_parallel_mode is None else f", {self.tensor_parallel_mode.value}[{self.start}:{self.stop}]"
-        return f"in_features={self.in_features}, out_features={self.out_features}{mode}"
+        bias = ", bias" if self.bias is not None else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}{bias}{mode}"
