@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import dataclass, field
 
@@ -18,6 +19,13 @@ class ContextChunkingPolicy(enum.Enum):
 
     FIRST_COME_FIRST_SERVED = "FIRST_COME_FIRST_SERVED"
     EQUAL_PROGRESS = "EQUAL_PROGRESS"
+
+
+class WaitingQueuePolicy(enum.Enum):
+    """Which waiting request is served first when not all can be (upstream's names)."""
+
+    FCFS = "fcfs"  # arrival order; a request's priority is accepted and ignored
+    PRIORITY = "priority"  # effective priority (priority raised by aging), then arrival
 
 
 class TokenBudgetPolicyName(enum.Enum):
@@ -245,6 +253,79 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config.acceptance_rate_threshold must be in [0, 1], got {threshold!r}")
 
 
+#: A request's priority when none is given (upstream's default), and the range priorities live in.
+DEFAULT_PRIORITY = 0.5
+
+
+def _unit_interval(name: str, value: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+        raise ValueError(f"{name} must be a number in [0, 1], got {value!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    """Who runs and who waits (upstream's ``scheduler_config``): the capacity and chunking
+    policies, the waiting-queue policy, and what ``priority`` adds to it.
+
+    Under ``waiting_queue_policy="priority"`` every decision that chooses who waits follows a
+    request's *effective priority*, ``priority + priority_aging_rate * seconds waited`` (see
+    ``pyexecutor/priority.py``, which states the wait bound aging gives). With
+    ``enable_preemption`` a waiting request that cannot get KV memory may pause running
+    requests of strictly lower priority (``pyexecutor/preemption.py``); a request that resumed
+    is not paused again for ``preemption_cooldown_iterations`` iterations. Priority classes, for
+    the metrics: below ``priority_low_below`` is "low", above ``priority_high_above`` "high", the
+    rest "normal" (by default: below 0.5, 0.5, above 0.5).
+    """
+
+    # How the capacity scheduler admits requests into KV memory.
+    capacity_scheduler_policy: CapacitySchedulerPolicy = CapacitySchedulerPolicy.GUARANTEED_NO_EVICT
+    # How the micro-batch scheduler splits the token budget between context requests.
+    context_chunking_policy: ContextChunkingPolicy = ContextChunkingPolicy.FIRST_COME_FIRST_SERVED
+    # fcfs: arrival order (priority ignored); priority: effective priority, then arrival.
+    waiting_queue_policy: WaitingQueuePolicy = WaitingQueuePolicy.FCFS
+    # priority: effective priority gained per second a request has waited since it arrived (0: no aging).
+    priority_aging_rate: float = 0.01
+    # priority: a waiting request that cannot get KV memory may pause running ones of strictly lower priority.
+    enable_preemption: bool = False
+    # a request that resumed after a preemption is not preempted again for this many iterations.
+    preemption_cooldown_iterations: int = 16
+    # metrics: a priority below this is in class "low".
+    priority_low_below: float = DEFAULT_PRIORITY
+    # metrics: a priority above this is in class "high" (between the two: "normal").
+    priority_high_above: float = DEFAULT_PRIORITY
+
+    def __post_init__(self) -> None:
+        set_ = object.__setattr__
+        set_(self, "capacity_scheduler_policy", parse_enum(
+            CapacitySchedulerPolicy, self.capacity_scheduler_policy, "scheduler_config.capacity_scheduler_policy"))
+        set_(self, "context_chunking_policy", parse_enum(
+            ContextChunkingPolicy, self.context_chunking_policy, "scheduler_config.context_chunking_policy"))
+        set_(self, "waiting_queue_policy", parse_enum(
+            WaitingQueuePolicy, self.waiting_queue_policy, "scheduler_config.waiting_queue_policy"))
+        rate = self.priority_aging_rate
+        if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 <= rate < float("inf"):
+            raise ValueError(f"scheduler_config.priority_aging_rate must be a finite number >= 0, got {rate!r}")
+        if not isinstance(self.enable_preemption, bool):
+            raise ValueError(f"scheduler_config.enable_preemption must be a bool, got {self.enable_preemption!r}")
+        _non_negative_int("scheduler_config.preemption_cooldown_iterations", self.preemption_cooldown_iterations)
+        _unit_interval("scheduler_config.priority_low_below", self.priority_low_below)
+        _unit_interval("scheduler_config.priority_high_above", self.priority_high_above)
+        if self.priority_low_below > self.priority_high_above:
+            raise ValueError(f"scheduler_config.priority_low_below ({self.priority_low_below}) must not exceed"
+                             f" priority_high_above ({self.priority_high_above})")
+        if self.enable_preemption and self.waiting_queue_policy is not WaitingQueuePolicy.PRIORITY:
+            raise ValueError("scheduler_config.enable_preemption needs waiting_queue_policy='priority'"
+                             " (under fcfs every request has the same priority: none could preempt another)")
+
+    @property
+    def by_priority(self) -> bool:
+        return self.waiting_queue_policy is WaitingQueuePolicy.PRIORITY
+
+
+#: ``ExecutorConfig``'s flat keywords that stand for ``scheduler_config``'s fields (today's names).
+SCHEDULER_ALIASES = ("capacity_scheduler_policy", "context_chunking_policy")
+
+
 @dataclass(slots=True)
 class ExecutorConfig:
     """Scheduling and budget settings of one executor."""
@@ -254,10 +335,12 @@ class ExecutorConfig:
     max_seq_len: int = 4096  # prompt and output tokens of one request
     enable_chunked_prefill: bool = False  # a long prompt is computed in chunks that fit the token budget
     chunk_unit_size: int | None = None  # context chunks are multiples of it (but the last); None: tokens_per_block
-    # How the micro-batch scheduler splits the token budget between context requests.
-    context_chunking_policy: ContextChunkingPolicy = ContextChunkingPolicy.FIRST_COME_FIRST_SERVED
-    # How the capacity scheduler admits requests into KV memory.
-    capacity_scheduler_policy: CapacitySchedulerPolicy = CapacitySchedulerPolicy.GUARANTEED_NO_EVICT
+    # Alias of scheduler_config.context_chunking_policy (None: scheduler_config's).
+    context_chunking_policy: ContextChunkingPolicy | None = None
+    # Alias of scheduler_config.capacity_scheduler_policy (None: scheduler_config's).
+    capacity_scheduler_policy: CapacitySchedulerPolicy | None = None
+    # Who runs and who waits: capacity, chunking and waiting-queue policies, priority, preemption.
+    scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
     # The guard that keeps a forward within max_num_tokens (recheck: the full-cost re-check).
     token_budget_policy: TokenBudgetPolicyName = TokenBudgetPolicyName.RECHECK
     kv_cache_config: KvCacheConfig = field(default_factory=KvCacheConfig)  # the paged KV cache
@@ -294,10 +377,7 @@ class ExecutorConfig:
             _positive("iter_stats_max_iterations", self.iter_stats_max_iterations)
         if self.fault_injection is not None and not isinstance(self.fault_injection, FaultInjectionConfig):
             raise ValueError(f"fault_injection must be a FaultInjectionConfig, got {type(self.fault_injection).__name__}")
-        self.context_chunking_policy = parse_enum(ContextChunkingPolicy, self.context_chunking_policy, "context_chunking_policy")
-        self.capacity_scheduler_policy = parse_enum(
-            CapacitySchedulerPolicy, self.capacity_scheduler_policy, "capacity_scheduler_policy"
-        )
+        self._resolve_scheduler_aliases()
         self.token_budget_policy = parse_enum(TokenBudgetPolicyName, self.token_budget_policy, "token_budget_policy")
         if self.cuda_graph_config is not None and not isinstance(self.cuda_graph_config, CudaGraphConfig):
             raise ValueError(
@@ -320,3 +400,32 @@ class ExecutorConfig:
                 f"max_num_tokens ({self.max_num_tokens}) must be >= chunk_unit_size ({self.chunk_unit_size})"
                 " with chunked prefill, or no chunk could ever be scheduled"
             )
+
+    def _resolve_scheduler_aliases(self) -> None:
+        """``scheduler_config`` from a mapping, and the flat aliases reconciled with it.
+
+        An alias given with a value other than the default sets that field of
+        ``scheduler_config``; giving both, with different values other than the default, is an
+        error naming both. Afterwards each alias holds the value in force (readers may use either).
+        """
+        if isinstance(self.scheduler_config, dict):
+            unknown = set(self.scheduler_config) - {f.name for f in dataclasses.fields(SchedulerConfig)}
+            if unknown:
+                raise ValueError(f"scheduler_config has unknown keys {sorted(unknown)}")
+            self.scheduler_config = SchedulerConfig(**self.scheduler_config)
+        if not isinstance(self.scheduler_config, SchedulerConfig):
+            raise ValueError(f"scheduler_config must be a SchedulerConfig or a mapping, got {type(self.scheduler_config).__name__}")
+        default = SchedulerConfig()
+        kinds = {"capacity_scheduler_policy": CapacitySchedulerPolicy, "context_chunking_policy": ContextChunkingPolicy}
+        for name in SCHEDULER_ALIASES:
+            alias = getattr(self, name)
+            nested = getattr(self.scheduler_config, name)
+            if alias is not None:
+                alias = parse_enum(kinds[name], alias, name)
+                if alias is not nested:
+                    if nested is not getattr(default, name) and alias is not getattr(default, name):
+                        raise ValueError(f"{name}={alias.value!r} and scheduler_config.{name}={nested.value!r} disagree:"
+                                         f" give one of them")
+                    if alias is not getattr(default, name):
+                        self.scheduler_config = dataclasses.replace(self.scheduler_config, **{name: alias})
+            setattr(self, name, getattr(self.scheduler_config, name))

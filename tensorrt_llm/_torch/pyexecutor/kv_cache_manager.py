@@ -221,6 +221,7 @@ class ClaimRecord:
     estimated_reusable_tokens: int
     reused_tokens: int
     prompt_len: int
+    onboarded_tokens: int = 0  # of the reused tokens, those whose blocks came back from the host tier
 
     @property
     def request_id(self) -> int:
@@ -235,6 +236,7 @@ class Allocation:
 
     chunk: ContextChunk | None = None
     first: bool = False
+    onboarded: int = 0  # a first chunk's claimed blocks that were onboarded from the host tier
 
 
 _STEP = Allocation()  # a generation step's: nothing to tell but that it got its blocks
@@ -363,6 +365,14 @@ class KVCacheManager:
         self.pool.release(dropped)
         self._reserved += max(0, seq.reserve - seq.num_held) - before
 
+    def releasable_blocks(self, request: LlmRequest) -> int:
+        """Blocks that freeing ``request`` now would make available: those it holds alone
+        (a block another sequence or a claim also holds stays held)."""
+        seq = self._sequences.get(request.request_id)
+        if seq is None:
+            return 0
+        return sum(block.ref_count == 1 for block in (*seq.blocks, *seq.beam_blocks))
+
     def blocks_needed(self, request: LlmRequest, match: PrefixMatch = NO_MATCH, *, to_completion: bool = True) -> int:
         """Blocks a request that holds none needs: for its whole sequence to completion (draft
         slots and beams included), or for its prompt only; less the blocks ``match`` says it
@@ -446,8 +456,8 @@ class KVCacheManager:
             return _STEP if self._grow(work, seq, self._generation_len(work)) else None
         seq = self._sequences.get(work.request.request_id)
         if seq is None:
-            chunk = self._allocate_first_chunk(work, claim)
-            return Allocation(chunk, first=True) if chunk is not None else None
+            allocated = self._allocate_first_chunk(work, claim)
+            return Allocation(allocated[0], first=True, onboarded=allocated[1]) if allocated is not None else None
         return Allocation(work) if self._grow(work.request, seq, work.start + work.cost()) else None
 
     def prepare_resources(
@@ -474,7 +484,8 @@ class KVCacheManager:
             chunks.append(allocation.chunk)
             if allocation.first:
                 estimate = scheduled.estimated_reusable.get(request.request_id, 0)
-                records.append(ClaimRecord(request, estimate, allocation.chunk.reused, request.prompt_len))
+                records.append(ClaimRecord(request, estimate, allocation.chunk.reused, request.prompt_len,
+                                           allocation.onboarded * self.tokens_per_block))
         generation = scheduled.generation_requests
         # Most steps need no block: a plain sequence whose blocks already cover its next
         # position. Only the others allocate, in batch order.
@@ -696,11 +707,11 @@ class KVCacheManager:
         for block in reversed(claim.pinned):
             self.pool.decref(block)
 
-    def _allocate_first_chunk(self, chunk: ContextChunk, claim: PrefixClaim | None) -> ContextChunk | None:
+    def _allocate_first_chunk(self, chunk: ContextChunk, claim: PrefixClaim | None) -> tuple[ContextChunk, int] | None:
         """Claim the reusable prefix (unless claimed), onboard it, allocate the rest of the prompt.
 
-        Returns the chunk moved onto the reused prefix, or None (nothing claimed) when the
-        blocks cannot be had.
+        Returns the chunk moved onto the reused prefix and how many claimed blocks were onboarded,
+        or None (nothing claimed) when the blocks cannot be had.
         """
         request = chunk.request
         if claim is None:
@@ -742,7 +753,7 @@ class KVCacheManager:
         )
         self._sequences[request.request_id] = seq
         self._reserved += max(0, seq.reserve - seq.num_held)
-        return chunk
+        return chunk, to_onboard
 
     def _commit_full_blocks(self, request: LlmRequest, seq: _Sequence) -> None:
         tpb = self.tokens_per_block

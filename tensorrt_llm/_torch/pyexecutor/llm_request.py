@@ -31,6 +31,10 @@ the forward-retry counters                          ``retry_after_failed_forward
 ``max_draft_len``, ``is_first_draft``              the submitter, or the ``Drafter`` at admission
                                                    (``PyExecutor`` clears ``is_first_draft`` when
                                                    that step runs)
+``priority``                                       the submitter (``[0, 1]``, default 0.5)
+``num_preemptions``, ``preempted_computed_tokens``, ``PyExecutor``, from the scheduler's decision
+``resumed_iteration``, ``num_recomputed_tokens``,  (:meth:`preempt`) and from what the
+``num_onboarded_tokens``, ``awaiting_resumption``  resumption's allocation reused (:meth:`record_resumption`)
 ``py_logprobs``, ``py_prompt_logprobs``            the sampler (one entry per token it samples,
                                                    per prompt position it is given logits for)
 ``py_beams``                                       ``PyExecutor``, from the sampler's ``BeamStep``
@@ -97,6 +101,13 @@ def token_array(token_ids: Iterable[int]) -> array:
         bad = next((t for t in token_ids if not _is_int64(t)), None) if hasattr(token_ids, "__len__") else None
         what = f"token id {bad!r} is not an integer of at most 64 bits" if bad is not None else str(error)
         raise InvalidRequestError(f"token ids must be integers: {what}") from None
+
+
+def check_priority(value: object, name: str = "priority") -> float:
+    """``value`` as a priority (a number in [0, 1]); InvalidRequestError naming ``name`` otherwise."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) or not 0 <= value <= 1:
+        raise InvalidRequestError(f"{name} must be a number in [0, 1], got {value!r}")
+    return float(value)
 
 
 def _is_int64(value: object) -> bool:
@@ -262,6 +273,8 @@ class LlmRequest:
     max_draft_len: int = 0
     is_first_draft: bool = False
     arrival_time: float = 0.0
+    # Upstream's priority in [0, 1] (0.5 default): who waits under waiting_queue_policy="priority".
+    priority: float = 0.5
     # Structured output: the compiled grammar its tokens must follow (the sampler keeps the matcher).
     guided_grammar: Grammar | None = None
 
@@ -280,6 +293,16 @@ class LlmRequest:
     num_budget_deferrals: int = 0
     num_capacity_deferrals: int = 0
     num_pauses: int = 0
+    # Priority preemption (SchedulerConfig.enable_preemption): times it was paused for a request of
+    # higher priority; the KV positions it had computed when last paused (0 once it resumed); the
+    # iteration its blocks were allocated again after the last one (-1: never preempted); prompt
+    # positions it computed again after a preemption, and those it got back from the host tier.
+    num_preemptions: int = 0
+    preempted_computed_tokens: int = 0
+    resumed_iteration: int = -1
+    num_recomputed_tokens: int = 0
+    num_onboarded_tokens: int = 0
+    awaiting_resumption: bool = False  # preempted, its blocks not yet allocated again
     num_forward_retries: int = 0  # forwards that failed under it and were retried (PyExecutor)
     # Retries since it last generated a token, and its length at the last one: a forward that
     # keeps failing under it (a poison request, a broken device) is not retried forever.
@@ -297,6 +320,7 @@ class LlmRequest:
     py_beams: BeamState | None = None
 
     def __post_init__(self) -> None:
+        self.priority = check_priority(self.priority, f"request {self.request_id}: priority")
         try:
             self.tokens = token_array(self.input_token_ids)
         except InvalidRequestError as error:
@@ -407,6 +431,24 @@ class LlmRequest:
         """
         self._start_over()
         self.num_pauses += 1
+
+    def preempt(self) -> None:
+        """Paused for a request of higher priority (the scheduler's preemption): as :meth:`pause`,
+        remembering how many positions had KV, so that the resumption can count what it recomputes."""
+        computed = self.context_current_position if self.is_context_init_state else len(self.tokens) - 1
+        self.pause()
+        self.num_preemptions += 1
+        self.preempted_computed_tokens = computed
+        self.awaiting_resumption = True
+
+    def record_resumption(self, iteration: int, reused_tokens: int, onboarded_tokens: int) -> None:
+        """Its first chunk after a preemption was allocated at ``iteration``, reusing
+        ``reused_tokens`` prompt positions (``onboarded_tokens`` of them from the host tier)."""
+        self.resumed_iteration = iteration
+        self.num_recomputed_tokens += max(0, self.preempted_computed_tokens - reused_tokens)
+        self.num_onboarded_tokens += onboarded_tokens
+        self.preempted_computed_tokens = 0
+        self.awaiting_resumption = False
 
     def can_retry_forward(self, max_retries: int) -> bool:
         """Whether a failed forward may retry this request: fewer than ``max_retries`` retries

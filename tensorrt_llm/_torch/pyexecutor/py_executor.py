@@ -66,7 +66,7 @@ from operator import attrgetter
 from typing import Callable, Collection, Mapping, Sequence
 
 from tensorrt_llm._torch.pyexecutor.beam_search import BeamStep
-from tensorrt_llm._torch.pyexecutor.config import ExecutorConfig
+from tensorrt_llm._torch.pyexecutor.config import DEFAULT_PRIORITY, ExecutorConfig
 from tensorrt_llm._torch.pyexecutor.drafter import Drafter
 from tensorrt_llm._torch.pyexecutor.errors import (
     InvalidRequestError,
@@ -178,6 +178,8 @@ class PyExecutor:
         self._stats: deque[IterationStats] = deque(maxlen=config.iter_stats_max_iterations)
         self.num_budget_violations = 0
         self.num_failed_batches = 0
+        self.num_preemptions = 0  # requests paused for one of higher priority (SchedulerConfig.enable_preemption)
+        self._priority_ignored_logged = False
         self.last_error: str | None = None
         self._callbacks: dict[int, ResponseCallback] = {}
         self._finished: list[LlmRequest] = []  # finished since the last _free_finished
@@ -337,6 +339,11 @@ class PyExecutor:
             if on_response is not None:
                 self._callbacks[request.request_id] = on_response
             request.arrival_time = request.arrival_time or self.clock()
+            if request.priority != DEFAULT_PRIORITY and not self._priority_ignored_logged \
+                    and not self.config.scheduler_config.by_priority:
+                self._priority_ignored_logged = True
+                logger.info("request priorities are accepted and ignored: scheduler_config.waiting_queue_policy"
+                            " is 'fcfs' (set it to 'priority' to honour them); said once")
             try:
                 self.validate(request)
             except InvalidRequestError as error:
@@ -370,16 +377,22 @@ class PyExecutor:
         Under overlap a request whose in-flight token is its last (``max_new_tokens``) is not
         scheduled again, and a pause never frees blocks a forward in flight uses: the forward
         completes first and the requests are scheduled again."""
-        scheduled = self.scheduler.schedule_request(self._schedulable())
+        scheduled = self.scheduler.schedule_request(self._schedulable(), self._iteration)
         in_flight = self._in_flight
         if in_flight is not None and any(r.request_id in in_flight.request_ids for r in scheduled.paused_requests):
             self._complete_in_flight()
             self._free_finished()
-            scheduled = self.scheduler.schedule_request(self.active_requests)
+            scheduled = self.scheduler.schedule_request(self.active_requests, self._iteration)
         for request in scheduled.paused_requests:
+            # its computed full blocks stay cached (to the host tier under pressure): a resumption claims them
             self.resource_manager.free_resources(request)
-            request.pause()
-            self._check_restartable(request, "paused to free KV memory")
+            if request.request_id in scheduled.preempted_for:
+                request.preempt()
+                self.num_preemptions += 1
+                self._check_restartable(request, "preempted by a request of higher priority")
+            else:
+                request.pause()
+                self._check_restartable(request, "paused to free KV memory")
         return scheduled
 
     def _check_restartable(self, request: LlmRequest, why: str) -> None:
@@ -448,6 +461,8 @@ class PyExecutor:
         for claim in prepared.claims:
             if claim.reused_tokens:
                 claim.request.reuse_prefix(claim.reused_tokens)
+            if claim.request.awaiting_resumption:  # a preempted request got its blocks back
+                claim.request.record_resumption(self._iteration - 1, claim.reused_tokens, claim.onboarded_tokens)
         return prepared
 
     def _budget_bound(self, batch: ScheduledRequests) -> bool:

@@ -20,7 +20,7 @@ from tensorrt_llm._torch.pyexecutor.model_engine import ModelEngine, TorchModelE
 from tensorrt_llm._torch.pyexecutor.py_executor import PyExecutor
 from tensorrt_llm._torch.pyexecutor.resource_manager import ResourceManager
 from tensorrt_llm._torch.pyexecutor.sampler import Sampler, TorchSampler
-from tensorrt_llm._torch.pyexecutor.scheduler import CapacityScheduler, MicroBatchScheduler, SimpleScheduler
+from tensorrt_llm._torch.pyexecutor.scheduler import make_scheduler
 from tensorrt_llm._torch.pyexecutor.token_budget import token_budget_policy_for
 
 logger = logging.getLogger(__name__)
@@ -150,10 +150,7 @@ def create_py_executor(
             raise ValueError("a simulated engine needs its sampler")
     if config.fault_injection is not None and config.fault_injection.enabled:
         engine = FaultInjectingEngine(engine, config.fault_injection)
-    scheduler = SimpleScheduler(
-        CapacityScheduler(config.capacity_scheduler_policy, kv),
-        MicroBatchScheduler(config, token_budget),
-    )
+    scheduler = make_scheduler(config, kv, token_budget)
     if drafter is None and config.speculative_config is not None:
         drafter = drafter_for(config.speculative_config, config.max_seq_len)
     return PyExecutor(

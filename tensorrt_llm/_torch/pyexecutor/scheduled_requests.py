@@ -105,7 +105,9 @@ class ScheduledRequests:
     ``charges`` maps request id to the tokens the scheduler charged at admission (reuse
     discounted under upstream's rule); ``estimated_reusable`` maps each first chunk's
     request id to upstream's reuse estimate the capacity stage computed for it.
-    ``paused_requests`` are the requests the capacity stage preempts this iteration.
+    ``paused_requests`` are the requests the capacity stage preempts this iteration;
+    ``preempted_for`` maps those paused for a waiting request of higher priority (priority
+    preemption) to that request's id.
     ``generation_charge`` is the scheduler's charge for all of ``generation_requests``, summed
     (None for a batch built otherwise, or derived from one with :meth:`with_batch`).
     """
@@ -116,6 +118,7 @@ class ScheduledRequests:
     charges: dict[int, int] = field(default_factory=dict)
     estimated_reusable: dict[int, int] = field(default_factory=dict)
     generation_charge: int | None = None
+    preempted_for: dict[int, int] = field(default_factory=dict)
 
     @property
     def context_requests(self) -> list[LlmRequest]:
@@ -140,7 +143,8 @@ class ScheduledRequests:
     def with_batch(self, context_chunks: list[ContextChunk], generation_requests: list[LlmRequest]) -> "ScheduledRequests":
         """The same iteration with another set of chunks and generation steps."""
         return ScheduledRequests(
-            context_chunks, generation_requests, self.paused_requests, self.charges, self.estimated_reusable
+            context_chunks, generation_requests, self.paused_requests, self.charges, self.estimated_reusable,
+            preempted_for=self.preempted_for,
         )
 
     def __repr__(self) -> str:

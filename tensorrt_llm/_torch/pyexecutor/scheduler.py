@@ -15,11 +15,22 @@ micro-batch stage asks for it. The batch is the one an eager admission gives.
 
 Both stages only decide: they allocate nothing, free nothing and write no request field (the
 executor pauses what the capacity stage says; chunks travel in the batch).
+
+Under ``waiting_queue_policy="priority"`` both stages take requests in
+:class:`~priority.PriorityOrder` (effective priority, then arrival) instead of arrival order:
+the capacity stage admits waiting requests in that order (nobody overtakes the first that does
+not fit, as under fcfs), MAX_UTILIZATION pauses the lowest-ranked started request first, and
+the micro-batch stage gives slots and chunk budget to context requests (started or just
+admitted) and, when they do not all fit, generation steps in that order. With
+``enable_preemption`` the capacity stage decides eagerly (every waiting request, in order) and
+a waiting request that does not fit may pause running requests of strictly lower priority
+(:func:`~preemption.choose_victims`). Under ``fcfs`` nothing of this runs.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import heapq
 from dataclasses import dataclass, field
 from operator import attrgetter
 from itertools import chain, islice
@@ -28,6 +39,8 @@ from typing import Iterable, Iterator, Sequence
 from tensorrt_llm._torch.pyexecutor.config import CapacitySchedulerPolicy, ContextChunkingPolicy, ExecutorConfig
 from tensorrt_llm._torch.pyexecutor.kv_cache_manager import KVCacheManager
 from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequest, LlmRequestState
+from tensorrt_llm._torch.pyexecutor.preemption import choose_victims
+from tensorrt_llm._torch.pyexecutor.priority import PriorityOrder
 from tensorrt_llm._torch.pyexecutor.scheduled_requests import ContextChunk, ScheduledRequests
 from tensorrt_llm._torch.pyexecutor.token_budget import TokenBudgetPolicy
 
@@ -40,13 +53,16 @@ class CapacityDecision:
     """Who fits in KV memory this iteration.
 
     ``fitting`` lists the requests that hold blocks, then the admitted ones that do not
-    (oldest first); ``estimated_reusable`` maps each of the latter to upstream's estimate of
-    its reusable prefix (the micro-batch scheduler's discount); ``paused`` are preempted.
+    (oldest first, or in priority order); ``estimated_reusable`` maps each of the latter to
+    upstream's estimate of its reusable prefix (the micro-batch scheduler's discount);
+    ``paused`` are preempted; ``preempted_for`` maps those of them paused for a waiting request
+    of higher priority (priority preemption) to that request's id.
     """
 
     fitting: list[LlmRequest]
     paused: list[LlmRequest] = field(default_factory=list)
     estimated_reusable: dict[int, int] = field(default_factory=dict)
+    preempted_for: dict[int, int] = field(default_factory=dict)
 
 
 def _with_estimates(admissions: Iterable[tuple[LlmRequest, int]], estimated_reusable: dict[int, int]) -> Iterator[LlmRequest]:
@@ -69,28 +85,49 @@ class CapacityScheduler:
     then deadlocks with every started request waiting for a block.
     """
 
-    def __init__(self, policy: CapacitySchedulerPolicy, kv_cache_manager: KVCacheManager) -> None:
+    def __init__(
+        self,
+        policy: CapacitySchedulerPolicy,
+        kv_cache_manager: KVCacheManager,
+        *,
+        order: PriorityOrder | None = None,
+        preemption_cooldown: int | None = None,
+    ) -> None:
+        """``order``: priority order (None: arrival order). ``preemption_cooldown``: priority
+        preemption on (needs ``order``), with that cooldown in iterations; None: off."""
+        if preemption_cooldown is not None and order is None:
+            raise ValueError("priority preemption needs a priority order")
         self.policy = policy
         self.kv = kv_cache_manager
+        self.order = order
+        self.preemption_cooldown = preemption_cooldown
 
-    def schedule(self, active: Sequence[LlmRequest]) -> CapacityDecision:
+    def schedule(self, active: Sequence[LlmRequest], iteration: int = 0) -> CapacityDecision:
         """Every request that fits: the started ones, then every waiting one admitted."""
-        decision, admissions = self.schedule_lazily(active)
+        decision, admissions = self.schedule_lazily(active, iteration)
         for request, estimate in admissions:
             decision.fitting.append(request)
             decision.estimated_reusable[request.request_id] = estimate
         return decision
 
-    def schedule_lazily(self, active: Sequence[LlmRequest]) -> tuple[CapacityDecision, Iterator[tuple[LlmRequest, int]]]:
+    def schedule_lazily(
+        self, active: Sequence[LlmRequest], iteration: int = 0
+    ) -> tuple[CapacityDecision, Iterator[tuple[LlmRequest, int]]]:
         """:meth:`schedule` with the waiting requests admitted only as far as the caller reads.
 
         Returns the decision for the started requests (``fitting``, ``paused``) and an iterator
-        of the admitted waiting requests, oldest first, each with upstream's reuse estimate:
-        what :meth:`schedule` appends to ``fitting`` and ``estimated_reusable``. Each one is
-        admitted as it is read, against the KV state of that moment: read it before anything
-        allocates or frees.
+        of the admitted waiting requests, oldest first (or in priority order), each with
+        upstream's reuse estimate: what :meth:`schedule` appends to ``fitting`` and
+        ``estimated_reusable``. Each one is admitted as it is read, against the KV state of that
+        moment: read it before anything allocates or frees. With priority preemption every
+        waiting request is decided here (the iterator is empty): a preemption changes
+        ``fitting``. ``iteration`` is the executor's, for the preemption cooldown.
         """
         started, waiting = self.kv.split_allocated(active)
+        if self.order is not None and waiting:
+            waiting.sort(key=self.order.key)
+        if self.preemption_cooldown is not None and waiting:
+            return self._preempting(started, waiting, iteration), iter(())
         if self.policy is CapacitySchedulerPolicy.GUARANTEED_NO_EVICT:
             return self._guaranteed_no_evict(started, waiting)
         return self._max_utilization(started, waiting)
@@ -128,12 +165,64 @@ class CapacityScheduler:
                 available -= need.blocks
                 fitting.append(running.pop(0).request)
                 continue
-            victim = running.pop()  # the most recently started request gives way
+            # the most recently started request gives way (under priority: the lowest-ranked)
+            victim = running.pop() if self.order is None else running.pop(self._lowest_ranked(running))
             available += victim.held
             paused.append(victim.request)
         if paused:  # memory is short while anything is paused: admit nothing new
             return decision, iter(())
         return decision, self._admit(waiting, available, to_completion=False)
+
+    def _lowest_ranked(self, needs: list) -> int:
+        key = self.order.key
+        return max(range(len(needs)), key=lambda i: key(needs[i].request))
+
+    def _preempting(self, started: list[LlmRequest], waiting: list[LlmRequest], iteration: int) -> CapacityDecision:
+        """Both policies with priority preemption: the started requests as without it, then each
+        waiting request in priority order, pausing running ones of lower priority when it does
+        not fit (see ``preemption``); the first that does not fit even so waits, and so does
+        everyone ranked after it."""
+        kv = self.kv
+        to_completion = self.policy is CapacitySchedulerPolicy.GUARANTEED_NO_EVICT
+        if to_completion:
+            decision = CapacityDecision(list(started))
+            available = kv.available_blocks - kv.blocks_reserved_to_completion(started)
+
+            def set_aside(request: LlmRequest) -> int:
+                return kv.blocks_reserved_to_completion([request])
+        else:
+            decision, _ = self._max_utilization(started, [])
+            if decision.paused:  # memory is short while anything is paused: admit nothing new
+                return decision
+            steps = {need.request.request_id: need.blocks for need in kv.step_needs(decision.fitting)}
+            available = kv.available_blocks - sum(steps.values())
+
+            def set_aside(request: LlmRequest) -> int:
+                return steps[request.request_id]
+        running = list(decision.fitting)
+
+        def credit(request: LlmRequest) -> int:
+            return kv.releasable_blocks(request) + set_aside(request)
+
+        for request in waiting:
+            match = kv.match(request)
+            needed = kv.blocks_needed(request, match, to_completion=to_completion)
+            if needed > available:
+                needed = kv.blocks_needed(request, to_completion=to_completion)  # no sharing credit: see preemption
+                victims = choose_victims(request, needed - available, running, credit, self.order,
+                                         iteration=iteration, cooldown=self.preemption_cooldown)
+                if victims is None:
+                    break  # nobody overtakes the first waiting request that does not fit
+                for victim in victims:
+                    available += credit(victim)
+                    running.remove(victim)
+                    decision.fitting.remove(victim)
+                    decision.paused.append(victim)
+                    decision.preempted_for[victim.request_id] = request.request_id
+            available -= needed
+            decision.fitting.append(request)
+            decision.estimated_reusable[request.request_id] = match.reusable_tokens
+        return decision
 
 
 class MicroBatchScheduler:
@@ -151,6 +240,7 @@ class MicroBatchScheduler:
         self.unit = config.chunk_unit_size
         self.chunking_policy = config.context_chunking_policy
         self.policy = policy
+        self.order = PriorityOrder.of(config.scheduler_config)  # None: arrival order
 
     def schedule(
         self,
@@ -172,18 +262,28 @@ class MicroBatchScheduler:
         if len(generation) <= self.max_batch_size and total <= budget:  # the usual case: every step fits
             charges = dict(zip(map(_request_id, generation), costs))
         else:
+            if self.order is not None:  # the highest-ranked steps first when not all fit
+                ranked = sorted(range(len(generation)), key=lambda i: self.order.key(generation[i]))
+                generation, costs = [generation[i] for i in ranked], [costs[i] for i in ranked]
             generation, charges = self._fit_generation(generation, costs)
             total = sum(charges.values())
         budget -= total
         # Context requests share the slots and budget that generation left.
         slots = self.max_batch_size - len(generation)
-        del contexts[slots:]
         estimated_reusable = dict(estimated_reusable)  # admissions add theirs as they are read
-        admitted = _with_estimates(islice(admissions, max(0, slots - len(contexts))), estimated_reusable)
+        ordered: Iterable[LlmRequest]
+        if self.order is None:
+            del contexts[slots:]
+            admitted = _with_estimates(islice(admissions, max(0, slots - len(contexts))), estimated_reusable)
+            ordered = chain(contexts, admitted)
+        else:  # started and admitted context requests together, by rank (admissions arrive ranked)
+            contexts.sort(key=self.order.key)
+            ordered = islice(heapq.merge(contexts, _with_estimates(admissions, estimated_reusable), key=self.order.key),
+                             max(0, slots))
         if self.chunked and self.chunking_policy is ContextChunkingPolicy.EQUAL_PROGRESS:
-            chunks = self._equal_progress([*contexts, *admitted], budget, estimated_reusable, charges)
+            chunks = self._equal_progress(list(ordered), budget, estimated_reusable, charges)
         else:  # it stops at the first request that does not fit: later admissions are never read
-            chunks = self._first_come_first_served(chain(contexts, admitted), budget, estimated_reusable, charges)
+            chunks = self._first_come_first_served(ordered, budget, estimated_reusable, charges)
         return ScheduledRequests(
             context_chunks=chunks,
             generation_requests=generation,
@@ -275,9 +375,21 @@ class SimpleScheduler:
         self.capacity_scheduler = capacity_scheduler
         self.micro_batch_scheduler = micro_batch_scheduler
 
-    def schedule_request(self, active: Sequence[LlmRequest]) -> ScheduledRequests:
-        capacity, admissions = self.capacity_scheduler.schedule_lazily(active)
+    def schedule_request(self, active: Sequence[LlmRequest], iteration: int = 0) -> ScheduledRequests:
+        """``iteration``: the executor's (the preemption cooldown counts iterations)."""
+        capacity, admissions = self.capacity_scheduler.schedule_lazily(active, iteration)
         scheduled = self.micro_batch_scheduler.schedule(capacity.fitting, capacity.estimated_reusable, admissions)
         if capacity.paused:
-            scheduled = dataclasses.replace(scheduled, paused_requests=capacity.paused)
+            scheduled = dataclasses.replace(scheduled, paused_requests=capacity.paused,
+                                            preempted_for=capacity.preempted_for)
         return scheduled
+
+
+def make_scheduler(config: ExecutorConfig, kv_cache_manager: KVCacheManager, policy: TokenBudgetPolicy) -> SimpleScheduler:
+    """The two-stage scheduler an executor with ``config`` runs over ``kv_cache_manager``."""
+    scheduling = config.scheduler_config
+    order = PriorityOrder.of(scheduling)
+    cooldown = scheduling.preemption_cooldown_iterations if scheduling.enable_preemption else None
+    capacity = CapacityScheduler(config.capacity_scheduler_policy, kv_cache_manager, order=order,
+                                 preemption_cooldown=cooldown)
+    return SimpleScheduler(capacity, MicroBatchScheduler(config, policy))

@@ -32,10 +32,15 @@ from __future__ import annotations
 import logging
 from typing import ClassVar, Mapping, Sequence
 
-from tensorrt_llm._torch.pyexecutor.token_budget_recheck import BudgetDecision, recheck_remaining_budget
+from tensorrt_llm._torch.pyexecutor.token_budget_recheck import (
+    BudgetDecision,
+    recheck_by_priority,
+    recheck_remaining_budget,
+)
 from tensorrt_llm._torch.pyexecutor.config import ExecutorConfig, TokenBudgetPolicyName
 from tensorrt_llm._torch.pyexecutor.forward_cost import forward_cost
 from tensorrt_llm._torch.pyexecutor.llm_request import DeferReason, LlmRequest
+from tensorrt_llm._torch.pyexecutor.priority import PriorityOrder
 from tensorrt_llm._torch.pyexecutor.scheduled_requests import ContextChunk, Deferral, ScheduledRequests
 
 logger = logging.getLogger(__name__)
@@ -70,8 +75,11 @@ class TokenBudgetPolicy:
         tokens_per_block: int,
         chunk_unit_size: int | None = None,
         enable_block_reuse: bool = True,
+        order: PriorityOrder | None = None,
     ) -> None:
+        """``order``: the priority order the re-check cuts and defers by (None: fcfs, scheduler order)."""
         self.max_num_tokens = max_num_tokens
+        self.order = order
         self.enable_chunked_prefill = enable_chunked_prefill
         self.tokens_per_block = tokens_per_block
         self.chunk_unit_size = chunk_unit_size or tokens_per_block
@@ -206,11 +214,7 @@ class RecheckTokenBudget(TokenBudgetPolicy):
         estimated_reusable: Mapping[int, int] | None = None,
         generation_cost: int | None = None,
     ) -> BudgetDecision:
-        decision = recheck_remaining_budget(
-            generation,
-            later_chunks,
-            first_chunks,
-            self.max_num_tokens,
+        options = dict(
             reuse_can_shift=self.enable_block_reuse and not prefixes_claimed,
             cut_unit=self.chunk_unit_size if self.cuts_chunks and self.enable_chunked_prefill else 0,
             tokens_per_block=self.tokens_per_block,
@@ -218,6 +222,11 @@ class RecheckTokenBudget(TokenBudgetPolicy):
             # this policy charges a generation step its exact forward cost: the sum carries over
             generation_cost=generation_cost,
         )
+        if self.order is not None:  # lowest-ranked cut and deferred first
+            decision = recheck_by_priority(generation, later_chunks, first_chunks, self.max_num_tokens,
+                                           self.order.key, **options)
+        else:
+            decision = recheck_remaining_budget(generation, later_chunks, first_chunks, self.max_num_tokens, **options)
         for request, cost in decision.deferred:
             logger.debug(
                 "request %d deferred: its full cost %d does not fit the remaining budget %d",
@@ -247,6 +256,7 @@ def make_token_budget_policy(
     tokens_per_block: int,
     chunk_unit_size: int | None = None,
     enable_block_reuse: bool = True,
+    order: PriorityOrder | None = None,
 ) -> TokenBudgetPolicy:
     policy = _POLICIES[TokenBudgetPolicyName(name)]
     return policy(
@@ -255,6 +265,7 @@ def make_token_budget_policy(
         tokens_per_block=tokens_per_block,
         chunk_unit_size=chunk_unit_size,
         enable_block_reuse=enable_block_reuse,
+        order=order,
     )
 
 
@@ -268,4 +279,5 @@ def token_budget_policy_for(config: ExecutorConfig) -> TokenBudgetPolicy:
         tokens_per_block=kv.tokens_per_block,
         chunk_unit_size=config.chunk_unit_size,
         enable_block_reuse=kv.enable_block_reuse,
+        order=PriorityOrder.of(config.scheduler_config),
     )

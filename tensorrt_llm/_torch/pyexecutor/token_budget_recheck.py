@@ -31,6 +31,21 @@ reusing; that request's chunk runs at full size and the forward overshoots
 A deferred request is charged at full cost by the scheduler next iteration and comes first
 here, so it fits whole: it is never deferred twice in a row for budget reasons.
 
+**Under priority** (``waiting_queue_policy="priority"``, :func:`recheck_by_priority`) the
+steps are the same but the order is the request's rank (:class:`~priority.PriorityOrder`):
+
+1. generation steps first (exact; they hold KV and cost a position or a few);
+2. every context chunk, later and first alike, in rank order, each charged as above and cut
+   to what fits when it overflows; the lowest-ranked are thus the first cut and deferred;
+3. a request that owes a deferral is not put first: the smallest progress it may make (one
+   unit, or its whole chunk without chunked prefill) is set aside for it before the loop, so
+   higher-ranked chunks cannot take that room and it is still never deferred twice in a row;
+4. once a chunk is deferred, every lower-ranked chunk that owes nothing is deferred too: a
+   higher-priority request is never deferred while a lower-priority one in the same batch
+   runs. The one exception is a lower-priority request that owes a deferral: it runs its set
+   aside smallest progress (cut to one unit; whole only if its chunk is no larger, or chunked
+   prefill is off). Room is never taken from higher-ranked chunks for a lower-ranked one.
+
 :func:`recheck_remaining_budget` is pure: it takes the batch's parts as values and returns a
 :class:`BudgetDecision`; the caller (``ResourceManager``) acts on it.
 """
@@ -38,7 +53,7 @@ here, so it fits whole: it is never deferred twice in a row for budget reasons.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 from tensorrt_llm._torch.pyexecutor.forward_cost import forward_cost
 from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequest
@@ -183,4 +198,101 @@ def recheck_remaining_budget(
             decision.deferred.append((request, cost))
     decision.charged = max_num_tokens - remaining
     decision.cut = [chunks[c.request.request_id] for c in first_chunks if chunks.get(c.request.request_id, c) != c]
+    return decision
+
+
+def _smallest_step(chunk: ContextChunk, unit: int, *, reuse_can_shift: bool) -> ContextChunk:
+    """The least progress ``chunk`` may make: up to the first multiple of ``unit`` after its
+    start (``unit`` 0: the whole chunk, which cannot be cut)."""
+    if not unit:
+        return chunk
+    first_boundary = (chunk.start // unit + 1) * unit
+    if chunk.end <= first_boundary:
+        return chunk
+    drafts = len(chunk.request.py_draft_tokens) if reuse_can_shift else 0
+    cut = cut_to_fit(chunk, first_boundary - chunk.start + drafts, unit, reuse_can_shift=reuse_can_shift)
+    return chunk if cut is None else cut
+
+
+def recheck_by_priority(
+    generation: Sequence[LlmRequest],
+    later_chunks: Sequence[ContextChunk],
+    first_chunks: Sequence[ContextChunk],
+    max_num_tokens: int,
+    rank: Callable[[LlmRequest], object],
+    *,
+    reuse_can_shift: bool,
+    cut_unit: int = 0,
+    tokens_per_block: int = 1,
+    estimated_reusable: Mapping[int, int] | None = None,
+    generation_cost: int | None = None,
+) -> BudgetDecision:
+    """:func:`recheck_remaining_budget` in priority order (the module docstring's "under priority").
+
+    ``rank(request)`` is the sort key of :class:`~priority.PriorityOrder` (smallest first).
+    The other arguments are :func:`recheck_remaining_budget`'s; each chunk's bound is the same.
+    """
+    decision = BudgetDecision(max_num_tokens)
+    chunks = decision.chunks
+    fixed = sum(map(forward_cost, generation)) if generation_cost is None else generation_cost
+    if fixed <= max_num_tokens:
+        decision.generation = list(generation)
+    else:  # the scheduler charged them otherwise: the highest-ranked steps first
+        fixed = 0
+        for request in sorted(generation, key=rank):
+            cost = forward_cost(request)
+            if fixed + cost <= max_num_tokens:
+                fixed += cost
+                decision.generation.append(request)
+            else:
+                decision.deferred.append((request, cost))
+    remaining = max_num_tokens - fixed
+    estimates = estimated_reusable if reuse_can_shift and estimated_reusable is not None else {}
+    # (chunk, whether reuse may still move its window), highest-ranked first
+    work = [(chunk, False) for chunk in later_chunks] + [(chunk, reuse_can_shift) for chunk in first_chunks]
+    work.sort(key=lambda item: rank(item[0].request))
+
+    def unit_of(chunk: ContextChunk) -> int:
+        if not cut_unit:
+            return 0
+        return cut_unit if chunk.start % cut_unit == 0 else tokens_per_block
+
+    reserved = {
+        chunk.request.request_id: _smallest_step(chunk, unit_of(chunk), reuse_can_shift=shift).cost(reuse_can_shift=shift)
+        for chunk, shift in work if chunk.request.py_budget_deferred
+    }
+    outstanding = sum(reserved.values())
+    blocked = False
+    for chunk, shift in work:
+        request = chunk.request
+        owed = reserved.get(request.request_id)
+        if owed is not None:
+            outstanding -= owed
+        elif blocked:
+            decision.deferred.append((request, chunk.cost(reuse_can_shift=shift)))
+            continue
+        room = remaining - outstanding
+        cost = chunk.cost(reuse_can_shift=shift)
+        unit = unit_of(chunk)
+        if cost > room and unit:
+            estimate = estimates.get(request.request_id, 0) if shift else 0
+            if estimate and unit == cut_unit:
+                # What finishes the prompt if the estimated reuse materialises, in whole units.
+                tail = request.prompt_len - max(min(estimate, request.prompt_len - 1), chunk.start)
+                finishing = chunk.resized(-(-tail // unit) * unit)
+                if finishing.size < chunk.size and finishing.cost(reuse_can_shift=True) <= room:
+                    chunk, cost = finishing, finishing.cost(reuse_can_shift=True)
+            if cost > room:
+                cut = cut_to_fit(chunk, room, unit, reuse_can_shift=shift)
+                if cut is not None:
+                    chunk, cost = cut, cut.cost(reuse_can_shift=shift)
+        if cost <= room:
+            remaining -= cost
+            chunks[request.request_id] = chunk
+        else:
+            decision.deferred.append((request, cost))
+            blocked = True
+    decision.charged = max_num_tokens - remaining
+    scheduled = [*later_chunks, *first_chunks]
+    decision.cut = [chunks[c.request.request_id] for c in scheduled if chunks.get(c.request.request_id, c) != c]
     return decision

@@ -18,7 +18,8 @@ from tensorrt_llm._torch.pyexecutor.request_validation import RequestLimits, val
 from tensorrt_llm._torch.pyexecutor.resource_manager import ResourceManager
 from tensorrt_llm._torch.pyexecutor.sampler import Sampler
 from tensorrt_llm._torch.pyexecutor.scheduled_requests import ContextChunk, ScheduledRequests
-from tensorrt_llm._torch.pyexecutor.scheduler import CapacityScheduler, MicroBatchScheduler, SimpleScheduler
+from tensorrt_llm._torch.pyexecutor.scheduler import SimpleScheduler
+from tensorrt_llm._torch.pyexecutor.scheduler import make_scheduler as _make_scheduler
 from tensorrt_llm._torch.pyexecutor.simulated_engine import SimulatedModelEngine
 from tensorrt_llm._torch.pyexecutor.synthetic_sampler import SyntheticSampler
 from tensorrt_llm._torch.pyexecutor.token_budget import TokenBudgetPolicy, token_budget_policy_for
@@ -125,9 +126,7 @@ def make_torch_engine(config: ExecutorConfig):
 
 def make_scheduler(config: ExecutorConfig, kv: KVCacheManager) -> SimpleScheduler:
     """The two-stage scheduler an executor with ``config`` would build over ``kv``."""
-    return SimpleScheduler(
-        CapacityScheduler(config.capacity_scheduler_policy, kv), MicroBatchScheduler(config, make_policy(config))
-    )
+    return _make_scheduler(config, kv, make_policy(config))
 
 
 def make_sim_executor(config: ExecutorConfig | None = None, *, overlap: bool = False, **config_overrides) -> PyExecutor:
