@@ -14,6 +14,7 @@ __all__ = [
     "RequestOutput",
     "RequestOutputHandle",
     "SamplingParams",
+    "SchedulerConfig",
 ]
 
 
@@ -22,6 +23,10 @@ def __getattr__(name: str):
         from tensorrt_llm._torch.pyexecutor.config import KvCacheConfig
 
         return KvCacheConfig
+    if name == "SchedulerConfig":
+        from tensorrt_llm._torch.pyexecutor.config import SchedulerConfig
+
+        return SchedulerConfig
     if name == "GuidedDecodingParams":
         from tensorrt_llm._torch.pyexecutor.guided_decoder import GuidedDecodingParams
 

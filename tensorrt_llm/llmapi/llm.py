@@ -17,11 +17,11 @@ from tensorrt_llm._torch.distributed.multi_rank_executor import MultiRankExecuto
 from tensorrt_llm._torch.distributed.torchrun import TorchrunEnv, TorchrunGroup, follow
 from tensorrt_llm._torch.distributed.worker import serve_config, serve_rank
 from tensorrt_llm._torch.models.modeling_llama import LlamaConfig
-from tensorrt_llm._torch.pyexecutor.config import ExecutorConfig, KvCacheConfig
+from tensorrt_llm._torch.pyexecutor.config import DEFAULT_PRIORITY, ExecutorConfig, KvCacheConfig
 from tensorrt_llm._torch.pyexecutor.errors import RequestError
 from tensorrt_llm._torch.pyexecutor.executor_client import ExecutorClient, Health
 from tensorrt_llm._torch.pyexecutor.guided_decoder import GrammarCompiler, GuidedDecodingParams
-from tensorrt_llm._torch.pyexecutor.llm_request import SEED_LIMIT, LlmRequest, SamplingConfig
+from tensorrt_llm._torch.pyexecutor.llm_request import SEED_LIMIT, LlmRequest, SamplingConfig, check_priority
 from tensorrt_llm._torch.pyexecutor.py_executor_creator import create_py_executor
 from tensorrt_llm.llmapi.llm_utils import describe_checkpoint, load_model, seeded_model
 from tensorrt_llm.llmapi.request_output import (  # noqa: F401 - CompletionOutput: re-exported (tensorrt_llm.llmapi)
@@ -268,22 +268,33 @@ class LLM:
             line += f", KV pool {blocks} blocks x {kv.tokens_per_block} tokens = {blocks * kv.tokens_per_block} tokens ({gib:.2f} GiB)"
         return line + f", max_seq_len {self.config.max_seq_len} ({self.max_seq_len_source})"
 
-    def generate_async(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> RequestOutputHandle:
+    def generate_async(
+        self, prompt: Prompt, sampling_params: SamplingParams | None = None, *, priority: float = DEFAULT_PRIORITY
+    ) -> RequestOutputHandle:
+        """Submit one prompt. ``priority`` in [0, 1] (upstream's meaning, 0.5 by default): who
+        waits first under ``scheduler_config.waiting_queue_policy="priority"``; accepted and
+        ignored under ``fcfs``."""
         params = sampling_params or SamplingParams()
-        requests = self._make_requests(prompt, params)
+        requests = self._make_requests(prompt, params, _priorities(priority, 1)[0])
         for request in requests:
             self._executor.validate(request)
         return self._submit([requests], [prompt], params)[0]
 
     def generate(
-        self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | None = None
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | None = None,
+        *,
+        priority: float | Sequence[float] = DEFAULT_PRIORITY,
     ) -> RequestOutput | list[RequestOutput]:
         """Generate for one prompt or a list of prompts (each text or token ids); raises ValueError
-        before queueing anything if any prompt is invalid, RequestError if one fails while running."""
+        before queueing anything if any prompt is invalid, RequestError if one fails while running.
+        ``priority``: one for every prompt, or one per prompt (see :meth:`generate_async`)."""
         single = isinstance(prompts, str) or (bool(prompts) and isinstance(prompts[0], int))
         batch = [prompts] if single else list(prompts)
         params = sampling_params or SamplingParams()
-        requests = [self._make_requests(prompt, params) for prompt in batch]
+        priorities = _priorities(priority, len(batch))
+        requests = [self._make_requests(prompt, params, p) for prompt, p in zip(batch, priorities)]
         for samples in requests:
             for request in samples:
                 self._executor.validate(request)
@@ -330,7 +341,7 @@ class LLM:
         self._executor.enqueue_requests([handle.first_submission() for handle in handles])
         return handles
 
-    def _make_requests(self, prompt: Prompt, params: SamplingParams) -> list[LlmRequest]:
+    def _make_requests(self, prompt: Prompt, params: SamplingParams, priority: float = DEFAULT_PRIORITY) -> list[LlmRequest]:
         """One request per sample (``SamplingParams.num_samples``), all of the same prompt."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
@@ -368,6 +379,7 @@ class LLM:
         ]
 
     def compile_grammar(self, guided: GuidedDecodingParams):
+                priority=priority,
         """The grammar of ``guided`` for this model's tokenizer (ValueError naming what is wrong).
         The compiler reads the vocabulary once, on the first guided request, and keeps recent
         grammars: a caller on an event loop runs this on a worker thread first, and
@@ -394,6 +406,15 @@ def _cap_max_seq_len(config: ExecutorConfig, options: dict, model: LlamaConfig) 
     (RoPE positions beyond it were never trained); a larger value asked for is an error."""
     limit = model.max_position_embeddings
     if config.max_seq_len <= limit:
+def _priorities(priority: float | Sequence[float], count: int) -> list[float]:
+    """``priority`` for each of ``count`` prompts: one value for all, or a sequence of one per
+    prompt; ValueError naming ``priority`` for anything else, or a value outside [0, 1]."""
+    values = [priority] * count if not isinstance(priority, Sequence) or isinstance(priority, str) else list(priority)
+    if len(values) != count:
+        raise ValueError(f"priority has {len(values)} values for {count} prompts: give one, or one per prompt")
+    return [check_priority(value) for value in values]
+
+
         return config
     if "max_seq_len" in options:
         raise ValueError(f"max_seq_len={config.max_seq_len} exceeds the model's max_position_embeddings ({limit})")

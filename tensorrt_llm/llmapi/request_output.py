@@ -45,6 +45,9 @@ class RequestOutput:
     generated_tokens: int = 0  # over every sample, those best_of drops included
     # With SamplingParams.prompt_logprobs: one per prompt token, None for the first (nothing predicts it).
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    # Prompt tokens whose KV the first sample reused from the prefix cache, from the executor's
+    # response that carried its first token (None until then).
+    cached_tokens: int | None = None
 
     @property
     def text(self) -> str | None:
@@ -162,6 +165,8 @@ class RequestOutputHandle:
         tokenizer does not know) fails this request alone, as an executor error would: it is
         cancelled in the executor and its output finishes with a DetokenizationError."""
         index, response = event.index, event.response
+        if index == 0 and response.cached_tokens is not None and self.output.cached_tokens is None:
+            self.output.cached_tokens = response.cached_tokens
         if response.beams is not None:
             self._apply_beams(response)
             return

@@ -206,24 +206,27 @@ class Tokenizer:
     # ----------------------------------------------------------------------- chat
 
     def apply_chat_template(
-        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True, **template_kwargs: Any
+        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True, *,
+        chat_template: str | None = None, **template_kwargs: Any
     ) -> str:
         """The prompt text for a conversation, rendered with the model's own chat template.
 
         ``messages`` are OpenAI-style ``{"role": str, "content": str}`` mappings; content may also
         be a list of ``{"type": "text", "text": str}`` parts, which are joined. Raises ValueError
         for a malformed conversation, a model without a template, or a template that refuses the
-        conversation (its ``raise_exception``).
+        conversation (its ``raise_exception``). ``chat_template``: render with this template instead
+        of the model's (transformers' meaning).
         """
         import jinja2
 
-        if not self.chat_template:
+        chat_template = chat_template or self.chat_template
+        if not chat_template:
             raise ValueError("this model has no chat template (tokenizer.chat_template is missing)")
         conversation = [_chat_message(i, message) for i, message in enumerate(_as_list(messages))]
         if not conversation:
             raise ValueError("messages must not be empty")
         try:
-            return _compile_template(self.chat_template).render(
+            return _compile_template(chat_template).render(
                 messages=conversation,
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self._token_text(self.bos_token_id),

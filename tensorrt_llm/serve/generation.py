@@ -117,6 +117,12 @@ class Generation:
         return self.handle.output.generated_tokens
 
     @property
+    def cached_tokens(self) -> int | None:
+        """The prompt tokens the executor reused from the prefix cache for this request (its first
+        sample's), known once its first token is out; None before."""
+        return self.handle.output.cached_tokens
+
+    @property
     def finished(self) -> bool:
         return self._finish_reason is not None
 

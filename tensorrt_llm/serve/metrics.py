@@ -17,6 +17,18 @@ Three sources, each pushed or pulled once:
 
 prometheus-client objects are thread-safe, so the two writers need no lock of their own.
 
+Priority classes (``SchedulerConfig.priority_low_below`` / ``priority_high_above``: "low",
+"normal", "high"). ``trtllm_num_requests_waiting`` and ``trtllm_time_to_first_token_seconds``
+keep their unlabelled series, every request counted, exactly as before (existing scrapers and
+dashboards read the same numbers), and carry beside them, in the same family, one series per
+class labelled ``priority_class``: the exposition allows a family's samples to differ in their
+labels. Aggregate one or the other, never both: ``trtllm_num_requests_waiting{priority_class=""}``
+is the total, ``sum(trtllm_num_requests_waiting{priority_class!=""})`` the same total from the
+classes. The per-class waiting counts are the requests the executor holds without KV blocks
+(a request still in the submission queue counts only in the total; several ranks do not count
+classes yet: their class series stay 0). ``trtllm_preemptions_total`` counts requests paused
+for one of higher priority (``SchedulerConfig.enable_preemption``; 0 without it).
+
 Several ranks (``--tp_size``): the iteration listener runs on ``MultiRankExecutor``'s
 dispatcher thread. Under TP it sees rank 0's iterations only: the ranks make one decision,
 so each rank's counters would be the same, and summing them would count every deferral N
@@ -35,6 +47,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from tensorrt_llm._torch.pyexecutor.executor_client import ExecutorClient, Load
+from tensorrt_llm._torch.pyexecutor.priority import DEFAULT_PRIORITY, PRIORITY_CLASSES, priority_class
 from tensorrt_llm._torch.pyexecutor.fault_injection import FAULT_KINDS
 from tensorrt_llm._torch.pyexecutor.stats import IterationStats
 
@@ -65,8 +78,7 @@ class ServerMetrics:
 
         Gauge("trtllm_num_requests_running", "Requests holding KV blocks in the executor", registry=registry
               ).set_function(lambda: self.load().running)
-        Gauge("trtllm_num_requests_waiting", "Requests queued or active without KV blocks yet", registry=registry
-              ).set_function(lambda: self.load().waiting)
+        registry.register(_WaitingCollector(self))
         Gauge("trtllm_kv_cache_usage_ratio", "Fraction of KV blocks referenced by requests (0..1)", registry=registry
               ).set_function(lambda: self.load().kv.usage)
         Gauge("trtllm_executor_healthy", "1 while /health answers 200", registry=registry
@@ -109,9 +121,20 @@ class ServerMetrics:
         self.budget_utilization = Histogram(
             "trtllm_budget_utilization", "Forward positions / max_num_tokens of each forward pass",
             buckets=_UTILIZATION_BUCKETS, registry=registry)
+        # every request (unlabelled, as before) and by priority class, exposed as one family
         self.ttft = Histogram(
             "trtllm_time_to_first_token_seconds", "Request received to first token delivered",
-            buckets=_LATENCY_BUCKETS, registry=registry)
+            buckets=_LATENCY_BUCKETS, registry=None)
+        self.ttft_by_class = Histogram(
+            "trtllm_time_to_first_token_seconds", "Request received to first token delivered",
+            ["priority_class"], buckets=_LATENCY_BUCKETS, registry=None)
+        for name in PRIORITY_CLASSES:
+            self.ttft_by_class.labels(name)
+        registry.register(_MergedCollector(self.ttft, self.ttft_by_class))
+        self.preemptions = Counter(
+            "trtllm_preemptions_total", "Requests paused to make KV room for a request of higher priority",
+            registry=registry)
+        self.scheduling = executor.config.scheduler_config
         self.itl = Histogram(
             "trtllm_inter_token_latency_seconds", "Gap between delivered tokens", buckets=_LATENCY_BUCKETS,
             registry=registry)
@@ -136,12 +159,13 @@ class ServerMetrics:
         if stats.error is not None:
             self.failed_batches.inc()
         self.requests_retried.inc(stats.num_retried_requests)
+        self.preemptions.inc(stats.num_preempted_requests)
         if stats.forward_tokens > 0:
             self.forward_tokens.observe(stats.forward_tokens)
             self.budget_utilization.observe(stats.budget_utilization)
 
-    def request(self) -> "RequestMetrics":
-        return RequestMetrics(self)
+    def request(self, priority: float = DEFAULT_PRIORITY) -> "RequestMetrics":
+        return RequestMetrics(self, priority_class(priority, self.scheduling))
 
     def rejected(self, reason: str) -> None:
         """A request was refused at admission (``reason`` in REJECT_REASONS)."""
@@ -155,8 +179,9 @@ class ServerMetrics:
 class RequestMetrics:
     """One request's timing, from when the server received it; event loop only."""
 
-    def __init__(self, metrics: ServerMetrics) -> None:
+    def __init__(self, metrics: ServerMetrics, priority_class: str = "normal") -> None:
         self._m = metrics
+        self._class = priority_class
         self._start = self._last = time.monotonic()
         self._first = True
         self._done = False
@@ -170,6 +195,7 @@ class RequestMetrics:
         if self._first:
             self._first = False
             m.ttft.observe(now - self._start)
+            m.ttft_by_class.labels(self._class).observe(now - self._start)
             m.prompt_tokens.inc(prompt_tokens)
         else:
             gap = (now - self._last) / count
@@ -184,6 +210,41 @@ class RequestMetrics:
         self._done = True
         self._m.request_success.labels(reason).inc()
         self._m.e2e.observe(time.monotonic() - self._start)
+
+
+class _MergedCollector(Collector):
+    """Metrics of one name, unlabelled and labelled, exposed as one family (see the module docstring)."""
+
+    def __init__(self, *metrics) -> None:
+        self._metrics = metrics
+
+    def collect(self):
+        merged = None
+        for metric in self._metrics:
+            for family in metric.collect():
+                if merged is None:
+                    merged = family
+                else:
+                    merged.samples.extend(family.samples)
+        if merged is not None:
+            yield merged
+
+
+class _WaitingCollector(Collector):
+    """``trtllm_num_requests_waiting``: the total, and the executor's waiting requests by priority class."""
+
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self._metrics = metrics
+
+    def collect(self):
+        load = self._metrics.load()
+        family = GaugeMetricFamily("trtllm_num_requests_waiting", "Requests queued or active without KV blocks yet")
+        family.add_metric([], load.waiting)
+        by_class = GaugeMetricFamily("trtllm_num_requests_waiting", "", labels=["priority_class"])
+        for name in PRIORITY_CLASSES:
+            by_class.add_metric([name], load.waiting_by_class.get(name, 0))
+        family.samples.extend(by_class.samples)
+        yield family
 
 
 class _FaultCollector(Collector):

@@ -14,9 +14,11 @@ executor in a form it cannot serve (issue 21):
 * Text must be valid Unicode: a lone surrogate (JSON ``"\\ud800"``) anywhere in a request, in
   ``prompt``, ``stop``, ``messages`` or any other field, is refused naming the field; the
   tokenizer would fail on it.
-* An argument the server does not know is an error naming it (``extra="forbid"``), and
-  ``suffix`` and ``logit_bias`` must keep their neutral values (nothing here inserts text or
-  biases logits). ``best_of > n`` cannot stream (the best samples are known at the end only),
+* What is done with each field is one table, ``openai_fields``: served, ignored (an OpenAI field
+  that changes nothing here: accepted, type-checked, logged at debug level) or refused unless
+  neutral (``suffix``, ``logit_bias``, ``audio``, ...: 400 naming it). An argument in no row is an
+  error naming it (``extra="forbid"``). Integer fields take an integral float (``16.0``, as
+  vLLM's lax parsing does); ``16.5`` is refused naming the field. ``best_of > n`` cannot stream (the best samples are known at the end only),
   ``top_logprobs`` needs ``logprobs: true``, as OpenAI and vLLM refuse them. ``echo`` with
   ``logprobs`` reports the prompt tokens' log-probabilities too (the first one's is null).
 * Sampling fields beyond OpenAI's, as vLLM takes them: ``top_k``, ``repetition_penalty``,
@@ -34,23 +36,21 @@ tokenizer has.
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from tensorrt_llm._torch.pyexecutor.llm_request import SEED_LIMIT
+from tensorrt_llm.serve import openai_fields
+from tensorrt_llm.serve.openai_fields import CHAT, COMPLETIONS
+
+logger = logging.getLogger(__name__)
 
 MAX_STOP_STRINGS = 4  # OpenAI's limit
 MAX_COUNT = 2**31 - 1  # a token count beyond int32 is no count any model serves
-
-
-#: Arguments accepted only at a neutral value: name -> (the values accepted, why no other is).
-_ONLY_NEUTRAL: dict[str, tuple[tuple, str]] = {
-    "suffix": ((None, ""), "this server does not insert text"),
-    "logit_bias": ((None, {}), "this server applies no logit bias"),
-}
 MAX_SAMPLES = 16  # n and best_of: each sample is an executor request of its own
 MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit (vLLM's default max_logprobs is 20 too)
 
@@ -74,13 +74,24 @@ def _first_invalid_text(value: Any) -> str | None:
     return None
 
 
-def _same(value: Any, neutral: Any) -> bool:
-    """Equal and both booleans or neither: ``logprobs: 0`` is a count, not ``false``."""
-    return value == neutral and isinstance(value, bool) == isinstance(neutral, bool)
+def _integral(value: Any, info: ValidationInfo) -> Any:
+    """An integral float (``16.0``) as its int, as vLLM's lax parsing takes it; any other float
+    is refused naming the field (booleans stay refused by the strict int check)."""
+    if isinstance(value, float):
+        if not value.is_integer():
+            raise ValueError(f"{info.field_name} must be an integer, got {value!r}")
+        return int(value)
+    return value
+
+
+#: An integer field: an int, or a float with no fractional part.
+Int = Annotated[int, BeforeValidator(_integral)]
 
 
 class _Request(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+    #: Whose rows of the field table hold for it (a request model of an endpoint), or None.
+    ENDPOINT: ClassVar[str | None] = None
 
     @field_validator("*")
     @classmethod
@@ -89,14 +100,26 @@ class _Request(BaseModel):
             surrogate = next(ch for ch in bad if 0xD800 <= ord(ch) <= 0xDFFF)
             raise ValueError(f"{info.field_name} is not valid Unicode: it holds the lone surrogate"
                              f" {surrogate!r} (send UTF-8 text)")
-        accepted, why = _ONLY_NEUTRAL.get(info.field_name, (None, None))
-        if accepted is not None and not any(_same(value, neutral) for neutral in accepted):
-            raise ValueError(f"{info.field_name}={value!r} is not supported: {why}")
+        if cls.ENDPOINT is not None and (why := openai_fields.refusal(info.field_name, cls.ENDPOINT, value)):
+            raise ValueError(why)
         return value
+
+    @model_validator(mode="after")
+    def _log_ignored(self):
+        if self.ENDPOINT is not None:
+            given = {name: getattr(self, name) for name in self.model_fields_set}
+            if isinstance(options := given.get("stream_options"), StreamOptions):
+                given |= {f"stream_options.{k}": getattr(options, k) for k in options.model_fields_set}
+            if ignored := openai_fields.ignored_given(self.ENDPOINT, given):
+                logger.debug("request fields ignored (they change nothing here): %s", ", ".join(sorted(ignored)))
+        return self
 
 
 class StreamOptions(_Request):
-    include_usage: bool | None = False
+    # Upstream's and vLLM's default: a stream_options object asks for the usage chunk unless it says not.
+    include_usage: bool | None = True
+    continuous_usage_stats: bool | None = False  # with include_usage: cumulative usage on every chunk
+    include_obfuscation: bool | None = None  # ignored (openai_fields)
 
 
 class JsonSchemaFormat(_Request):
@@ -125,30 +148,33 @@ class _SamplingRequest(_Request):
     """The fields completions and chat completions share."""
 
     model: str
-    max_tokens: int | None = Field(None, ge=1, le=MAX_COUNT)
+    max_tokens: Int | None = Field(None, ge=1, le=MAX_COUNT)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    seed: int | None = Field(None, ge=0, lt=SEED_LIMIT)
+    seed: Int | None = Field(None, ge=0, lt=SEED_LIMIT)
     stop: Any = None  # a string or a list of strings (checked by hand: a union would name its branches in errors)
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    n: int | None = Field(1, ge=1, le=MAX_SAMPLES)
+    n: Int | None = Field(1, ge=1, le=MAX_SAMPLES)
     presence_penalty: float | None = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(0.0, ge=-2.0, le=2.0)
-    logit_bias: dict[str, float] | None = None
-    user: str | None = None  # an end-user id for the operator's logs; does not change the output
+    logit_bias: dict[str, float] | None = None  # refused unless empty (openai_fields)
+    user: str | None = None  # ignored: an end-user id for the operator's logs
     response_format: ResponseFormat | None = None
     # Extensions, as vLLM names them:
     ignore_eos: bool | None = False  # generate max_tokens whatever end-of-generation tokens come
-    top_k: int | None = Field(None, ge=-1, le=MAX_COUNT)  # 0 or -1 (vLLM's "off"): no top-k filter
+    top_k: Int | None = Field(None, ge=-1, le=MAX_COUNT)  # 0 or -1 (vLLM's "off"): no top-k filter
     repetition_penalty: float | None = Field(None, gt=0.0, le=100.0)
-    min_tokens: int | None = Field(None, ge=0, le=MAX_COUNT)
+    min_tokens: Int | None = Field(None, ge=0, le=MAX_COUNT)
     stop_token_ids: list[int] | None = None
     # Beam search, as upstream's trtllm-serve: best_of beams (default n), the n best returned.
-    best_of: int | None = Field(None, ge=1, le=MAX_SAMPLES)
+    best_of: Int | None = Field(None, ge=1, le=MAX_SAMPLES)
     use_beam_search: bool | None = False
     length_penalty: float | None = Field(None, ge=-100.0, le=100.0)
     early_stopping: bool | Literal["never"] | None = None
+    # Upstream's request priority in [0, 1] (0.5 when absent): who waits first under
+    # scheduler_config.waiting_queue_policy "priority"; accepted and ignored under "fcfs".
+    priority: float | None = Field(None, ge=0.0, le=1.0)
 
     @model_validator(mode="after")
     def _samples(self):
@@ -186,6 +212,11 @@ class _SamplingRequest(_Request):
     def include_usage(self) -> bool:
         return self.stream_options is not None and bool(self.stream_options.include_usage)
 
+    @property
+    def continuous_usage(self) -> bool:
+        """Cumulative usage on every chunk (vLLM's ``continuous_usage_stats``, with ``include_usage``)."""
+        return self.include_usage and bool(self.stream_options.continuous_usage_stats)
+
     @field_validator("stop_token_ids")
     @classmethod
     def _token_ids(cls, ids: list[int] | None) -> list[int] | None:
@@ -207,10 +238,11 @@ class _SamplingRequest(_Request):
 class CompletionRequest(_SamplingRequest):
     """``prompt``: a string or a list of token ids (one prompt; a batch of prompts is refused)."""
 
+    ENDPOINT: ClassVar[str] = COMPLETIONS
     prompt: Any
     echo: bool | None = False
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    suffix: str | None = None
+    logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    suffix: str | None = None  # refused unless empty (openai_fields)
 
     @field_validator("prompt")
     @classmethod
@@ -227,63 +259,174 @@ class CompletionRequest(_SamplingRequest):
         raise ValueError("prompt must be a string or a list of integer token ids")
 
 
+def _text(content: Any) -> str:
+    """A message's text: a string, the text parts joined (``{"type": "text", "text": str}``), or
+    "" for null."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise ValueError("content must be a string, a list of content parts or null")
+    texts = []
+    for part in content:
+        if not isinstance(part, dict) or part.get("type") != "text":
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise ValueError(f"only text content parts are supported, got type {kind!r}")
+        if set(part) != {"type", "text"} or not isinstance(part["text"], str):
+            raise ValueError('a text content part is {"type": "text", "text": <string>}')
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+class FunctionCallParam(_Request):
+    """A call an assistant made, as a client sends it back: ``arguments`` is JSON text."""
+
+    name: str
+    arguments: str
+
+
+class ToolCallParam(_Request):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallParam
+
+
 class ChatMessage(_Request):
-    role: Literal["system", "developer", "user", "assistant"]
+    """One message. ``tool_calls``: an assistant's calls (its content may then be null);
+    ``tool_call_id``: the call a ``tool`` message answers."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Any = None  # a string, a list of text parts, or null (checked by hand, as ``stop``)
     name: str | None = None
+    tool_calls: list[ToolCallParam] | None = None
+    tool_call_id: str | None = None
 
     @field_validator("content")
     @classmethod
     def _text_only(cls, content: Any) -> str:
-        """The message's text: a string, or the text parts joined (``{"type": "text", "text": str}``)."""
-        if content is None:
-            return ""
-        if isinstance(content, str):
-            return content
-        if not isinstance(content, list):
-            raise ValueError("content must be a string, a list of content parts or null")
-        texts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text":
-                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise ValueError(f"only text content parts are supported, got type {kind!r}")
-            if set(part) != {"type", "text"} or not isinstance(part["text"], str):
-                raise ValueError('a text content part is {"type": "text", "text": <string>}')
-            texts.append(part["text"])
-        return "".join(texts)
+        return _text(content)
+
+    @model_validator(mode="after")
+    def _tool_fields_by_role(self):
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError(f"tool_calls are an assistant's, not a {self.role} message's")
+        if (self.tool_call_id is not None) != (self.role == "tool"):
+            raise ValueError("a tool message needs tool_call_id (the call it answers), and only a tool message has one")
+        return self
+
+
+#: OpenAI's rule for a function's name.
+FUNCTION_NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"
+
+
+class FunctionDefinition(_Request):
+    name: str = Field(pattern=FUNCTION_NAME_PATTERN)
+    description: str | None = None
+    parameters: dict | None = None  # a JSON schema of the arguments object; None: no arguments
+    strict: bool | None = None  # the arguments always follow the schema when the grammar enforces them
+
+
+class ChatCompletionToolsParam(_Request):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_SamplingRequest):
+    ENDPOINT: ClassVar[str] = CHAT
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_COUNT)
+    max_completion_tokens: Int | None = Field(None, ge=1, le=MAX_COUNT)
     logprobs: bool | None = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: list[ChatCompletionToolsParam] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    # Accepted and ignored (openai_fields): they change nothing this server produces.
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    prompt_cache_options: dict | None = None
+    prediction: dict | None = None
+    reasoning_effort: str | None = None
+    # Refused unless neutral (openai_fields): they would change the output, and are not implemented.
+    audio: Any = None
+    modalities: Any = None
+    functions: Any = None
+    function_call: Any = None
+    web_search_options: Any = None
+    moderation: Any = None
+    verbosity: Any = None
 
     @model_validator(mode="after")
     def _one_length_limit(self):
-        if self.max_tokens is not None and self.max_completion_tokens is not None:
-            raise ValueError("give max_tokens or max_completion_tokens, not both")
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
         return self
 
+    @model_validator(mode="after")
+    def _tools(self):
+        tools = self.tools or []
+        names = [tool.function.name for tool in tools]
+        if len(set(names)) != len(names):
+            raise ValueError(f"tools: function names must be unique, got {names}")
+        choice = self.tool_choice
+        if choice not in (None, "none") and not tools:
+            raise ValueError("tool_choice needs tools")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise ValueError(f"tool_choice names the function {choice.function.name!r}, which is not among the tools"
+                             f" ({', '.join(names)})")
+        return self
+
+    @property
+    def tool_choice_value(self) -> str:
+        """``none``, ``auto``, ``required``, or ``function`` (a named one); OpenAI's default:
+        ``auto`` with tools, ``none`` without."""
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return "function"
+        return self.tool_choice or ("auto" if self.tools else "none")
+
     @property
     def max_new_tokens(self) -> int | None:
-        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        """``max_completion_tokens`` and ``max_tokens`` are one field; given both, with different
+        values, ``max_completion_tokens`` (OpenAI's current name) wins, as vLLM decides."""
+        if self.max_completion_tokens is not None:
+            if self.max_tokens is not None and self.max_tokens != self.max_completion_tokens:
+                logger.debug("max_tokens=%d and max_completion_tokens=%d: max_completion_tokens is used",
+                             self.max_tokens, self.max_completion_tokens)
+            return self.max_completion_tokens
+        return self.max_tokens
 
 
 # ---------------------------------------------------------------------------------------- responses
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
 
 
 class UsageInfo(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None  # None until the first token is out
 
     @classmethod
-    def of(cls, prompt_tokens: int, completion_tokens: int) -> "UsageInfo":
+    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> "UsageInfo":
+        details = None if cached_tokens is None else PromptTokensDetails(cached_tokens=cached_tokens)
         return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                   total_tokens=prompt_tokens + completion_tokens)
+                   total_tokens=prompt_tokens + completion_tokens, prompt_tokens_details=details)
 
 
 def _now() -> int:
@@ -300,7 +443,7 @@ def chat_completion_id() -> str:
 
 class _Response(BaseModel):
     id: str
-    created: int = Field(default_factory=_now)
+    created: int = Field(default_factory=_now)  # the server gives every chunk of one response the same
     model: str
 
 
@@ -349,9 +492,36 @@ class CompletionResponse(_Response):
     usage: UsageInfo | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text, as the model wrote it
+
+
+class ToolCall(BaseModel):
+    id: str = Field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(BaseModel):
+    """A streamed call: its first delta has ``id``, ``type`` and ``function.name`` (and
+    ``arguments: ""``), the next ones ``arguments`` fragments; joined, they are the call."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+
 class ChatCompletionMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatCompletionChoice(_Choice):
@@ -368,6 +538,7 @@ class ChatCompletionResponse(_Response):
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatCompletionStreamChoice(_Choice):

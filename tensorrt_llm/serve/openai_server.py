@@ -42,6 +42,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from tensorrt_llm._torch.pyexecutor.config import DEFAULT_PRIORITY
 from tensorrt_llm._torch.pyexecutor.errors import ExecutorShutdown
 from tensorrt_llm.llmapi import LLM, GuidedDecodingParams, SamplingParams
 from tensorrt_llm.serve.errors import OpenAIError, bad_request, error_body
@@ -69,6 +70,15 @@ from tensorrt_llm.serve.openai_protocol import (
     completion_id,
 )
 from tensorrt_llm.serve.server_config import ServerConfig
+from tensorrt_llm.serve.tool_calling import (
+    ToolDeltas,
+    ToolPlan,
+    finish_reason,
+    message_of,
+    plan_tools,
+    template_messages,
+)
+from tensorrt_llm.serve.tool_parsers import get_tool_parser
 
 logger = logging.getLogger(__name__)
 
@@ -99,9 +109,12 @@ class OpenAIServer:
         self.model_id: str = llm.model_id
         self.tokenizer = llm.tokenizer
         self.logprobs = LogprobFormatter(llm.tokenizer)
-        self.metrics = ServerMetrics(self.executor)
+        self.metrics = ServerMetrics(self.executor, kv_bytes_per_token=llm.kv_bytes_per_token)
         self.created = int(time.time())
         self.version = _version()
+        self.tool_parser = get_tool_parser(config.tool_parser) if config.tool_parser else None
+        self.chat_template = _read_template(config.chat_template) if config.chat_template else (
+            llm.tokenizer.chat_template if llm.tokenizer is not None else None)
         self.fastapi = app = FastAPI(title="trtllm-serve", version=self.version, lifespan=self._lifespan)
         app.add_exception_handler(OpenAIError, self._on_openai_error)
         app.add_exception_handler(RequestValidationError, self._on_validation_error)
@@ -157,7 +170,7 @@ class OpenAIServer:
             echo = body.prompt if isinstance(body.prompt, str) else (
                 self.tokenizer.decode(prompt_ids) if self.tokenizer is not None else "")
         generation = await self._submit(body, prompt_ids, body.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS)
-        request_id = completion_id()
+        request_id, created = completion_id(), int(time.time())
         offsets: dict[int, int] = {}  # choice -> characters of its text sent so far (logprobs' text_offset)
 
         def choice_of(index: int, token_ids: list[int], text: str, finish_reason: str | None,
@@ -178,46 +191,68 @@ class OpenAIServer:
 
         def chunk(delta: Delta) -> CompletionResponse:
             choice = choice_of(delta.index, delta.token_ids, delta.text, delta.finish_reason, delta.logprobs)
-            return CompletionResponse(id=request_id, model=self.model_id, choices=[choice])
+            return CompletionResponse(id=request_id, created=created, model=self.model_id, choices=[choice])
 
         def usage_chunk(usage: UsageInfo) -> CompletionResponse:
-            return CompletionResponse(id=request_id, model=self.model_id, choices=[], usage=usage)
+            return CompletionResponse(id=request_id, created=created, model=self.model_id, choices=[], usage=usage)
 
         if body.stream:
-            return self._stream(generation, raw, [], chunk, usage_chunk if body.include_usage else None)
+            return self._stream(generation, raw, [], chunk, usage_chunk if body.include_usage else None,
+                                continuous_usage=body.continuous_usage)
         choices = [choice_of(c.index, c.token_ids, c.text, c.finish_reason, c.logprobs)
                    for c in await self._collect(generation, raw)]
-        return CompletionResponse(id=request_id, model=self.model_id, choices=choices, usage=self._usage(generation))
+        return CompletionResponse(id=request_id, created=created, model=self.model_id, choices=choices,
+                                  usage=self._usage(generation))
 
     async def chat_completions(self, body: ChatCompletionRequest, raw: Request):
         self._check_model(body.model)
-        prompt_ids = await self._render_chat(body)
+        plan = plan_tools(body, self.tool_parser, self.chat_template)
+        prompt_ids = await self._render_chat(body, plan)
         max_tokens = body.max_new_tokens or max(1, self.llm.config.max_seq_len - len(prompt_ids))
-        generation = await self._submit(body, prompt_ids, max_tokens)
-        request_id = chat_completion_id()
+        generation = await self._submit(body, prompt_ids, max_tokens, guided=plan.grammar)
+        request_id, created = chat_completion_id(), int(time.time())
 
         def logprobs(entries: list | None) -> ChatLogprobs | None:
             return self.logprobs.chat(entries or []) if body.logprobs else None
 
-        def chunk(delta: Delta) -> ChatCompletionStreamResponse:
-            content = DeltaMessage(content=delta.text) if delta.text or not delta.finish_reason else DeltaMessage()
-            choice = ChatCompletionStreamChoice(index=delta.index, delta=content, token_ids=delta.token_ids,
-                                                finish_reason=delta.finish_reason, logprobs=logprobs(delta.logprobs))
-            return ChatCompletionStreamResponse(id=request_id, model=self.model_id, choices=[choice])
+        def response(choices: list[ChatCompletionStreamChoice]) -> ChatCompletionStreamResponse:
+            return ChatCompletionStreamResponse(id=request_id, created=created, model=self.model_id, choices=choices)
+
+        tool_deltas: dict[int, ToolDeltas] = {}
+
+        def chunk(delta: Delta) -> list[ChatCompletionStreamResponse]:
+            """The delta's chunks: one, or with tools one per content piece or call delta (its
+            token ids and logprobs on the first, its finish reason on the last)."""
+            index = delta.index
+            if plan.parser is None:
+                messages = [DeltaMessage(content=delta.text) if delta.text or not delta.finish_reason else DeltaMessage()]
+                reason = delta.finish_reason
+            else:
+                calls = tool_deltas.setdefault(index, ToolDeltas(plan.stream()))
+                messages = list(calls.deltas(delta.text, last=delta.finish_reason is not None)) or [DeltaMessage()]
+                reason = finish_reason(delta.finish_reason, calls.calls)
+            last = len(messages) - 1
+            return [response([ChatCompletionStreamChoice(
+                index=index, delta=message, token_ids=delta.token_ids if i == 0 else [],
+                finish_reason=reason if i == last else None, logprobs=logprobs(delta.logprobs) if i == 0 else None)])
+                for i, message in enumerate(messages)]
 
         def usage_chunk(usage: UsageInfo) -> ChatCompletionStreamResponse:
-            return ChatCompletionStreamResponse(id=request_id, model=self.model_id, choices=[], usage=usage)
+            return ChatCompletionStreamResponse(id=request_id, created=created, model=self.model_id, choices=[],
+                                                usage=usage)
 
         if body.stream:
-            first = ChatCompletionStreamResponse(id=request_id, model=self.model_id, choices=[
-                ChatCompletionStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
-                for i in range(body.n or 1)])
-            return self._stream(generation, raw, [first], chunk, usage_chunk if body.include_usage else None)
-        choices = [ChatCompletionChoice(index=c.index, message=ChatCompletionMessage(content=c.text),
-                                        token_ids=c.token_ids, finish_reason=c.finish_reason,
-                                        logprobs=logprobs(c.logprobs))
-                   for c in await self._collect(generation, raw)]
-        return ChatCompletionResponse(id=request_id, model=self.model_id, choices=choices,
+            first = response([ChatCompletionStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
+                              for i in range(body.n or 1)])
+            return self._stream(generation, raw, [first], chunk, usage_chunk if body.include_usage else None,
+                                continuous_usage=body.continuous_usage)
+        choices = []
+        for c in await self._collect(generation, raw):
+            message, calls = message_of(plan, c.text)
+            choices.append(ChatCompletionChoice(index=c.index, message=message, token_ids=c.token_ids,
+                                                finish_reason=finish_reason(c.finish_reason, calls),
+                                                logprobs=logprobs(c.logprobs)))
+        return ChatCompletionResponse(id=request_id, created=created, model=self.model_id, choices=choices,
                                       usage=self._usage(generation))
 
     # ------------------------------------------------------------------------------ request parts
@@ -243,19 +278,24 @@ class OpenAIServer:
             raise bad_request("the prompt encodes to no tokens", param)
         return token_ids
 
-    async def _render_chat(self, body: ChatCompletionRequest) -> list[int]:
-        if self.tokenizer is None or not self.tokenizer.chat_template:
+    async def _render_chat(self, body: ChatCompletionRequest, plan: ToolPlan) -> list[int]:
+        """The conversation through the chat template (the server's ``--chat_template``, else the
+        model's), tools included, as token ids."""
+        if self.tokenizer is None or not self.chat_template:
             raise bad_request(f"model {self.model_id!r} has no chat template: use /v1/completions"
                               + (" with token ids" if self.tokenizer is None else ""), "messages")
-        messages = [{"role": m.role, "content": m.content} for m in body.messages]
+        messages = template_messages(body.messages)
+        tools = {} if plan.template_tools is None else {"tools": plan.template_tools}
         try:
-            text = await asyncio.to_thread(self.tokenizer.apply_chat_template, messages, add_generation_prompt=True)
+            text = await asyncio.to_thread(self.tokenizer.apply_chat_template, messages, add_generation_prompt=True,
+                                           chat_template=self.chat_template, **tools)
         except ValueError as error:  # a conversation the template refuses (e.g. roles out of order)
             raise bad_request(str(error), "messages") from None
         return await self._encode_prompt(text, "messages")
 
     async def _submit(self, body: CompletionRequest | ChatCompletionRequest, prompt_ids: list[int],
-                      max_tokens: int) -> Generation:
+                      max_tokens: int, *, guided: GuidedDecodingParams | None = None) -> Generation:
+        """``guided``: the grammar tools require (else ``response_format``'s, if any)."""
         if body.stop_strings and self.tokenizer is None:
             raise bad_request(f"stop sequences need a tokenizer and model {self.model_id!r} has none", "stop")
         try:
@@ -279,19 +319,21 @@ class OpenAIServer:
                 min_tokens=body.min_tokens or 0,
                 logprobs=_logprobs_asked(body),
                 prompt_logprobs=body.logprobs if getattr(body, "echo", False) else None,
-                guided_decoding=_guided_decoding(body.response_format),
+                guided_decoding=guided or _guided_decoding(body.response_format),
             )
         except ValueError as error:
             raise bad_request(str(error)) from None
         if params.guided_decoding is not None:  # compiled off the loop; generate_async finds it cached
+            param = "tools" if guided is not None else "response_format"
             try:
                 await asyncio.to_thread(self.llm.compile_grammar, params.guided_decoding)
             except ValueError as error:
-                raise bad_request(str(error).replace("guided_decoding", "response_format"), "response_format") from None
+                raise bad_request(str(error).replace("guided_decoding", param), param) from None
         self._admit()  # no await from here to the enqueue: the queue bound holds exactly
-        metrics = self.metrics.request()
+        priority = DEFAULT_PRIORITY if body.priority is None else body.priority
+        metrics = self.metrics.request(priority)
         try:
-            handle = self.llm.generate_async(prompt_ids, params)
+            handle = self.llm.generate_async(prompt_ids, params, priority=priority)
         except ExecutorShutdown as error:
             raise self._reject("unhealthy", f"the server cannot take requests: {error}", RETRY_AFTER_UNHEALTHY_S) from None
         except ValueError as error:  # InvalidRequestError included: the executor could never serve it
@@ -318,7 +360,8 @@ class OpenAIServer:
 
     @staticmethod
     def _usage(generation: Generation) -> UsageInfo:
-        return UsageInfo.of(generation.prompt_tokens, generation.completion_tokens)
+        """Usage so far: cumulative while streaming, whole at the end."""
+        return UsageInfo.of(generation.prompt_tokens, generation.completion_tokens, generation.cached_tokens)
 
     async def _collect(self, generation: Generation, raw: Request) -> list[_Collected]:
         """Every choice, whole, in index order."""
@@ -339,14 +382,23 @@ class OpenAIServer:
         return [choices[index] for index in sorted(choices)]
 
     def _stream(self, generation: Generation, raw: Request, preamble: list, chunk: Callable,
-                usage_chunk: Callable | None) -> StreamingResponse:
+                usage_chunk: Callable | None, *, continuous_usage: bool = False) -> StreamingResponse:
+        """SSE events: ``preamble``, one ``chunk(delta)`` per delta (each with the usage so far
+        when ``continuous_usage``), the ``usage_chunk`` if asked for, ``[DONE]``."""
+
+        def event(response) -> str:
+            if continuous_usage:
+                response.usage = self._usage(generation)
+            return _sse(response.model_dump_json())
+
         async def events() -> AsyncIterator[str]:
             watcher = asyncio.create_task(_abort_on_disconnect(raw, generation))
             try:
                 for first in preamble:
-                    yield _sse(first.model_dump_json())
+                    yield event(first)
                 async for delta in generation.deltas():
-                    yield _sse(chunk(delta).model_dump_json())
+                    for response in _as_list(chunk(delta)):
+                        yield event(response)
                 if usage_chunk is not None:
                     yield _sse(usage_chunk(self._usage(generation)).model_dump_json())
             except GenerationFailed as error:
@@ -412,6 +464,20 @@ def _guided_decoding(response_format: ResponseFormat | None) -> GuidedDecodingPa
         return GuidedDecodingParams(json_object=True)
     schema = response_format.json_schema.schema_
     return GuidedDecodingParams(json=schema if schema is not None else {})
+
+
+def _read_template(path: str) -> str:
+    """A ``--chat_template`` file's text; ValueError naming the file when it cannot be read."""
+    try:
+        with open(path, encoding="utf-8") as file:
+            return file.read()
+    except OSError as error:
+        raise ValueError(f"chat_template {path}: cannot read it: {error.strerror or error}") from None
+
+
+def _as_list(chunks) -> list:
+    """A chunk builder's answer: one chunk, or several (a delta that ends a tool call)."""
+    return chunks if isinstance(chunks, list) else [chunks]
 
 
 def _log_refusal(request: Request, status: int, message: str) -> None:

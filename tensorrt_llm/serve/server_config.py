@@ -21,7 +21,9 @@ Why the defaults are what they are:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from tensorrt_llm.serve.tool_parsers import TOOL_PARSERS
 
 MAX_BODY_BYTES = 16 * 1024 * 1024
 
@@ -49,6 +51,10 @@ class ServerConfig:
     max_body_bytes: int = MAX_BODY_BYTES  # a body larger than this: 413 (drained, so every client reads it)
     max_queue_size: int | None = None  # requests waiting in the executor beyond this get 503; None: no bound
     freeze_gc_heap: bool = True  # gc.freeze() once the model and the app are built
+    # How the model writes tool calls (chat tools with tool_choice auto, required or a named function)
+    tool_parser: str | None = field(default=None, metadata={"choices": tuple(sorted(TOOL_PARSERS))})
+    # A Jinja chat template file used instead of the model's (e.g. one with a tool section)
+    chat_template: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.host, str) or not self.host:
@@ -66,3 +72,7 @@ class ServerConfig:
             _check(name, getattr(self, name), minimum=1, kind=int, optional=True)
         if not isinstance(self.freeze_gc_heap, bool):
             raise ValueError(f"freeze_gc_heap must be a bool, got {self.freeze_gc_heap!r}")
+        if self.tool_parser is not None and self.tool_parser not in TOOL_PARSERS:
+            raise ValueError(f"tool_parser must be one of {', '.join(sorted(TOOL_PARSERS))}, got {self.tool_parser!r}")
+        if self.chat_template is not None and (not isinstance(self.chat_template, str) or not self.chat_template):
+            raise ValueError("chat_template must be the path of a Jinja template file")

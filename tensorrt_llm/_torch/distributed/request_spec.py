@@ -27,6 +27,7 @@ class RequestSpec:
     max_draft_len: int = 0
     is_first_draft: bool = False
     arrival_time: float = 0.0
+    priority: float = 0.5
 
     @classmethod
     def of(cls, request: LlmRequest, arrival_time: float) -> "RequestSpec":
@@ -43,6 +44,7 @@ class RequestSpec:
             max_draft_len=request.max_draft_len,
             is_first_draft=request.is_first_draft,
             arrival_time=request.arrival_time or arrival_time,
+            priority=request.priority,
         )
 
     @property
@@ -62,4 +64,5 @@ class RequestSpec:
             max_draft_len=self.max_draft_len,
             is_first_draft=self.is_first_draft,
             arrival_time=self.arrival_time,
+            priority=self.priority,
         )

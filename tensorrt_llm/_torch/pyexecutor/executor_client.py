@@ -11,7 +11,7 @@ executor's own thread (one rank) or its dispatcher thread (several): they must b
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Callable, Mapping, NamedTuple, Protocol, Sequence
 
 from tensorrt_llm._torch.pyexecutor.block_pool import KvCacheStats
@@ -35,6 +35,10 @@ class Response(NamedTuple):
     # Beam search: the returned beams, best first (``beam_search.Hypothesis``), on the final
     # response only; ``new_token_ids`` then holds the best one's tokens (nothing was sent before).
     beams: tuple | None = None
+    # On the response that carries a request's first token (and on a beam search's one
+    # response): the prompt tokens whose KV came from the prefix cache (its
+    # ``prepopulated_prompt_len``, what the Prometheus prefix-hit counter adds up); None on the others.
+    cached_tokens: int | None = None
 
 
 ResponseCallback = Callable[[LlmRequest, Response], None]
@@ -77,6 +81,9 @@ class Load:
     running: int
     waiting: int
     kv: KvCacheStats
+    # the waiting requests the executor holds (not those still queued), by priority class
+    # (``priority.priority_class``); empty where not counted (several ranks)
+    waiting_by_class: Mapping[str, int] = field(default_factory=dict)
 
 
 class ExecutorClient(Protocol):

@@ -119,6 +119,7 @@ def make_stats(launch: Launch, completion: Completion) -> IterationStats:
         num_context_requests=len(batch.context_chunks),
         num_generation_requests=len(batch.generation_requests),
         num_paused_requests=len(scheduled.paused_requests),
+        num_preempted_requests=len(scheduled.preempted_for),
         scheduled_tokens=scheduled.scheduled_tokens,
         forward_tokens=launch.forward_tokens,
         num_budget_deferrals=budget_deferrals,

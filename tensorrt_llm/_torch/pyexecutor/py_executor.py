@@ -603,6 +603,7 @@ class PyExecutor:
     def _deliver(
         self, request: LlmRequest, tokens: list[int], finished: bool, now: float, *, beams: tuple | None = None
     ) -> None:
+        cached = request.prepopulated_prompt_len if request.first_token_time is None or beams is not None else None
         if request.first_token_time is None:
             request.first_token_time = now
         if finished:
@@ -613,7 +614,7 @@ class PyExecutor:
         else:
             callback = self._callbacks.get(request.request_id)
         if callback is not None:
-            callback(request, Response(request.request_id, tokens, finished, beams=beams))
+            callback(request, Response(request.request_id, tokens, finished, beams=beams, cached_tokens=cached))
 
     def _fail_iteration(self, requests: list[LlmRequest], error: Exception, iteration: int) -> BatchFailure:
         """An unexpected error at launch or completion: log it with its traceback (call from the

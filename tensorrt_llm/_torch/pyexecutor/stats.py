@@ -30,6 +30,7 @@ class IterationStats:
     num_context_requests: int = 0
     num_generation_requests: int = 0
     num_paused_requests: int = 0
+    num_preempted_requests: int = 0  # of the paused, those paused for a request of higher priority
     scheduled_tokens: int = 0
     forward_tokens: int = 0
     num_budget_deferrals: int = 0
