@@ -374,12 +374,12 @@ class LLM:
                 stop_token_ids=stop_token_ids,
                 sampling_config=params.sampling_config(index),
                 guided_grammar=grammar,
+                priority=priority,
             )
             for index in range(params.num_samples)
         ]
 
     def compile_grammar(self, guided: GuidedDecodingParams):
-                priority=priority,
         """The grammar of ``guided`` for this model's tokenizer (ValueError naming what is wrong).
         The compiler reads the vocabulary once, on the first guided request, and keeps recent
         grammars: a caller on an event loop runs this on a worker thread first, and
@@ -401,11 +401,6 @@ class LLM:
         return end_id, stop + tuple(t for t in self.tokenizer.stop_token_ids if t not in stop)
 
 
-def _cap_max_seq_len(config: ExecutorConfig, options: dict, model: LlamaConfig) -> ExecutorConfig:
-    """``max_seq_len`` within the model's ``max_position_embeddings``: the default is lowered to it
-    (RoPE positions beyond it were never trained); a larger value asked for is an error."""
-    limit = model.max_position_embeddings
-    if config.max_seq_len <= limit:
 def _priorities(priority: float | Sequence[float], count: int) -> list[float]:
     """``priority`` for each of ``count`` prompts: one value for all, or a sequence of one per
     prompt; ValueError naming ``priority`` for anything else, or a value outside [0, 1]."""
@@ -415,6 +410,11 @@ def _priorities(priority: float | Sequence[float], count: int) -> list[float]:
     return [check_priority(value) for value in values]
 
 
+def _cap_max_seq_len(config: ExecutorConfig, options: dict, model: LlamaConfig) -> ExecutorConfig:
+    """``max_seq_len`` within the model's ``max_position_embeddings``: the default is lowered to it
+    (RoPE positions beyond it were never trained); a larger value asked for is an error."""
+    limit = model.max_position_embeddings
+    if config.max_seq_len <= limit:
         return config
     if "max_seq_len" in options:
         raise ValueError(f"max_seq_len={config.max_seq_len} exceeds the model's max_position_embeddings ({limit})")
