@@ -60,7 +60,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass
 from operator import attrgetter
 from typing import Callable, Collection, Mapping, Sequence
@@ -100,6 +100,7 @@ from tensorrt_llm._torch.pyexecutor.llm_request import (
 )
 from tensorrt_llm._torch.pyexecutor.engine import ForwardOutput, ModelEngine, PendingForward
 from tensorrt_llm._torch.pyexecutor.request_validation import RequestLimits, validate_request
+from tensorrt_llm._torch.pyexecutor.priority import priority_class
 from tensorrt_llm._torch.pyexecutor.resource_manager import PreparedBatch, ResourceManager
 from tensorrt_llm._torch.pyexecutor.sampler import Sampler
 from tensorrt_llm._torch.pyexecutor.scheduled_requests import ScheduledRequests
@@ -305,8 +306,10 @@ class PyExecutor:
         """Requests holding blocks, requests waiting for them (queued included), the pool; any thread."""
         active = list(self.active_requests)  # a copy: the executor thread replaces the list
         kv = self.kv_cache_manager
-        running = sum(map(kv.is_allocated, active))
-        return Load(running, len(active) - running + self.loop.num_queued, kv.pool.stats())
+        waiting = [r for r in active if not kv.is_allocated(r)]
+        scheduling = self.config.scheduler_config
+        by_class = Counter(priority_class(r.priority, scheduling) for r in waiting)
+        return Load(len(active) - len(waiting), len(waiting) + self.loop.num_queued, kv.pool.stats(), dict(by_class))
 
     # ---- what the loop asks of its stepper ------------------------------------------
     def counts(self) -> StepCounts:
