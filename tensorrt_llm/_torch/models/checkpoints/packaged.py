@@ -13,7 +13,7 @@ import importlib.metadata
 from dataclasses import dataclass
 from pathlib import Path
 
-from tensorrt_llm._torch.models.checkpoints.gguf_loader import CheckpointError
+from tensorrt_llm._torch.models.checkpoints.errors import CheckpointError
 
 
 @dataclass(frozen=True, slots=True)
