@@ -24,6 +24,8 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from tensorrt_llm.serve import openai_fields
+
 MODEL = "tiny-random"
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 STREAM_PROMPTS = [[1 + (seed * 131 + i * 37) % 500 for i in range(12 + 5 * seed)] for seed in range(4)]
@@ -75,7 +77,8 @@ BOUNDARY = {
 FIELDS = [
     "model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop",
     "stream", "stream_options", "n", "presence_penalty", "frequency_penalty", "logit_bias", "user", "ignore_eos",
-    "echo", "logprobs", "top_logprobs", "best_of", "suffix", "response_format", "top_k", "tools", "",
+    "echo", "logprobs", "top_logprobs", "best_of", "suffix", "response_format", "top_k", "tools", "tool_choice",
+    "store", "metadata", "audio", "parallel_tool_calls", "",
 ]
 SAMPLING_FIELDS = ["seed", "temperature", "top_p", "max_tokens", "stream", "n"]  # drawn twice as often
 
@@ -146,22 +149,26 @@ def junk_bodies(draw) -> tuple[str, str | bytes]:
 
 
 # ---- what must be refused, whatever else the body holds ------------------------------------------
-_SHARED = {"model": str, "max_tokens": int, "temperature": float, "top_p": float, "seed": int, "stop": None,
-           "stream": bool, "stream_options": dict, "n": int, "presence_penalty": float, "frequency_penalty": float,
-           "logit_bias": dict, "user": str, "ignore_eos": bool, "response_format": dict, "top_k": int,
-           "repetition_penalty": float, "min_tokens": int, "stop_token_ids": list}
-#: Each endpoint's fields and the JSON type each takes (None: checked by its own rule), besides null.
+#: The JSON type of each field that has a plain one (others: checked by their own rule), besides null.
+_TYPES = {"model": str, "max_tokens": int, "temperature": float, "top_p": float, "seed": int, "stream": bool,
+          "stream_options": dict, "n": int, "presence_penalty": float, "frequency_penalty": float, "logit_bias": dict,
+          "user": str, "ignore_eos": bool, "response_format": dict, "top_k": int, "repetition_penalty": float,
+          "min_tokens": int, "stop_token_ids": list, "echo": bool, "best_of": int, "suffix": str, "messages": list,
+          "max_completion_tokens": int, "top_logprobs": int, "tools": list, "store": bool, "metadata": dict,
+          "parallel_tool_calls": bool}
+#: Each endpoint's fields (the field table's) and the JSON type each takes (None: checked by its own rule).
 KNOWN = {
-    COMPLETIONS: {**_SHARED, "prompt": None, "echo": bool, "logprobs": int, "best_of": int, "suffix": str},
-    CHAT: {**_SHARED, "messages": list, "max_completion_tokens": int, "logprobs": bool, "top_logprobs": int},
+    path: {name: _TYPES.get(name) for name in openai_fields.top_level_names(endpoint)}
+    for path, endpoint in ((COMPLETIONS, openai_fields.COMPLETIONS), (CHAT, openai_fields.CHAT))
 }
+KNOWN[COMPLETIONS]["logprobs"], KNOWN[CHAT]["logprobs"] = int, bool
 
 
 def _json_type_matches(value, kind: type) -> bool:
     if kind is float:
         return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if kind is int:
-        return isinstance(value, int) and not isinstance(value, bool)
+    if kind is int:  # an integral float is an integer too (vLLM's lax parsing)
+        return (isinstance(value, int) or isinstance(value, float) and value.is_integer()) and not isinstance(value, bool)
     return isinstance(value, kind)
 
 
@@ -193,6 +200,9 @@ def must_refuse(path: str, body) -> str | None:
             return f"{field}: {value!s:.40}"
         if _holds(value, _lone_surrogate):
             return f"{field}: a lone surrogate"
+        endpoint = openai_fields.COMPLETIONS if path == COMPLETIONS else openai_fields.CHAT
+        if (why := openai_fields.refusal(field, endpoint, value)) is not None:
+            return why
     if (seed := body.get("seed")) is not None and isinstance(seed, int) and not 0 <= seed < 2**64:
         return f"seed {seed} outside [0, 2**64)"
     return None
@@ -330,7 +340,8 @@ def test_http_fuzz_property_every_answer_is_a_result_or_a_clear_error(tiny_serve
         ({"temperature": Raw("NaN")}, "temperature"),
         ({"top_p": Raw("Infinity")}, "top_p"),
         ({"max_tokens": 2**31}, "max_tokens"),
-        ({"max_tokens": 1.0}, "max_tokens"),
+        ({"max_tokens": 1.5}, "max_tokens"),
+        ({"n": 2.5}, "n"),
         ({"logprobs": 21}, "logprobs"),
         ({"logprobs": True}, "logprobs"),
         ({"n": 17}, "n"),
