@@ -4,6 +4,7 @@
         [--policies none,trim,fit,recheck] [--engine sim|torch] [--max-num-tokens N] \
         [--num-requests N] [--seed S] [--json OUT.json] [--plot OUT.png] ...
         [--tp-size N | --attention-dp N] [--check-decisions] [--no-single-rank]
+        [--priority-mix FRACTION [--priority-rates 1,1.5,2]]   (benchmarks.replay_priority)
 
 Every policy replays the same trace from scratch on a fresh executor. Requests enter the
 executor at their trace timestamps on the engine's clock (virtual for ``sim``); when the
@@ -312,7 +313,25 @@ def build_parser() -> argparse.ArgumentParser:
     ranks.add_argument("--single-rank", action=argparse.BooleanOptionalAction, default=True,
                        help="with several ranks: also replay the same trace on one rank, for comparison")
     ranks.add_argument("--collective-timeout-s", type=_positive_float, default=120.0)
+    mix = p.add_argument_group("priority mix (benchmarks.replay_priority; its own JSON)")
+    mix.add_argument("--priority-mix", type=float, metavar="FRACTION",
+                     help="mark this fraction of conversations interactive (0.9), the rest batch (0.1), and compare"
+                          " fcfs, priority and priority with preemption at each --priority-rates (first --policies policy)")
+    mix.add_argument("--priority-rates", type=_rates, default=[1.0, 1.5, 2.0], metavar="R,R,...",
+                     help="arrival rates, as multiples of the trace's")
+    mix.add_argument("--priority-goal-rate", type=_positive_float, default=1.5, metavar="R",
+                     help="the rate the goals are checked at")
     return p
+
+
+def _rates(text: str) -> list[float]:
+    try:
+        rates = [float(r) for r in text.split(",") if r.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"rates must be comma-separated numbers, got {text!r}") from None
+    if not rates or any(not (math.isfinite(r) and r > 0) for r in rates):
+        raise argparse.ArgumentTypeError(f"rates must be finite numbers > 0, got {text!r}")
+    return rates
 
 
 def rank_layout(args: argparse.Namespace) -> RankLayout | None:
@@ -387,6 +406,13 @@ def _main_on_ranks(args: argparse.Namespace, spec: TraceSpec, settings: ReplaySe
 
 def main(argv: Sequence[str] | None = None) -> int:
     args, spec, settings, policies = parse_args(argv)
+    if args.priority_mix is not None:
+        from benchmarks import replay_priority
+
+        chosen = ["recheck"] if policies == list(POLICIES) else policies  # the default list: the default policy
+        return replay_priority.main(spec, settings, chosen, interactive_fraction=args.priority_mix,
+                                    rates=args.priority_rates, goal_rate=args.priority_goal_rate,
+                                    json_path=args.json, plot_path=args.plot)
     layout = rank_layout(args)
     if layout is not None:
         return _main_on_ranks(args, spec, settings, policies, layout)

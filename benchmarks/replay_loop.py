@@ -24,7 +24,9 @@ from benchmarks.replay_diagnosis import MECHANISMS, Overshoot, diagnose_overshoo
 from benchmarks.replay_settings import ReplaySettings
 from benchmarks.traces import Trace
 from tensorrt_llm._torch.pyexecutor.config import TokenBudgetPolicyName
+from tensorrt_llm._torch.pyexecutor.config import DEFAULT_PRIORITY
 from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequest, LlmRequestState
+from tensorrt_llm._torch.pyexecutor.priority import priority_class
 from tensorrt_llm._torch.pyexecutor.py_executor import Iteration, Response
 
 # A replay whose executor runs this many iterations in a row without a forward and without
@@ -121,6 +123,11 @@ class _Outcomes:
         self.output_tokens = 0
         self.in_context = 0  # injected requests that have had no response yet (still in their prompt)
         self._silent = bytearray(num_requests)
+        # priority preemption, per request: times preempted, prompt positions recomputed after
+        # a preemption, and those onboarded from the host tier instead
+        self.preemptions = array("i", [0]) * num_requests
+        self.recomputed = array("q", [0]) * num_requests
+        self.onboarded = array("q", [0]) * num_requests
 
     def injected(self, slot: int) -> None:
         self.in_context += 1
@@ -140,6 +147,9 @@ class _Outcomes:
             self.max_consecutive_deferrals = max(self.max_consecutive_deferrals, request.max_consecutive_budget_deferrals)
             self.deferrals += request.num_budget_deferrals
             self.capacity_deferrals += request.num_capacity_deferrals
+            self.preemptions[slot] = request.num_preemptions
+            self.recomputed[slot] = request.num_recomputed_tokens
+            self.onboarded[slot] = request.num_onboarded_tokens
             if request.state is LlmRequestState.GENERATION_COMPLETE and not request.is_cancelled:
                 self.status[slot] = 1
                 self.completed += 1
@@ -168,6 +178,7 @@ def replay_policy(
     progress: bool = True,
     stop_at_crash: bool = True,
     admission_window: int | None = None,
+    priorities: Sequence[float] | None = None,
 ) -> PolicyRun:
     """Replay ``trace`` on a fresh executor under ``policy``; ``none`` stops at its first overshoot.
 
@@ -183,10 +194,18 @@ def replay_policy(
     context requests cannot be scheduled this iteration anyway. It bounds memory (and the
     executor's per-iteration scans) when a trace overloads the engine. Default:
     ``max_batch_size``, the smallest window that is exact; 0 disables it.
+
+    ``priorities``: each request's priority, by trace position (``benchmarks.replay_priority``);
+    the metrics then add ``priority_classes`` (per class: TTFT, longest wait, completions,
+    preemptions, recomputed and onboarded tokens) and the window defaults to 0: it admits in
+    arrival order, which is exact only under fcfs.
     """
-    window = settings.executor.max_batch_size if admission_window is None else admission_window
+    if admission_window is None:
+        admission_window = settings.executor.max_batch_size if priorities is None else 0
+    window = admission_window
     with _without_cyclic_gc():
-        replay = _PolicyReplay(trace, settings, TokenBudgetPolicyName(policy).value, max_seq_len or settings.max_seq_len(trace))
+        replay = _PolicyReplay(trace, settings, TokenBudgetPolicyName(policy).value, max_seq_len or settings.max_seq_len(trace),
+                               priorities)
         bar = Progress(replay.policy, len(trace), enabled=progress)
         replay.run(window, stop_at_crash, bar)
         run = replay.result()
@@ -219,8 +238,10 @@ def _without_cyclic_gc():
 class _PolicyReplay:
     """The state of one policy's replay; :meth:`run` drives the executor, :meth:`result` sums up."""
 
-    def __init__(self, trace: Trace, settings: ReplaySettings, policy: str, max_seq_len: int) -> None:
+    def __init__(self, trace: Trace, settings: ReplaySettings, policy: str, max_seq_len: int,
+                 priorities: Sequence[float] | None = None) -> None:
         self.wall_t0 = time.perf_counter()
+        self.priorities = priorities
         self.policy = policy
         self.settings = settings
         self.requests = trace.requests
@@ -277,6 +298,7 @@ class _PolicyReplay:
             request = LlmRequest(
                 input_token_ids=r.prompt_token_ids(), max_new_tokens=r.output_len, request_id=slot, arrival_time=r.arrival_s,
                 beam_width=self.settings.beam_width_of(slot),
+                priority=self.priorities[slot] if self.priorities is not None else DEFAULT_PRIORITY,
             )
             outcomes.injected(slot)
             self.executor.enqueue_request(request, outcomes.on_response(slot))
@@ -376,7 +398,32 @@ class _PolicyReplay:
             "makespan_s": makespan,
             "bound_iterations": bound,
         }
+        if self.priorities is not None:
+            run.metrics["priority_classes"] = self._by_class(ttft_of=lambda i: (o.first_token[i] - o.arrival[i]) * 1e3)
         return run
+
+    def _by_class(self, ttft_of: Callable[[int], float]) -> dict:
+        """Per priority class (``priority.priority_class`` with the executor's class bounds)."""
+        o = self.outcomes
+        scheduling = self.settings.executor.scheduler_config
+        slots: dict[str, list[int]] = {}
+        for slot, value in enumerate(self.priorities):
+            slots.setdefault(priority_class(value, scheduling), []).append(slot)
+        classes = {}
+        for name, members in sorted(slots.items()):
+            ttft = [ttft_of(i) for i in members if not math.isnan(o.first_token[i])]
+            classes[name] = {
+                "requests": len(members),
+                "completed": sum(o.status[i] == 1 for i in members),
+                "ttft_ms": percentiles(ttft),
+                "longest_wait_ms": max(ttft, default=0.0),  # arrival to first token, the worst of the class
+                "output_tokens": sum(o.outputs[i] for i in members if o.status[i] == 1),
+                "preemptions": sum(o.preemptions[i] for i in members),
+                "preempted_requests": sum(o.preemptions[i] > 0 for i in members),
+                "recomputed_tokens": sum(o.recomputed[i] for i in members),
+                "onboarded_tokens": sum(o.onboarded[i] for i in members),
+            }
+        return classes
 
 
 def percentiles(values: Sequence[float]) -> dict:

@@ -289,6 +289,9 @@ class SchedulerConfig:
     enable_preemption: bool = False
     # a request that resumed after a preemption is not preempted again for this many iterations.
     preemption_cooldown_iterations: int = 16
+    # priority: prompt tokens of "low" requests one forward computes at most (None: no cap). Short
+    # forwards while only low-priority prompts run let a higher-priority arrival start sooner.
+    low_priority_max_num_tokens: int | None = None
     # metrics: a priority below this is in class "low".
     priority_low_below: float = DEFAULT_PRIORITY
     # metrics: a priority above this is in class "high" (between the two: "normal").
@@ -308,6 +311,8 @@ class SchedulerConfig:
         if not isinstance(self.enable_preemption, bool):
             raise ValueError(f"scheduler_config.enable_preemption must be a bool, got {self.enable_preemption!r}")
         _non_negative_int("scheduler_config.preemption_cooldown_iterations", self.preemption_cooldown_iterations)
+        if self.low_priority_max_num_tokens is not None:
+            _positive("scheduler_config.low_priority_max_num_tokens", self.low_priority_max_num_tokens)
         _unit_interval("scheduler_config.priority_low_below", self.priority_low_below)
         _unit_interval("scheduler_config.priority_high_above", self.priority_high_above)
         if self.priority_low_below > self.priority_high_above:

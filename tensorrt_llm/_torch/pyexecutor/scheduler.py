@@ -241,6 +241,9 @@ class MicroBatchScheduler:
         self.chunking_policy = config.context_chunking_policy
         self.policy = policy
         self.order = PriorityOrder.of(config.scheduler_config)  # None: arrival order
+        # priority: the prompt tokens a forward gives the low class at most (None: no cap)
+        self.low_priority_tokens = config.scheduler_config.low_priority_max_num_tokens if self.order else None
+        self.low_below = config.scheduler_config.priority_low_below
 
     def schedule(
         self,
@@ -328,11 +331,16 @@ class MicroBatchScheduler:
         self, contexts: Iterable[LlmRequest], budget: int, estimated_reusable: dict[int, int], charges: dict[int, int]
     ) -> list[ContextChunk]:
         chunks = []
+        low_left = self.low_priority_tokens  # None: no cap on the low class's prompt tokens
         for request in contexts:
-            size, cost = self._largest_chunk(request, budget, estimated_reusable.get(request.request_id))
+            low = low_left is not None and request.priority < self.low_below
+            size, cost = self._largest_chunk(request, min(budget, low_left) if low else budget,
+                                             estimated_reusable.get(request.request_id))
             if size == 0:
                 break  # the oldest context request that does not fit waits; nobody overtakes it
             budget -= cost
+            if low:
+                low_left -= cost
             chunks.append(ContextChunk.of(request, size))
             charges[request.request_id] = cost
         return chunks
