@@ -166,7 +166,7 @@ def plot(results: dict, path: Path) -> None:
     shown = (*CONFIGURATIONS, ALONE)
     for panel, (cls, title) in enumerate((("high", "interactive (0.9) TTFT p99"), ("low", "batch (0.1) TTFT p99"))):
         ax = axes[panel]
-        for k, configuration in enumerate(shown):
+        for k, configuration in enumerate(shown if cls == "high" else CONFIGURATIONS):
             values = [results[r].get(configuration, {}).get("priority_classes", {}).get(cls, {}).get("ttft_ms", {}).get("p99", 0) / 1e3
                       for r in rates]
             ax.bar([i + (k - 1.5) * width for i in range(len(rates))], values, width, label=configuration)
@@ -177,12 +177,14 @@ def plot(results: dict, path: Path) -> None:
         ax.set_title(title)
         ax.legend(fontsize=8)
     ax = axes[2]
+    top = 1.05
     for k, configuration in enumerate(CONFIGURATIONS):
         values = [results[r][configuration]["throughput_vs_fcfs"] for r in rates]
+        top = max(top, *values)
         ax.bar([i + (k - 1) * width for i in range(len(rates))], values, width, label=configuration)
     ax.axhline(1 - GOAL_THROUGHPUT_LOSS, color="grey", linestyle="--", linewidth=1, label="goal: -3%")
     ax.set_xticks(range(len(rates)), rates)
-    ax.set_ylim(0.9, 1.05)
+    ax.set_ylim(0.9, top + 0.02)
     ax.set_xlabel("arrival rate (x the trace's)")
     ax.set_title("output tokens/s against fcfs")
     ax.legend(fontsize=8)
