@@ -8,6 +8,11 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, settings
 
+# No test touches the network: a model name that is no preset, file or directory is looked up in
+# the Hugging Face cache only (llm_utils.resolve_model), never on the hub. Set before anything
+# imports huggingface_hub, which reads it once.
+os.environ["HF_HUB_OFFLINE"] = "1"
+
 # Test helper modules (factories, invariant checker) import by plain name.
 sys.path.insert(0, str(Path(__file__).parent / "unittest" / "_torch" / "pyexecutor"))
 # ... and the replay tests' hand-made traces (replay_cases), which the multi-rank replay tests share.

@@ -23,7 +23,7 @@ from tensorrt_llm._torch.pyexecutor.executor_client import ExecutorClient, Healt
 from tensorrt_llm._torch.pyexecutor.guided_decoder import GrammarCompiler, GuidedDecodingParams
 from tensorrt_llm._torch.pyexecutor.llm_request import SEED_LIMIT, LlmRequest, SamplingConfig, check_priority
 from tensorrt_llm._torch.pyexecutor.py_executor_creator import create_py_executor
-from tensorrt_llm.llmapi.llm_utils import describe_checkpoint, load_model, seeded_model
+from tensorrt_llm.llmapi.llm_utils import GenerationDefaults, describe_checkpoint, load_model, seeded_model
 from tensorrt_llm.llmapi.request_output import (  # noqa: F401 - CompletionOutput: re-exported (tensorrt_llm.llmapi)
     CompletionOutput,
     RequestOutput,
@@ -215,8 +215,8 @@ class LLM:
         if isinstance(tensor_parallel_size, bool) or not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be a positive integer, got {tensor_parallel_size!r}")
         device = resolve_device(device, ranks=tensor_parallel_size)
-        if dtype is None and device.type == "cuda":
-            dtype = "bfloat16"  # DESIGN.md §7
+        if dtype is None and device.type == "cuda" and seeded_model(model) is not None:
+            dtype = "bfloat16"  # DESIGN.md §7; a checkpoint runs in its own dtype there (llm_utils.default_dtype)
         self.device = device
         self.tensor_parallel_size = tensor_parallel_size
         self._executor: ExecutorClient
@@ -227,6 +227,7 @@ class LLM:
                                  f" not on {device.type}")
             rank_model = _rank_model(model, dtype=dtype, seed=seed)
             self.model_id, self.model_config, self.tokenizer = rank_model.model_id, rank_model.config, rank_model.tokenizer
+            self.generation_defaults = rank_model.generation_defaults
             self.config = _cap_max_seq_len(config, executor_options, self.model_config)
             try:
                 self._executor = MultiRankExecutor(
@@ -242,6 +243,7 @@ class LLM:
             loaded = load_model(model, dtype=dtype, seed=seed, device=device)
             self.model_id = loaded.model_id  # the served name: the preset's, or the .gguf file's stem
             self.tokenizer = loaded.tokenizer  # None for random-weight models
+            self.generation_defaults = loaded.generation_defaults  # generation_config.json's sampling values
             self.model_config = loaded.model.config
             given = "max_seq_len" in executor_options
             ceiling = _cap_max_seq_len(config, executor_options, self.model_config)
@@ -264,9 +266,15 @@ class LLM:
         line = f"model {self.model_id} on {self.device} ({self.model_config.dtype})"
         blocks = self._pool_blocks
         if blocks is not None:
-            gib = blocks * kv.tokens_per_block * self.model_config.kv_bytes_per_token / 2**30
-            line += f", KV pool {blocks} blocks x {kv.tokens_per_block} tokens = {blocks * kv.tokens_per_block} tokens ({gib:.2f} GiB)"
+            tokens, per_token = blocks * kv.tokens_per_block, self.kv_bytes_per_token
+            line += (f", KV pool {blocks} blocks x {kv.tokens_per_block} tokens = {tokens} tokens"
+                     f" ({tokens * per_token / 2**30:.2f} GiB, {self._kv_stored}, {per_token / 1024:g} KiB/token)")
         return line + f", max_seq_len {self.config.max_seq_len} ({self.max_seq_len_source})"
+
+    def default_sampling_params(self) -> SamplingParams:
+        """What a request without ``SamplingParams`` runs with: the checkpoint's ``generation_config.json``
+        values (``generation_defaults``) over ``SamplingParams``' own, as vLLM does."""
+        return SamplingParams(**self.generation_defaults.sampling_kwargs())
 
     def generate_async(
         self, prompt: Prompt, sampling_params: SamplingParams | None = None, *, priority: float = DEFAULT_PRIORITY
@@ -274,7 +282,7 @@ class LLM:
         """Submit one prompt. ``priority`` in [0, 1] (upstream's meaning, 0.5 by default): who
         waits first under ``scheduler_config.waiting_queue_policy="priority"``; accepted and
         ignored under ``fcfs``."""
-        params = sampling_params or SamplingParams()
+        params = sampling_params or self.default_sampling_params()
         requests = self._make_requests(prompt, params, _priorities(priority, 1)[0])
         for request in requests:
             self._executor.validate(request)
@@ -292,7 +300,7 @@ class LLM:
         ``priority``: one for every prompt, or one per prompt (see :meth:`generate_async`)."""
         single = isinstance(prompts, str) or (bool(prompts) and isinstance(prompts[0], int))
         batch = [prompts] if single else list(prompts)
-        params = sampling_params or SamplingParams()
+        params = sampling_params or self.default_sampling_params()
         priorities = _priorities(priority, len(batch))
         requests = [self._make_requests(prompt, params, p) for prompt, p in zip(batch, priorities)]
         for samples in requests:
@@ -460,6 +468,7 @@ class _RankModel:
     config: LlamaConfig
     tokenizer: Tokenizer | None
     checkpoint: str | None
+    generation_defaults: GenerationDefaults = GenerationDefaults()
 
 
 def _rank_model(model, *, dtype: str | None, seed: int | None) -> _RankModel:
@@ -467,7 +476,8 @@ def _rank_model(model, *, dtype: str | None, seed: int | None) -> _RankModel:
     if seeded is not None:
         return _RankModel(seeded[0], seeded[1], None, None)
     checkpoint = describe_checkpoint(model, dtype=dtype, seed=seed)
-    return _RankModel(checkpoint.model_id, checkpoint.config, checkpoint.tokenizer, os.fspath(checkpoint.path))
+    return _RankModel(checkpoint.model_id, checkpoint.config, checkpoint.tokenizer, os.fspath(checkpoint.path),
+                      checkpoint.generation_defaults)
 
 
 _TORCHRUN_ATTENTION_DP = ("enable_attention_dp is not supported under torchrun yet: each rank's responses and"

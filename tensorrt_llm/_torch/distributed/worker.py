@@ -1,8 +1,9 @@
 """The serving loop of one rank behind ``LLM(tensor_parallel_size=N)``: a job on a :class:`RankGroup`.
 
 Every rank builds its shard of the model (or, under attention DP, a replica): drawn from
-the config's seed, or, with ``checkpoint``, read from that GGUF file (each rank reads the
-whole file and keeps its slices). Then it builds its own executor and steps its
+the config's seed, or, with ``checkpoint``, read from that Hugging Face directory (each rank
+reads only its slices of the safetensors) or GGUF file (each rank reads the whole file and
+keeps its slices). Then it builds its own executor and steps its
 :class:`RankExecutor` until rank 0 stops the group. Rank 0 also talks to the ``LLM``
 process: it takes ``("submit", [RequestSpec, ...])`` (the requests of one ``enqueue_requests``), ``("cancel", id)`` and ``("stop", None)``
 messages between iterations and posts back every response, its iteration statistics, and
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 from tensorrt_llm._torch.distributed.launcher import RankContext
 from tensorrt_llm._torch.distributed.rank_executor import RankExecutor
 from tensorrt_llm._torch.distributed.request_spec import RequestSpec
-from tensorrt_llm._torch.models.checkpoints import llama_weights_from_gguf, open_gguf
+from tensorrt_llm._torch.models.checkpoints import load_checkpoint
 from tensorrt_llm._torch.models.modeling_llama import LlamaConfig, LlamaForCausalLM
 from tensorrt_llm._torch.pyexecutor.config import ExecutorConfig
 from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequest
@@ -37,7 +38,7 @@ class ServeConfig:
     enable_attention_dp: bool = False
     check_decisions: bool = False
     heartbeat_s: float = 1.0
-    checkpoint: str | None = None  # a GGUF file whose weights ``model`` describes; None: seed-drawn
+    checkpoint: str | None = None  # a Hugging Face directory or GGUF file ``model`` describes; None: seed-drawn
 
 
 def serve_config(model: LlamaConfig, executor: ExecutorConfig, *, enable_attention_dp: bool = False,
@@ -52,8 +53,7 @@ def build_rank_model(config: ServeConfig, mapping: Mapping) -> LlamaForCausalLM:
     """This rank's shard: from the seed, or the checkpoint's full weights sliced on load."""
     if config.checkpoint is None:
         return LlamaForCausalLM(config.model, mapping)
-    weights = llama_weights_from_gguf(open_gguf(config.checkpoint), config.model)
-    return LlamaForCausalLM(config.model, mapping, weights=weights)
+    return load_checkpoint(config.checkpoint, config.model, mapping=mapping)
 
 
 def serve_rank(ctx: RankContext, config: ServeConfig) -> int:

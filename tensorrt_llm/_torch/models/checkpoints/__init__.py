@@ -11,6 +11,7 @@ from .gguf_loader import (
 )
 from .hf_checkpoint import is_hf_checkpoint, load_llama_from_hf, read_hf_config, read_json
 from .hf_config import ARCHITECTURES, HFConfig, llama_config_from_hf
+from .loader import load_checkpoint
 from .packaged import PACKAGED_CHECKPOINTS, packaged_checkpoint_path
 from .safetensors_reader import SafetensorsCheckpoint
 
@@ -25,6 +26,7 @@ __all__ = [
     "llama_config_from_gguf",
     "llama_config_from_hf",
     "llama_weights_from_gguf",
+    "load_checkpoint",
     "load_llama_from_gguf",
     "load_llama_from_hf",
     "open_gguf",
