@@ -221,6 +221,8 @@ class LLM:
         self.tensor_parallel_size = tensor_parallel_size
         self._executor: ExecutorClient
         self._pool_blocks: int | None = None  # one rank: its pool, sized here (several ranks size their own)
+        self.kv_bytes_per_token: int | None = None  # one rank: what a token takes in its pool (KvCacheConfig.dtype)
+        self._kv_stored: str | None = None  # one rank: the pool's element type
         if tensor_parallel_size > 1:
             if device.type != "cpu":
                 raise ValueError(f"tensor_parallel_size={tensor_parallel_size} runs on the CPU only (gloo ranks),"
@@ -252,6 +254,8 @@ class LLM:
             executor = create_py_executor(ceiling, model=loaded.model, fit_max_seq_len_to_pool=not given)
             self._executor, self.config = executor, executor.config
             self._pool_blocks = executor.kv_cache_manager.num_blocks
+            storage = executor.kv_cache_manager.storage
+            self.kv_bytes_per_token, self._kv_stored = storage.bytes_per_token, str(storage.pools.dtype).removeprefix("torch.")
             pool_tokens = self._pool_blocks * self.config.kv_cache_config.tokens_per_block
             self.max_seq_len_source = _max_seq_len_source(self.config, executor_options, self.model_config, pool_tokens)
         logger.info("%s", self.describe())

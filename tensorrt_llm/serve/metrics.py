@@ -7,7 +7,8 @@ Three sources, each pushed or pulled once:
   and budget utilization;
 - every request, on the event loop (:class:`RequestMetrics`): prompt and generated tokens,
   time to first token, inter-token latency, end-to-end latency, how it finished;
-- at scrape time: running and waiting requests, KV-cache usage, health, injected faults, and
+- at scrape time: running and waiting requests, KV-cache usage, the pool's size in tokens and
+  (one rank) the bytes a token takes in it (``kv_cache_config.dtype``: fp8 halves them), health, injected faults, and
   memory: the process's (``process_resident_memory_bytes`` and the rest of prometheus-client's
   process collector) and, once CUDA is in use in this process, torch's allocated and reserved
   bytes per GPU (``trtllm_gpu_memory_{allocated,reserved}_bytes{device}``): a soak tells a leak
@@ -72,7 +73,9 @@ def _token_buckets(max_num_tokens: int) -> tuple[float, ...]:
 class ServerMetrics:
     """The registry and every metric; :meth:`request` starts one request's metrics."""
 
-    def __init__(self, executor: ExecutorClient) -> None:
+    def __init__(self, executor: ExecutorClient, *, kv_bytes_per_token: int | None = None) -> None:
+        """``kv_bytes_per_token``: what a token takes in the KV pool (``LLM.kv_bytes_per_token``;
+        None: not reported)."""
         self.registry = registry = CollectorRegistry()
         self._executor = executor
 
@@ -83,6 +86,12 @@ class ServerMetrics:
               ).set_function(lambda: self.load().kv.usage)
         Gauge("trtllm_executor_healthy", "1 while /health answers 200", registry=registry
               ).set_function(lambda: float(executor.health().healthy))
+        tokens_per_block = executor.config.kv_cache_config.tokens_per_block
+        Gauge("trtllm_kv_cache_pool_tokens", "Tokens the KV pool holds (its blocks x tokens_per_block)",
+              registry=registry).set_function(lambda: self.load().kv.num_blocks * tokens_per_block)
+        if kv_bytes_per_token is not None:
+            Gauge("trtllm_kv_cache_bytes_per_token", "Bytes of K and V one token takes in the pool, all layers",
+                  registry=registry).set(kv_bytes_per_token)
 
         self.prefix_hit_tokens = Counter(
             "trtllm_prefix_cache_hit_tokens_total", "Prompt tokens whose KV was reused from the prefix cache",

@@ -7,7 +7,7 @@ their pools from elsewhere (``LlamaForCausalLM.forward``)::
 
     builder = plan_builder(device, ...)           once
     plan = builder.build(new, cached, tables)     per forward (host work, no device read)
-    layer_kv = plan.layer(k_pool, v_pool)         per layer: what ``Attention`` calls ``attend`` on
+    layer_kv = plan.layer(k_pool, v_pool, i)      per layer i: what ``Attention`` calls ``attend`` on
 """
 
 from __future__ import annotations
@@ -17,13 +17,14 @@ from typing import Protocol, Sequence
 import torch
 
 from tensorrt_llm._torch.attention_backend.cpu_paged import CpuAttentionPlan, CpuLayerKV, CpuPlanBuilder
+from tensorrt_llm._torch.attention_backend.kv_quant import KvScales
 from tensorrt_llm._torch.attention_backend.paged import PagedAttentionPlan, PagedLayerKV, PagedPlanBuilder
 from tensorrt_llm._torch.attention_backend.staging import PinnedStaging
 
 __all__ = ["AttentionPlan", "LayerKV", "PlanBuilder", "plan_builder"]
 
 LayerKV = CpuLayerKV | PagedLayerKV  # one layer's paged KV: ``attend(q, k, v, scale)``
-AttentionPlan = CpuAttentionPlan | PagedAttentionPlan  # one forward's plan: ``layer(k_pool, v_pool) -> LayerKV``
+AttentionPlan = CpuAttentionPlan | PagedAttentionPlan  # one forward's plan: ``layer(k_pool, v_pool, i) -> LayerKV``
 
 
 class PlanBuilder(Protocol):
@@ -43,10 +44,13 @@ def plan_builder(
     num_kv_heads: int,
     dtype: torch.dtype,
     staging: PinnedStaging | None = None,
+    kv_scales: KvScales | None = None,
 ) -> PlanBuilder:
     """The builder for pools on ``device``: torch's own ops on the CPU, the paged kernels on an
-    accelerator (``staging``: its pinned buffers, see :class:`PagedPlanBuilder`)."""
+    accelerator (``staging``: its pinned buffers, see :class:`PagedPlanBuilder`; ``kv_scales``:
+    an FP8 pool's per-layer scales, ``kv_quant``)."""
     if torch.device(device).type == "cpu":
-        return CpuPlanBuilder(tokens_per_block=tokens_per_block, num_blocks=num_blocks, dtype=dtype)
+        return CpuPlanBuilder(tokens_per_block=tokens_per_block, num_blocks=num_blocks, dtype=dtype,
+                              kv_scales=kv_scales)
     return PagedPlanBuilder(device, tokens_per_block=tokens_per_block, num_blocks=num_blocks,
-                            num_kv_heads=num_kv_heads, staging=staging)
+                            num_kv_heads=num_kv_heads, staging=staging, kv_scales=kv_scales)

@@ -33,6 +33,10 @@ similar lengths is one call, a batch with a few long ones a few. A lone context 
 cached prefix (a prefill) attends to its own new K/V with ``is_causal``: the same call a dense
 forward makes.
 
+An FP8 pool (``kv_quant``) is written quantized and dequantized on read: the gathered K/V of a
+group, and a prefill's own new K/V (what was stored, widened back), so every query sees the
+stored values.
+
 Masking follows the GPU plan's rule: queries sit at consecutive positions from ``cached``
 (what the engine builds); the positions tensor itself is only used for RoPE.
 """
@@ -46,7 +50,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from tensorrt_llm._torch.attention_backend.paged import decode_tables, slot_view, write_new_tokens
+from tensorrt_llm._torch.attention_backend.kv_quant import KvScales, dequantize, is_quantized
+from tensorrt_llm._torch.attention_backend.paged import decode_tables, layer_scales, slot_view, write_new_tokens
 
 __all__ = ["CpuAttentionPlan", "CpuLayerKV", "CpuPlanBuilder", "build_cpu_plan"]
 
@@ -79,10 +84,12 @@ class CpuAttentionPlan:
     num_tokens: int  # T, rows of the flat forward
     new_slots: torch.Tensor  # (T,) int64 slot each new token's K/V is written to
     groups: tuple[AttendGroup, ...]
+    kv_scales: KvScales | None = None  # an FP8 pool's per-layer scales; None: 1.0
 
-    def layer(self, k_pool: torch.Tensor, v_pool: torch.Tensor) -> CpuLayerKV:
-        """Bind one layer's pools (num_blocks, tokens_per_block, Hkv, D)."""
-        return CpuLayerKV(self, slot_view(k_pool), slot_view(v_pool))
+    def layer(self, k_pool: torch.Tensor, v_pool: torch.Tensor, index: int | None = None) -> CpuLayerKV:
+        """Bind layer ``index``'s pools (num_blocks, tokens_per_block, Hkv, D) (``index`` picks its
+        KV scales; needed only when the plan has scales other than 1.0)."""
+        return CpuLayerKV(self, slot_view(k_pool), slot_view(v_pool), *layer_scales(self.kv_scales, index))
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,12 +99,16 @@ class CpuLayerKV:
     plan: CpuAttentionPlan
     k_pool: torch.Tensor  # (num_slots, Hkv, D), a view of the layer's pool
     v_pool: torch.Tensor  # (num_slots, Hkv, D)
+    k_scale: float = 1.0  # an FP8 pool's scales (kv_quant); 1.0 otherwise
+    v_scale: float = 1.0
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         """q (T, Hq, D), k/v (T, Hkv, D) of the new tokens -> attention output (T, Hq, D)."""
         plan = self.plan
         # Write first, so that every group reads its own new tokens from the pool.
-        write_new_tokens(self.k_pool, self.v_pool, plan.new_slots, k, v)
+        stored_k, stored_v = write_new_tokens(self.k_pool, self.v_pool, plan.new_slots, k, v, self.k_scale, self.v_scale)
+        if is_quantized(self.k_pool):  # a prefill attends to its own K/V as stored, like every other read
+            k, v = dequantize(stored_k, self.k_scale, q.dtype), dequantize(stored_v, self.v_scale, q.dtype)
         groups = plan.groups
         if len(groups) == 1 and groups[0].real is None and groups[0].out_rows == slice(0, plan.num_tokens):
             return self._group(groups[0], q, k, v, scale)  # one call makes the whole output, in order
@@ -121,8 +132,9 @@ class CpuLayerKV:
                 qg.view(1, Q, Hq, D).transpose(1, 2), kg, vg, is_causal=True, scale=scale, enable_gqa=True
             )  # (1, Hq, Q, D)
             return y.transpose(1, 2).reshape(Q, Hq, D)
-        kg = self.k_pool.index_select(0, g.kv_slots).view(n, K, Hkv, D).transpose(1, 2)  # (n, Hkv, K, D)
-        vg = self.v_pool.index_select(0, g.kv_slots).view(n, K, Hkv, D).transpose(1, 2)
+        kg, vg = self._gather(g.kv_slots, q.dtype)
+        kg = kg.view(n, K, Hkv, D).transpose(1, 2)  # (n, Hkv, K, D)
+        vg = vg.view(n, K, Hkv, D).transpose(1, 2)
         if Q == 1:  # decodes: each KV head's query heads side by side, one mask row per sequence
             y = F.scaled_dot_product_attention(
                 qg.view(n, Hkv, Hq // Hkv, D), kg, vg, attn_mask=g.mask, scale=scale
@@ -133,6 +145,13 @@ class CpuLayerKV:
         )  # (n, Hq, Q, D)
         y = y.transpose(1, 2).reshape(n * Q, Hq, D)  # (n * Q, Hq, D)
         return y if g.real is None else y.index_select(0, g.real)
+
+    def _gather(self, slots: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The K and V of ``slots`` (n * K, Hkv, D), dequantized from an FP8 pool."""
+        k, v = self.k_pool.index_select(0, slots), self.v_pool.index_select(0, slots)
+        if is_quantized(self.k_pool):
+            return dequantize(k, self.k_scale, dtype), dequantize(v, self.v_scale, dtype)
+        return k, v
 
 
 # --------------------------------------------------------------------------------------------
@@ -148,6 +167,7 @@ def build_cpu_plan(
     tokens_per_block: int,
     num_blocks: int,
     dtype: torch.dtype = torch.float32,
+    kv_scales: KvScales | None = None,
 ) -> CpuAttentionPlan:
     """The plan of one flat forward (request ``r`` owns the next ``num_new_tokens[r]`` rows).
 
@@ -194,22 +214,24 @@ def build_cpu_plan(
         for kind in (decodes, contexts)
         for members in _group(new[kind], cached[kind] + new[kind], kind)
     ]
-    return CpuAttentionPlan(total, torch.from_numpy(new_slots), tuple(groups))
+    return CpuAttentionPlan(total, torch.from_numpy(new_slots), tuple(groups), kv_scales)
 
 
 class CpuPlanBuilder:
     """Builds the plans of the CPU engine's forwards (:func:`build_cpu_plan` with its settings)."""
 
-    def __init__(self, *, tokens_per_block: int, num_blocks: int, dtype: torch.dtype) -> None:
+    def __init__(self, *, tokens_per_block: int, num_blocks: int, dtype: torch.dtype,
+                 kv_scales: KvScales | None = None) -> None:
         self.tokens_per_block = tokens_per_block
         self.num_blocks = num_blocks
         self.dtype = dtype
+        self.kv_scales = kv_scales
 
     def build(
         self, num_new_tokens: Sequence[int], num_cached_tokens: Sequence[int], block_tables: Sequence[Sequence[int]]
     ) -> CpuAttentionPlan:
         return build_cpu_plan(num_new_tokens, num_cached_tokens, block_tables, tokens_per_block=self.tokens_per_block,
-                              num_blocks=self.num_blocks, dtype=self.dtype)
+                              num_blocks=self.num_blocks, dtype=self.dtype, kv_scales=self.kv_scales)
 
 
 def _group(q_lens: np.ndarray, k_lens: np.ndarray, requests: np.ndarray) -> list[np.ndarray]:

@@ -24,6 +24,11 @@ head size, query heads per KV head and dtype.
 kernel (``triton_paged_decode``) on CUDA; a gather-and-mask reference in torch elsewhere.
 
 Neither fast path synchronises with the host, so both can be captured in a CUDA graph.
+
+FP8 K/V (``kv_quant``): both calls take K and V in float8_e4m3fn with their scales. The Triton
+kernels read the FP8 bytes (half a bf16 cache's) and widen each tile to the query's dtype in
+registers, with ``k_scale`` folded into the softmax scale and ``v_scale`` into the output; the
+other paths dequantize first.
 """
 
 from __future__ import annotations
@@ -33,6 +38,8 @@ import importlib.util
 
 import torch
 import torch.nn.functional as F
+
+from tensorrt_llm._torch.attention_backend.kv_quant import dequantize, is_quantized
 
 __all__ = ["context_attention", "decode_attention", "flash_varlen", "flash_varlen_available", "fused_rope_applies",
            "has_triton", "rotate_qk_"]
@@ -57,18 +64,32 @@ def context_attention(
     q_lens: tuple[int, ...],
     k_lens: tuple[int, ...],
     scale: float,
+    *,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """q (Tq, Hq, D) packed chunk queries; k, v (Tk, Hkv, D) packed chunk keys -> (Tq, Hq, D).
 
     cu_seqlens_q/k: (N+1,) int32 on q's device; q_lens/k_lens: the same lengths on the host.
+    k, v in float8_e4m3fn: an FP8 cache's stored values, read as ``k * k_scale``, ``v * v_scale``.
     """
     if flash_varlen_available(q):
         if _triton_context_takes(q) and max(k_lens) * max(k.stride(0), v.stride(0)) < 2**31:
             from tensorrt_llm._torch.attention_backend.triton_context import context_attention_triton
 
-            return context_attention_triton(q, k, v, cu_seqlens_q, cu_seqlens_k, max(q_lens), scale)
+            return context_attention_triton(q, k, v, cu_seqlens_q, cu_seqlens_k, max(q_lens), scale,
+                                            k_scale=k_scale, v_scale=v_scale)
+        k, v = _dequantized(k, v, k_scale, v_scale, q.dtype)
         return flash_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, q_lens, k_lens, scale)
+    k, v = _dequantized(k, v, k_scale, v_scale, q.dtype)
     return reference_context_attention(q, k, v, q_lens, k_lens, scale)
+
+
+def _dequantized(k: torch.Tensor, v: torch.Tensor, k_scale: float, v_scale: float, dtype: torch.dtype):
+    """FP8 K and V widened to ``dtype`` with their scales; others as they are."""
+    if not is_quantized(k):
+        return k, v
+    return dequantize(k, k_scale, dtype), dequantize(v, v_scale, dtype)
 
 
 def _triton_context_takes(q: torch.Tensor) -> bool:
@@ -123,20 +144,24 @@ def decode_attention(
     tokens_per_block: int,
     scale: float,
     num_splits: int,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """``out[rows[b]]`` = attention of ``q[rows[b]]`` over positions ``[0, seq_lens[b])`` of
     sequence ``b``, whose K/V live in the flat pools (num_slots, Hkv, D) at the slots
-    ``block_tables[b]`` gives. Triton on CUDA, the torch reference elsewhere."""
+    ``block_tables[b]`` gives (FP8 pools read as ``k * k_scale``, ``v * v_scale``). Triton on CUDA,
+    the torch reference elsewhere."""
     if _triton_takes(q) and _power_of_two_in(q.shape[-1], 16):
         from tensorrt_llm._torch.attention_backend.triton_paged_decode import paged_decode_attention
 
         paged_decode_attention(
             q, k_pool, v_pool, out, rows, block_tables, seq_lens,
-            tokens_per_block=tokens_per_block, scale=scale, num_splits=num_splits,
+            tokens_per_block=tokens_per_block, scale=scale, num_splits=num_splits, k_scale=k_scale, v_scale=v_scale,
         )
         return
     reference_decode_attention(
-        q, k_pool, v_pool, out, rows, block_tables, seq_lens, tokens_per_block=tokens_per_block, scale=scale
+        q, k_pool, v_pool, out, rows, block_tables, seq_lens, tokens_per_block=tokens_per_block, scale=scale,
+        k_scale=k_scale, v_scale=v_scale,
     )
 
 
@@ -151,8 +176,11 @@ def reference_decode_attention(
     *,
     tokens_per_block: int,
     scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
-    """Gather every sequence's positions (padded to the table width) and attend with a mask."""
+    """Gather every sequence's positions (padded to the table width) and attend with a mask
+    (FP8 pools dequantized after the gather)."""
     if rows.numel() == 0:
         return
     num_seqs, width = block_tables.shape
@@ -162,11 +190,19 @@ def reference_decode_attention(
     slots = blocks * tokens_per_block + positions % tokens_per_block  # (B, L)
     visible = positions[None, :] < seq_lens.long()[:, None]  # (B, L)
     slots = torch.where(visible, slots, 0)
-    keys = k_pool[slots].repeat_interleave(group, dim=2).permute(0, 2, 1, 3)  # (B, Hq, L, D)
-    values = v_pool[slots].repeat_interleave(group, dim=2).permute(0, 2, 1, 3)  # (B, Hq, L, D)
+    keys, values = _dequantized(_gather(k_pool, slots), _gather(v_pool, slots), k_scale, v_scale, q.dtype)
+    keys = keys.repeat_interleave(group, dim=2).permute(0, 2, 1, 3)  # (B, Hq, L, D)
+    values = values.repeat_interleave(group, dim=2).permute(0, 2, 1, 3)  # (B, Hq, L, D)
     query = q[rows].unsqueeze(2)  # (B, Hq, 1, D)
     y = F.scaled_dot_product_attention(query, keys, values, attn_mask=visible[:, None, None, :], scale=scale)
     out[rows] = y.squeeze(2).to(out.dtype)  # (B, Hq, D)
+
+
+def _gather(pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """``pool[slots]`` for any slot shape (FP8 through a byte view)."""
+    if is_quantized(pool):
+        return pool.view(torch.uint8)[slots].view(pool.dtype)
+    return pool[slots]
 
 
 def fused_rope_applies(q: torch.Tensor) -> bool:

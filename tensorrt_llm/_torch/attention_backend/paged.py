@@ -24,6 +24,10 @@ Masking follows the CPU path's rule, key ``p`` visible to a query at position ``
 ``p <= x``, for queries at consecutive positions from ``num_cached`` (what the engine builds);
 the positions tensor itself is only used for RoPE.
 
+An FP8 pool (``kv_quant``: ``KvCacheConfig.dtype: fp8``) is written quantized, with the layer's
+scales (the plan's ``kv_scales``; 1.0 without), and every read goes through the stored values: the
+chunks' own new K/V as well as a gathered prefix and the decode kernel's reads.
+
 A plan holds no host state a layer would need to read back, so a forward built from it can be
 captured in a CUDA graph: ``cuda_graph_runner`` keeps one static plan per batch size and copies
 each step's indices into it.
@@ -43,11 +47,12 @@ import numpy as np
 import torch
 
 from tensorrt_llm._torch.attention_backend.kernels import context_attention, decode_attention
+from tensorrt_llm._torch.attention_backend.kv_quant import KvScales, is_quantized, quantize
 from tensorrt_llm._torch.attention_backend.staging import PinnedStaging
 
 __all__ = [
     "ContextBatch", "DecodeBatch", "PagedAttentionPlan", "PagedLayerKV", "PagedPlanBuilder", "build_plan", "device_copier",
-    "num_sms",
+    "gather_slots", "layer_scales", "num_sms", "write_new_tokens",
 ]
 
 ToDevice = Callable[[np.ndarray], torch.Tensor]  # a host array -> a new tensor on the device, without blocking the host
@@ -86,10 +91,12 @@ class PagedAttentionPlan:
     new_slots: torch.Tensor  # (T,) int64 slot each new token's K/V is written to
     context: ContextBatch | None
     decode: DecodeBatch | None
+    kv_scales: KvScales | None = None  # an FP8 pool's per-layer scales; None: 1.0
 
-    def layer(self, k_pool: torch.Tensor, v_pool: torch.Tensor) -> "PagedLayerKV":
-        """Bind one layer's pools (num_blocks, tokens_per_block, Hkv, D)."""
-        return PagedLayerKV(self, slot_view(k_pool), slot_view(v_pool))
+    def layer(self, k_pool: torch.Tensor, v_pool: torch.Tensor, index: int | None = None) -> "PagedLayerKV":
+        """Bind layer ``index``'s pools (num_blocks, tokens_per_block, Hkv, D) (``index`` picks its
+        KV scales; needed only when the plan has scales other than 1.0)."""
+        return PagedLayerKV(self, slot_view(k_pool), slot_view(v_pool), *layer_scales(self.kv_scales, index))
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,12 +106,15 @@ class PagedLayerKV:
     plan: PagedAttentionPlan
     k_pool: torch.Tensor  # (num_slots, Hkv, D), a view of the layer's pool
     v_pool: torch.Tensor  # (num_slots, Hkv, D)
+    k_scale: float = 1.0  # an FP8 pool's scales (kv_quant); 1.0 otherwise
+    v_scale: float = 1.0
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         """q (T, Hq, D), k/v (T, Hkv, D) of the new tokens -> attention output (T, Hq, D)."""
         plan = self.plan
-        # Write first, so that chunks and decodes read their own new tokens from the pool.
-        write_new_tokens(self.k_pool, self.v_pool, plan.new_slots, k, v)
+        # Write first, so that chunks and decodes read their own new tokens from the pool; an FP8
+        # pool hands back what it stored, which the chunks attend to (kv_quant).
+        k, v = write_new_tokens(self.k_pool, self.v_pool, plan.new_slots, k, v, self.k_scale, self.v_scale)
         ctx, dec = plan.context, plan.decode
         if ctx is not None:
             y_ctx = self._context(ctx, q, k, v, scale)  # (Tc, Hq, D)
@@ -120,6 +130,7 @@ class PagedLayerKV:
             decode_attention(
                 q, self.k_pool, self.v_pool, y, dec.rows, dec.block_tables, dec.seq_lens,
                 tokens_per_block=plan.tokens_per_block, scale=scale, num_splits=dec.num_splits,
+                k_scale=self.k_scale, v_scale=self.v_scale,
             )
         return y
 
@@ -129,12 +140,13 @@ class PagedLayerKV:
         else:
             qc = q.index_select(0, ctx.rows)
         if ctx.kv_slots is None:  # no cached prefix anywhere: the keys are the chunks' own tokens
-            kc = k[: ctx.num_tokens] if ctx.rows is None else k.index_select(0, ctx.rows)
-            vc = v[: ctx.num_tokens] if ctx.rows is None else v.index_select(0, ctx.rows)
+            kc = k[: ctx.num_tokens] if ctx.rows is None else gather_slots(k, ctx.rows)
+            vc = v[: ctx.num_tokens] if ctx.rows is None else gather_slots(v, ctx.rows)
         else:
-            kc = self.k_pool.index_select(0, ctx.kv_slots)  # (sum k_lens, Hkv, D)
-            vc = self.v_pool.index_select(0, ctx.kv_slots)
-        return context_attention(qc, kc, vc, ctx.cu_seqlens_q, ctx.cu_seqlens_k, ctx.q_lens, ctx.k_lens, scale)
+            kc = gather_slots(self.k_pool, ctx.kv_slots)  # (sum k_lens, Hkv, D)
+            vc = gather_slots(self.v_pool, ctx.kv_slots)
+        return context_attention(qc, kc, vc, ctx.cu_seqlens_q, ctx.cu_seqlens_k, ctx.q_lens, ctx.k_lens, scale,
+                                 k_scale=self.k_scale, v_scale=self.v_scale)
 
 
 # --------------------------------------------------------------------------------------------
@@ -183,11 +195,40 @@ def slot_view(pool: torch.Tensor) -> torch.Tensor:
     return pool.view(pool.shape[0] * pool.shape[1], *pool.shape[2:])
 
 
-def write_new_tokens(k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor, k: torch.Tensor,
-                     v: torch.Tensor) -> None:
-    """Write the new tokens' K/V (T, Hkv, D) into their ``slots`` (T,) of the slot views."""
+def write_new_tokens(
+    k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    k_scale: float = 1.0, v_scale: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Write the new tokens' K/V (T, Hkv, D) into their ``slots`` (T,) of the slot views; returns
+    what was stored (``k``, ``v`` themselves, or their FP8 form in an FP8 pool: ``kv_quant``)."""
+    if is_quantized(k_pool):
+        k, v = quantize(k, k_scale), quantize(v, v_scale)
+        # Through byte views: not every device has an index_copy_ kernel for float8.
+        k_pool.view(torch.uint8).index_copy_(0, slots, k.view(torch.uint8))
+        v_pool.view(torch.uint8).index_copy_(0, slots, v.view(torch.uint8))
+        return k, v
     k_pool.index_copy_(0, slots, k)
     v_pool.index_copy_(0, slots, v)
+    return k, v
+
+
+def gather_slots(pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """``pool[slots]`` (a slot view's rows, in the pool's dtype; FP8 through a byte view)."""
+    if is_quantized(pool):
+        return pool.view(torch.uint8).index_select(0, slots).view(pool.dtype)
+    return pool.index_select(0, slots)
+
+
+def layer_scales(kv_scales: KvScales | None, index: int | None) -> tuple[float, float]:
+    """(k_scale, v_scale) of layer ``index``: 1.0 without scales; a ValueError when the plan has
+    scales other than 1.0 and no layer was named (they would be applied to the wrong layer)."""
+    if kv_scales is None:
+        return 1.0, 1.0
+    if index is None:
+        if kv_scales.is_unit:
+            return 1.0, 1.0
+        raise ValueError("this plan has per-layer KV scales: bind each layer with plan.layer(k_pool, v_pool, index)")
+    return kv_scales.of(index)
 
 
 def decode_tables(block_tables: Sequence[Sequence[int]], width: int | None = None) -> np.ndarray:
@@ -204,7 +245,8 @@ class PagedPlanBuilder:
     """Builds the plans of one device's forwards over pools of ``num_blocks`` blocks.
 
     ``staging``: on CUDA, the engine's pinned buffers the index arrays travel through (plans are
-    then built inside its ``step()``); without it each array is pinned on its own. The device's
+    then built inside its ``step()``); without it each array is pinned on its own. ``kv_scales``:
+    an FP8 pool's per-layer scales, carried by every plan (None: 1.0). The device's
     copier and multiprocessor count are taken here, once (:func:`device_copier`, :func:`num_sms`).
     """
 
@@ -216,11 +258,13 @@ class PagedPlanBuilder:
         num_blocks: int,
         num_kv_heads: int,
         staging: PinnedStaging | None = None,
+        kv_scales: KvScales | None = None,
     ) -> None:
         self.device = torch.device(device)
         self.tokens_per_block = tokens_per_block
         self.num_blocks = num_blocks
         self.num_kv_heads = num_kv_heads
+        self.kv_scales = kv_scales
         self._to_device = device_copier(self.device, staging)
         self._sms = num_sms(self.device)
 
@@ -279,7 +323,7 @@ class PagedPlanBuilder:
                 seq_lens=to_device((cached[dec] + 1).astype(np.int32)),
                 num_splits=decode_num_splits(len(dec), self.num_kv_heads, self._sms),
             )
-        return PagedAttentionPlan(tpb, total, to_device(new_slots), context, decode)
+        return PagedAttentionPlan(tpb, total, to_device(new_slots), context, decode, self.kv_scales)
 
 
 def build_plan(
@@ -292,10 +336,11 @@ def build_plan(
     num_kv_heads: int,
     device: torch.device | str,
     staging: PinnedStaging | None = None,
+    kv_scales: KvScales | None = None,
 ) -> PagedAttentionPlan:
     """One plan, from a builder made for it (tests, kernels benchmarks); see :class:`PagedPlanBuilder`."""
     builder = PagedPlanBuilder(device, tokens_per_block=tokens_per_block, num_blocks=num_blocks,
-                               num_kv_heads=num_kv_heads, staging=staging)
+                               num_kv_heads=num_kv_heads, staging=staging, kv_scales=kv_scales)
     return builder.build(num_new_tokens, num_cached_tokens, block_tables)
 
 

@@ -20,6 +20,9 @@ block sees run without a mask, the few on the diagonal with one. Blocks are laun
 first (the last queries of a chunk see the most keys) and the query heads of one KV head side by
 side, so that their K/V tiles are shared through L2.
 
+K and V may be an FP8 cache's stored values (``kv_quant``): each tile is widened to the queries'
+dtype as it is loaded, ``k_scale`` is folded into the softmax scale and ``v_scale`` into the output.
+
 Importing this module needs Triton (the caller guards it); running it needs a GPU, or
 ``TRITON_INTERPRET=1`` set before the import (the CPU tests).
 """
@@ -68,9 +71,9 @@ def _attend_tiles(
         kt_ptrs = k_base + cols[None, :] * stride_kt + offs_d[:, None]  # (D, BN)
         v_ptrs = v_base + cols[:, None] * stride_vt + offs_d[None, :]  # (BN, D)
         if MASKED:
-            kt = tl.load(kt_ptrs, mask=cols[None, :] < k_len, other=0.0)
+            kt = tl.load(kt_ptrs, mask=cols[None, :] < k_len, other=0.0).to(q.dtype)  # FP8 tiles widened
         else:
-            kt = tl.load(kt_ptrs)
+            kt = tl.load(kt_ptrs).to(q.dtype)
         if IEEE:
             s = tl.dot(q, kt, input_precision="ieee")
         else:
@@ -83,9 +86,9 @@ def _attend_tiles(
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         if MASKED:
-            v = tl.load(v_ptrs, mask=cols[:, None] < k_len, other=0.0)
+            v = tl.load(v_ptrs, mask=cols[:, None] < k_len, other=0.0).to(q.dtype)
         else:
-            v = tl.load(v_ptrs)
+            v = tl.load(v_ptrs).to(q.dtype)
         if IEEE:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         else:
@@ -98,7 +101,7 @@ def _attend_tiles(
 def _context_kernel(
     Q, K, V, Out, cu_q, cu_k,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
-    sm_scale_log2,
+    sm_scale_log2, v_scale,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IEEE: tl.constexpr,
 ):
@@ -135,7 +138,7 @@ def _context_kernel(
                                   diagonal, k_len, sm_scale_log2, HEAD_DIM, BLOCK_N, False, IEEE)
     acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, unmasked_end, end, offs_m,
                                   diagonal, k_len, sm_scale_log2, HEAD_DIM, BLOCK_N, True, IEEE)
-    out = acc / l_i[:, None]
+    out = acc / l_i[:, None] * v_scale  # exact for an unquantized cache (v_scale 1.0)
     tl.store(Out + q_rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :], out.to(Out.dtype.element_ty),
              mask=row_ok[:, None])
 
@@ -150,8 +153,11 @@ def context_attention_triton(
     scale: float,
     *,
     config: ContextConfig = DEFAULT_CONFIG,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
-    """q (Tq, Hq, D), k/v (Tk, Hkv, D), unit stride on D; cu_seqlens_q/k (N+1,) int32 on q's
+    """q (Tq, Hq, D), k/v (Tk, Hkv, D) in q's dtype or float8_e4m3fn (read as ``k * k_scale``,
+    ``v * v_scale``), unit stride on D; cu_seqlens_q/k (N+1,) int32 on q's
     device; ``max_q_len`` the longest chunk's queries (a host int: it sizes the grid) -> the
     attention output (Tq, Hq, D). Every chunk needs ``k_len >= q_len`` and ``k_len * k.stride(0) <
     2**31`` (a key's offset from its chunk's first is 32-bit); the head size is a power
@@ -167,7 +173,7 @@ def context_attention_triton(
     _context_kernel[grid](
         q, k, v, out, cu_seqlens_q, cu_seqlens_k,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
-        scale * _LOG2E,
+        scale * k_scale * _LOG2E, v_scale,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         IEEE=q.dtype == torch.float32,
         num_warps=config.num_warps, num_stages=config.num_stages,

@@ -21,6 +21,12 @@ contiguous ranges whose partial softmax states are combined by a second kernel, 
 sequences still fill the GPU. The number of splits depends only on the batch size, never on the
 context lengths, so a CUDA graph captured for a batch size stays valid for any lengths.
 
+An FP8 pool (``kv_quant``) is read as it is stored, one byte per element: each K/V tile is
+widened to the query's dtype in registers (exact: every e4m3 value is a bf16 value), the dot
+products accumulate in float32 as for a 16-bit pool, ``k_scale`` is folded into the softmax scale
+and ``v_scale`` multiplies the output. The kernel is bound by the bytes it reads, so an FP8 pool
+halves its time against bf16 at the same lengths.
+
 Importing this module needs Triton (it is guarded by the caller); running it needs a GPU, or
 ``TRITON_INTERPRET=1`` set before the import (the CPU tests).
 """
@@ -60,7 +66,7 @@ def _decode_kernel(
     stride_vs, stride_vh,
     stride_ot, stride_oh,
     stride_tb,
-    sm_scale_log2,
+    sm_scale_log2, v_scale,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     TOKENS_PER_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     NUM_Q_HEADS: tl.constexpr, IEEE: tl.constexpr,
@@ -91,7 +97,7 @@ def _decode_kernel(
         block = tl.load(table + offs_n // TOKENS_PER_BLOCK, mask=valid, other=0)
         slot = block.to(tl.int64) * TOKENS_PER_BLOCK + offs_n % TOKENS_PER_BLOCK  # (BN,)
         k = tl.load(K + slot[:, None] * stride_ks + kv_head * stride_kh + offs_d[None, :],
-                    mask=valid[:, None], other=0.0)  # (BN, D)
+                    mask=valid[:, None], other=0.0).to(q.dtype)  # (BN, D); an FP8 tile widened
         if IEEE:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
@@ -102,7 +108,7 @@ def _decode_kernel(
         p = tl.exp2(s - m_new[:, None])
         l = l * alpha + tl.sum(p, axis=1)
         v = tl.load(V + slot[:, None] * stride_vs + kv_head * stride_vh + offs_d[None, :],
-                    mask=valid[:, None], other=0.0)  # (BN, D)
+                    mask=valid[:, None], other=0.0).to(q.dtype)  # (BN, D)
         if IEEE:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         else:
@@ -110,6 +116,7 @@ def _decode_kernel(
         m = m_new
 
     head_ok = offs_g < GROUP
+    acc = acc * v_scale  # an FP8 pool's V scale (1.0 otherwise); the combine is linear in acc
     if NUM_SPLITS == 1:
         out = acc / l[:, None]
         o_ptrs = Out + row * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
@@ -156,12 +163,15 @@ def paged_decode_attention(
     scale: float,
     num_splits: int = 1,
     config: DecodeConfig = DEFAULT_CONFIG,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Write ``out[rows[b]]`` = attention of query ``q[rows[b]]`` over positions
     ``[0, seq_lens[b])`` of sequence ``b``, read through ``tables[b]`` from the flat pools.
 
-    q, out: (T, Hq, D); k_pool, v_pool: (num_slots, Hkv, D) with unit stride on D; rows: (B,)
-    int64; tables: (B, W) int32; seq_lens: (B,) int32, each >= 1. ``num_splits`` a power of two.
+    q, out: (T, Hq, D); k_pool, v_pool: (num_slots, Hkv, D) with unit stride on D, in q's dtype or
+    float8_e4m3fn (read as ``k * k_scale``, ``v * v_scale``); rows: (B,) int64; tables: (B, W)
+    int32; seq_lens: (B,) int32, each >= 1. ``num_splits`` a power of two.
     No host synchronisation: safe to capture in a CUDA graph.
     """
     num_seqs = rows.shape[0]
@@ -185,7 +195,7 @@ def paged_decode_attention(
         v_pool.stride(0), v_pool.stride(1),
         out.stride(0), out.stride(1),
         tables.stride(0),
-        scale * _LOG2E,
+        scale * k_scale * _LOG2E, v_scale,
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim,
         TOKENS_PER_BLOCK=tokens_per_block, BLOCK_N=config.block_n, NUM_SPLITS=num_splits,
         NUM_Q_HEADS=num_q_heads, IEEE=ieee,

@@ -216,6 +216,22 @@ MODEL_PRESETS: dict[str, LlamaConfig] = {
         max_position_embeddings=131072,
         dtype="bfloat16",
     ),
+    # The shape of Llama-3.1-8B (what peers publish serving figures for): 8.0B parameters, 16.1 GB
+    # in bf16, KV 128 KiB a token (64 KiB in FP8). Random weights, plain RoPE (Llama 3.1's frequency
+    # scaling changes the angles, not the work); build it on a GPU.
+    "llama-3.1-8b-random": LlamaConfig(
+        vocab_size=128256,
+        hidden_size=4096,
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        intermediate_size=14336,
+        rope_theta=500_000.0,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=131072,
+        dtype="bfloat16",
+    ),
 }
 
 
@@ -493,7 +509,7 @@ class LlamaForCausalLM(nn.Module):
         their device's builder (``attention_backend``), and nothing checked or read back. Nothing
         in it waits for the device, so an engine can enqueue it ahead of the GPU or capture it in
         a CUDA graph. Returns (T, hidden)."""
-        paged = [plan.layer(k, v) for k, v in zip(k_cache, v_cache)]
+        paged = [plan.layer(k, v, i) for i, (k, v) in enumerate(zip(k_cache, v_cache))]  # i: the layer's KV scales
         return self.model(input_ids, position_ids, paged)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -544,9 +560,10 @@ class LlamaForCausalLM(nn.Module):
             which = f"{'k' if i < n else 'v'}_cache[{i % n}]"
             if tuple(pool.shape) != expected:
                 raise ValueError(f"{which} has shape {tuple(pool.shape)}, expected {expected}")
-            if pool.dtype != self.config.torch_dtype:
+            if pool.dtype not in (self.config.torch_dtype, torch.float8_e4m3fn):  # or an FP8 cache (kv_quant)
                 raise ValueError(
                     f"{which} has dtype {pool.dtype}, the model runs in {self.config.torch_dtype}"
+                    " (a KV cache holds that or float8_e4m3fn)"
                 )
             if not pool.is_contiguous():
                 raise ValueError(f"{which} must be contiguous (slots are addressed flat)")

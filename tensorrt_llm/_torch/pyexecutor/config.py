@@ -55,6 +55,10 @@ def _positive(name: str, value: int) -> None:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
+#: ``KvCacheConfig.dtype`` values (upstream's names); ``attention_backend.kv_quant`` maps them to torch dtypes.
+KV_CACHE_DTYPES = ("auto", "fp8")
+
+
 @dataclass(slots=True)
 class KvCacheConfig:
     """Paged KV cache settings.
@@ -72,6 +76,12 @@ class KvCacheConfig:
     primary blocks are free. Their copies then run beside the forward just launched instead of
     just before the forward that needs the slots (``KVCacheManager.offload_ahead``), at the price
     of the reserve's share of the primary cache (its blocks stay matchable, from the host).
+
+    ``dtype`` (upstream's key): what the pool stores, ``"auto"`` (the model's dtype) or ``"fp8"``
+    (float8_e4m3fn, with per-layer K/V scales: 1.0 unless the checkpoint has them). FP8 takes half
+    a bf16 pool's bytes per token, so a pool sized by memory (``free_gpu_memory_fraction``, or the
+    CPU's default cap) holds twice the tokens; ``max_tokens`` / ``num_blocks`` stay token counts.
+    Attention dequantizes what it reads (``attention_backend/kv_quant.py``).
     """
 
     tokens_per_block: int = 32  # tokens per KV block, the unit of allocation and of prefix reuse
@@ -82,9 +92,14 @@ class KvCacheConfig:
     host_cache_size: int = 0  # the host (offload) tier, in bytes; 0: none
     free_gpu_memory_fraction: float = 0.9  # GPU, neither size given: the share of free memory the pool takes
     offload_ahead_blocks: int = 0  # with a host tier: primary blocks kept free by offloading after each launch
+    # what the pool stores: auto (the model's dtype) or fp8 (float8_e4m3fn, half bf16's bytes)
+    dtype: str = field(default="auto", metadata={"choices": KV_CACHE_DTYPES})
 
     def __post_init__(self) -> None:
         _positive("KvCacheConfig.tokens_per_block", self.tokens_per_block)
+        if self.dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"KvCacheConfig.dtype must be one of {', '.join(map(repr, KV_CACHE_DTYPES))},"
+                             f" got {self.dtype!r}")
         fraction = self.free_gpu_memory_fraction
         if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
             raise ValueError(f"KvCacheConfig.free_gpu_memory_fraction must be in (0, 1], got {fraction!r}")

@@ -169,7 +169,8 @@ class CudaGraphRunner:
         tables = torch.full((size, self.max_blocks), self.scratch_block, dtype=torch.int32, device=device)
         splits = decode_num_splits(size, self.model.config.num_kv_heads, num_sms(device))
         rows = torch.arange(size, dtype=torch.int64, device=device)
-        plan = PagedAttentionPlan(tpb, size, longs[2], None, DecodeBatch(rows, tables, seq_lens, splits))
+        plan = PagedAttentionPlan(tpb, size, longs[2], None, DecodeBatch(rows, tables, seq_lens, splits),
+                                  self.storage.kv_scales)
         g = _DecodeGraph(size, longs, seq_lens, tables, plan)
         with torch.inference_mode():
             side = torch.cuda.Stream(device)

@@ -55,6 +55,12 @@ or the host reads the tier (:meth:`synchronize`). The ordering above applies to 
 copy: the copy stream waits for the compute stream's tail if any of the batch's blocks is busy.
 
 On the CPU every copy is a plain synchronous one.
+
+An FP8 pool (``KvCacheConfig.dtype: fp8``, ``attention_backend.kv_quant``) and its host tier
+hold float8_e4m3fn: every move above runs on byte views of both (``_pools``, ``_host``), so a
+block's bytes travel unchanged (not every device has gather, scatter and copy kernels for
+float8), and ``kv_scales`` (per layer, 1.0 unless a checkpoint gave them) go with the storage to
+the engine's attention plans.
 """
 
 from __future__ import annotations
@@ -64,6 +70,8 @@ import itertools
 from typing import Iterator, Sequence
 
 import torch
+
+from tensorrt_llm._torch.attention_backend.kv_quant import KvScales, is_quantized
 
 from .kv_copy_batch import CopyBatch, runs
 
@@ -82,6 +90,7 @@ class KVCacheStorage:
         device: torch.device | str = "cpu",
         num_scratch_blocks: int = 0,
         max_batch_blocks: int = 64,
+        kv_scales: KvScales | None = None,
     ) -> None:
         self.device = torch.device(device)
         self.num_blocks = num_blocks
@@ -90,6 +99,12 @@ class KVCacheStorage:
         self.pools = torch.zeros((2, num_layers, rows, *block_shape), dtype=dtype, device=self.device)
         pin = self.device.type == "cuda" and num_host_blocks > 0
         self.host = torch.zeros((num_host_blocks, 2, num_layers, *block_shape), dtype=dtype, pin_memory=pin)
+        if kv_scales is not None and kv_scales.num_layers != num_layers:
+            raise ValueError(f"kv_scales has {kv_scales.num_layers} layers, the KV storage {num_layers}")
+        self.kv_scales = kv_scales  # an FP8 pool's per-layer scales (None: 1.0)
+        # What block moves copy: the tensors themselves, or byte views of an FP8 pool and tier.
+        self._pools = self.pools.view(torch.uint8) if is_quantized(self.pools) else self.pools
+        self._host = self.host.view(torch.uint8) if is_quantized(self.host) else self.host
         self.k_cache = list(self.pools[0])  # (rows, tokens_per_block, num_kv_heads, head_dim) per layer
         self.v_cache = list(self.pools[1])
         self.k_host = list(self.host[:, 0].transpose(0, 1))  # (num_host_blocks, tokens_per_block, ...) per layer
@@ -123,6 +138,11 @@ class KVCacheStorage:
         """Block ids no request ever holds (see the module docstring)."""
         return range(self.num_blocks, self.num_blocks + self.num_scratch_blocks)
 
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes of K and V one token takes in the pools, over every layer (this rank's heads)."""
+        return self.pools[:, :, 0, 0].numel() * self.pools.element_size()  # 2 * layers * heads * head_dim
+
     @staticmethod
     def bytes_per_block(num_layers: int, block_shape: tuple[int, int, int], dtype: torch.dtype) -> int:
         tokens_per_block, num_kv_heads, head_dim = block_shape
@@ -135,12 +155,12 @@ class KVCacheStorage:
             self._issue_batch()
             self._join_copies(torch.cuda.current_stream(self.device))
             self._busy_blocks().update((src_block_id, dst_block_id))
-        self.pools[:, :, dst_block_id].copy_(self.pools[:, :, src_block_id])
+        self._pools[:, :, dst_block_id].copy_(self._pools[:, :, src_block_id])
 
     def offload(self, block_id: int, host_id: int) -> None:
         """Copy device block ``block_id`` into host slot ``host_id`` (on CUDA: in the next batch)."""
         if self._copy_stream is None:
-            self.host[host_id].copy_(self.pools[:, :, block_id])
+            self._host[host_id].copy_(self._pools[:, :, block_id])
             return
         if self._batch.conflicts(offload=(block_id, host_id)):
             self._issue_batch()
@@ -151,7 +171,7 @@ class KVCacheStorage:
         """Copy host slot ``host_id`` into device block ``block_id`` (on CUDA: its transfer into the
         batch's staging buffer now, the write into the block when the batch is issued)."""
         if self._copy_stream is None:
-            self.pools[:, :, block_id].copy_(self.host[host_id])
+            self._pools[:, :, block_id].copy_(self._host[host_id])
             return
         if self._batch.conflicts(onboard=(host_id, block_id)):
             self._issue_batch()
@@ -161,10 +181,10 @@ class KVCacheStorage:
             self._upload_waited = self.num_batches
         with torch.cuda.stream(upload):  # reads the tier only: no wait on the compute stream
             if self._landed is None:
-                shape = (self._max_batch_blocks, *self.host.shape[1:])
-                self._landed = torch.empty(shape, dtype=self.host.dtype, device=self.device)
+                shape = (self._max_batch_blocks, *self._host.shape[1:])
+                self._landed = torch.empty(shape, dtype=self._host.dtype, device=self.device)
             row = self._batch.add_onboard(host_id, block_id)
-            self._landed[row].copy_(self.host[host_id], non_blocking=True)
+            self._landed[row].copy_(self._host[host_id], non_blocking=True)
         self._maybe_issue()
 
     def _maybe_issue(self) -> None:
@@ -179,7 +199,7 @@ class KVCacheStorage:
             return
         self._batch, self._landed = CopyBatch(), None
         self.num_batches += 1
-        by_block = self.pools.movedim(2, 0)  # (rows, 2, num_layers, ...): a block's pieces at one index
+        by_block = self._pools.movedim(2, 0)  # (rows, 2, num_layers, ...): a block's pieces at one index
         with self._on_copy_stream(batch.blocks()) as copy:
             if batch.onboards:
                 # The staged transfers come first: the scatter reads them, and an offload below
@@ -191,7 +211,7 @@ class KVCacheStorage:
                 blocks, host_ids = zip(*batch.offloads)
                 gathered = by_block[self._index(blocks)]  # one gather kernel: (n, 2, num_layers, ...)
                 for i, first, n in runs(list(host_ids)):
-                    self.host[first:first + n].copy_(gathered[i:i + n], non_blocking=True)
+                    self._host[first:first + n].copy_(gathered[i:i + n], non_blocking=True)
                 for host_id in host_ids:
                     self._slot_written[host_id] = self.num_batches
             if batch.onboards:

@@ -135,7 +135,7 @@ class CpuTorchModelEngine(TorchModelEngine):
         """The CPU's attention plan builder; nothing else."""
         kv = self.kv_cache_manager
         self._plans = CpuPlanBuilder(tokens_per_block=kv.tokens_per_block, num_blocks=kv.num_blocks,
-                                     dtype=self.model.config.torch_dtype)
+                                     dtype=self.model.config.torch_dtype, kv_scales=kv.storage.kv_scales)
 
     def launch(self, inputs: TpInputs) -> PendingForward:
         return ReadyForward(self._run(inputs))
@@ -181,7 +181,8 @@ class CudaTorchModelEngine(TorchModelEngine):
         self._staging = PinnedStaging(self.device)
         kv = self.kv_cache_manager
         self._plans = PagedPlanBuilder(self.device, tokens_per_block=kv.tokens_per_block, num_blocks=kv.num_blocks,
-                                       num_kv_heads=self.model.num_local_kv_heads, staging=self._staging)
+                                       num_kv_heads=self.model.num_local_kv_heads, staging=self._staging,
+                                       kv_scales=kv.storage.kv_scales)
         mapping = self.model.mapping
         if cuda_graph_config is not None and (mapping.attn_tp_size > 1 or mapping.mlp_tp_size > 1):
             # Row-parallel layers all-reduce through the process group, which a graph cannot capture.

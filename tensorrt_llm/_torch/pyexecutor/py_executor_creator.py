@@ -9,6 +9,7 @@ from typing import Callable
 
 import torch
 
+from tensorrt_llm._torch.attention_backend.kv_quant import KvScales, kv_cache_dtype
 from tensorrt_llm._torch.models.modeling_llama import LlamaForCausalLM
 from tensorrt_llm._torch.pyexecutor.block_pool import BlockTokens
 from tensorrt_llm._torch.pyexecutor.config import ExecutorConfig
@@ -62,8 +63,10 @@ def create_kv_cache_manager(
     model: LlamaForCausalLM | None = None,
     kv_bytes_per_token: int | None = None,
     block_hash: Callable[[BlockTokens], int] | None = None,
+    kv_scales: KvScales | None = None,
 ) -> KVCacheManager:
-    """With ``model``: real K/V tensors shaped for it, on its device. Without: bookkeeping only,
+    """With ``model``: real K/V tensors shaped for it, on its device, of ``kv_cache_config.dtype``
+    (an FP8 pool with ``kv_scales``, per layer; 1.0 without). Without: bookkeeping only,
     and ``kv_bytes_per_token`` sizes the host tier from ``host_cache_size`` bytes.
 
     Pool size: ``num_blocks`` or ``max_tokens`` when given; otherwise, on a GPU,
@@ -75,7 +78,7 @@ def create_kv_cache_manager(
     device = model.device if model is not None else torch.device("cpu")
     if model is not None:
         block_shape = model.kv_cache_shape(1, kv_config.tokens_per_block)[1:]
-        dtype = model.config.torch_dtype
+        dtype = kv_cache_dtype(kv_config.dtype, model.config.torch_dtype)
         bytes_per_block = KVCacheStorage.bytes_per_block(model.config.num_layers, block_shape, dtype)
         if device.type == "cuda" and not kv_config.is_sized:
             num_blocks = gpu_num_blocks(device, kv_config.free_gpu_memory_fraction, bytes_per_block) - 1
@@ -96,6 +99,7 @@ def create_kv_cache_manager(
             dtype=dtype,
             device=device,
             num_scratch_blocks=1 if device.type == "cuda" else 0,
+            kv_scales=kv_scales,
         )
     return KVCacheManager(
         kv_config,
@@ -117,6 +121,7 @@ def create_py_executor(
     block_hash: Callable[[BlockTokens], int] | None = None,
     fit_max_seq_len_to_pool: bool = False,
     drafter: Drafter | None = None,
+    kv_scales: KvScales | None = None,
 ) -> PyExecutor:
     """A torch executor (``model``) or one whose engine ``engine_factory`` builds (simulation).
 
@@ -125,11 +130,13 @@ def create_py_executor(
     is only known after the weights are loaded). The executor's ``config`` has the result.
 
     ``drafter``: speculative decoding's drafter; default: ``config.speculative_config``'s (none
-    when it is None)."""
+    when it is None). ``kv_scales``: an FP8 cache's per-layer scales from the checkpoint
+    (``attention_backend.kv_scales_from_checkpoint``); None: 1.0."""
     if (model is None) == (engine_factory is None):
         raise ValueError("give exactly one of model (torch engine) or engine_factory")
     token_budget = token_budget_policy_for(config)
-    kv = create_kv_cache_manager(config, model=model, kv_bytes_per_token=kv_bytes_per_token, block_hash=block_hash)
+    kv = create_kv_cache_manager(config, model=model, kv_bytes_per_token=kv_bytes_per_token, block_hash=block_hash,
+                                 kv_scales=kv_scales)
     if fit_max_seq_len_to_pool:
         pool_tokens = kv.num_blocks * config.kv_cache_config.tokens_per_block
         config = dataclasses.replace(config, max_seq_len=min(config.max_seq_len, pool_tokens))

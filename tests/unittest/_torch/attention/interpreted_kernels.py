@@ -29,14 +29,20 @@ def _fix_interpreter_for_numpy_2_4() -> None:
     interpreter._patch_lang_tensor = patched
 
 
-def run_case(num_splits: int, hq: int, hkv: int) -> dict:
+def run_case(num_splits: int, hq: int, hkv: int, fp8: bool = False) -> dict:
+    """``fp8``: the pools hold an FP8 cache (stored with scales 0.5 and 2), read by the kernel as
+    bytes and widened; the reference dequantizes after its gather."""
     from tensorrt_llm._torch.attention_backend.kernels import reference_decode_attention
+    from tensorrt_llm._torch.attention_backend.kv_quant import quantize
     from tensorrt_llm._torch.attention_backend.triton_paged_decode import paged_decode_attention
 
     head_dim, tpb, num_blocks = 16, 4, 40
     gen = torch.Generator().manual_seed(10 * num_splits + hq)
     k_pool = torch.randn(num_blocks * tpb, hkv, head_dim, generator=gen)
     v_pool = torch.randn(num_blocks * tpb, hkv, head_dim, generator=gen)
+    scales = dict(k_scale=0.5, v_scale=2.0) if fp8 else {}
+    if fp8:
+        k_pool, v_pool = quantize(k_pool, 0.5), quantize(v_pool, 2.0)
     lens = [1, 5, 17, 30, 64]
     free = torch.randperm(num_blocks, generator=gen).tolist()
     tables = torch.zeros(len(lens), 16, dtype=torch.int32)
@@ -48,12 +54,14 @@ def run_case(num_splits: int, hq: int, hkv: int) -> dict:
     seq_lens = torch.tensor(lens, dtype=torch.int32)
     expected = torch.full_like(q, float("nan"))
     got = torch.full_like(q, float("nan"))
-    reference_decode_attention(q, k_pool, v_pool, expected, rows, tables, seq_lens, tokens_per_block=tpb, scale=0.25)
+    reference_decode_attention(q, k_pool, v_pool, expected, rows, tables, seq_lens, tokens_per_block=tpb, scale=0.25,
+                               **scales)
     paged_decode_attention(
-        q, k_pool, v_pool, got, rows, tables, seq_lens, tokens_per_block=tpb, scale=0.25, num_splits=num_splits
+        q, k_pool, v_pool, got, rows, tables, seq_lens, tokens_per_block=tpb, scale=0.25, num_splits=num_splits,
+        **scales,
     )
     return {
-        "kernel": "paged_decode",
+        "kernel": "paged_decode_fp8" if fp8 else "paged_decode",
         "num_splits": num_splits,
         "heads": [hq, hkv],
         "untouched_rows_nan": bool(torch.isnan(got[[2, 5, 7]]).all()),
@@ -77,8 +85,10 @@ def run_rope_case(hq: int, hkv: int, head_dim: int) -> dict:
     return {"kernel": "rope", "heads": [hq, hkv], "untouched_rows_nan": True, "max_abs_err": err}
 
 
-def run_context_case(block_m: int, block_n: int, hq: int, hkv: int) -> dict:
+def run_context_case(block_m: int, block_n: int, hq: int, hkv: int, fp8: bool = False) -> dict:
+    """``fp8``: K and V are an FP8 cache's stored values (scales 0.5 and 2)."""
     from tensorrt_llm._torch.attention_backend.kernels import reference_context_attention
+    from tensorrt_llm._torch.attention_backend.kv_quant import dequantize, quantize
     from tensorrt_llm._torch.attention_backend.triton_context import ContextConfig, context_attention_triton
 
     head_dim = 16
@@ -91,11 +101,19 @@ def run_context_case(block_m: int, block_n: int, hq: int, hkv: int) -> dict:
     v = torch.randn(sum(k_lens), hkv, head_dim, generator=gen)
     cu_q = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32)
     cu_k = torch.tensor([0, *itertools.accumulate(k_lens)], dtype=torch.int32)
-    expected = reference_context_attention(q, k, v, q_lens, k_lens, 0.3)
+    scales = {}
+    if fp8:
+        k, v = quantize(k, 0.5), quantize(v, 2.0)
+        scales = dict(k_scale=0.5, v_scale=2.0)
+        expected = reference_context_attention(q, dequantize(k, 0.5, q.dtype), dequantize(v, 2.0, q.dtype), q_lens, k_lens,
+                                               0.3)
+    else:
+        expected = reference_context_attention(q, k, v, q_lens, k_lens, 0.3)
     got = context_attention_triton(q, k, v, cu_q, cu_k, max(q_lens), 0.3,
-                                   config=ContextConfig(block_m=block_m, block_n=block_n, num_warps=4, num_stages=1))
+                                   config=ContextConfig(block_m=block_m, block_n=block_n, num_warps=4, num_stages=1),
+                                   **scales)
     # The kernel writes a fresh output whole: "untouched" here means no row left unwritten (empty_like's garbage).
-    return {"kernel": "context", "tiles": [block_m, block_n], "heads": [hq, hkv],
+    return {"kernel": "context_fp8" if fp8 else "context", "tiles": [block_m, block_n], "heads": [hq, hkv],
             "untouched_rows_nan": bool(torch.isfinite(got).all()), "max_abs_err": float((got - expected).abs().max())}
 
 
@@ -107,6 +125,7 @@ def main() -> int:
     results = [run_case(s, hq, hkv) for s in (1, 2, 4) for hq, hkv in ((4, 2), (8, 1))]
     results += [run_context_case(bm, bn, hq, hkv) for bm, bn in ((16, 16), (32, 16), (16, 32)) for hq, hkv in ((4, 2), (3, 3))]
     results += [run_rope_case(hq, hkv, d) for hq, hkv, d in ((4, 2, 16), (3, 1, 8))]
+    results += [run_case(s, 4, 2, fp8=True) for s in (1, 4)] + [run_context_case(16, 16, 4, 2, fp8=True)]
     print(json.dumps(results))
     return 0
 

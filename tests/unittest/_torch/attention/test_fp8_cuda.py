@@ -1,0 +1,183 @@
+"""The FP8 KV cache on a GPU: the Triton kernels read the FP8 bytes (skipped without CUDA).
+
+    PYTHONPATH=. python -m pytest tests/unittest/_torch/attention/test_fp8_cuda.py -q
+
+The reference is the CPU in float64 over the same stored FP8 bytes (``cpu_paged`` dequantizes on
+read), so the kernels' widening, scale folding and paging are checked, not the quantization. The
+inputs are bf16 values, so the GPU (which quantizes bf16/float32) and the CPU (float64) store the
+same bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+import torch
+
+from factories import make_config, make_request
+from tensorrt_llm._torch.attention_backend import KvScales, build_plan
+from tensorrt_llm._torch.attention_backend.cpu_paged import build_cpu_plan
+from tensorrt_llm._torch.attention_backend.kv_quant import FP8, quantize
+from tensorrt_llm._torch.models import MODEL_PRESETS, LlamaForCausalLM
+from tensorrt_llm._torch.pyexecutor.config import CudaGraphConfig
+from tensorrt_llm._torch.pyexecutor.py_executor_creator import create_py_executor
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+CUDA = torch.device("cuda")
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.double().cpu(), ref.double().cpu()
+    assert not torch.isnan(out).any(), "an output row was never written"
+    return float((out - ref).norm() / ref.norm())
+
+
+def _batch(rng: random.Random, num_blocks: int, tpb: int, max_ctx: int):
+    requests = []
+    for _ in range(rng.randrange(2, 8)):
+        kind = rng.random()
+        if kind < 0.5:
+            requests.append((rng.randrange(0, max_ctx), 1))  # decode
+        elif kind < 0.7:
+            requests.append((0, rng.randrange(2, 300)))  # fresh prefill
+        else:
+            requests.append((rng.randrange(1, max_ctx), rng.randrange(2, 200)))  # chunk over a prefix
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+    tables = [[free.pop() for _ in range(-(-(c + n) // tpb))] for c, n in requests]
+    return requests, tables
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("heads", [(32, 8, 128), (4, 2, 16)])
+def test_fp8_layer_attention_matches_the_float64_reference_over_the_same_bytes(dtype, tol, heads) -> None:
+    """Mixed batches over FP8 pools with per-layer scales: the Triton decode kernel (and, in bf16,
+    the Triton context kernel) reading FP8 against the CPU's float64 attention over the same bytes."""
+    hq, hkv, d = heads
+    tpb, num_blocks = 32, 400
+    scales = KvScales((1.0, 0.5), (1.0, 4.0))  # layer 1's
+    rng = random.Random(hq + d)
+    for trial in range(5):
+        requests, tables = _batch(rng, num_blocks, tpb, max_ctx=2000)
+        new, cached = [n for _, n in requests], [c for c, _ in requests]
+        gen = torch.Generator().manual_seed(trial)
+        t = sum(new)
+        q, k, v = (torch.randn(t, h, d, generator=gen).bfloat16().double() for h in (hq, hkv, hkv))
+        k_pool = quantize(torch.randn(num_blocks, tpb, hkv, d, generator=gen), 0.5)
+        v_pool = quantize(torch.randn(num_blocks, tpb, hkv, d, generator=gen), 4.0)
+        gpu = build_plan(new, cached, tables, tokens_per_block=tpb, num_blocks=num_blocks, num_kv_heads=hkv,
+                         device=CUDA, kv_scales=scales)
+        k_gpu, v_gpu = k_pool.to(CUDA), v_pool.to(CUDA)
+        got = gpu.layer(k_gpu, v_gpu, 1).attend(q.to(CUDA, dtype), k.to(CUDA, dtype), v.to(CUDA, dtype), d**-0.5)
+        cpu = build_cpu_plan(new, cached, tables, tokens_per_block=tpb, num_blocks=num_blocks, dtype=torch.float64,
+                             kv_scales=scales)
+        expected = cpu.layer(k_pool, v_pool, 1).attend(q, k, v, d**-0.5)
+        assert torch.equal(k_gpu.cpu().view(torch.uint8), k_pool.view(torch.uint8)), "the new tokens' FP8 bytes differ"
+        err = rel_err(got, expected)
+        assert err < tol, f"trial {trial}: {requests} rel err {err:.2e}"
+
+
+def test_the_fp8_decode_kernel_reads_half_the_bytes_of_bf16() -> None:
+    """The point of the cache on a GPU: a bandwidth-bound decode over FP8 pools takes well under
+    the time of the same decode over bf16 pools (ideally half; asserted: under 0.75)."""
+    import triton
+
+    from tensorrt_llm._torch.attention_backend.paged import decode_num_splits, num_sms
+    from tensorrt_llm._torch.attention_backend.triton_paged_decode import paged_decode_attention
+
+    batch, context, tpb, hq, hkv, d = 64, 8192, 32, 32, 8, 128
+    num_blocks = batch * context // tpb
+    tables = torch.randperm(num_blocks, device=CUDA, dtype=torch.int32).view(batch, -1)
+    seq_lens = torch.full((batch,), context, dtype=torch.int32, device=CUDA)
+    rows = torch.arange(batch, device=CUDA)
+    q = torch.randn(batch, hq, d, device=CUDA, dtype=torch.bfloat16)
+    out = torch.empty_like(q)
+    splits = decode_num_splits(batch, hkv, num_sms(CUDA))
+    times = {}
+    for name, dtype in (("bf16", torch.bfloat16), ("fp8", FP8)):
+        k = torch.randn(num_blocks * tpb, hkv, d, device=CUDA).to(dtype)
+        v = torch.randn(num_blocks * tpb, hkv, d, device=CUDA).to(dtype)
+        times[name] = triton.testing.do_bench(lambda: paged_decode_attention(
+            q, k, v, out, rows, tables, seq_lens, tokens_per_block=tpb, scale=d**-0.5, num_splits=splits))
+        del k, v
+    assert times["fp8"] < 0.75 * times["bf16"], times
+
+
+def _small(dtype: str) -> LlamaForCausalLM:
+    return LlamaForCausalLM(dataclasses.replace(MODEL_PRESETS["small-random"], dtype=dtype, seed=5))
+
+
+def _prompts() -> list[list[int]]:
+    rng = random.Random(3)
+    shared = [rng.randrange(2048) for _ in range(70)]
+    return [shared + [rng.randrange(2048) for _ in range(rng.randrange(1, 90))] for _ in range(5)] + [
+        [rng.randrange(2048) for _ in range(200)]
+    ]
+
+
+def _generate(model, prompts, *, graphs: bool, reuse: bool = True, overlap: bool = True, kv_dtype: str = "fp8"):
+    config = make_config(max_num_tokens=96, tokens_per_block=8, num_blocks=256, max_batch_size=8,
+                         enable_block_reuse=reuse, enable_partial_reuse=reuse,
+                         cuda_graph_config=CudaGraphConfig() if graphs else None, disable_overlap_scheduler=not overlap)
+    config = dataclasses.replace(config, kv_cache_config=dataclasses.replace(config.kv_cache_config, dtype=kv_dtype))
+    executor = create_py_executor(config, model=model)
+    assert executor.kv_cache_manager.storage.pools.dtype == (FP8 if kv_dtype == "fp8" else model.config.torch_dtype)
+    requests = [make_request(p, max_new_tokens=12) for p in prompts]
+    for request in requests:
+        executor.enqueue_request(request)
+    executor.run_until_idle()
+    assert all(r.error is None for r in requests), [r.error for r in requests]
+    return [r.output_token_ids for r in requests]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fp8_engine_serves_with_graphs_overlap_and_reuse_like_the_cpu_fp8_engine(dtype: str) -> None:
+    """The whole engine on an FP8 pool (CUDA graphs, piecewise graphs, overlap, prefix reuse)
+    against the same engine with reuse off and eagerly, and (float32) against the CPU engine
+    over an FP8 pool. A rounding difference can move a value across an FP8 step, so near-ties
+    may flip a request's greedy pick: at most one request of six may differ."""
+    prompts = _prompts()
+    model = _small(dtype).to(CUDA)
+    fast = _generate(model, prompts, graphs=True)
+    plain = _generate(model, prompts, graphs=False, reuse=False, overlap=False)
+    assert sum(a == b for a, b in zip(fast, plain)) >= len(prompts) - 1
+    if dtype == "float32":
+        cpu = _generate(_small(dtype), prompts, graphs=False)
+        assert sum(a == b for a, b in zip(fast, cpu)) >= len(prompts) - 1
+
+
+def test_fp8_pool_holds_twice_the_blocks_of_bf16_from_the_same_memory() -> None:
+    from tensorrt_llm._torch.pyexecutor.py_executor_creator import create_kv_cache_manager
+
+    model = _small("bfloat16").to(CUDA)
+    blocks = {}
+    for name in ("auto", "fp8"):
+        config = make_config(tokens_per_block=32, num_blocks=1)
+        kv = dataclasses.replace(config.kv_cache_config, num_blocks=None, dtype=name, free_gpu_memory_fraction=0.05)
+        manager = create_kv_cache_manager(dataclasses.replace(config, kv_cache_config=kv), model=model)
+        blocks[name] = manager.num_blocks
+        del manager
+        torch.cuda.empty_cache()
+    assert abs(blocks["fp8"] / blocks["auto"] - 2) < 0.02, blocks
+
+
+def test_fp8_host_tier_round_trip_on_cuda_moves_the_bytes() -> None:
+    from tensorrt_llm._torch.pyexecutor.kv_storage import KVCacheStorage
+
+    storage = KVCacheStorage(num_layers=3, num_blocks=6, num_host_blocks=4, block_shape=(8, 2, 16), dtype=FP8,
+                             device=CUDA)
+    storage.before_compute()  # the test writes the pools itself
+    raw = storage.pools.view(torch.uint8)
+    raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, device=CUDA))
+    before = raw[:, :, 2].clone()
+    storage.offload(2, 3)
+    storage.before_compute()
+    raw[:, :, 2].zero_()
+    storage.onboard(3, 5)
+    storage.copy_block(5, 1)
+    assert torch.equal(raw[:, :, 5], before) and torch.equal(raw[:, :, 1], before)
+    storage.synchronize()
+    assert torch.equal(storage.host.view(torch.uint8)[3].to(CUDA), before)
