@@ -15,7 +15,15 @@ from typing import Any
 import torch
 
 from benchmarks.cost_model import CostModel, FittedCostModel, ModelShape, default_cost_model
-from benchmarks.sim_engine import ENGINES, Engine, build_sim_engine, build_torch_engine, torch_kv_bytes_per_token, torch_vocab_size
+from benchmarks.sim_engine import (
+    ENGINES,
+    Engine,
+    build_sim_engine,
+    build_torch_engine,
+    torch_kv_bytes_per_token,
+    torch_model_config,
+    torch_vocab_size,
+)
 from benchmarks.traces import DEFAULT_VOCAB_SIZE, Trace
 from tensorrt_llm._torch.models.modeling_llama import MODEL_PRESETS
 from tensorrt_llm._torch.pyexecutor.config import ExecutorConfig
@@ -60,7 +68,8 @@ class ReplaySettings:
     executor: ExecutorConfig = nested(ExecutorConfig, inline=True, max_num_tokens=4096, enable_chunked_prefill=True,
                                       kv_cache_config={"num_blocks": 1280})
     engine: str = field(default="sim", metadata={"choices": ENGINES})  # sim: the cost model's clock; torch: a real model
-    model: str = field(default="tiny-random", metadata={"choices": tuple(sorted(MODEL_PRESETS))})  # torch engine's model
+    # The torch engine's model: a preset, or any checkpoint LLM(model=...) takes (HF directory or hub id, GGUF file).
+    model: str = field(default="tiny-random", metadata={"metavar": "|".join(sorted(MODEL_PRESETS)) + "|DIR|HUB_ID|FILE.gguf"})
     host_cache_blocks: int = 512  # the host (offload) tier, in blocks; 0 disables it
     # The torch engine's device, as LLM(device=...): auto is the GPU when torch sees one, else the CPU.
     device: str = field(default="auto", metadata={"choices": ("auto", "cpu", "cuda")})
@@ -80,8 +89,10 @@ class ReplaySettings:
             raise ValueError(f"engine must be one of {ENGINES}, got {self.engine!r}")
         if self.cost_model is not None and self.engine != "sim":
             raise ValueError("cost_model prices the sim engine's forwards; the torch engine runs them")
-        if self.model not in MODEL_PRESETS:
-            raise ValueError(f"model must be one of {sorted(MODEL_PRESETS)}, got {self.model!r}")
+        if not isinstance(self.model, str) or not self.model:
+            raise ValueError(f"model must be a preset ({', '.join(sorted(MODEL_PRESETS))}) or a checkpoint, got {self.model!r}")
+        if self.engine == "torch":
+            torch_model_config(self.model, self.torch_device)  # resolves it now: ValueError naming what was looked for
         if not isinstance(self.executor, ExecutorConfig):
             raise ValueError(f"executor must be an ExecutorConfig, got {type(self.executor).__name__}")
         if self.executor.kv_cache_config.num_blocks is None:
@@ -134,7 +145,7 @@ class ReplaySettings:
     @property
     def vocab_size(self) -> int:
         """Token ids the engine accepts: the torch model's vocabulary, or the trace default."""
-        return torch_vocab_size(self.model) if self.engine == "torch" else DEFAULT_VOCAB_SIZE
+        return torch_vocab_size(self.model, self.torch_device) if self.engine == "torch" else DEFAULT_VOCAB_SIZE
 
     def max_seq_len(self, trace: Trace) -> int:
         """Room for the trace's longest prompt plus its output, but never more positions than
@@ -142,12 +153,13 @@ class ReplaySettings:
         reason, instead of failing its whole batch inside the model."""
         longest = max_seq_len_for(trace)
         if self.engine == "torch":
-            return min(longest, MODEL_PRESETS[self.model].max_position_embeddings)
+            return min(longest, torch_model_config(self.model, self.torch_device).max_position_embeddings)
         return longest
 
     def build_engine(self, policy: str, max_seq_len: int) -> Engine:
         if self.engine == "torch":
-            config = self.executor_config(policy, max_seq_len=max_seq_len, kv_bytes_per_token=torch_kv_bytes_per_token(self.model))
+            kv_bytes = torch_kv_bytes_per_token(self.model, self.torch_device)
+            config = self.executor_config(policy, max_seq_len=max_seq_len, kv_bytes_per_token=kv_bytes)
             return build_torch_engine(config, model_name=self.model, device=self.torch_device)
         shape = ModelShape()
         config = self.executor_config(policy, max_seq_len=max_seq_len, kv_bytes_per_token=shape.kv_bytes_per_token())

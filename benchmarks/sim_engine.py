@@ -6,21 +6,23 @@ the token-budget policy, KV allocation with prefix reuse and the host tier, and
 cost model (``benchmarks.cost_model``) that advances a :class:`VirtualClock`. Tokens come
 from :class:`SyntheticSampler`, which never stops early.
 
-``torch``: a random-weight :class:`LlamaForCausalLM` on the local device, real K/V tensors,
-and a wall clock that skips idle gaps (see :class:`SkippingWallClock`), for scaled-down
-traces.
+``torch``: a :class:`LlamaForCausalLM` on the local device (a random-weight preset, or any
+checkpoint ``LLM(model=...)`` takes: a Hugging Face directory or hub id, a GGUF file), real K/V
+tensors, and a wall clock that skips idle gaps (see :class:`SkippingWallClock`), for
+scaled-down traces.
 
 Both return an :class:`Engine`: the executor plus the clock the replay injects arrivals on.
 """
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 from typing import Protocol
 
 from benchmarks.cost_model import CostModel, ForwardShape, ModelShape, RooflineCostModel
-from tensorrt_llm._torch.models.modeling_llama import MODEL_PRESETS, LlamaForCausalLM
+from tensorrt_llm._torch.models.modeling_llama import MODEL_PRESETS, LlamaConfig, LlamaForCausalLM
 from tensorrt_llm._torch.pyexecutor.config import ExecutorConfig
 from tensorrt_llm._torch.pyexecutor.kv_cache_manager import KVCacheManager
 from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequestState
@@ -163,35 +165,51 @@ def build_sim_engine(
     return Engine(executor, clock, vocab_size, kv_bytes_per_token, description)
 
 
-def torch_kv_bytes_per_token(model_name: str) -> int:
+@functools.cache
+def torch_model_config(model_name: str, device: str = "cpu") -> LlamaConfig:
+    """The config of ``model_name`` on ``device``: a preset's, or a checkpoint's (read from its
+    metadata, in the dtype ``LLM`` would run it in there). ValueError naming what was looked for."""
+    if model_name in MODEL_PRESETS:
+        return MODEL_PRESETS[model_name]
+    from tensorrt_llm.llmapi.llm_utils import describe_checkpoint
+
+    return describe_checkpoint(model_name, device=device).config
+
+
+def torch_kv_bytes_per_token(model_name: str, device: str = "cpu") -> int:
     """Bytes of K and V one token occupies in ``model_name``'s paged cache, all layers."""
-    config = MODEL_PRESETS[model_name]
+    config = torch_model_config(model_name, device)
     element = config.torch_dtype.itemsize
     return 2 * config.num_layers * config.num_kv_heads * config.head_dim * element
 
 
-def torch_vocab_size(model_name: str) -> int:
-    return MODEL_PRESETS[model_name].vocab_size
+def torch_vocab_size(model_name: str, device: str = "cpu") -> int:
+    return torch_model_config(model_name, device).vocab_size
 
 
 _MODELS: dict[tuple[str, str], LlamaForCausalLM] = {}
 
 
 def torch_model(model_name: str, device: str = "cpu") -> LlamaForCausalLM:
-    """The preset's random-weight model on ``device``, built once per process: its weights are
-    only read, and every policy of a replay runs the same model (on a GPU, 24.5 GB for Nemo)."""
+    """``model_name``'s model on ``device``, built once per process: its weights are only read,
+    and every policy of a replay runs the same model (on a GPU, 24.5 GB for Nemo). A preset's
+    weights are drawn from its seed; a checkpoint's are loaded as ``LLM`` loads them."""
     key = (model_name, device)
     if key not in _MODELS:
-        _MODELS[key] = LlamaForCausalLM(MODEL_PRESETS[model_name], device=None if device == "cpu" else device)
+        if model_name in MODEL_PRESETS:
+            _MODELS[key] = LlamaForCausalLM(MODEL_PRESETS[model_name], device=None if device == "cpu" else device)
+        else:
+            from tensorrt_llm.llmapi.llm_utils import load_model
+
+            _MODELS[key] = load_model(model_name, device=device).model
     return _MODELS[key]
 
 
 def build_torch_engine(config: ExecutorConfig, *, model_name: str = "tiny-random", device: str = "cpu") -> Engine:
-    """A real (random-weight) model on ``device``; forward times are measured (wall clock, the
-    clock restarted after the engine's warm-up: CUDA-graph capture is not serving time)."""
-    if model_name not in MODEL_PRESETS:
-        raise ValueError(f"unknown model {model_name!r}; presets: {', '.join(sorted(MODEL_PRESETS))}")
-    model_config = MODEL_PRESETS[model_name]
+    """A real model on ``device`` (a preset or a checkpoint: :func:`torch_model`); forward times are
+    measured (wall clock, the clock restarted after the engine's warm-up: CUDA-graph capture is not
+    serving time)."""
+    model_config = torch_model_config(model_name, device)
     clock = SkippingWallClock()
     executor = create_py_executor(config, model=torch_model(model_name, device), clock=clock)
     clock.restart()
@@ -207,5 +225,5 @@ def build_torch_engine(config: ExecutorConfig, *, model_name: str = "tiny-random
         "device": device,
         "overlap": executor.overlap,
     }
-    return Engine(executor, clock, model_config.vocab_size, torch_kv_bytes_per_token(model_name), description)
+    return Engine(executor, clock, model_config.vocab_size, torch_kv_bytes_per_token(model_name, device), description)
 
