@@ -313,6 +313,96 @@ def check_budget_priority(outcome: BatchOutcome) -> None:
             )
 
 
+def check_priority_recheck(decision, first_chunks, later_chunks, rank, *, reuse_can_shift: bool = False) -> None:
+    """The re-check's rules under priority (``recheck_by_priority``), on its decision values:
+    the admitted chunks fit the budget; a request that owed a deferral is admitted; and no
+    request is deferred while one ranked below it runs uncut, unless that one owed a deferral
+    (it runs at most what was set aside for it: it is cut, or its chunk was no larger)."""
+    scheduled = {c.request.request_id: (c, False) for c in later_chunks}
+    scheduled.update({c.request.request_id: (c, reuse_can_shift) for c in first_chunks})
+    total = 0
+    for rid, chunk in decision.chunks.items():
+        original, shift = scheduled[rid]
+        assert chunk.start == original.start and 0 < chunk.size <= original.size, f"{chunk!r} from {original!r}"
+        total += chunk.cost(reuse_can_shift=shift)
+    assert total + sum(map(forward_cost, decision.generation)) <= decision.max_num_tokens, (
+        f"re-check admitted {total} positions over {decision.max_num_tokens}: {decision}")
+    deferred = [request for request, _ in decision.deferred]
+    for request in deferred:
+        assert not request.py_budget_deferred, f"{request!r} owed a deferral and was deferred again"
+    for request in deferred:
+        for rid, chunk in decision.chunks.items():
+            original, _ = scheduled[rid]
+            if rank(original.request) > rank(request) and chunk == original and not original.request.py_budget_deferred:
+                raise AssertionError(
+                    f"{request!r} (priority {request.priority}) was deferred while {original!r}"
+                    f" (priority {original.request.priority}), ranked below it, ran uncut")
+
+
+def check_priority_order(before: dict[int, "PrioritySnapshot"], iteration: Iteration, order, *,
+                         cooldown: int | None) -> None:
+    """The independent oracle over one iteration's decision values (``waiting_queue_policy=priority``).
+
+    ``before``: every open request as it was before the step. Ranks are recomputed here from
+    effective priorities (``priority + rate * (now - arrival)`` at a common ``now``), not from
+    the scheduler's key. A context request passed over (not in the batch that runs, or deferred)
+    while one ranked below it runs is a violation, except where the difference is memory, not
+    order: the one that ran held KV blocks and the other did not (admission is for memory), or
+    the one passed over was capacity-deferred or paused; or the one that ran owed a budget
+    deferral. Every preemption pauses a request of strictly lower priority and lower effective
+    priority than the one it was paused for, outside its cooldown."""
+    now = max((s.arrival for s in before.values()), default=0.0) + 1.0
+
+    def ahead(a: "PrioritySnapshot", b: "PrioritySnapshot") -> bool:
+        ea = a.priority + order.aging_rate * (now - a.arrival)
+        eb = b.priority + order.aging_rate * (now - b.arrival)
+        if abs(ea - eb) > 1e-9:
+            return ea > eb
+        return (a.arrival, a.request_id) < (b.arrival, b.request_id)
+
+    prepared = iteration.prepared
+    ran = {c.request.request_id for c in prepared.scheduled.context_chunks}
+    excused = {d.request.request_id for d in prepared.deferred if d.reason is DeferReason.CAPACITY}
+    excused |= {r.request_id for r in iteration.scheduled.paused_requests}
+    contexts = [s for s in before.values() if s.context]
+    for passed in contexts:
+        if passed.request_id in ran or passed.request_id in excused:
+            continue
+        for runner in contexts:
+            if runner.request_id not in ran or not ahead(passed, runner):
+                continue
+            if runner.owed_deferral or (runner.allocated and not passed.allocated):
+                continue
+            raise AssertionError(
+                f"iteration {iteration.launch.iteration}: request {passed.request_id} (priority {passed.priority},"
+                f" arrived {passed.arrival}) was passed over for request {runner.request_id} (priority"
+                f" {runner.priority}, arrived {runner.arrival}); batch {iteration.batch!r}")
+    for victim_id, waiter_id in iteration.scheduled.preempted_for.items():
+        victim, waiter = before[victim_id], before[waiter_id]
+        assert victim.priority < waiter.priority and ahead(waiter, victim), (
+            f"request {victim_id} (priority {victim.priority}) preempted for {waiter_id} (priority {waiter.priority})")
+        assert cooldown is not None, "a preemption with preemption off"
+        assert victim.resumed_iteration < 0 or iteration.launch.iteration - victim.resumed_iteration >= cooldown, (
+            f"request {victim_id} preempted again {iteration.launch.iteration - victim.resumed_iteration} iterations"
+            f" after it resumed (cooldown {cooldown})")
+
+
+@dataclass(frozen=True, slots=True)
+class PrioritySnapshot:
+    request_id: int
+    priority: float
+    arrival: float
+    context: bool
+    allocated: bool
+    owed_deferral: bool
+    resumed_iteration: int
+
+
+def priority_snapshot(request: LlmRequest, kv: KVCacheManager) -> PrioritySnapshot:
+    return PrioritySnapshot(request.request_id, request.priority, request.arrival_time, request.is_context_init_state,
+                            kv.is_allocated(request), request.py_budget_deferred, request.resumed_iteration)
+
+
 @dataclass(slots=True)
 class ExecutorChecker:
     """Drives a :class:`PyExecutor` and checks invariants after every step.
