@@ -375,19 +375,25 @@ class ChatCompletionRequest(_SamplingRequest):
             raise ValueError("top_logprobs needs logprobs: true")
         return self
 
-    @model_validator(mode="after")
-    def _tools(self):
-        tools = self.tools or []
-        names = [tool.function.name for tool in tools]
+    @field_validator("tools")
+    @classmethod
+    def _unique_names(cls, tools: list[ChatCompletionToolsParam] | None) -> list[ChatCompletionToolsParam] | None:
+        names = [tool.function.name for tool in tools or ()]
         if len(set(names)) != len(names):
             raise ValueError(f"tools: function names must be unique, got {names}")
-        choice = self.tool_choice
-        if choice not in (None, "none") and not tools:
+        return tools
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _choice_among_tools(cls, choice, info: ValidationInfo):
+        """Checked here (``tools`` is validated before it), so that the error names tool_choice."""
+        names = [tool.function.name for tool in info.data.get("tools") or ()]
+        if choice not in (None, "none") and not names:
             raise ValueError("tool_choice needs tools")
         if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
             raise ValueError(f"tool_choice names the function {choice.function.name!r}, which is not among the tools"
                              f" ({', '.join(names)})")
-        return self
+        return choice
 
     @property
     def tool_choice_value(self) -> str:
