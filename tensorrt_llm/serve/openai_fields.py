@@ -98,6 +98,9 @@ FIELDS: tuple[FieldRule, ...] = (
               {**_BEAM, "early_stopping": True}),
     FieldRule("response_format", _S, BOTH, "openai", "text, json_object or json_schema (grammar-enforced)",
               {"response_format": {"type": "json_object"}}),
+    FieldRule("priority", _S, BOTH, "trtllm",
+              "[0, 1], 0.5 by default: who waits first under scheduler_config.waiting_queue_policy priority",
+              {"priority": 0.9}),
     # ---- log-probabilities and echo
     FieldRule("logprobs", _S, BOTH, "openai", "completions: top-k count (0..20); chat: true / false", {"logprobs": 2},
               chat_example={"logprobs": True}),
