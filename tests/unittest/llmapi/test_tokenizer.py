@@ -196,3 +196,162 @@ def test_deltas_concatenate_to_decode_and_never_end_mid_character(tok, data, ski
         assert tok.decode(seen, skip_special_tokens=skip_special).startswith(emitted)
     emitted += detok.flush()
     assert emitted == tok.decode(seen, skip_special_tokens=skip_special)
+
+
+# --------------------------------------------------------------------------- Hugging Face directories
+# SmolLM2's tokenizer files written by ``tools/gguf_to_hf --tokenizer-only`` are read by
+# ``Tokenizer.from_hf_directory`` and by transformers' ``AutoTokenizer``: both must encode every
+# text as the GGUF tokenizer does, and both must render every conversation alike, tools included.
+
+# A template of our own that uses what tool-calling templates use: tools as JSON, an assistant's
+# tool_calls (content null) with arguments through tojson, tool results, a namespace, dict(),
+# loop controls, the generation tag, reasoning, raise_exception and the special tokens.
+TOOL_TEMPLATE = """{{- bos_token -}}
+{%- set ns = namespace(tool_turns=0, system=none) -%}
+{%- if messages[0].role == 'system' %}{% set ns.system = messages[0].content %}{% endif -%}
+<|im_start|>system
+{{ ns.system or 'You are helpful.' }}
+{%- if tools %}
+
+# Tools
+{% for tool in tools %}{{ tool | tojson }}
+{% endfor %}
+{%- endif %}<|im_end|>
+{% for message in messages -%}
+{%- if message.role == 'system' %}{% continue %}{% endif -%}
+{%- if message.role not in ['user', 'assistant', 'tool'] %}{{ raise_exception('unknown role ' + message.role) }}{% endif -%}
+{%- if message.role == 'tool' %}{% set ns.tool_turns = ns.tool_turns + 1 %}<|im_start|>user
+<tool_response id="{{ message.tool_call_id }}">{{ message.content }}</tool_response><|im_end|>
+{% elif message.role == 'assistant' %}<|im_start|>assistant
+{% generation %}{%- if message.reasoning_content %}<think>{{ message.reasoning_content }}</think>{% endif -%}
+{%- if message.content is defined %}{{ message.content }}{% endif -%}
+{%- for call in message.tool_calls or [] %}
+<tool_call>{{ dict(name=call.function.name, arguments=call.function.arguments) | tojson(sort_keys=true) }}</tool_call>
+{%- endfor %}{% endgeneration %}<|im_end|>
+{% else %}<|im_start|>user
+{{ message.content }}<|im_end|>
+{% endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif -%}
+{{- '(' ~ ns.tool_turns ~ ' tool turns' ~ (', ' ~ extra if extra is defined else '') ~ ')' -}}"""
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city, in °C",
+                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                          "required": ["city"]}}},
+         {"type": "function", "function": {"name": "add", "parameters": {"type": "object", "properties": {
+             "a": {"type": "integer"}, "b": {"type": "integer"}}}}}]
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+     {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "Bye"}],
+    [{"role": "user", "content": "Weather in Paris and 2+3?"},
+     {"role": "assistant", "content": None, "reasoning_content": "Two calls.", "tool_calls": [
+         {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}},
+         {"id": "call_2", "type": "function", "function": {"name": "add", "arguments": {"a": 2, "b": 3}}}]},
+     {"role": "tool", "tool_call_id": "call_1", "content": "18 °C, ciel dégagé"},
+     {"role": "tool", "tool_call_id": "call_2", "content": "5"},
+     {"role": "assistant", "content": "Paris: 18 °C; 2+3 = 5."}],
+]
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer_dir(tmp_path_factory):
+    from tools.gguf_to_hf import export
+
+    return export("smollm2-135m-instruct", tmp_path_factory.mktemp("smollm2-tokenizer"), tokenizer_only=True)
+
+
+@pytest.fixture(scope="module")
+def transformers_tokenizer(hf_tokenizer_dir):
+    transformers = pytest.importorskip("transformers")
+    return transformers.AutoTokenizer.from_pretrained(hf_tokenizer_dir)
+
+
+def corpus() -> list[str]:
+    """Real text: the perplexity paragraphs, this project's docs and code, chat-formatted strings."""
+    from pathlib import Path
+
+    from benchmarks.perplexity import PARAGRAPHS
+
+    root = Path(__file__).resolve().parents[3]
+    texts = list(PARAGRAPHS)
+    for path in [root / "README.md", *sorted((root / "docs").glob("*.md")), root / "tensorrt_llm" / "llmapi" / "tokenizer.py"]:
+        if path.is_file():
+            text = path.read_text(encoding="utf-8")
+            texts += [text[i:i + 2000] for i in range(0, len(text), 2000)]
+    texts += ["<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n", "  leading\ttabs\n\n\r\nand 12345 digits",
+              "émoji 🚀 中文 naïve 🇫🇷", "<|endoftext|><|endoftext|>x", ""]
+    return texts
+
+
+def test_the_hf_files_encode_every_text_as_the_gguf_tokenizer(tok, hf_tokenizer_dir, transformers_tokenizer):
+    ours = Tokenizer.from_hf_directory(hf_tokenizer_dir)
+    texts = corpus()
+    assert sum(len(t) for t in texts) > 20_000
+    for text in texts:
+        expected = tok.encode(text)
+        assert ours.encode(text) == expected, text[:80]
+        assert transformers_tokenizer(text)["input_ids"] == expected, text[:80]
+        assert ours.decode(expected) == transformers_tokenizer.decode(expected, skip_special_tokens=True)
+    assert (ours.eos_token_id, ours.bos_token_id, ours.add_bos_token) == (tok.eos_token_id, tok.bos_token_id, False)
+    assert ours.special_tokens == {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "unk_token": "<|endoftext|>",
+                                   "pad_token": "<|im_end|>"}
+
+
+@given(st.text(st.characters(exclude_categories=["Cs"]), max_size=80))
+def test_any_text_encodes_alike_through_transformers(tok, hf_tokenizer_dir, transformers_tokenizer, text):
+    assert transformers_tokenizer(text)["input_ids"] == tok.encode(text)
+
+
+@pytest.mark.parametrize("conversation", CONVERSATIONS, ids=["one turn", "system and turns", "tool calls"])
+@pytest.mark.parametrize("with_tools", [False, True], ids=["no tools", "tools"])
+@pytest.mark.parametrize("template", ["model", "tool"])
+def test_chat_templates_render_what_transformers_renders(hf_tokenizer_dir, transformers_tokenizer, conversation,
+                                                         with_tools, template):
+    ours = Tokenizer.from_hf_directory(hf_tokenizer_dir)
+    source = None if template == "model" else TOOL_TEMPLATE
+    if template == "model" and any(m.get("tool_calls") or m["role"] == "tool" for m in conversation):
+        pytest.skip("SmolLM2's own template concatenates content, which a tool-call message leaves out")
+    tools = TOOLS if with_tools else None
+    for generation_prompt in (True, False):
+        expected = transformers_tokenizer.apply_chat_template(
+            conversation, tools=tools, chat_template=source, add_generation_prompt=generation_prompt, tokenize=False)
+        got = ours.apply_chat_template(conversation, add_generation_prompt=generation_prompt, tools=tools,
+                                       chat_template=source)
+        assert got == expected
+    extra = transformers_tokenizer.apply_chat_template(conversation, tools=tools, chat_template=TOOL_TEMPLATE,
+                                                       add_generation_prompt=True, tokenize=False, extra="kw")
+    assert ours.apply_chat_template(conversation, tools=tools, chat_template=TOOL_TEMPLATE, extra="kw") == extra
+
+
+def test_named_templates_and_the_jinja_file_are_chosen_as_transformers_chooses(hf_tokenizer_dir, tmp_path):
+    import json
+    import shutil
+
+    transformers = pytest.importorskip("transformers")
+    directory = shutil.copytree(hf_tokenizer_dir, tmp_path / "named")
+    config = json.loads((directory / "tokenizer_config.json").read_text())
+    config["chat_template"] = [{"name": "default", "template": "plain: {{ messages[0].content }}"},
+                               {"name": "tool_use", "template": TOOL_TEMPLATE}]
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    theirs = transformers.AutoTokenizer.from_pretrained(directory)
+    ours = Tokenizer.from_hf_directory(directory)
+    conversation = CONVERSATIONS[2]
+    for tools in (None, TOOLS):
+        assert ours.apply_chat_template(conversation, tools=tools) == theirs.apply_chat_template(
+            conversation, tools=tools, add_generation_prompt=True, tokenize=False)
+    assert ours.chat_template == "plain: {{ messages[0].content }}"
+    (directory / "chat_template.jinja").write_text("from the file: {{ messages | length }}")
+    theirs = transformers.AutoTokenizer.from_pretrained(directory)
+    ours = Tokenizer.from_hf_directory(directory)
+    assert ours.apply_chat_template(conversation) == theirs.apply_chat_template(
+        conversation, add_generation_prompt=True, tokenize=False) == "from the file: 5"
+
+
+def test_a_namespace_refuses_private_attributes(hf_tokenizer_dir):
+    ours = Tokenizer.from_hf_directory(hf_tokenizer_dir)
+    with pytest.raises(ValueError, match="underscore-prefixed"):
+        ours.apply_chat_template([{"role": "user", "content": "x"}],
+                                 chat_template="{% set ns = namespace(_secret=1) %}{{ ns }}")

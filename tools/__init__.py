@@ -1,0 +1,1 @@
+"""Command-line tools that run from the checkout (python -m tools.NAME)."""
