@@ -37,7 +37,7 @@ import prometheus_client
 import uvicorn
 
 from tensorrt_llm.llmapi.config_fields import add_arguments, deep_merge, from_mapping, overrides_from_args
-from tensorrt_llm.llmapi.llm_args import LlmArgs
+from tensorrt_llm.llmapi.llm_args import DERIVED_DEFAULTS, LlmArgs
 from tensorrt_llm.serve.llm_options import llm_options, read_llm_options
 from tensorrt_llm.serve.server_config import ServerConfig
 
@@ -64,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
         if action.dest == "api_key":
             action.help += f"; or ${API_KEY_ENV}"
     llm = p.add_argument_group("LLM(...) keywords", "also the keys of --extra_llm_api_options, which override these")
-    add_arguments(llm, LlmArgs, aliases=FLAG_ALIASES, defaults=LLM_DEFAULTS)
+    add_arguments(llm, LlmArgs, aliases=FLAG_ALIASES, defaults=LLM_DEFAULTS, derived=DERIVED_DEFAULTS)
     return p
 
 

@@ -52,8 +52,8 @@ import yaml
 from tensorrt_llm._torch.pyexecutor.config import parse_enum
 
 __all__ = [
-    "FieldSpec", "add_arguments", "deep_merge", "from_mapping", "nested", "overrides_from_args", "parse_mapping",
-    "to_mapping", "walk",
+    "FieldSpec", "add_arguments", "build_nested", "deep_merge", "from_mapping", "nested", "overrides_from_args",
+    "parse_mapping", "to_mapping", "walk",
 ]
 
 _SCALARS = (bool, int, float, str)
@@ -264,6 +264,21 @@ def _construct(cls: type, kwargs: dict[str, Any]) -> Any:
         raise ValueError(str(error)) from None
 
 
+def build_nested(cls: type, kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """``kwargs`` with each mapping given for a nested dataclass field of ``cls`` built into that
+    dataclass, as the YAML's is (``speculative_config={"decoding_type": "NGram", ...}``: keys
+    checked by name, merged over the field's defaults). Everything else is left as given, for
+    ``cls`` to check: ``LLM(...)`` takes its config objects and their dict forms alike."""
+    keys = _keys(cls)
+    built = dict(kwargs)
+    for key, value in kwargs.items():
+        if key in keys and isinstance(value, Mapping):
+            field, hint = keys[key]
+            if dataclasses.is_dataclass(_analyse(hint, key)[0]):
+                built[key] = _convert(field, hint, value, key, frozenset())
+    return built
+
+
 def to_mapping(obj: Any, *, exclude: Iterable[str] = (), path: str = "") -> dict[str, Any]:
     """The mapping ``from_mapping`` takes back to ``obj`` (but the dotted keys in ``exclude``):
     enums by value, nested dataclasses as mappings, an inlined one's keys at its parent's level.
@@ -350,6 +365,7 @@ def add_arguments(
     aliases: Mapping[str, Iterable[str]] | None = None,
     names: Mapping[str, Iterable[str]] | None = None,
     defaults: Mapping[str, Any] | None = None,
+    derived: Mapping[str, str] | None = None,
     exclude: Iterable[str] = (),
 ) -> list[argparse.Action]:
     """A flag for every key of ``cls`` (``walk``), none with a default: a flag not given is not
@@ -358,18 +374,21 @@ def add_arguments(
     ``spell`` joins words in flag names (``"_"``: upstream's ``--max_num_tokens``; ``"-"``:
     ``--max-num-tokens``). By dotted key, ``aliases`` adds option strings
     (``{"tensor_parallel_size": ["--tp_size"]}``) and ``names`` replaces the generated one.
-    ``defaults`` changes the defaults the help shows (the caller applies them).
+    ``defaults`` changes the defaults the help shows (the caller applies them); ``derived`` gives,
+    by dotted key, the words the help shows for a default the caller derives when the flag is not
+    given (``{"max_seq_len": "the model's max_position_embeddings ..."}``) instead of the field's.
     """
     aliases, names = aliases or {}, names or {}
     specs = list(walk(cls, defaults=defaults, exclude=exclude))
-    unknown = (set(aliases) | set(names)) - {spec.path for spec in specs}
+    derived = derived or {}
+    unknown = (set(aliases) | set(names) | set(derived)) - {spec.path for spec in specs}
     if unknown:
         raise ValueError(f"flag names for keys {cls.__name__} does not have: {sorted(unknown)}")
     actions = []
     for spec in specs:
         option_strings = [*names.get(spec.path, ["--" + spec.path.replace("_", spell)]), *aliases.get(spec.path, ())]
         actions.append(parser.add_argument(*option_strings, dest=spec.path, default=argparse.SUPPRESS,
-                                           help=_flag_help(spec), **_flag_kind(spec)))
+                                           help=_flag_help(spec, derived.get(spec.path)), **_flag_kind(spec)))
     return actions
 
 
@@ -428,12 +447,12 @@ def _yaml_value(spec: FieldSpec):
     return parse
 
 
-def _flag_help(spec: FieldSpec) -> str:
+def _flag_help(spec: FieldSpec, derived: str | None = None) -> str:
     text = spec.help.rstrip(".")
     if spec.is_nested:
         what = f"{spec.kind.__name__}'s keys as a YAML mapping" + (" (null: none)" if spec.optional else "")
         text = f"{text}; {what}" if text else what
-    shown = _shown_default(spec)
+    shown = derived if derived is not None else _shown_default(spec)
     text = f"{text} (default: {shown})" if shown is not None else text
     return text.replace("%", "%%")  # argparse formats help with %
 

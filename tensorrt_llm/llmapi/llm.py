@@ -23,6 +23,7 @@ from tensorrt_llm._torch.pyexecutor.executor_client import ExecutorClient, Healt
 from tensorrt_llm._torch.pyexecutor.guided_decoder import GrammarCompiler, GuidedDecodingParams
 from tensorrt_llm._torch.pyexecutor.llm_request import SEED_LIMIT, LlmRequest, SamplingConfig, check_priority
 from tensorrt_llm._torch.pyexecutor.py_executor_creator import create_py_executor
+from tensorrt_llm.llmapi.config_fields import build_nested
 from tensorrt_llm.llmapi.llm_utils import GenerationDefaults, describe_checkpoint, load_model, seeded_model
 from tensorrt_llm.llmapi.request_output import (  # noqa: F401 - CompletionOutput: re-exported (tensorrt_llm.llmapi)
     CompletionOutput,
@@ -489,11 +490,13 @@ _TORCHRUN_ATTENTION_DP = ("enable_attention_dp is not supported under torchrun y
 
 
 def _executor_config(executor_options: dict) -> ExecutorConfig:
-    """``ExecutorConfig`` from ``LLM(...)``'s executor keywords; an unknown one is a TypeError."""
+    """``ExecutorConfig`` from ``LLM(...)``'s executor keywords; an unknown one is a TypeError. A
+    nested config may be given as its object or as the mapping the YAML holds
+    (``speculative_config={"decoding_type": "NGram", "max_draft_len": 4}``)."""
     unknown = set(executor_options) - _EXECUTOR_FIELDS
     if unknown:
         raise TypeError(f"LLM got unknown options {sorted(unknown)}; accepted: {sorted(_EXECUTOR_FIELDS)}")
-    return ExecutorConfig(**executor_options)
+    return ExecutorConfig(**build_nested(ExecutorConfig, executor_options))
 
 
 def _torchrun_group(config: ExecutorConfig, enable_attention_dp: bool) -> TorchrunGroup | None:

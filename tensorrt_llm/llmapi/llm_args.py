@@ -15,6 +15,15 @@ from tensorrt_llm._torch.pyexecutor.config import ExecutorConfig
 from tensorrt_llm.llmapi.config_fields import nested
 
 DEVICES = ("auto", "cuda", "cpu")
+
+#: Keywords whose default ``LLM(...)`` derives from the model, the device or the KV pool when they
+#: are not given, in the words ``trtllm-serve --help`` shows instead of the field's own default
+#: (``LLM`` applies each where it builds the executor; a test checks every other flag's shown
+#: default against the value an ``LLM`` built without it uses).
+DERIVED_DEFAULTS = {
+    "dtype": "the model's on the CPU, bfloat16 on a GPU",
+    "max_seq_len": "the model's max_position_embeddings, lowered to what the KV pool holds for one sequence",
+}
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 
 
@@ -22,8 +31,7 @@ _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 class LlmArgs:
     """Every ``LLM(...)`` keyword, validated at construction (``LLM`` resolves the device)."""
 
-    # The weights' and activations' dtype (float32, float16, bfloat16, ...);
-    # default: the model's on the CPU, bfloat16 on a GPU.
+    # The weights' and activations' dtype (float32, float16, bfloat16, ...).
     dtype: str | None = None
     seed: int | None = None  # random-weight models: the seed the weights are drawn from
     # auto: the GPU when torch sees one, else the CPU; also cuda:N.

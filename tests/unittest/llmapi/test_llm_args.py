@@ -25,7 +25,7 @@ from benchmarks import replay
 from benchmarks.replay_settings import SET_BY_THE_REPLAY, ReplaySettings
 from tensorrt_llm._torch.pyexecutor.config import CudaGraphConfig, ExecutorConfig, FaultInjectionConfig, TokenBudgetPolicyName
 from tensorrt_llm.commands import serve
-from tensorrt_llm.llmapi.config_fields import FieldSpec, from_mapping, overrides_from_args, to_mapping, walk
+from tensorrt_llm.llmapi.config_fields import FieldSpec, deep_merge, from_mapping, overrides_from_args, to_mapping, walk
 from tensorrt_llm.llmapi.llm_args import LlmArgs
 from tensorrt_llm.serve.llm_options import LlmOptionsError, llm_options, load_llm_options, read_llm_options
 from tensorrt_llm.serve.server_config import ServerConfig
@@ -52,7 +52,10 @@ SURFACES = {
 # A value for string fields whose values are constrained (the others take any non-empty string).
 _STRINGS = {"dtype": "float16", "device": "cpu", "host": "0.0.0.0", "path": "trace.jsonl", "cost_model": "model.json"}
 # Settings a field's value is valid only beside (a dataclass's own checks across fields).
-_BESIDE = {(ReplaySettings, "device"): {"engine": "torch"}}
+_PRIORITY = {"scheduler_config": {"waiting_queue_policy": "priority"}}  # preemption is among priorities
+_BESIDE = {(ReplaySettings, "device"): {"engine": "torch"},
+           (ReplaySettings, "scheduler_config.enable_preemption"): _PRIORITY,
+           (LlmArgs, "scheduler_config.enable_preemption"): _PRIORITY}
 
 
 def _nested(path: str, value: Any) -> dict:
@@ -64,8 +67,19 @@ def _nested(path: str, value: Any) -> dict:
     return mapping
 
 
+def _flat(mapping: dict, prefix: str = "") -> list[tuple[str, Any]]:
+    """``(dotted key, value)`` of a nested mapping's leaves: the flags that set them."""
+    pairs = []
+    for key, value in mapping.items():
+        if isinstance(value, dict):
+            pairs += _flat(value, f"{prefix}{key}.")
+        else:
+            pairs.append((prefix + key, value))
+    return pairs
+
+
 def _mapping(surface: Surface, spec: FieldSpec, value: Any) -> dict:
-    return _BESIDE.get((surface.cls, spec.path), {}) | _nested(spec.path, value)
+    return deep_merge(_BESIDE.get((surface.cls, spec.path), {}), _nested(spec.path, value))
 
 
 def _get(obj: Any, path: str) -> Any:
@@ -99,8 +113,12 @@ def _candidates(spec: FieldSpec) -> list[Any]:
 
 
 def _set_value(surface: Surface, spec: FieldSpec) -> Any:
-    """A value of ``spec`` unlike its default that ``surface.cls`` accepts on its own."""
+    """A value of ``spec`` unlike its default (and unlike the value a default object resolves it
+    to: an alias whose None means another field's) that ``surface.cls`` accepts on its own."""
+    resolved = _get(surface.cls(), spec.path)
     for value in _candidates(spec):
+        if resolved is not None and not spec.is_nested and _expected(value, spec) == resolved:
+            continue
         try:
             from_mapping(surface.cls, _mapping(surface, spec, value), exclude=surface.exclude)
         except ValueError:
@@ -158,7 +176,8 @@ def test_every_field_can_be_set_from_a_mapping_and_from_the_command_line(surface
         assert _get(from_mapping(LlmArgs, read_llm_options(path)), spec.path) == expected
 
     parser = surface.parser()
-    beside = [arg for key, other in _BESIDE.get((surface.cls, spec.path), {}).items() for arg in (f"--{key}", other)]
+    flags = {a.dest: a.option_strings[0] for a in parser._actions if a.option_strings}
+    beside = [arg for key, other in _flat(_BESIDE.get((surface.cls, spec.path), {})) for arg in (flags[key], other)]
     args = parser.parse_args(beside + _argv(parser, spec, value))
     assert _get(surface.build(args), spec.path) == expected
 
@@ -326,3 +345,87 @@ def test_llm_args_round_trip():
     args = from_mapping(LlmArgs, {"device": "cpu", "seed": 3, "token_budget_policy": "claim",
                                   "kv_cache_config": {"num_blocks": 9}, "fault_injection": {"seed": 2}})
     assert from_mapping(LlmArgs, to_mapping(args)) == args
+
+
+# ---- the public config classes, their dict forms, and --help's defaults -------------------
+
+
+def _llm_argument_types() -> dict[str, type]:
+    """Each LLM(...) keyword whose value is a config object or an enum: keyword -> its class."""
+    kinds = {}
+    for spec in walk(LlmArgs):
+        if "." not in spec.path and (spec.is_nested or (isinstance(spec.kind, type) and issubclass(spec.kind, enum.Enum))):
+            kinds[spec.path] = spec.kind
+    return kinds
+
+
+def test_every_config_an_llm_argument_takes_is_importable_from_llmapi():
+    import tensorrt_llm.llmapi as llmapi
+
+    exported = {name: getattr(llmapi, name) for name in llmapi.__all__}
+    kinds = _llm_argument_types()
+    assert {"kv_cache_config", "cuda_graph_config", "scheduler_config", "speculative_config"} <= set(kinds)
+    for keyword, kind in kinds.items():
+        assert kind in exported.values(), f"{keyword}: {kind.__name__} is not exported by tensorrt_llm.llmapi"
+    # upstream's names, the project's kept beside them
+    assert llmapi.NGramDecodingConfig is llmapi.SpeculativeConfig is kinds["speculative_config"]
+    assert llmapi.TorchLlmArgs is llmapi.LlmArgs is LlmArgs
+    for name in ("KvCacheConfig", "CudaGraphConfig", "SchedulerConfig", "CapacitySchedulerPolicy", "ContextChunkingPolicy"):
+        assert getattr(llmapi, name).__name__ == name
+    with pytest.raises(AttributeError):
+        llmapi.NoSuchConfig  # noqa: B018
+
+
+def test_every_config_argument_takes_the_dict_form_the_yaml_uses(one_torch_thread):
+    """Each nested config keyword given as a mapping (its defaults, one field changed where it can
+    be) builds the same object as the class would; a bad key is refused by its dotted name."""
+    from tensorrt_llm.llmapi import LLM, NGramDecodingConfig
+
+    nested = {k: v for k, v in _llm_argument_types().items() if dataclasses.is_dataclass(v)}
+    given = {keyword: to_mapping(kind()) for keyword, kind in nested.items()}
+    given["speculative_config"] = {"decoding_type": "NGram", "max_draft_len": 2, "max_matching_ngram_size": 2}
+    given["kv_cache_config"] |= {"tokens_per_block": 16, "num_blocks": 64}
+    with LLM("tiny-random", max_seq_len=128, **given) as llm:
+        for keyword, kind in nested.items():
+            built = getattr(llm.config, keyword)
+            assert isinstance(built, kind), keyword
+        assert llm.config.speculative_config == NGramDecodingConfig(max_draft_len=2, max_matching_ngram_size=2)
+        assert llm.config.kv_cache_config.tokens_per_block == 16
+        assert len(llm.generate([1, 2, 3, 1, 2, 3], None).outputs[0].token_ids) > 0
+    with pytest.raises(ValueError, match="unknown key 'speculative_config.max_draft'"):
+        LLM("tiny-random", speculative_config={"decoding_type": "NGram", "max_draft": 2})
+    with pytest.raises(ValueError, match="speculative_config.decoding_type must be one of 'NGram'"):
+        LLM("tiny-random", speculative_config={"decoding_type": "Eagle"})
+
+
+def test_help_shows_the_defaults_an_llm_uses(one_torch_thread):
+    """Every LLM flag's shown default is the value an LLM built without it uses (the same
+    description gives both); a default derived from the model says so instead of a number."""
+    from tensorrt_llm.llmapi import LLM
+    from tensorrt_llm.llmapi.llm_args import DERIVED_DEFAULTS
+
+    helps = {a.dest: " ".join(a.help.split()) for a in serve.build_parser()._actions if a.help}
+    shown_values = to_mapping(from_mapping(LlmArgs, serve.LLM_DEFAULTS))
+    with LLM("tiny-random", **serve.LLM_DEFAULTS) as llm:
+        used = to_mapping(llm.config)
+        model_positions = llm.model_config.max_position_embeddings
+    checked = 0
+    for spec in walk(LlmArgs, defaults=serve.LLM_DEFAULTS):
+        if spec.is_nested or spec.path in DERIVED_DEFAULTS:
+            continue
+        value, where = used, spec.path.split(".")
+        for part in where:
+            value = value.get(part, KeyError) if isinstance(value, dict) else KeyError
+        if value is KeyError:
+            continue  # the LLM's own keywords (device, seed, ...): not part of the executor's config
+        expected = shown_values
+        for part in where:
+            expected = expected[part]
+        assert value == expected, f"--{spec.path}: shown {expected!r}, used {value!r}"
+        checked += 1
+    assert checked > 20
+    for path, words in DERIVED_DEFAULTS.items():
+        assert f"(default: {words})" in helps[path], path
+    assert "4096" not in helps["max_seq_len"]
+    with LLM("tiny-random") as llm:
+        assert llm.config.max_seq_len <= model_positions and llm.config.max_seq_len != ExecutorConfig().max_seq_len
