@@ -9,11 +9,23 @@ Every primary slot is in exactly one of three sets::
 so ``num_free + num_cached + num_held == num_blocks``. A tree block may also live only in
 the host tier (``block_id is None``): it still matches, and a claim onboards it.
 
+Block objects are built once and reused, as vLLM's block pool builds its blocks once: a
+primary slot gets its object the first time it is handed out, and from then on a free slot
+keeps an object on the free list, ready to hand out again (an allocation sets its reference
+count, nothing more). A tree block is its content's identity: when it moves to the host tier
+it keeps its object and the primary slot it leaves takes a spare one (an object that holds
+no slot: a host-only block that left the tree, or a fresh block whose content was already in
+the tree). So a pool never holds more than ``num_blocks + num_host_blocks`` block objects,
+and once every slot has been used an allocation builds none. A block handed back to the free
+list is blank (no tokens, parent, children or host slot); an object that re-enters the tree
+gets a new ``serial``, which is how a holder of an old chain tells it apart (``PrefixIndex``).
+
 The two LRU lists (cached primary blocks, host-only tree blocks) are deques with lazy
 removal, not ordered dicts: a block is appended each time it becomes evictable and is never
 searched for when it stops being so (a claim pins it, it is onboarded or dropped). An entry
-is live only if it is its block's last one in that deque (a count on the block) and the
-block is still evictable in that tier; eviction skips the others as it meets them. Every
+is live only if it is its block's last one in that deque (a count on the block, never reset
+when the object is reused) and the block is still evictable in that tier; eviction skips the
+others as it meets them. Every
 LRU operation is then an O(1) deque end operation on contiguous memory, with no hashing and
 no linked-list node per block, and the order of live entries is exactly the order an ordered
 dict would keep (a block only enters a list when it is not in it).
@@ -181,7 +193,13 @@ class BlockPool:
         self.num_host_blocks = num_host_blocks
         self.storage = storage
         self.root = KVBlock(None)
-        self._free: deque[int] = deque(range(num_blocks))
+        # Free primary slots, handed out in this order: the never-used slots, lowest first
+        # (``num_blocks - _unused`` is the next; they get their objects then), then the
+        # released ones in release order, each with its object (block_id set, ref_count 0).
+        self._unused = num_blocks
+        self._free: deque[KVBlock] = deque()
+        self._spare: list[KVBlock] = []  # objects holding no slot, ready for a slot that needs one
+        self.num_block_objects = 0  # block objects built (the root aside): at most num_blocks + num_host_blocks
         self._free_host: deque[int] = deque(range(num_host_blocks))
         # LRU deques, oldest first, with stale entries (see the module docstring) and live counts
         self._lru: deque[KVBlock] = deque()  # cached primary blocks
@@ -196,7 +214,7 @@ class BlockPool:
     # ---- counts ---------------------------------------------------------------------
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return len(self._free) + self._unused
 
     @property
     def num_cached(self) -> int:
@@ -204,11 +222,16 @@ class BlockPool:
 
     @property
     def available(self) -> int:
-        return len(self._free) + self._num_cached
+        return len(self._free) + self._unused + self._num_cached
 
     @property
     def num_host_cached(self) -> int:
         return self._num_host_cached
+
+    @property
+    def serial(self) -> int:
+        """The ``KVBlock.serial`` of the last block committed to the tree (0: none yet)."""
+        return self._serial
 
     @property
     def lru_length(self) -> int:
@@ -217,7 +240,7 @@ class BlockPool:
         return len(self._lru)
 
     def stats(self) -> KvCacheStats:
-        return KvCacheStats(self.num_blocks, len(self._free), self._num_cached, self.num_offloads, self.num_onboards)
+        return KvCacheStats(self.num_blocks, self.num_free, self._num_cached, self.num_offloads, self.num_onboards)
 
     # ---- matching -------------------------------------------------------------------
     def match(
@@ -345,9 +368,8 @@ class BlockPool:
             block.ref_count -= 1
             if block.ref_count:
                 continue
-            if block.tokens is None:  # not in the tree: a private block, its slot is free
-                free.append(block.block_id)
-                block.block_id = None
+            if block.tokens is None:  # not in the tree: a private block, its slot (with it) is free
+                free.append(block)
             elif block.block_id is not None:  # _to_lru inlined: a finished request releases every block here
                 lru.append(block)
                 block.lru_entries += 1
@@ -361,25 +383,68 @@ class BlockPool:
     # ---- allocation -----------------------------------------------------------------
     def allocate(self) -> KVBlock | None:
         """A fresh private block with ref_count 1, evicting the LRU cached block if needed."""
-        if not self._free and not self._evict_one():
+        if not self._free and not self._unused and not self._evict_one():
             return None
-        return KVBlock(self._free.popleft(), 1)
+        block = self._free.popleft() if self._free and not self._unused else self._take_unused()
+        block.ref_count = 1
+        return block
 
     def allocate_many(self, count: int) -> list[KVBlock]:
         """``count`` fresh blocks, as ``count`` calls of :meth:`allocate` would give them
         (free slots first, then evicting one cached block at a time while short); fewer
         only if the pool runs out."""
         free = self._free
+        if self._unused:  # the pool's first pass over its slots: they get their objects now
+            blocks = [self._take_unused() for _ in range(min(count, self._unused))]
+            count -= len(blocks)
+        else:
+            blocks = []
         if len(free) < count:
             self._evict_until(count)
-        return [KVBlock(free.popleft(), 1) for _ in range(min(count, len(free)))]
+        if count == 1 and free:  # the usual step: one block
+            blocks.append(free.popleft())
+        elif count > 0:
+            blocks += [free.popleft() for _ in range(min(count, len(free)))]
+        for block in blocks:
+            block.ref_count = 1
+        return blocks
+
+    def _take_unused(self) -> KVBlock:
+        """The lowest never-used slot, with its object: a spare one if there is one."""
+        block_id = self.num_blocks - self._unused
+        self._unused -= 1
+        if self._spare:
+            block = self._spare.pop()
+            block.block_id = block_id
+            return block
+        self.num_block_objects += 1
+        return KVBlock(block_id)
+
+    def _take_slot(self) -> int:
+        """A free primary slot's id for a block that has an object already (onboarding); the
+        slot's own object becomes a spare."""
+        slot = self._free.popleft() if self._free and not self._unused else self._take_unused()
+        block_id, slot.block_id = slot.block_id, None
+        self._spare.append(slot)
+        return block_id
+
+    def _slot_freed(self, block_id: int) -> None:
+        """A slot whose block keeps its object elsewhere (offloaded to the host tier) is free:
+        a spare object holds it on the free list."""
+        if self._spare:
+            slot = self._spare.pop()
+        else:
+            slot = KVBlock(None)
+            self.num_block_objects += 1
+        slot.block_id = block_id
+        self._free.append(slot)
 
     def onboard(self, block: KVBlock) -> bool:
         """Bring a pinned host-only tree block back into a primary slot (may evict)."""
         assert block.block_id is None and block.ref_count > 0, block
-        if not self._free and not self._evict_one():
+        if not self._free and not self._unused and not self._evict_one():
             return False
-        block.block_id = self._free.popleft()
+        block.block_id = self._take_slot()
         if self.storage is not None:
             self.storage.onboard(block.host_id, block.block_id)
         self._free_host.append(block.host_id)
@@ -433,6 +498,8 @@ class BlockPool:
                 self._free_host.append(existing.host_id)
                 existing.host_id, existing.block_id = None, block.block_id
                 existing.ref_count += 1
+                block.block_id, block.ref_count = None, 0  # private, now without a slot: a spare
+                self._spare.append(block)
             else:
                 self.incref(existing)
                 self.decref(block)  # private, so this frees its slot
@@ -451,7 +518,7 @@ class BlockPool:
 
     def _evict_one(self) -> bool:
         """Free one primary slot from the LRU cached block; offload it if the host tier can take it."""
-        return self._evict_until(len(self._free) + 1) > 0
+        return self._evict_until(self.num_free + 1) > 0
 
     def _evict_until(self, num_free: int) -> int:
         """Evict LRU cached blocks, oldest first, until ``num_free`` slots are free or nothing
@@ -463,6 +530,7 @@ class BlockPool:
         host block out of the tree: the counts are kept in locals (written back around the
         rare calls that update them) and the usual host drop, a leaf, is inlined."""
         free, free_host = self._free, self._free_host
+        num_free -= self._unused  # never-used slots count as free (none is left when anything is cached)
         host_tier, storage = self.num_host_blocks > 0, self.storage
         pop_oldest, pop_oldest_host, push_host = self._lru.popleft, self._host_lru.popleft, self._host_lru.append
         num_cached, num_host_cached = self._num_cached, self._num_host_cached
@@ -511,10 +579,11 @@ class BlockPool:
                         _unindex(parent.by_first, dropped)
                     host_id = dropped.host_id
                     dropped.host_id = dropped.tokens = dropped.parent = dropped.children = dropped.by_first = None
+                    self._spare.append(dropped)  # out of the tree, no slot: its object is reused
             victim.host_id = host_id
             if storage is not None:
                 storage.offload(victim.block_id, host_id)
-            free.append(victim.block_id)
+            self._slot_freed(victim.block_id)  # the victim keeps its object, as the host copy
             victim.block_id = None
             push_host(victim)  # _to_host_lru inlined (counted above), its compaction done once below
             victim.host_lru_entries += 1
@@ -561,18 +630,18 @@ class BlockPool:
             self._release_node(node)
 
     def _release_node(self, node: KVBlock) -> None:
-        """Give a dropped tree node's slots back; it is no longer in the tree."""
+        """Give a dropped tree node's slots back, with its object; it is no longer in the tree."""
         if node.host_id is not None:
             self._free_host.append(node.host_id)
             node.host_id = None
         node.tokens = node.parent = node.children = node.by_first = None
         if node.block_id is not None:
-            self._free.append(node.block_id)
-            node.block_id = None
+            self._free.append(node)
+        else:
+            self._spare.append(node)
 
     def _free_slot(self, block: KVBlock) -> None:
-        self._free.append(block.block_id)
-        block.block_id = None
+        self._free.append(block)
 
     # ---- integrity ------------------------------------------------------------------
     def lru_blocks(self, *, host: bool = False) -> list[KVBlock]:
@@ -591,14 +660,16 @@ class BlockPool:
     def check_integrity(self, held_blocks: Iterable[KVBlock] = ()) -> None:
         """Raise AssertionError unless free + cached + held partition the primary slots."""
         held = {id(b): b for b in held_blocks}
-        free = set(self._free)
+        assert all(b.ref_count == 0 and b.tokens is None and b.host_id is None for b in self._free), "a free block is in use"
+        assert all(b.block_id is None and b.ref_count == 0 and b.tokens is None for b in self._spare), "a spare holds a slot"
+        free = {b.block_id for b in self._free} | set(range(self.num_blocks - self._unused, self.num_blocks))
         lru = self.lru_blocks()
         cached = {b.block_id for b in lru}
         assert len(cached) == len(lru) == self._num_cached, f"{len(lru)} cached blocks, counted {self._num_cached}"
         host_lru = self.lru_blocks(host=True)
         assert len(host_lru) == self._num_host_cached, f"{len(host_lru)} host blocks, counted {self._num_host_cached}"
         held_ids = {b.block_id for b in held.values() if b.block_id is not None}
-        assert len(free) == len(self._free), "a slot is on the free list twice"
+        assert len(free) == self.num_free, "a slot is on the free list twice"
         assert not (free & cached) and not (free & held_ids) and not (cached & held_ids), "a slot is in two sets"
         assert len(free) + len(cached) + len(held_ids) == self.num_blocks, (
             f"leak: free {len(free)} + cached {len(cached)} + held {len(held_ids)} != {self.num_blocks}"

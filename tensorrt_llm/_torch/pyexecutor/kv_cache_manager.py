@@ -116,10 +116,6 @@ def _unreferenced(block: KVBlock) -> bool:
     return block.ref_count == 0
 
 
-def _dropped(block: KVBlock) -> bool:
-    return block.tokens is None  # not in_tree
-
-
 @dataclass(slots=True)
 class _Sequence:
     """The blocks one request holds. ``blocks[:num_committed]`` are tree nodes."""
@@ -166,31 +162,39 @@ NO_MATCH = PrefixMatch()
 class PrefixIndex:
     """Each waiting request's last walk of the prefix tree, resumed by its next one.
 
-    Exact, not a guess: a block leaves the tree only with its whole subtree, and a dropped
-    block object never re-enters it, so the blocks of an old chain that were dropped since are
-    a suffix of it (found by bisection); what was committed since is found by walking on from
-    the last surviving block. :meth:`chain` therefore returns ``pool.match(keys)`` as of now,
-    at the cost of what changed. An entry lives from a request's first match until it is
-    allocated or freed (:meth:`forget`).
+    Exact, not a guess: a block leaves the tree only with its whole subtree, so the blocks of an
+    old chain that were dropped since are a suffix of it (found by bisection); what was
+    committed since is found by walking on from the last surviving block. A dropped block's
+    object is reused (``BlockPool``): it is out of the tree, or back in it with a ``serial``
+    above the pool's serial when the chain was last brought up to date, which tells it apart.
+    :meth:`chain` therefore returns ``pool.match(keys)`` as of now, at the cost of what changed.
+    An entry lives from a request's first match until it is allocated or freed (:meth:`forget`).
     """
 
     def __init__(self, pool: BlockPool) -> None:
         self._pool = pool
-        self._entries: dict[int, tuple[int, list[KVBlock], list[tuple[int, BlockTokens]]]] = {}
+        # request id -> [prompt_len, chain, keys, the pool's serial when the chain was last brought up to date]
+        self._entries: dict[int, list] = {}
 
     def chain(self, request_id: int, prompt_len: int, keys: list[tuple[int, BlockTokens]]) -> list[KVBlock]:
         """The matched full blocks of a prompt of ``prompt_len`` tokens whose block keys are ``keys``
         (the index's own list: read it, slice it, never change it)."""
+        pool = self._pool
         entry = self._entries.get(request_id)
         if entry is None or entry[0] != prompt_len:
-            chain = self._pool.match(keys)
-            self._entries[request_id] = (prompt_len, chain, keys)
+            chain = pool.match(keys)
+            self._entries[request_id] = [prompt_len, chain, keys, pool.serial]
             return chain
-        _, chain, keys = entry  # the chain is updated in place
-        if chain and chain[-1].tokens is None:  # its end left the tree
-            del chain[bisect.bisect_left(chain, True, key=_dropped) :]
+        _, chain, keys, seen = entry  # the chain is updated in place
+        if chain and (chain[-1].tokens is None or chain[-1].serial > seen):  # its end left the tree
+
+            def dropped(block: KVBlock) -> bool:  # since ``seen``: out of the tree, or back in it as another block
+                return block.tokens is None or block.serial > seen
+
+            del chain[bisect.bisect_left(chain, True, key=dropped) :]
         if len(chain) < len(keys) and (not chain or chain[-1].children):  # else nothing can extend it
-            chain += self._pool.match(keys, chain[-1] if chain else None, start=len(chain))
+            chain += pool.match(keys, chain[-1] if chain else None, start=len(chain))
+        entry[3] = pool.serial
         return chain
 
     def forget(self, request_id: int) -> None:
