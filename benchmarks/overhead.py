@@ -8,7 +8,13 @@ objects (no copy of the iteration):
 
 * ``schedule``  — ``SimpleScheduler.schedule_request`` (capacity + micro-batch),
 * ``prepare``   — ``ResourceManager.prepare_resources`` (re-check + allocation),
-* ``recheck``   — the re-check alone (the policy's ``before_allocation``), part of ``prepare``.
+* ``recheck``   — the re-check alone (the policy's ``before_allocation``), part of ``prepare``,
+* ``step``      — the whole ``PyExecutor.step``: the above, the (simulated) forward's input
+  building, sampling, the requests' update and stop rule, the KV commit, freeing finished
+  requests. With the simulated engine every microsecond of it is host work.
+
+``host_us_per_request`` is ``(schedule + prepare) / active``; ``step_us_per_request`` is
+``step / active``. ``benchmarks.host_path_ab`` runs this file against other commits, alternated.
 
     python -m benchmarks.overhead [--active 16,64,256,1024] [--iterations 200] [--json OUT.json]
 """
@@ -27,7 +33,11 @@ from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequest
 from tensorrt_llm._torch.pyexecutor.py_executor import PyExecutor
 from tensorrt_llm._torch.pyexecutor.py_executor_creator import create_py_executor
 from tensorrt_llm._torch.pyexecutor.simulated_engine import SimulatedModelEngine
-from tensorrt_llm._torch.pyexecutor.synthetic_sampler import SyntheticSampler
+
+try:
+    from tensorrt_llm._torch.pyexecutor.synthetic_sampler import SyntheticSampler
+except ImportError:  # an older tree (benchmarks.host_path_ab runs this file against earlier commits)
+    from tensorrt_llm._torch.pyexecutor.simulated_engine import SyntheticSampler
 
 VOCAB = 32000
 TOKENS_PER_BLOCK = 32
@@ -79,17 +89,18 @@ def measure(num_active: int, iterations: int) -> dict:
         executor.enqueue_request(LlmRequest(_prompt(i), max_new_tokens=100_000))
     while any(r.is_context_init_state for r in executor.active_requests) or not executor.active_requests:
         executor.step()
-    phases: dict[str, list[float]] = {"schedule": [], "prepare": [], "recheck": []}
+    phases: dict[str, list[float]] = {"schedule": [], "prepare": [], "recheck": [], "step": []}
     executor.scheduler.schedule_request = _timed(phases["schedule"], executor.scheduler.schedule_request)
     executor.resource_manager.prepare_resources = _timed(phases["prepare"], executor.resource_manager.prepare_resources)
     policy = executor.resource_manager.token_budget
     policy.before_allocation = _timed(phases["recheck"], policy.before_allocation)
+    step = _timed(phases["step"], executor.step)
     next_index = num_active
     for _ in range(iterations):  # a steady stream of short requests that reuse the shared prefix
         for _ in range(NEW_PER_ITERATION):
             executor.enqueue_request(LlmRequest(_prompt(next_index), max_new_tokens=4))
             next_index += 1
-        executor.step()
+        step()
     median = {name: statistics.median(samples) for name, samples in phases.items()}
     host = median["schedule"] + median["prepare"]
     return {
@@ -98,7 +109,9 @@ def measure(num_active: int, iterations: int) -> dict:
         "prepare_resources_us": round(median["prepare"], 1),
         "recheck_us": round(median["recheck"], 1),
         "recheck_share": round(median["recheck"] / host, 4),
-        "host_us_per_request": round(host / num_active, 2),
+        "host_us_per_request": round(host / num_active, 3),
+        "step_us": round(median["step"], 1),
+        "step_us_per_request": round(median["step"] / num_active, 3),
     }
 
 
@@ -110,13 +123,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     sizes = [int(n) for n in args.active.split(",")]
     rows = []
-    print(f"{'active':>7} {'schedule us':>12} {'prepare us':>11} {'recheck us':>11} {'recheck %':>10} {'us/request':>11}")
+    print(f"{'active':>7} {'schedule us':>12} {'prepare us':>11} {'recheck us':>11} {'recheck %':>10} {'us/request':>11}"
+          f" {'step us':>9} {'step us/request':>16}")
     for n in sizes:
         row = measure(n, args.iterations)
         rows.append(row)
         print(
             f"{n:>7} {row['schedule_us']:>12.1f} {row['prepare_resources_us']:>11.1f} {row['recheck_us']:>11.1f}"
-            f" {100 * row['recheck_share']:>9.2f}% {row['host_us_per_request']:>11.2f}",
+            f" {100 * row['recheck_share']:>9.2f}% {row['host_us_per_request']:>11.3f}"
+            f" {row['step_us']:>9.1f} {row['step_us_per_request']:>16.3f}",
             flush=True,
         )
     worst = max(row["recheck_share"] for row in rows)
