@@ -360,3 +360,21 @@ def test_generation_config_supplies_eos_ids_and_sampling_defaults(tmp_path, capl
     (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": "hot", "eos_token_id": 2}))
     defaults, eos = read_generation_config(tmp_path)  # refuses nothing: the bad value is logged and left out
     assert defaults.sampling_kwargs() == {} and eos == (2,)
+
+
+def test_loading_holds_about_one_tensor_beside_the_model(tmp_path):
+    """Peak RSS of a load (a fresh process, benchmarks.hf_load_memory's measurement) stays within
+    1.3x the bytes on disk: the mapped pages of each tensor are released once it is copied."""
+    import subprocess
+    import sys
+
+    from benchmarks.hf_load_memory import LLAMA_3_2_1B, write_checkpoint as write_streamed
+
+    shape = {**LLAMA_3_2_1B, "vocab_size": 8192, "hidden_size": 512, "intermediate_size": 2048, "num_hidden_layers": 8,
+             "num_attention_heads": 8, "num_key_value_heads": 2, "tie_word_embeddings": False}
+    disk = write_streamed(tmp_path / "ckpt", shape)
+    out = subprocess.run([sys.executable, "-m", "benchmarks.hf_load_memory", "--measure", str(tmp_path / "ckpt"),
+                          "bfloat16"], capture_output=True, text=True, check=True, timeout=240)
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["disk_bytes"] == disk > 50e6 and result["model_bytes"] == disk
+    assert result["peak_over_disk"] <= 1.3, result
