@@ -393,32 +393,45 @@ class BlockPool:
         """``count`` fresh blocks, as ``count`` calls of :meth:`allocate` would give them
         (free slots first, then evicting one cached block at a time while short); fewer
         only if the pool runs out."""
+        blocks = self._allocate_unused(count) if self._unused else []
+        count -= len(blocks)
         free = self._free
-        if self._unused:  # the pool's first pass over its slots: they get their objects now
-            blocks = [self._take_unused() for _ in range(min(count, self._unused))]
-            count -= len(blocks)
-        else:
-            blocks = []
         if len(free) < count:
             self._evict_until(count)
         if count == 1 and free:  # the usual step: one block
-            blocks.append(free.popleft())
-        elif count > 0:
-            blocks += [free.popleft() for _ in range(min(count, len(free)))]
-        for block in blocks:
+            block = free.popleft()
             block.ref_count = 1
+            blocks.append(block)
+        elif count > 0:
+            taken = [free.popleft() for _ in range(min(count, len(free)))]
+            for block in taken:
+                block.ref_count = 1
+            blocks += taken
+        return blocks
+
+    def _allocate_unused(self, count: int) -> list[KVBlock]:
+        """Up to ``count`` never-used slots, lowest first, each with its object (a spare one
+        while there are spares), referenced once."""
+        first = self.num_blocks - self._unused
+        taken = min(count, self._unused)
+        self._unused -= taken
+        blocks = []
+        spare = self._spare
+        for block_id in range(first, first + taken):
+            if spare:
+                block = spare.pop()
+                block.block_id, block.ref_count = block_id, 1
+            else:
+                block = KVBlock(block_id, 1)
+                self.num_block_objects += 1
+            blocks.append(block)
         return blocks
 
     def _take_unused(self) -> KVBlock:
-        """The lowest never-used slot, with its object: a spare one if there is one."""
-        block_id = self.num_blocks - self._unused
-        self._unused -= 1
-        if self._spare:
-            block = self._spare.pop()
-            block.block_id = block_id
-            return block
-        self.num_block_objects += 1
-        return KVBlock(block_id)
+        """The lowest never-used slot, with its object (unreferenced)."""
+        block = self._allocate_unused(1)[0]
+        block.ref_count = 0
+        return block
 
     def _take_slot(self) -> int:
         """A free primary slot's id for a block that has an object already (onboarding); the

@@ -295,7 +295,8 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks, num_host_blocks, storage=storage)
         self.block_hash = block_hash
         self._sequences: dict[int, _Sequence] = {}
-        self._keys: dict[int, tuple[int, list[tuple[int, BlockTokens]]]] = {}
+        # request id -> (prompt_len, its full prompt blocks' keys, the whole prompt packed)
+        self._keys: dict[int, tuple[int, list[tuple[int, BlockTokens]], bytes]] = {}
         self.prefix_index = PrefixIndex(self.pool)  # waiting requests' last walks (match, claim)
         self._stamps = itertools.count()
         self._claims: dict[int, PrefixClaim] = {}  # outstanding claims (pinned, not yet allocated)
@@ -509,7 +510,11 @@ class KVCacheManager:
         return KVAllocation(scheduled.with_batch(chunks, list(generation)), deferred, records)
 
     def commit(self, scheduled: ScheduledRequests) -> None:
-        """Record the KV the forward computed and commit newly full blocks to the prefix tree."""
+        """Record the KV the forward computed and commit newly full blocks to the prefix tree.
+
+        A generation step fills a block once every ``tokens_per_block`` steps, so a few of a
+        batch's sequences fill one in each forward: their blocks are keyed together (one packing
+        and hashing pass for all of them) and committed in batch order, as one at a time would."""
         sequences, reuse, tpb = self._sequences, self.enable_block_reuse, self.tokens_per_block
         error = LlmRequestState.ERROR
         for chunk in scheduled.context_chunks:
@@ -518,7 +523,8 @@ class KVCacheManager:
                 continue  # a request that finished in this forward computed its KV: record it
             seq.num_computed = chunk.end
             if reuse:
-                self._commit_full_blocks(chunk.request, seq)
+                self._commit_full_blocks([(chunk.request, seq)])
+        filled: list[tuple[LlmRequest, _Sequence]] = []
         for request in scheduled.generation_requests:
             seq = sequences.get(request.request_id)
             if seq is None or request.state is error:
@@ -532,9 +538,14 @@ class KVCacheManager:
                 computed -= num_in_flight_tokens(tokens)
             seq.num_computed = computed
             if reuse and computed // tpb > seq.num_committed:  # a block filled up
-                self._commit_full_blocks(request, seq)
+                filled.append((request, seq))
             if not seq.plain and request.beam_width == 1 and seq.capacity >= len(tokens) + tpb:
+                if filled:  # the pool sees every commit and trim in batch order
+                    self._commit_full_blocks(filled)
+                    filled = []
                 self._trim(seq, len(tokens))  # blocks that held only rejected drafts
+        if filled:
+            self._commit_full_blocks(filled)
 
     def free(self, request: LlmRequest, *, store_for_reuse: bool = True) -> None:
         """Release every block ``request`` holds; computed full blocks stay cached for reuse."""
@@ -543,7 +554,7 @@ class KVCacheManager:
             self.release_claim(claim)
         seq = self._sequences.pop(request.request_id, None)
         if seq is not None and store_for_reuse and self.enable_block_reuse:
-            self._commit_full_blocks(request, seq)
+            self._commit_full_blocks([(request, seq)])
         self._keys.pop(request.request_id, None)
         self.prefix_index.forget(request.request_id)
         if seq is None:
@@ -692,7 +703,7 @@ class KVCacheManager:
             claim.chain = self.prefix_index.chain(rid, request.prompt_len, keys)[: claim_limit // tpb]
             if self.enable_partial_reuse and request.beam_width == 1:
                 start = len(claim.chain) * tpb
-                want = pack_tokens(request.tokens[start : min(start + tpb, claim_limit)]).tobytes()
+                want = self._keys[rid][2][start * TOKEN_BYTES : min(start + tpb, claim_limit) * TOKEN_BYTES]
                 if want:
                     parent = claim.chain[-1] if claim.chain else None
                     claim.partial, claim.partial_len = self.pool.match_partial(parent, want)
@@ -759,41 +770,56 @@ class KVCacheManager:
         self._reserved += max(0, seq.reserve - seq.num_held)
         return chunk, to_onboard
 
-    def _commit_full_blocks(self, request: LlmRequest, seq: _Sequence) -> None:
+    def _commit_full_blocks(self, sequences: list[tuple[LlmRequest, _Sequence]]) -> None:
+        """Commit each sequence's computed full blocks that are not in the tree yet, in order.
+
+        Prompt blocks reuse the keys the admission walk computed; blocks of generated tokens are
+        keyed here, every sequence's at once."""
         tpb = self.tokens_per_block
-        limit = seq.num_computed if request.beam_width == 1 else min(seq.num_computed, request.prompt_len)
-        full = min(limit // tpb, len(seq.blocks))
-        if full <= seq.num_committed:
-            return
-        # Prompt blocks reuse the keys the admission walk computed; later blocks hold generated tokens.
-        keys = self._prompt_keys(request)
-        blocks, committed = seq.blocks, seq.num_committed
-        if committed < len(keys):
-            self.pool.commit_chain(blocks, committed, keys[committed:full])
-        if full > len(keys):
-            begin = max(committed, len(keys))
-            generated = pack_tokens(request.tokens[begin * tpb : full * tpb])
-            self.pool.commit_chain(blocks, begin, self._block_keys(generated, full - begin))
-        table = seq.table
-        for i in range(committed, full):
-            table[i] = blocks[i].block_id
-        seq.num_committed = full
+        spans: list[tuple[_Sequence, list[tuple[int, BlockTokens]], int, int] | None] = []
+        generated = array(TOKEN_TYPECODE)  # every sequence's generated tokens to key, one after another
+        for request, seq in sequences:
+            limit = seq.num_computed if request.beam_width == 1 else min(seq.num_computed, request.prompt_len)
+            full = min(limit // tpb, len(seq.blocks))
+            if full <= seq.num_committed:
+                continue
+            keys = self._prompt_keys(request)
+            begin = max(seq.num_committed, len(keys))  # its first block of generated tokens
+            if full > begin:
+                generated += request.tokens[begin * tpb : full * tpb]
+            spans.append((seq, keys, begin, full))
+        generated_keys = self._block_keys(pack_tokens(generated), len(generated) // tpb) if generated else []
+        offset = 0
+        for seq, keys, begin, full in spans:
+            blocks, committed = seq.blocks, seq.num_committed
+            if committed < len(keys):
+                self.pool.commit_chain(blocks, committed, keys[committed:full])
+            if full > begin:
+                self.pool.commit_chain(blocks, begin, generated_keys[offset : offset + full - begin])
+                offset += full - begin
+            table = seq.table
+            for i in range(committed, full):
+                table[i] = blocks[i].block_id
+            seq.num_committed = full
 
     def _prompt_keys(self, request: LlmRequest) -> list[tuple[int, BlockTokens]]:
-        """(hash, tokens) of each full prompt block, cached per request while the prompt is unchanged."""
+        """(hash, tokens) of each full prompt block, cached per request while the prompt is
+        unchanged, beside the whole prompt packed (a claim's partial block is a slice of it)."""
         cached = self._keys.get(request.request_id)
         if cached is not None and cached[0] == request.prompt_len:
             return cached[1]
         prompt_len = request.prompt_len
-        num_blocks = prompt_len // self.tokens_per_block
-        keys = self._block_keys(pack_tokens(request.tokens[: num_blocks * self.tokens_per_block]), num_blocks)
-        self._keys[request.request_id] = (prompt_len, keys)
+        packed = pack_tokens(request.tokens[:prompt_len])
+        buffer = packed.tobytes()
+        keys = self._block_keys(packed, prompt_len // self.tokens_per_block, buffer)
+        self._keys[request.request_id] = (prompt_len, keys, buffer)
         return keys
 
-    def _block_keys(self, packed: np.ndarray, num_blocks: int) -> list[tuple[int, BlockTokens]]:
-        """(hash, tokens) of the first ``num_blocks`` full blocks of ``packed``."""
+    def _block_keys(self, packed: np.ndarray, num_blocks: int, buffer: bytes | None = None) -> list[tuple[int, BlockTokens]]:
+        """(hash, tokens) of the first ``num_blocks`` full blocks of ``packed`` (``buffer``: its bytes, if at hand)."""
         width = self.tokens_per_block * TOKEN_BYTES
-        buffer = packed.tobytes()
+        if buffer is None:
+            buffer = packed.tobytes()
         blocks = [buffer[i : i + width] for i in range(0, num_blocks * width, width)]
         if self.block_hash is None:
             hashes = content_hashes(packed, num_blocks, self.tokens_per_block) if num_blocks else []
