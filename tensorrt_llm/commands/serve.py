@@ -55,7 +55,8 @@ FLAG_ALIASES = {"tensor_parallel_size": ["--tp_size"]}  # upstream's spelling
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="trtllm-serve", description="OpenAI-compatible server for one model.")
     p.add_argument("model", nargs="?", default=DEFAULT_MODEL,
-                   help="smollm2-135m-instruct, a llama-architecture .gguf file, tiny-random or small-random")
+                   help="a Hugging Face checkpoint directory or hub id (Llama, Mistral, Qwen2, Qwen3; docs/models.md),"
+                        " smollm2-135m-instruct, a llama-architecture .gguf file, tiny-random or small-random")
     p.add_argument("--extra_llm_api_options", metavar="FILE.yaml", default=None,
                    help="YAML mapping of LLM(...) keywords (the flags below); overrides the flags")
     p.add_argument("--log_level", default="info", choices=LOG_LEVELS)
