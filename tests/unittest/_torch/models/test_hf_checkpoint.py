@@ -26,7 +26,7 @@ from tensorrt_llm import LLM
 from tensorrt_llm._torch.models.checkpoints import CheckpointError, load_llama_from_hf, read_hf_config
 from tensorrt_llm._torch.models.checkpoints.hf_config import ARCH_DEFAULTS, ARCHITECTURES, llama_config_from_hf
 from tensorrt_llm._torch.modules.rotary_embedding import RopeScaling, rope_inv_freq
-from tensorrt_llm.llmapi.llm_utils import ModelNotFound, read_generation_config, resolve_model
+from tensorrt_llm.llmapi.llm_utils import ModelNotFound, default_checkpoint_dtype, read_generation_config, resolve_model
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -378,3 +378,25 @@ def test_loading_holds_about_one_tensor_beside_the_model(tmp_path):
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["disk_bytes"] == disk > 50e6 and result["model_bytes"] == disk
     assert result["peak_over_disk"] <= 1.3, result
+
+
+def test_the_replays_torch_engine_runs_a_checkpoint_directory(sharded):
+    """``python -m benchmarks.replay --engine torch --model DIR``: the flag takes the directory and
+    every policy replays a small trace on it."""
+    from benchmarks.replay import build_parser, replay_trace, settings_from_args
+    from benchmarks.traces import SyntheticRequest, Trace, segment_key
+
+    args = build_parser().parse_args(["--engine", "torch", "--device", "cpu", "--model", str(sharded), "--max-num-tokens",
+                                      "32", "--kv-blocks", "64", "--tokens-per-block", "4", "--host-cache-blocks", "8",
+                                      "--max-batch-size", "4"])
+    _, settings, _ = settings_from_args(args)
+    assert settings.model == str(sharded) and settings.vocab_size == 160
+    trace = Trace("tiny", "scenario", tuple(
+        SyntheticRequest(i, 0.05 * i, 24 + 8 * (i % 3), 4,
+                         ((segment_key(0xB0, i % 2), 16), (segment_key(0xB1, i), 8 + 8 * (i % 3))), 160)
+        for i in range(6)))
+    document = replay_trace(trace, settings, ("none", "recheck"), progress=False).to_json()
+    assert document["config"]["engine"]["model"] == str(sharded)
+    assert document["config"]["engine"]["model_config"]["dtype"] == default_checkpoint_dtype()  # as LLM on the CPU
+    for result in document["results"].values():
+        assert result["completed"] == 6 and result["overshoots"] == 0
