@@ -48,6 +48,15 @@ def test_every_field_of_the_openai_client_is_in_the_table():
     assert {f"stream_options.{name}" for name in options} <= {r.name for r in openai_fields.rules(CHAT)}
 
 
+def test_the_docs_page_lists_every_row():
+    from pathlib import Path
+
+    page = (Path(__file__).resolve().parents[3] / "docs" / "openai-api.md").read_text()
+    for rule in openai_fields.FIELDS:
+        row = f"| `{rule.name}` | {rule.disposition.value if COMPLETIONS in rule.endpoints else '—'} |"
+        assert row in page, rule.name
+
+
 def _rows():
     return [(rule, endpoint) for rule in openai_fields.FIELDS for endpoint in sorted(rule.endpoints)]
 
