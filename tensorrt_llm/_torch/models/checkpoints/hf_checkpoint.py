@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from pathlib import Path
 
 import torch
@@ -100,6 +101,7 @@ def load_llama_from_hf(
     (nothing drawn), then each tensor read once, sliced, converted to ``config.dtype``, and its
     mapped pages released. Raises CheckpointError naming a missing, unexpected or misshapen tensor."""
     directory = Path(directory)
+    began = time.perf_counter()
     with SafetensorsCheckpoint.from_directory(directory) as files:
         weights = _CheckpointWeights(files, config)
         try:
@@ -107,6 +109,6 @@ def load_llama_from_hf(
         except ValueError as error:  # a tensor missing, unexpected or of the wrong shape
             raise CheckpointError(f"{directory}: {error}") from error
         del weights
-    logger.info("loaded %s (%d tensors, %.2f GB on disk) as %s", directory.name, len(files.entries), files.nbytes / 1e9,
-                config.dtype)
+    logger.info("loaded %s (%d tensors, %.2f GB on disk) as %s on %s in %.1f s", directory.name, len(files.entries),
+                files.nbytes / 1e9, config.dtype, model.device, time.perf_counter() - began)
     return model
