@@ -302,6 +302,16 @@ class BlockPool:
                 self._num_host_cached -= 1
         block.ref_count += 1
 
+    def incref_all(self, blocks: Iterable[KVBlock]) -> None:
+        """:meth:`incref` each of ``blocks`` (a claim pins its whole matched prefix at once)."""
+        for block in blocks:
+            if block.ref_count == 0:  # it leaves its LRU list: its entry goes stale
+                if block.block_id is not None:
+                    self._num_cached -= 1
+                else:
+                    self._num_host_cached -= 1
+            block.ref_count += 1
+
     def _to_lru(self, block: KVBlock) -> None:
         """``block`` became evictable in primary memory: the most recently used end."""
         self._lru.append(block)

@@ -85,7 +85,10 @@ def pack_tokens(tokens: array | Sequence[int]) -> np.ndarray:
         ids = np.frombuffer(tokens, dtype=np.int64)
     else:
         ids = np.asarray(tokens) if len(tokens) else np.empty(0, dtype=np.int64)
-    if ids.dtype.kind not in "iu" or (ids.size and (ids.min() < 0 or ids.max() >= 1 << 32)):
+    if ids.dtype.kind not in "iu" or (ids.size and (
+        # one reduction for 64-bit ids: a negative one, seen unsigned, is above 2**63
+        ids.view(np.uint64).max() >= 1 << 32 if ids.itemsize == 8 else ids.min() < 0 or ids.max() >= 1 << 32
+    )):
         raise ValueError(f"token ids must be ints in [0, 2**32) to key the prefix tree, got {tokens!r:.80}")
     return ids.astype(np.uint32)
 
@@ -661,7 +664,10 @@ class KVCacheManager:
     def _grow(self, request: LlmRequest, seq: _Sequence, needed_len: int) -> bool:
         tpb = self.tokens_per_block
         shared = _ceil_div(needed_len, tpb) - len(seq.blocks)
-        beam = self._blocks_for_tokens(request, needed_len) - _ceil_div(needed_len, tpb) - len(seq.beam_blocks)
+        if request.beam_width == 1:  # one table (_blocks_for_tokens is the shared blocks): every step until a block fills
+            beam = 0
+        else:
+            beam = self._blocks_for_tokens(request, needed_len) - _ceil_div(needed_len, tpb) - len(seq.beam_blocks)
         missing = max(shared, 0) + max(beam, 0)
         if missing == 0:
             return True
@@ -707,8 +713,7 @@ class KVCacheManager:
                 if want:
                     parent = claim.chain[-1] if claim.chain else None
                     claim.partial, claim.partial_len = self.pool.match_partial(parent, want)
-        for block in claim.pinned:
-            self.pool.incref(block)  # pinned: no allocation can evict them now
+        self.pool.incref_all(claim.pinned)  # pinned: no allocation can evict them now
         claim.reused = len(claim.chain) * tpb + claim.partial_len
         self._claims[rid] = claim
         return claim
@@ -746,25 +751,26 @@ class KVCacheManager:
             self.release_claim(claim)
             return None
         del self._claims[request.request_id]
-        for block in chain:
-            if block.block_id is None:
-                self.pool.onboard(block)
+        if to_onboard:
+            for block in chain:
+                if block.block_id is None:
+                    self.pool.onboard(block)
         shared_total = _ceil_div(needed_len, tpb)
-        fresh = [self.pool.allocate() for _ in range(min(1, shared_total - len(chain)))]
+        blocks = chain + ([self.pool.allocate()] if shared_total > len(chain) else [])
         if claim.partial is not None:
-            self.pool.copy(claim.partial, fresh[0])
+            self.pool.copy(claim.partial, blocks[len(chain)])
             self.pool.decref(claim.partial)
-        fresh += self.pool.allocate_many(shared_total - len(chain) - len(fresh))
+        blocks += self.pool.allocate_many(shared_total - len(blocks))
         beam_blocks = self.pool.allocate_many(total - shared_total)
         seq = _Sequence(
-            blocks=chain + fresh,
+            blocks=blocks,
             num_committed=len(chain),
             num_computed=claim.reused,
             beam_blocks=beam_blocks,
             stamp=next(self._stamps),
             reserve=self._blocks_for_tokens(request, self._max_sequence_len(request)),
             plain=request.beam_width == 1 and request.max_draft_len == 0,
-            capacity=len(chain + fresh) * tpb,
+            capacity=len(blocks) * tpb,
         )
         self._sequences[request.request_id] = seq
         self._reserved += max(0, seq.reserve - seq.num_held)
