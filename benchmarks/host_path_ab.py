@@ -18,7 +18,9 @@ Two benchmarks:
   interpreter. Two numbers are compared: ``host_us_per_request`` (median microseconds of
   scheduling + ``prepare_resources`` per iteration, over the active requests) and
   ``step_us_per_request`` (the whole iteration, the simulated forward's host side, sampling,
-  the requests' update and the KV commit included); the phases are kept beside them.
+  the requests' update and the KV commit included); the phases are kept beside them. They
+  are timed with the thread's CPU clock by default (``--clock cpu``): on a machine shared with
+  other work the wall clock also counts the time spent waiting for a core.
 * ``--replay``: each tree's own ``benchmarks.replay`` with the arguments after ``--``; the
   number compared is each policy's ``wall_s``. The replays' JSONs must agree on everything
   else (``benchmarks.replay_diff``); a difference is reported (``identical: false``).
@@ -102,11 +104,11 @@ def check_imports(tree: Tree) -> None:
         raise SystemExit(f"{tree.label}: tensorrt_llm imports from {where}, not from {tree.root}")
 
 
-def run_overhead(tree: Tree, sizes: Sequence[int], iterations: int) -> None:
+def run_overhead(tree: Tree, sizes: Sequence[int], iterations: int, clock: str) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "overhead.json"
         _run(tree, ["-m", "benchmarks.overhead", "--active", ",".join(map(str, sizes)),
-                    "--iterations", str(iterations), "--json", str(out)])
+                    "--iterations", str(iterations), "--clock", clock, "--json", str(out)])
         rows = json.loads(out.read_text())["results"]
     for size, row in zip(sizes, rows):
         for key in ("host_us_per_request", "step_us_per_request", "schedule_us", "prepare_resources_us", "step_us"):
@@ -152,6 +154,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--tree", help="the commit under test (default: this working tree, as it is)")
     parser.add_argument("--active", default="256,1024", help="overhead: comma-separated numbers of active requests")
     parser.add_argument("--iterations", type=int, default=200, help="overhead: timed iterations per size")
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="cpu",
+                        help="overhead: the clock that times the phases (cpu: the thread's CPU time, robust to"
+                             " other work on the machine; wall: what make overhead reports)")
     parser.add_argument("--replay", action="store_true", help="time benchmarks.replay (its arguments after --)")
     parser.add_argument("--runs", type=int, default=7, help="rounds; each runs every tree once")
     parser.add_argument("--json", help="write the samples, medians and ratios here")
@@ -173,7 +178,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 if args.replay:
                     replays[tree.label] = run_replay(tree, replay_args, Path(keep))
                 else:
-                    run_overhead(tree, sizes, args.iterations)
+                    run_overhead(tree, sizes, args.iterations, args.clock)
             print(f"round {round_index + 1}/{args.runs}: "
                   + ", ".join(f"{t.label} {', '.join(f'{m}={v[-1]}' for m, v in t.samples.items() if m.startswith(('host', 'step_us_per', 'wall')))}"
                               for t in trees), file=sys.stderr, flush=True)
@@ -200,7 +205,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                            "trees": [t.label for t in trees], "runs": args.runs,
                            "commits": {t.label: (_git("rev-parse", t.label) if t.label != WORKING_TREE else None) for t in trees},
                            **({"replay_args": replay_args} if args.replay
-                              else {"active": sizes, "iterations": args.iterations}),
+                              else {"active": sizes, "iterations": args.iterations, "clock": args.clock}),
                            "python": sys.version.split()[0], "cpus": os.cpu_count()},
                 "results": table,
                 **({"replay_identical_to_reference": identical} if identical is not None else {}),

@@ -14,9 +14,11 @@ objects (no copy of the iteration):
   requests. With the simulated engine every microsecond of it is host work.
 
 ``host_us_per_request`` is ``(schedule + prepare) / active``; ``step_us_per_request`` is
-``step / active``. ``benchmarks.host_path_ab`` runs this file against other commits, alternated.
+``step / active``. ``--clock cpu`` times with the thread's CPU clock instead of the wall clock:
+on a machine shared with other work, time spent waiting for a core then counts for nothing.
+``benchmarks.host_path_ab`` runs this file against other commits, alternated.
 
-    python -m benchmarks.overhead [--active 16,64,256,1024] [--iterations 200] [--json OUT.json]
+    python -m benchmarks.overhead [--active 16,64,256,1024] [--iterations 200] [--clock wall|cpu] [--json OUT.json]
 """
 
 from __future__ import annotations
@@ -46,13 +48,16 @@ SHARED_PREFIX = 384
 NEW_PER_ITERATION = 2
 
 
-def _timed(samples: list[float], fn: Callable) -> Callable:
+CLOCKS = {"wall": time.perf_counter_ns, "cpu": time.thread_time_ns}
+
+
+def _timed(samples: list[float], fn: Callable, clock: Callable[[], int] = time.perf_counter_ns) -> Callable:
     def wrapper(*args, **kwargs):
-        start = time.perf_counter_ns()
+        start = clock()
         try:
             return fn(*args, **kwargs)
         finally:
-            samples.append((time.perf_counter_ns() - start) / 1e3)
+            samples.append((clock() - start) / 1e3)
 
     return wrapper
 
@@ -82,19 +87,22 @@ def _executor(num_active: int) -> PyExecutor:
     return create_py_executor(config, engine_factory=engine, sampler=SyntheticSampler(VOCAB))
 
 
-def measure(num_active: int, iterations: int) -> dict:
-    """Median microseconds per iteration of each phase with ``num_active`` requests in flight."""
+def measure(num_active: int, iterations: int, clock: str = "wall") -> dict:
+    """Median microseconds per iteration of each phase with ``num_active`` requests in flight
+    (``clock``: ``wall`` or ``cpu``, see the module docstring)."""
+    now = CLOCKS[clock]
     executor = _executor(num_active)
     for i in range(num_active):  # long-running generation requests
         executor.enqueue_request(LlmRequest(_prompt(i), max_new_tokens=100_000))
     while any(r.is_context_init_state for r in executor.active_requests) or not executor.active_requests:
         executor.step()
     phases: dict[str, list[float]] = {"schedule": [], "prepare": [], "recheck": [], "step": []}
-    executor.scheduler.schedule_request = _timed(phases["schedule"], executor.scheduler.schedule_request)
-    executor.resource_manager.prepare_resources = _timed(phases["prepare"], executor.resource_manager.prepare_resources)
+    executor.scheduler.schedule_request = _timed(phases["schedule"], executor.scheduler.schedule_request, now)
+    executor.resource_manager.prepare_resources = _timed(
+        phases["prepare"], executor.resource_manager.prepare_resources, now)
     policy = executor.resource_manager.token_budget
-    policy.before_allocation = _timed(phases["recheck"], policy.before_allocation)
-    step = _timed(phases["step"], executor.step)
+    policy.before_allocation = _timed(phases["recheck"], policy.before_allocation, now)
+    step = _timed(phases["step"], executor.step, now)
     next_index = num_active
     for _ in range(iterations):  # a steady stream of short requests that reuse the shared prefix
         for _ in range(NEW_PER_ITERATION):
@@ -119,6 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--active", default="16,64,256,1024", help="comma-separated numbers of active requests")
     parser.add_argument("--iterations", type=int, default=200, help="timed iterations per size")
+    parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
+                        help="wall: perf_counter; cpu: the thread's CPU time (robust to a busy machine)")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
     sizes = [int(n) for n in args.active.split(",")]
@@ -126,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'active':>7} {'schedule us':>12} {'prepare us':>11} {'recheck us':>11} {'recheck %':>10} {'us/request':>11}"
           f" {'step us':>9} {'step us/request':>16}")
     for n in sizes:
-        row = measure(n, args.iterations)
+        row = measure(n, args.iterations, args.clock)
         rows.append(row)
         print(
             f"{n:>7} {row['schedule_us']:>12.1f} {row['prepare_resources_us']:>11.1f} {row['recheck_us']:>11.1f}"
@@ -145,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(summary))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"config": {"sizes": sizes, "iterations": args.iterations,
+            json.dump({"config": {"sizes": sizes, "iterations": args.iterations, "clock": args.clock,
                                   "prompt_len": PROMPT_LEN, "shared_prefix": SHARED_PREFIX,
                                   "tokens_per_block": TOKENS_PER_BLOCK, "new_requests_per_iteration": NEW_PER_ITERATION},
                        "results": rows, "summary": summary}, f, indent=2)

@@ -298,6 +298,11 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks, num_host_blocks, storage=storage)
         self.block_hash = block_hash
         self._sequences: dict[int, _Sequence] = {}
+        # request id -> the positions a generation step may reach with the blocks it holds: a
+        # plain sequence's capacity, -1 for the others (their every step allocates). Kept beside
+        # the sequences so that prepare_resources finds the few steps that need a block with
+        # one lookup per request (checked by check_integrity).
+        self._step_room: dict[int, int] = {}
         # request id -> (prompt_len, its full prompt blocks' keys, the whole prompt packed)
         self._keys: dict[int, tuple[int, list[tuple[int, BlockTokens]], bytes]] = {}
         self.prefix_index = PrefixIndex(self.pool)  # waiting requests' last walks (match, claim)
@@ -460,7 +465,9 @@ class KVCacheManager:
                 return _STEP if self._grow_beams(work, seq) else None
             # A request the drafter withdrew (Drafter.withdraw) is plain from now on: its steps
             # take the fast path of prepare_resources again.
-            seq.plain = seq.plain or not work.max_draft_len
+            if not seq.plain and not work.max_draft_len:
+                seq.plain = True
+                self._step_room[work.request_id] = seq.capacity
             return _STEP if self._grow(work, seq, self._generation_len(work)) else None
         seq = self._sequences.get(work.request.request_id)
         if seq is None:
@@ -497,10 +504,8 @@ class KVCacheManager:
         generation = scheduled.generation_requests
         # Most steps need no block: a plain sequence whose blocks already cover its next
         # position. Only the others allocate, in batch order.
-        growing = [
-            r for r in generation
-            if not ((s := sequences[r.request_id]).plain and len(r.tokens) <= s.capacity and not r.py_draft_tokens)
-        ]
+        room = self._step_room
+        growing = [r for r in generation if len(r.tokens) > room[r.request_id] or r.py_draft_tokens]
         if growing:
             short = set()
             for request in growing:
@@ -562,6 +567,7 @@ class KVCacheManager:
         self.prefix_index.forget(request.request_id)
         if seq is None:
             return
+        del self._step_room[request.request_id]
         self._reserved -= max(0, seq.reserve - seq.num_held)
         self.pool.release(seq.beam_blocks)
         self.pool.release(seq.blocks)  # leaves first: they become the oldest in LRU
@@ -593,6 +599,7 @@ class KVCacheManager:
         for request_id, seq in self._sequences.items():
             assert seq.table == [b.block_id for b in seq.blocks], f"request {request_id}: stale block table"
             assert seq.capacity == len(seq.blocks) * self.tokens_per_block, f"request {request_id}: stale capacity"
+            assert self._step_room[request_id] == (seq.capacity if seq.plain else -1), f"request {request_id}: stale room"
             if seq.beams is not None:
                 seq.beams.check()
                 distinct = seq.beams.distinct()
@@ -600,6 +607,7 @@ class KVCacheManager:
                     distinct) == seq.num_held, f"request {request_id}: beam tables out of step with its blocks"
         reserved = sum(max(0, seq.reserve - seq.num_held) for seq in self._sequences.values())
         assert self._reserved == reserved, f"reserved-blocks total {self._reserved} != {reserved}"
+        assert self._step_room.keys() == self._sequences.keys(), "a step room without its sequence, or the reverse"
 
     # ---- allocation -----------------------------------------------------------------
     @staticmethod
@@ -623,7 +631,7 @@ class KVCacheManager:
         rejected = seq.blocks[keep:]
         del seq.blocks[keep:]
         del seq.table[keep:]
-        seq.capacity = keep * self.tokens_per_block
+        seq.capacity = keep * self.tokens_per_block  # not plain (draft slots): its step room stays -1
         self.pool.release(rejected)
         self._reserved += max(0, seq.reserve - seq.num_held) - before
 
@@ -679,6 +687,8 @@ class KVCacheManager:
             seq.blocks += fresh
             seq.table += [block.block_id for block in fresh]
             seq.capacity = len(seq.blocks) * tpb
+            if seq.plain:
+                self._step_room[request.request_id] = seq.capacity
         if beam > 0:
             seq.beam_blocks += self.pool.allocate_many(beam)
         self._reserved += max(0, seq.reserve - seq.num_held) - before
@@ -773,6 +783,7 @@ class KVCacheManager:
             capacity=len(blocks) * tpb,
         )
         self._sequences[request.request_id] = seq
+        self._step_room[request.request_id] = seq.capacity if seq.plain else -1
         self._reserved += max(0, seq.reserve - seq.num_held)
         return chunk, to_onboard
 

@@ -554,13 +554,14 @@ class PyExecutor:
         loop itself, with a call only to its callback: this runs for every generated token."""
         callbacks = self._callbacks
         for (request, slot), tokens in zip(live, sampled):
-            if isinstance(tokens, SamplingError):  # this request's logits or settings are broken, not the batch's
-                logger.error("%s", tokens)
-                self._fail(request, tokens)
-                continue
-            if isinstance(tokens, BeamStep):
-                self._advance_beams(request, tokens, now)
-                continue
+            if tokens.__class__ is not list:  # the usual answer, a list of tokens, is told by one check
+                if isinstance(tokens, SamplingError):  # this request's logits or settings are broken, not the batch's
+                    logger.error("%s", tokens)
+                    self._fail(request, tokens)
+                    continue
+                if isinstance(tokens, BeamStep):
+                    self._advance_beams(request, tokens, now)
+                    continue
             if slot is not None:
                 self._fill(request, slot, tokens, now)
                 continue
