@@ -347,7 +347,7 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: Int | None = Field(None, ge=1, le=MAX_COUNT)
     logprobs: bool | None = False
     top_logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    tools: list[ChatCompletionToolsParam] | None = None
+    tools: list[ChatCompletionToolsParam] | None = Field(None, min_length=1)  # OpenAI refuses [] too
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     # Accepted and ignored (openai_fields): they change nothing this server produces.

@@ -69,7 +69,8 @@ def test_stop_string_cuts_the_text_streamed_or_not(smollm2_server):
         ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "hi"}]}, "messages.0.role"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
          "only text content parts are supported"),
-        ("/v1/chat/completions", {"messages": QUESTION, "tools": []}, "unrecognized request argument 'tools'"),
+        ("/v1/chat/completions", {"messages": QUESTION, "tools": []}, "tools: List should have at least 1 item"),
+        ("/v1/chat/completions", {"messages": QUESTION, "tool": []}, "unrecognized request argument 'tool'"),
     ],
 )
 def test_bad_text_requests_get_a_clear_error(smollm2_server, path, body, message):
