@@ -393,6 +393,11 @@ class KVCacheManager:
         length = self._max_sequence_len(request) if to_completion else request.prompt_len
         return max(0, self._blocks_for_tokens(request, length) - match.shared_blocks)
 
+    @property
+    def reserved_blocks(self) -> int:
+        """The blocks every request that holds blocks still needs to completion, summed (O(1))."""
+        return self._reserved
+
     def blocks_reserved_to_completion(self, started: Sequence[LlmRequest]) -> int:
         """The blocks requests that hold blocks still need to completion, summed; O(1) when
         ``started`` is every such request (kept as a running total)."""

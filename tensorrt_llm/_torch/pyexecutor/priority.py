@@ -60,9 +60,12 @@ class PriorityOrder:
         return cls(config.priority_aging_rate) if config.by_priority else None
 
     def key(self, request: LlmRequest) -> tuple[float, float, int]:
-        """Sort key, smallest first: (-(priority - rate * arrival), arrival, request id)."""
+        """Sort key, smallest first: (-(priority - rate * arrival), arrival, request id).
+
+        The first part is rounded to 1e-9: effective priorities equal but for floating-point
+        noise (0.5 + 0.05 * 8 against 0.9) are equal, and arrival decides between them."""
         arrival = request.arrival_time
-        return (self.aging_rate * arrival - request.priority, arrival, request.request_id)
+        return (round(self.aging_rate * arrival - request.priority, 9), arrival, request.request_id)
 
     def __call__(self, request: LlmRequest) -> tuple[float, float, int]:
         return self.key(request)

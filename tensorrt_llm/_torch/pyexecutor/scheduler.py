@@ -19,7 +19,8 @@ executor pauses what the capacity stage says; chunks travel in the batch).
 Under ``waiting_queue_policy="priority"`` both stages take requests in
 :class:`~priority.PriorityOrder` (effective priority, then arrival) instead of arrival order:
 the capacity stage admits waiting requests in that order (nobody overtakes the first that does
-not fit, as under fcfs), MAX_UTILIZATION pauses the lowest-ranked started request first, and
+not fit, as under fcfs), MAX_UTILIZATION serves started requests' next steps highest-ranked
+first and pauses the lowest-ranked when memory is short, and
 the micro-batch stage gives slots and chunk budget to context requests (started or just
 admitted) and, when they do not all fit, generation steps in that order. With
 ``enable_preemption`` the capacity stage decides eagerly (every waiting request, in order) and
@@ -148,7 +149,9 @@ class CapacityScheduler:
     ) -> tuple[CapacityDecision, Iterator[tuple[LlmRequest, int]]]:
         if not waiting:
             return CapacityDecision(started), iter(())
-        available = self.kv.available_blocks - self.kv.blocks_reserved_to_completion(started)
+        # every holder's reservation, not only the requests scheduled now: under overlap one whose
+        # last token is in flight is not scheduled but holds its blocks until that forward completes
+        available = self.kv.available_blocks - self.kv.reserved_blocks
         return CapacityDecision(started), self._admit(waiting, available, to_completion=True)
 
     def _max_utilization(
@@ -157,6 +160,8 @@ class CapacityScheduler:
         kv = self.kv
         available = kv.available_blocks
         running = kv.step_needs(started)  # oldest first
+        if self.order is not None:  # highest-ranked first: the lowest-ranked gives way
+            running.sort(key=lambda need: self.order.key(need.request))
         decision = CapacityDecision([])
         fitting, paused = decision.fitting, decision.paused
         while running:
@@ -165,17 +170,12 @@ class CapacityScheduler:
                 available -= need.blocks
                 fitting.append(running.pop(0).request)
                 continue
-            # the most recently started request gives way (under priority: the lowest-ranked)
-            victim = running.pop() if self.order is None else running.pop(self._lowest_ranked(running))
+            victim = running.pop()  # the most recently started request gives way (under priority: the lowest-ranked)
             available += victim.held
             paused.append(victim.request)
         if paused:  # memory is short while anything is paused: admit nothing new
             return decision, iter(())
         return decision, self._admit(waiting, available, to_completion=False)
-
-    def _lowest_ranked(self, needs: list) -> int:
-        key = self.order.key
-        return max(range(len(needs)), key=lambda i: key(needs[i].request))
 
     def _preempting(self, started: list[LlmRequest], waiting: list[LlmRequest], iteration: int) -> CapacityDecision:
         """Both policies with priority preemption: the started requests as without it, then each
@@ -186,7 +186,7 @@ class CapacityScheduler:
         to_completion = self.policy is CapacitySchedulerPolicy.GUARANTEED_NO_EVICT
         if to_completion:
             decision = CapacityDecision(list(started))
-            available = kv.available_blocks - kv.blocks_reserved_to_completion(started)
+            available = kv.available_blocks - kv.reserved_blocks  # every holder's (see _guaranteed_no_evict)
 
             def set_aside(request: LlmRequest) -> int:
                 return kv.blocks_reserved_to_completion([request])
@@ -352,20 +352,30 @@ class MicroBatchScheduler:
         reusable = [estimated_reusable.get(r.request_id) for r in contexts]
         sizes = [0] * len(contexts)
         costs = [0] * len(contexts)
+        # Under priority (contexts in rank order): once a request cannot start, nobody ranked
+        # below it starts (they may still grow); the low class gets at most its token cap.
+        ranked = self.order is not None
+        blocked = len(contexts)
+        low_left = self.low_priority_tokens
         progressed = True
         while progressed:
             progressed = False
             for i, request in enumerate(contexts):
                 remaining = request.prompt_len - request.context_current_position
-                if sizes[i] >= remaining:
+                if sizes[i] >= remaining or (i > blocked and not sizes[i]):
                     continue
+                low = low_left is not None and request.priority < self.low_below
                 grown = min(sizes[i] + self.unit, remaining)
                 cost = charge(request, grown, reusable[i])
-                if cost - costs[i] > budget:
+                if cost - costs[i] > (min(budget, low_left) if low else budget):
+                    if ranked and not sizes[i]:
+                        blocked = min(blocked, i)
                     continue
                 if cost == costs[i] and charge(request, remaining, reusable[i]) == cost:
                     grown = remaining  # the discount covers the rest: growing further is free
                 budget -= cost - costs[i]
+                if low:
+                    low_left -= cost - costs[i]
                 sizes[i], costs[i] = grown, cost
                 progressed = True
         chunks = []

@@ -340,7 +340,7 @@ def check_priority_recheck(decision, first_chunks, later_chunks, rank, *, reuse_
 
 
 def check_priority_order(before: dict[int, "PrioritySnapshot"], iteration: Iteration, order, *,
-                         cooldown: int | None) -> None:
+                         cooldown: int | None, ended: frozenset[int] = frozenset()) -> None:
     """The independent oracle over one iteration's decision values (``waiting_queue_policy=priority``).
 
     ``before``: every open request as it was before the step. Ranks are recomputed here from
@@ -349,7 +349,8 @@ def check_priority_order(before: dict[int, "PrioritySnapshot"], iteration: Itera
     while one ranked below it runs is a violation, except where the difference is memory, not
     order: the one that ran held KV blocks and the other did not (admission is for memory), or
     the one passed over was capacity-deferred or paused; or the one that ran owed a budget
-    deferral. Every preemption pauses a request of strictly lower priority and lower effective
+    deferral. ``ended``: requests that ended during the step (refused, cancelled, failed): they
+    are not passed over. Every preemption pauses a request of strictly lower priority and lower effective
     priority than the one it was paused for, outside its cooldown."""
     now = max((s.arrival for s in before.values()), default=0.0) + 1.0
 
@@ -364,6 +365,7 @@ def check_priority_order(before: dict[int, "PrioritySnapshot"], iteration: Itera
     ran = {c.request.request_id for c in prepared.scheduled.context_chunks}
     excused = {d.request.request_id for d in prepared.deferred if d.reason is DeferReason.CAPACITY}
     excused |= {r.request_id for r in iteration.scheduled.paused_requests}
+    excused |= ended
     contexts = [s for s in before.values() if s.context]
     for passed in contexts:
         if passed.request_id in ran or passed.request_id in excused:
