@@ -675,28 +675,32 @@ class KVCacheManager:
         seq.beam_blocks = [block for block in beams.distinct() if id(block) not in own]
 
     def _grow(self, request: LlmRequest, seq: _Sequence, needed_len: int) -> bool:
-        tpb = self.tokens_per_block
-        shared = _ceil_div(needed_len, tpb) - len(seq.blocks)
-        if request.beam_width == 1:  # one table (_blocks_for_tokens is the shared blocks): every step until a block fills
+        """Blocks for ``needed_len`` positions, all or nothing (False, changing nothing, when they
+        cannot be had). Every generation step that fills a block comes here: plain arithmetic,
+        no calls but the pool's."""
+        tpb, blocks = self.tokens_per_block, seq.blocks
+        shared = -(-needed_len // tpb) - len(blocks)
+        if request.beam_width == 1:  # one table (_blocks_for_tokens is the shared blocks)
             beam = 0
         else:
             beam = self._blocks_for_tokens(request, needed_len) - _ceil_div(needed_len, tpb) - len(seq.beam_blocks)
-        missing = max(shared, 0) + max(beam, 0)
-        if missing == 0:
+        if shared <= 0 and beam <= 0:
             return True
-        if missing > self.pool.available:
+        pool = self.pool
+        if (shared if shared > 0 else 0) + (beam if beam > 0 else 0) > pool.available:
             return False
-        before = max(0, seq.reserve - seq.num_held)
+        before = seq.reserve - len(blocks) - len(seq.beam_blocks)  # blocks still to reserve, before and after
         if shared > 0:
-            fresh = self.pool.allocate_many(shared)
-            seq.blocks += fresh
+            fresh = pool.allocate_many(shared)
+            blocks += fresh
             seq.table += [block.block_id for block in fresh]
-            seq.capacity = len(seq.blocks) * tpb
+            seq.capacity = len(blocks) * tpb
             if seq.plain:
                 self._step_room[request.request_id] = seq.capacity
         if beam > 0:
-            seq.beam_blocks += self.pool.allocate_many(beam)
-        self._reserved += max(0, seq.reserve - seq.num_held) - before
+            seq.beam_blocks += pool.allocate_many(beam)
+        after = seq.reserve - len(blocks) - len(seq.beam_blocks)
+        self._reserved += (after if after > 0 else 0) - (before if before > 0 else 0)
         return True
 
     # ---- prefix claims ---------------------------------------------------------------
