@@ -13,7 +13,9 @@ For each model (``MODELS``: Llama-3.1-8B's and Qwen3-8B's published config.json,
    default: the config's bf16, CUDA graphs, overlap); the time to ``/health`` 200, the loader's own
    time (its log line), the start-up line (dtype, KV pool, max_seq_len) and the GPU's memory in use
    (``nvidia-smi``) once it serves;
-3. ``python -m benchmarks.serve_replay --url ...`` on the default scenario at 1x (token-id prompts).
+3. ``python -m benchmarks.serve_replay --url ...`` on the default scenario at 1x (token-id prompts);
+4. (server stopped) the engine's model and transformers' model of the same directory, both bf16 on
+   the device, on the same 128 tokens: the largest logit difference and how often the argmax agrees.
 
 ``DIR/hf_checkpoints.json`` holds every number; ``DIR/<model>/`` the server log and the replay's
 JSON. Preconditions are checked first and the run stops at the first that fails (no GPU, a module
@@ -122,6 +124,26 @@ def gpu_memory_used_mib() -> float | None:
         return None
 
 
+def check_against_transformers(directory: str, dry_run: bool) -> dict:
+    """(In a child process) both models of ``directory`` in bf16 on the device, one forward each."""
+    import torch
+    import transformers
+
+    from tensorrt_llm._torch.models.checkpoints import load_llama_from_hf, read_hf_config
+
+    device = "cpu" if dry_run else "cuda"
+    config = read_hf_config(Path(directory), dtype="bfloat16").config
+    ids = torch.randint(0, config.vocab_size, (128,), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours = load_llama_from_hf(directory, config, device=device).forward_full(ids.to(device)).float().cpu()
+        torch.cuda.empty_cache() if device == "cuda" else None
+        reference = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.bfloat16).to(device)
+        theirs = reference(ids[None].to(device)).logits[0].float().cpu()
+    return {"tokens": 128, "max_abs_logit_diff": (ours - theirs).abs().max().item(),
+            "mean_abs_logit_diff": (ours - theirs).abs().mean().item(), "max_abs_logit": theirs.abs().max().item(),
+            "argmax_agreement": (ours.argmax(-1) == theirs.argmax(-1)).float().mean().item()}
+
+
 def run_model(name: str, args, out: Path) -> dict:
     from benchmarks.serve_soak import ServerProcess
 
@@ -174,6 +196,12 @@ def run_model(name: str, args, out: Path) -> dict:
             record["replay_1x"] = json.loads((work / "serve_replay_1x.json").read_text())["result"]
     finally:
         record["server_exit"] = server.stop()
+    check = subprocess.run([sys.executable, "-m", "benchmarks.gpu_hf_checkpoints", "--check", str(directory),
+                            *(["--dry-run"] if args.dry_run else [])], capture_output=True, text=True)
+    if check.returncode == 0:
+        record["transformers_check"] = json.loads(check.stdout.strip().splitlines()[-1])
+    else:
+        record["transformers_check"] = {"error": check.stderr[-2000:]}
     return record
 
 
@@ -185,9 +213,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-requests", type=int, default=None, help="replay only the scenario's first N requests")
     parser.add_argument("--dry-run", action="store_true", help="scaled-down configs on the CPU")
     parser.add_argument("--write", nargs=2, metavar=("MODEL", "DIR"), help=argparse.SUPPRESS)
+    parser.add_argument("--check", metavar="DIR", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.write:
         write_checkpoint(args.write[0], Path(args.write[1]), args.dry_run)
+        return 0
+    if args.check:
+        print(json.dumps(check_against_transformers(args.check, args.dry_run)))
         return 0
     if not args.out:
         parser.error("--out is required")
@@ -219,7 +251,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name}: health in {record['start_to_health_s']:.0f} s (loader {record.get('loader', {}).get('load_s')} s),"
               f" GPU {record['gpu_memory_used_mib']['serving']} MiB; replay 1x: {result['completed']}/{result['requests']}"
               f" completed, TTFT p50 {result['ttft_ms']['p50']:.0f} ms, ITL p50 {result['itl_ms']['p50']:.1f} ms,"
-              f" {result['output_tokens_per_s']:.0f} out tok/s", flush=True)
+              f" {result['output_tokens_per_s']:.0f} out tok/s; against transformers: {record['transformers_check']}",
+              flush=True)
     return 0
 
 
