@@ -107,3 +107,25 @@ def test_high_priority_requests_finish_first_and_low_priority_ones_all_finish(on
         assert server.executor.load().kv.num_held == 0
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("value", [1.5, -0.1, "high", True, None])
+@pytest.mark.parametrize("endpoint", ["/v1/completions", "/v1/chat/completions"])
+def test_a_bad_priority_is_a_400_naming_the_field(tiny_server, endpoint, value):
+    body = {"model": tiny_server.model, "max_tokens": 2, "priority": value}
+    body |= {"prompt": [1, 2, 3]} if endpoint == "/v1/completions" else {"messages": [{"role": "user", "content": "hi"}]}
+    response = tiny_server.http().post(endpoint, json=body)
+    if value is None:  # null: the default, 0.5 (chat: tiny-random has no template, refused for that reason)
+        assert response.status_code == (200 if endpoint == "/v1/completions" else 400)
+        if response.status_code == 400:
+            assert response.json()["error"]["param"] != "priority"
+        return
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "priority" or "priority" in error["message"], error
+
+
+def test_a_priority_in_range_is_served_under_fcfs_too(tiny_server):
+    response = tiny_server.http().post("/v1/completions", json={
+        "model": tiny_server.model, "prompt": [1, 2, 3], "max_tokens": 2, "priority": 0.9})
+    assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 2
