@@ -85,8 +85,6 @@ FIELDS: tuple[FieldRule, ...] = (
     FieldRule("top_p", _S, BOTH, "openai", "(0, 1]", {"top_p": 0.9}),
     FieldRule("top_k", _S, BOTH, "vllm", "0 or -1: off", {"top_k": 5}),
     FieldRule("seed", _S, BOTH, "openai", "[0, 2**64)", {"seed": 3, "temperature": 1.0}),
-    FieldRule("priority", _S, BOTH, "trtllm", "[0, 1], 0.5 default: who waits first under"
-              " scheduler_config.waiting_queue_policy 'priority' (ignored under 'fcfs')", {"priority": 0.9}),
     FieldRule("n", _S, BOTH, "openai", "1..16 choices", {"n": 2}),
     FieldRule("presence_penalty", _S, BOTH, "openai", "[-2, 2], over the output", {"presence_penalty": 0.5}),
     FieldRule("frequency_penalty", _S, BOTH, "openai", "[-2, 2], over the output", {"frequency_penalty": 0.5}),
