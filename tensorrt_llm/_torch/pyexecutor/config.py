@@ -289,7 +289,9 @@ class SchedulerConfig:
     requests of strictly lower priority (``pyexecutor/preemption.py``); a request that resumed
     is not paused again for ``preemption_cooldown_iterations`` iterations. Priority classes, for
     the metrics: below ``priority_low_below`` is "low", above ``priority_high_above`` "high", the
-    rest "normal" (by default: below 0.5, 0.5, above 0.5).
+    rest "normal" (by default: below 0.5, 0.5, above 0.5). ``low_priority_max_num_tokens`` caps
+    the "low" class's prompt tokens per forward, so that forwards carrying only low-priority
+    prefill stay short and a higher-priority arrival starts sooner. ``docs/scheduler.md`` has it all.
     """
 
     # How the capacity scheduler admits requests into KV memory.

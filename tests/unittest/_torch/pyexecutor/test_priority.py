@@ -246,3 +246,18 @@ def test_choose_victims_takes_strictly_lower_priority_lowest_first_and_respects_
     assert pick(6) == [lower, low]
     assert pick(7) is None  # even both do not cover it: nobody is paused
     assert pick(7, iteration=12) == [resumed, lower, low]  # its cooldown is over; it arrived last of the lowest
+
+
+def test_llm_generate_takes_one_priority_or_one_per_prompt(one_torch_thread):
+    from tensorrt_llm.llmapi import LLM, KvCacheConfig, SamplingParams
+
+    with LLM("tiny-random", dtype="float64", max_num_tokens=64, kv_cache_config=KvCacheConfig(tokens_per_block=4, num_blocks=64),
+             scheduler_config=SchedulerConfig(waiting_queue_policy="priority")) as llm:
+        params = SamplingParams(max_tokens=3)
+        plain = [o.outputs[0].token_ids for o in llm.generate([[1, 2, 3], [4, 5, 6]], params)]
+        assert [o.outputs[0].token_ids for o in llm.generate([[1, 2, 3], [4, 5, 6]], params, priority=[0.9, 0.1])] == plain
+        assert llm.generate_async([1, 2, 3], params, priority=1.0).result().outputs[0].token_ids == plain[0]
+        with pytest.raises(ValueError, match="priority has 1 values for 2 prompts"):
+            llm.generate([[1, 2, 3], [4, 5, 6]], params, priority=[0.9])
+        with pytest.raises(ValueError, match="priority must be a number in"):
+            llm.generate([1, 2, 3], params, priority=2)
