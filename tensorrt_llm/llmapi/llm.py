@@ -171,10 +171,12 @@ Prompt = str | Sequence[int]
 
 
 class LLM:
-    """Serve a Llama model on the CPU (default) or a GPU (``device="cuda"``, ``bfloat16`` unless
-    ``dtype`` says otherwise, DESIGN.md §7): a real checkpoint (``"smollm2-135m-instruct"``, a path to a
-    llama-architecture ``.gguf`` file) with its tokenizer, or a random-weight preset
-    (``"tiny-random"``, ``"small-random"``) that takes token ids only (``llm_utils.load_model``).
+    """Serve a Llama-style model on the CPU (default) or a GPU (``device="cuda"``; there a checkpoint
+    runs in its own dtype and a preset in ``bfloat16`` unless ``dtype`` says otherwise): a Hugging
+    Face checkpoint directory or hub id (Llama, Mistral, Qwen2, Qwen3; docs/models.md), a GGUF file
+    (``"smollm2-135m-instruct"``, a path to a llama-architecture ``.gguf`` file) with its tokenizer,
+    or a random-weight preset (``"tiny-random"``, ``"small-random"``) that takes token ids only
+    (``llm_utils.load_model``).
 
     Prompts are text (encoded with ``tokenizer``) or token ids. With a tokenizer, generation stops
     at the model's end-of-generation ids by default (``SamplingParams.ignore_eos`` turns that off)

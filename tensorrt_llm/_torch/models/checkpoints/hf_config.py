@@ -30,7 +30,7 @@ where they change nothing, and logs the limit (``HFConfig.notes``):
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from tensorrt_llm._torch.models.checkpoints.errors import CheckpointError
@@ -246,10 +246,6 @@ def llama_config_from_hf(raw: Mapping[str, Any], *, dtype: str, source: str = "c
         logger.warning("%s: %s", source, note)
     return HFConfig(architecture, config, _checkpoint_dtype(raw, source), _token_id(raw.get("bos_token_id"), "bos_token_id", source),
                     _token_ids(raw.get("eos_token_id"), "eos_token_id", source), tuple(notes))
-
-
-def with_dtype(hf: HFConfig, dtype: str) -> HFConfig:
-    return replace(hf, config=replace(hf.config, dtype=dtype))
 
 
 # --------------------------------------------------------------------------- keys
