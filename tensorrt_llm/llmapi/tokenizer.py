@@ -582,32 +582,44 @@ def _chat_templates(directory: Path, config: Mapping[str, Any]) -> dict[str, str
 class IncrementalDetokenizer:
     """Text deltas for a growing sequence of ids, never ending inside a UTF-8 character.
 
-    Byte-level BPE splits a multi-byte character (an emoji, a CJK character) over several
-    tokens; decoding ids that stop inside one yields a trailing U+FFFD. ``step`` holds such a
-    tail back until the rest of its bytes arrive; ``flush`` (at the end of the stream) releases
-    whatever is held, exactly as ``decode`` renders it. Concatenated, the deltas of every
-    ``step`` and the final ``flush`` equal ``tokenizer.decode(all ids)``.
+    A multi-byte character (an emoji, a CJK character) may be split over several tokens (byte-level
+    BPE, or SentencePiece's byte fallback); decoding ids that stop inside one yields a trailing
+    U+FFFD. ``step`` holds such a tail back until the rest of its bytes arrive; ``flush`` (at the end
+    of the stream) releases whatever is held, exactly as ``decode`` renders it. Concatenated, the
+    deltas of every ``step`` and the final ``flush`` equal ``tokenizer.decode(all ids)``.
 
-    Byte-level decoding is a concatenation of bytes, so text after a character boundary does
-    not depend on the ids before it: only the ids since the last boundary are kept and decoded,
-    and a step costs O(ids since then), not O(all ids).
+    Only the ids since the last character boundary are decoded, behind a few ids of context
+    (:data:`CONTEXT_IDS`) whose own text is then cut off: a byte-level decoder does not need them
+    (bytes concatenate), but a SentencePiece-style one (Llama 2, Mistral) strips the space of the
+    *first* token it decodes, which the context absorbs as ``decode`` of the whole sequence would.
+    A step costs O(ids since the boundary), not O(all ids).
     """
+
+    CONTEXT_IDS = 4
 
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
         self._tokenizer = tokenizer
         self._skip = skip_special_tokens
+        self._context: list[int] = []  # the last ids before the boundary
+        self._context_text = ""  # decode(_context)
         self._pending: list[int] = []  # ids since the last character boundary
-        self._emitted = 0  # characters of decode(_pending) already returned
+        self._emitted = 0  # characters of the pending ids' text already returned
+
+    def _pending_text(self) -> str:
+        text = self._tokenizer.decode(self._context + self._pending, skip_special_tokens=self._skip)
+        return text[len(self._context_text):] if text.startswith(self._context_text) else text
 
     def step(self, new_ids: Sequence[int]) -> str:
         """Append ``new_ids``; return the text they complete (possibly empty)."""
         self._pending.extend(new_ids)
-        text = self._tokenizer.decode(self._pending, skip_special_tokens=self._skip)
+        text = self._pending_text()
         # A trailing U+FFFD may be a character whose last bytes are still to come; everything
         # before the last complete character is final.
         stable = text.rstrip("\ufffd")
         delta = stable[self._emitted :]
         if len(stable) == len(text):  # ends on a character boundary: start afresh from here
+            self._context = (self._context + self._pending)[-self.CONTEXT_IDS:]
+            self._context_text = self._tokenizer.decode(self._context, skip_special_tokens=self._skip)
             self._pending.clear()
             self._emitted = 0
         else:
@@ -616,8 +628,7 @@ class IncrementalDetokenizer:
 
     def flush(self) -> str:
         """The text still held back (an unfinished character decodes to U+FFFD); call once, at the end."""
-        text = self._tokenizer.decode(self._pending, skip_special_tokens=self._skip)
-        delta = text[self._emitted :]
+        delta = self._pending_text()[self._emitted :]
         self._pending.clear()
         self._emitted = 0
         return delta

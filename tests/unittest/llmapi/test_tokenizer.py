@@ -355,3 +355,39 @@ def test_a_namespace_refuses_private_attributes(hf_tokenizer_dir):
     with pytest.raises(ValueError, match="underscore-prefixed"):
         ours.apply_chat_template([{"role": "user", "content": "x"}],
                                  chat_template="{% set ns = namespace(_secret=1) %}{{ ns }}")
+
+
+def sentencepiece_style_tokenizer() -> Tokenizer:
+    """A Llama-2/Mistral-style pipeline: Metaspace pre-tokenizer, byte fallback, a decoder that
+    strips the space of the first token."""
+    from tokenizers import Tokenizer as Pipeline
+    from tokenizers import decoders, models, pre_tokenizers
+
+    pieces = ["<unk>", "<s>", "</s>", *[f"<0x{b:02X}>" for b in range(256)], "▁", "H", "e", "l", "o", "w", "r", "d",
+              "▁H", "▁He", "▁Hel", "▁Hell", "▁Hello", "▁w", "▁wo", "▁wor", "▁worl", "▁world"]
+    vocab = {piece: i for i, piece in enumerate(pieces)}
+    merges = [("▁", "H"), ("▁H", "e"), ("▁He", "l"), ("▁Hel", "l"), ("▁Hell", "o"), ("▁", "w"), ("▁w", "o"),
+              ("▁wo", "r"), ("▁wor", "l"), ("▁worl", "d")]
+    pipeline = Pipeline(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    pipeline.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=False)
+    pipeline.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                          decoders.Strip(" ", 1, 0)])
+    pipeline.add_special_tokens(["<unk>", "<s>", "</s>"])
+    return Tokenizer(pipeline, eos_token_id=2, bos_token_id=1)
+
+
+@given(st.lists(st.sampled_from(["Hello", "world", "é", "😀", "Hello world", "日"]), max_size=8),
+       st.lists(st.integers(1, 4), min_size=1, max_size=8), st.booleans())
+def test_streamed_text_keeps_spaces_with_a_sentencepiece_style_decoder(words, steps, bos):
+    tok = sentencepiece_style_tokenizer()
+    ids = ([1] if bos else []) + tok.encode(" ".join(words))
+    expected = tok.decode(ids)
+    detok = IncrementalDetokenizer(tok)
+    out, start, i = "", 0, 0
+    while start < len(ids):
+        size = steps[i % len(steps)]
+        delta = detok.step(ids[start:start + size])
+        assert not delta.endswith("\ufffd")
+        out += delta
+        start, i = start + size, i + 1
+    assert out + detok.flush() == expected
