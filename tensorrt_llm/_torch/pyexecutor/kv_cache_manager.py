@@ -45,7 +45,7 @@ import itertools
 import logging
 from array import array
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Callable, Mapping, NamedTuple, Sequence
 
 import numpy as np
 
@@ -146,8 +146,12 @@ class _Sequence:
         return len(self.blocks) + len(self.beam_blocks)
 
 
-@dataclass(frozen=True, slots=True)
-class PrefixMatch:
+# The values below are NamedTuples rather than frozen dataclasses: one is made per request
+# and iteration (a match per waiting request, an allocation per first chunk), and a frozen
+# dataclass's __init__ sets each field through object.__setattr__, about five times the cost.
+
+
+class PrefixMatch(NamedTuple):
     """What a waiting request's prompt matches in the prefix tree at one moment (nothing claimed).
 
     ``reusable_tokens``: upstream's admission estimate, full prompt blocks that match cached
@@ -219,8 +223,7 @@ class PrefixClaim:
         return self.chain + ([self.partial] if self.partial is not None else [])
 
 
-@dataclass(frozen=True, slots=True)
-class ClaimRecord:
+class ClaimRecord(NamedTuple):
     """What allocation found for a first chunk: the estimate it was admitted with and the claim.
     ``prompt_len``: the prompt looked up, as it was at allocation (a restart makes it longer)."""
 
@@ -235,8 +238,7 @@ class ClaimRecord:
         return self.request.request_id
 
 
-@dataclass(frozen=True, slots=True)
-class Allocation:
+class Allocation(NamedTuple):
     """What :meth:`KVCacheManager.allocate` got for one request. ``chunk``: a context chunk as
     allocated (a first chunk moved onto the prefix it reused, ``chunk.reused`` tokens), None for
     a generation step; ``first``: the chunk started the sequence (it claimed its prefix)."""
@@ -249,8 +251,7 @@ class Allocation:
 _STEP = Allocation()  # a generation step's: nothing to tell but that it got its blocks
 
 
-@dataclass(frozen=True, slots=True)
-class StepNeed:
+class StepNeed(NamedTuple):
     """A started request's next forward, for the capacity scheduler: the blocks it still needs
     and the blocks it holds (what pausing it gives back)."""
 
@@ -259,8 +260,7 @@ class StepNeed:
     held: int
 
 
-@dataclass(frozen=True, slots=True)
-class KVAllocation:
+class KVAllocation(NamedTuple):
     """What ``prepare_resources`` did: the batch as allocated (first chunks' windows moved
     onto their reused prefixes), the requests whose blocks could not be had (untouched),
     and, per first chunk allocated, its reuse estimate and claim."""
