@@ -41,6 +41,7 @@ import functools
 import json
 import logging
 import os
+import re
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -48,6 +49,8 @@ from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, proc
 from tokenizers import Tokenizer as _HFTokenizer
 
 logger = logging.getLogger(__name__)
+
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte-fallback tokens
 
 #: The named special tokens a chat template sees (transformers' SPECIAL_TOKENS_ATTRIBUTES).
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -278,17 +281,23 @@ class Tokenizer:
 
     def token_bytes(self) -> list[bytes]:
         """Each id's bytes, in id order (what a grammar matcher reasons about): a byte-level BPE
-        token's characters mapped back to the bytes they stand for; an added token's own text
-        (UTF-8). An id with no token has no bytes."""
+        token's characters mapped back to the bytes they stand for; a SentencePiece-style token's
+        text with ``▁`` as a space, or the byte a ``<0xNN>`` fallback token stands for; an added
+        token's own text (UTF-8). An id with no token has no bytes."""
         added = {i: token.content for i, token in self._tokenizer.get_added_tokens_decoder().items()}
+        byte_level = b'"ByteLevel"' in (self._tokenizer.decoder.__getstate__() if self._tokenizer.decoder else b"")
         to_byte = _byte_level_decoding()
         vocab = self._tokenizer.get_vocab(with_added_tokens=True)
         out = [b""] * self.vocab_size
         for token, i in vocab.items():
             if i in added:
                 out[i] = added[i].encode("utf-8")
-            else:
+            elif byte_level:
                 out[i] = bytes(to_byte[ch] for ch in token)
+            elif (fallback := _BYTE_FALLBACK.fullmatch(token)) is not None:
+                out[i] = bytes([int(fallback.group(1), 16)])
+            else:
+                out[i] = token.replace("\u2581", " ").encode("utf-8")
         return out
 
     def special_token_ids(self) -> list[int]:

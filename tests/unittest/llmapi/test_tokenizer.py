@@ -391,3 +391,14 @@ def test_streamed_text_keeps_spaces_with_a_sentencepiece_style_decoder(words, st
         out += delta
         start, i = start + size, i + 1
     assert out + detok.flush() == expected
+
+
+def test_token_bytes_of_a_sentencepiece_style_vocabulary():
+    """What a grammar matcher reads: ``▁`` is a space, ``<0xNN>`` its byte, specials their text;
+    every id's bytes, concatenated, are the decoded text's."""
+    tok = sentencepiece_style_tokenizer()
+    table = tok.token_bytes()
+    assert table[tok.token_to_id("▁world")] == b" world" and table[tok.token_to_id("<0xC3>")] == b"\xc3"
+    assert table[2] == b"</s>"
+    ids = tok.encode("Hello world é 😀")
+    assert b"".join(table[i] for i in ids) == b" " + "Hello world é 😀".encode()  # the decoder strips that space
