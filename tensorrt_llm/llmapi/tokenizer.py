@@ -316,10 +316,14 @@ class Tokenizer:
         tools: Sequence[Mapping[str, Any]] | None = None,
         *,
         chat_template: str | None = None,
+        tokenize: bool = False,
         **template_kwargs: Any,
-    ) -> str:
+    ) -> str | list[int]:
         """The prompt text for a conversation: exactly what transformers' ``apply_chat_template``
-        renders (``tokenize=False``) for the same arguments, tools included.
+        renders (``tokenize=False``) for the same arguments, tools included. With ``tokenize``, its
+        token ids instead, encoded as transformers encodes them: without adding special tokens (the
+        template writes its own BOS; encoding the text with ``encode`` would add a second one where
+        the tokenizer adds BOS, as Llama 3's does).
 
         ``messages`` are OpenAI-style mappings: ``role`` (a non-empty string) and ``content`` (a
         string, None, or a list of ``{"type": "text", "text": str}`` parts, joined into one string
@@ -348,7 +352,7 @@ class Tokenizer:
                 raise ValueError(f"tools[{bad}] must be a JSON schema object")
             tools = _plain(tools)
         try:
-            return _compile_template(source).render(
+            text = _compile_template(source).render(
                 messages=conversation,
                 tools=tools,
                 documents=None,
@@ -357,6 +361,7 @@ class Tokenizer:
             )
         except jinja2.TemplateError as error:
             raise ValueError(f"the chat template refused the conversation: {error}") from error
+        return self.encode(text, add_special_tokens=False) if tokenize else text
 
     def _template_for(self, chat_template: str | None, tools: Sequence[Any] | None) -> str:
         """transformers' choice: a name among the model's templates or a template itself; else

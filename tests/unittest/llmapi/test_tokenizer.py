@@ -402,3 +402,28 @@ def test_token_bytes_of_a_sentencepiece_style_vocabulary():
     assert table[2] == b"</s>"
     ids = tok.encode("Hello world é 😀")
     assert b"".join(table[i] for i in ids) == b" " + "Hello world é 😀".encode()  # the decoder strips that space
+
+
+def test_a_tokenized_chat_has_the_templates_bos_only(hf_tokenizer_dir, tmp_path, transformers_tokenizer):
+    """A tokenizer whose post-processor adds BOS (Llama 3's) and a template that writes it: the ids
+    transformers' ``apply_chat_template(tokenize=True)`` gives, one BOS, not two."""
+    import json
+    import shutil
+
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import Tokenizer as Pipeline
+    from tokenizers import processors
+
+    directory = shutil.copytree(hf_tokenizer_dir, tmp_path / "with-bos")
+    pipeline = Pipeline.from_file(str(directory / "tokenizer.json"))
+    pipeline.post_processor = processors.TemplateProcessing(single="<|im_start|> $A", special_tokens=[("<|im_start|>", 1)])
+    pipeline.save(str(directory / "tokenizer.json"))
+    config = json.loads((directory / "tokenizer_config.json").read_text())
+    config["chat_template"] = "{{ bos_token }}{% for m in messages %}{{ m.content }}{% endfor %}"
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    ours = Tokenizer.from_hf_directory(directory)
+    theirs = transformers.AutoTokenizer.from_pretrained(directory)
+    chat = [{"role": "user", "content": "Hi"}]
+    assert ours.add_bos_token and ours.encode("Hi") == theirs("Hi")["input_ids"] == [1, 26843]
+    expected = theirs.apply_chat_template(chat, tokenize=True, return_dict=False)
+    assert ours.apply_chat_template(chat, tokenize=True) == expected == [1, 26843]
