@@ -206,7 +206,7 @@ class BlockPool:
         self._host_lru: deque[KVBlock] = deque()  # host-only tree blocks
         self._num_cached = 0
         self._num_host_cached = 0
-        self._serial = 0  # the last commit's KVBlock.serial
+        self.serial = 0  # the KVBlock.serial of the last block committed to the tree (0: none yet); read-only outside
         self.num_evictions = 0
         self.num_offloads = 0
         self.num_onboards = 0
@@ -227,11 +227,6 @@ class BlockPool:
     @property
     def num_host_cached(self) -> int:
         return self._num_host_cached
-
-    @property
-    def serial(self) -> int:
-        """The ``KVBlock.serial`` of the last block committed to the tree (0: none yet)."""
-        return self._serial
 
     @property
     def lru_length(self) -> int:
@@ -490,7 +485,7 @@ class BlockPool:
         """
         root = self.root
         parent = blocks[start - 1] if start else root
-        serial = self._serial
+        serial = self.serial
         for index, (block_hash, tokens) in enumerate(keys, start):
             children = parent.children
             existing = None
@@ -527,7 +522,7 @@ class BlockPool:
                 self.incref(existing)
                 self.decref(block)  # private, so this frees its slot
             blocks[index] = parent = existing
-        self._serial = serial
+        self.serial = serial
 
     # ---- eviction -------------------------------------------------------------------
     def offload_until(self, num_free: int) -> int:

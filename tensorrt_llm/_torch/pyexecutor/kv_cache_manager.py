@@ -74,6 +74,10 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
+_ID_LIMIT = 1 << 32  # token ids key the tree as unsigned 32-bit ints
+_FOLD = np.uint32(16)  # content_hashes folds a hash's high half into its low one
+
+
 def pack_tokens(tokens: array | Sequence[int]) -> np.ndarray:
     """``tokens`` as the prefix tree keys them: native unsigned 32-bit ids (``.tobytes()`` of a
     block's slice is its :data:`~block_pool.BlockTokens`).
@@ -81,14 +85,13 @@ def pack_tokens(tokens: array | Sequence[int]) -> np.ndarray:
     Takes a packed token array (``LlmRequest.tokens`` or a slice of it: viewed, one numpy
     conversion) or a sequence of ints; raises ValueError unless every id is an int in [0, 2**32).
     """
-    if isinstance(tokens, array) and tokens.typecode == TOKEN_TYPECODE:
+    if isinstance(tokens, array) and tokens.typecode == TOKEN_TYPECODE:  # every prompt: one reduction checks it
         ids = np.frombuffer(tokens, dtype=np.int64)
-    else:
-        ids = np.asarray(tokens) if len(tokens) else np.empty(0, dtype=np.int64)
-    if ids.dtype.kind not in "iu" or (ids.size and (
-        # one reduction for 64-bit ids: a negative one, seen unsigned, is above 2**63
-        ids.view(np.uint64).max() >= 1 << 32 if ids.itemsize == 8 else ids.min() < 0 or ids.max() >= 1 << 32
-    )):
+        if ids.size and ids.view(np.uint64).max() >= _ID_LIMIT:  # a negative id, seen unsigned, is above 2**63
+            raise ValueError(f"token ids must be ints in [0, 2**32) to key the prefix tree, got {tokens!r:.80}")
+        return ids.astype(np.uint32)
+    ids = np.asarray(tokens) if len(tokens) else np.empty(0, dtype=np.int64)
+    if ids.dtype.kind not in "iu" or (ids.size and (ids.min() < 0 or ids.max() >= _ID_LIMIT)):
         raise ValueError(f"token ids must be ints in [0, 2**32) to key the prefix tree, got {tokens!r:.80}")
     return ids.astype(np.uint32)
 
@@ -111,7 +114,7 @@ def content_hashes(packed: np.ndarray, num_blocks: int, tokens_per_block: int) -
     """
     ids = packed[: num_blocks * tokens_per_block]
     h = ids.reshape(num_blocks, tokens_per_block) @ _hash_weights(tokens_per_block)  # uint32, wraps
-    h ^= h >> np.uint32(16)
+    h ^= h >> _FOLD
     return h.tolist()
 
 
@@ -437,7 +440,8 @@ class KVCacheManager:
     def match(self, request: LlmRequest) -> PrefixMatch:
         """What ``request``'s prompt matches now (:class:`PrefixMatch`); no match once it holds blocks.
         Nothing is claimed: the capacity scheduler asks it for every waiting request it admits."""
-        if not self._reuses(request) or request.request_id in self._sequences:
+        if (not self.enable_block_reuse or request.sampling_config.prompt_logprobs is not None  # _reuses, inlined
+                or request.request_id in self._sequences):
             self.prefix_index.forget(request.request_id)
             return NO_MATCH
         chain = self.prefix_index.chain(request.request_id, request.prompt_len, self._prompt_keys(request))
@@ -834,8 +838,8 @@ class KVCacheManager:
         cached = self._keys.get(request.request_id)
         if cached is not None and cached[0] == request.prompt_len:
             return cached[1]
-        prompt_len = request.prompt_len
-        packed = pack_tokens(request.tokens[:prompt_len])
+        prompt_len, tokens = request.prompt_len, request.tokens
+        packed = pack_tokens(tokens if len(tokens) == prompt_len else tokens[:prompt_len])
         buffer = packed.tobytes()
         keys = self._block_keys(packed, prompt_len // self.tokens_per_block, buffer)
         self._keys[request.request_id] = (prompt_len, keys, buffer)
