@@ -172,10 +172,14 @@ def _request(rid: int, length: int, new: int, state: LlmRequestState) -> LlmRequ
 
 
 def fill_random(pools: torch.Tensor, seed: int = 0) -> None:
-    """Random K/V everywhere (METHOD.md: never time on zeros), a layer at a time."""
+    """Random K/V everywhere (METHOD.md: never time on zeros), a layer at a time (an FP8 pool
+    through a bf16 draw: float8 has no random kernels)."""
     gen = torch.Generator(pools.device).manual_seed(seed)
     for chunk in pools.flatten(0, 1):
-        chunk.normal_(generator=gen)
+        if chunk.dtype.itemsize == 1:
+            chunk.copy_(torch.randn(chunk.shape, generator=gen, device=chunk.device, dtype=torch.bfloat16))
+        else:
+            chunk.normal_(generator=gen)
 
 
 def quantile(values: list[float], q: float) -> float:

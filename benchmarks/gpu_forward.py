@@ -64,7 +64,7 @@ def time_forward(engine: TorchModelEngine, shape: ForwardShape, allocator: Block
             pending.result()
             if i >= warmup:
                 wall.append((time.perf_counter() - t0) * 1e3)
-                device.append(pending.device_time_ms() or wall[-1])
+                device.append((pending.device_time_ms() if engine.time_forwards else None) or wall[-1])
     finally:
         engine.graph_runner = runner
     return {"device_ms": statistics.median(device), "wall_ms": statistics.median(wall),

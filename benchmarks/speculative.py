@@ -21,7 +21,11 @@ with a tokenizer stops at its end of text; a random-weight one generates ``--max
         [--batch 4] [--max-tokens 96] [--max-draft-len 4] [--max-matching-ngram-size 3]
         [--num-requests 16] [--max-prompt-len 512] [--repeats 3] [--device auto] [--kv-memory-fraction 0.4]
         [--max-concurrency N] [--acceptance-rate-threshold X] [--acceptance-rate-window-size 8]
-        [--json OUT.json]
+        [--disable-overlap-scheduler] [--kv-cache-dtype auto|fp8] [--json OUT.json]
+
+On a GPU both runs use the engine's defaults: CUDA graphs (a verification step replays the decode
+graph of its rows) and the overlap scheduler (drafts stay under it); ``--disable-overlap-scheduler``
+turns it off for both, to tell what it buys.
 """
 
 from __future__ import annotations
@@ -133,11 +137,18 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--kv-memory-fraction", type=float, default=0.4,
                         help="on a GPU, each LLM's KV pool takes this share of the memory free when it starts: the two "
                              "LLMs (with and without drafts) share the device, and the second needs room for its weights")
+    parser.add_argument("--disable-overlap-scheduler", action="store_true",
+                        help="both runs without the overlap scheduler (default: the engine's, on for CUDA)")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"))
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
 
     common = dict(dtype=args.dtype, device=args.device, max_num_tokens=args.max_num_tokens, max_batch_size=64,
-                  enable_chunked_prefill=True, kv_cache_config=KvCacheConfig(tokens_per_block=32, free_gpu_memory_fraction=args.kv_memory_fraction))
+                  enable_chunked_prefill=True,
+                  kv_cache_config=KvCacheConfig(tokens_per_block=32, free_gpu_memory_fraction=args.kv_memory_fraction,
+                                                dtype=args.kv_cache_dtype))
+    if args.disable_overlap_scheduler:
+        common["disable_overlap_scheduler"] = True
     spec = SpeculativeConfig(max_draft_len=args.max_draft_len, max_matching_ngram_size=args.max_matching_ngram_size,
                              max_concurrency=args.max_concurrency, acceptance_rate_threshold=args.acceptance_rate_threshold,
                              acceptance_rate_window_size=args.acceptance_rate_window_size)

@@ -173,9 +173,10 @@ class CudaGraphConfig:
     (or, with ``enable_padding``, is at most the largest one: padded up to the next) replays
     its graph instead of launching some 600 kernels from Python. ``batch_sizes`` default: 1, 2,
     4, 8, then every multiple of 8, the powers of two, and ``max_batch_size`` itself (0: the
-    executor's). Padding is on by default here (upstream: off), because decode batch sizes
-    change every few iterations in serving. Graphs are captured when a size is first used.
-    Ignored on the CPU.
+    executor's; with speculative decoding the rows of a verification step count, ``max_batch_size
+    * (1 + max_draft_len)``: each draft position is a decode row of its own). Padding is on by
+    default here (upstream: off), because decode batch sizes change every few iterations in
+    serving. Graphs are captured when a size is first used. Ignored on the CPU.
 
     Every other forward (context chunks, with or without decodes; a decode batch no decode graph
     serves: beams, prompt logits, drafts, more requests than the largest size) of at most the

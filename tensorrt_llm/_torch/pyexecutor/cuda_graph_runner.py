@@ -10,7 +10,9 @@ A graph replays fixed addresses and shapes, so each batch size gets static buffe
     rows                    (B,) int64      0..B-1, constant
     -> logits (B, vocab), tokens (B,) int64 (greedy pick, on the device)
 
-Each step copies its values in (three small host-to-device copies, through the engine's
+A verification step (drafts) is a decode batch too: each of its positions is a row of its own
+over the request's block table (``TpInputs.attention_batch``), so it replays the graph of its
+row count. Each step copies its values in (three small host-to-device copies, through the engine's
 persistent pinned buffers, ``attention_backend.staging``; of the tables only the columns in
 use: stale columns past a sequence's length are never read) and replays. A batch of ``n <
 B`` requests is padded: rows ``n..B-1`` decode token 0 at position 0 into the storage's scratch
@@ -36,6 +38,7 @@ from tensorrt_llm._torch.attention_backend.paged import DecodeBatch, PagedAttent
 from tensorrt_llm._torch.attention_backend.staging import PinnedStaging
 from tensorrt_llm._torch.models.modeling_llama import LlamaForCausalLM
 from tensorrt_llm._torch.pyexecutor.kv_storage import KVCacheStorage
+from tensorrt_llm._torch.speculative.device_verification import move_back_
 
 logger = logging.getLogger(__name__)
 
@@ -130,10 +133,13 @@ class CudaGraphRunner:
         longs[2, n:] = self.scratch_block * tpb
         return _Step(size, n, longs, seq_lens, tables)
 
-    def replay(self, step: "_Step", fill: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def replay(self, step: "_Step", fill: tuple[torch.Tensor, torch.Tensor] | None = None, moves=None,
+               ) -> tuple[torch.Tensor, torch.Tensor]:
         """Copy the step in and replay (capturing the size first if needed); returns device views
         (logits (n, vocab), tokens (n,)) valid until the next replay of that size. ``fill``:
         (rows, tokens) on the device written over the step's ids (overlap: tokens still in flight).
+        ``moves``: rows to move back over drafts the previous forward rejected (``rows``, ``back``;
+        ``speculative.device_verification.move_back_``; every row here is its own decode sequence).
         Called inside the staging's ``step()``."""
         g = self._graphs.get(step.size) or self._capture(step.size)
         used = step.tables.shape[1]
@@ -143,6 +149,9 @@ class CudaGraphRunner:
             g.longs[0].index_copy_(0, *fill)
         staging.copy_to(g.seq_lens, step.seq_lens)
         staging.copy_to(g.tables[:, :used], step.tables)  # a strided destination: torch goes through a device buffer
+        if moves is not None:
+            move_back_(g.longs[1], g.longs[2], g.seq_lens, g.tables, moves.rows, moves.rows, moves.back,
+                       self.tokens_per_block)
         g.graph.replay()
         self.num_replays += 1
         return g.logits[: step.num_requests], g.tokens[: step.num_requests]

@@ -21,6 +21,14 @@ again with them; :meth:`Drafter.withdraw` otherwise): the drafter then sets its
 exactly as without speculation. Greedy verification makes the outputs equal to those without
 drafts, token for token: only the number of forwards changes.
 
+Under the overlap scheduler the drafter runs while the request's previous forward is in flight:
+its tokens end with placeholders for what that forward will accept (one per draft it verifies,
+then one for the token after them), laid out as if every draft were accepted. The next drafts
+continue that layout: :meth:`Drafter.propose` guesses the tokens after ``request.tokens``
+placeholders included (the n-gram drafter looks them up in the known tokens followed by the
+drafts in flight, and skips its guess of the in-flight token). If the forward rejects some, the
+engine moves the next forward back over them; the drafts may then be wrong, never the output.
+
 Speculation that does not pay stops (``SpeculativeConfig``): above ``max_concurrency``
 generation requests an iteration gets no drafts, and once the acceptance over the last
 ``acceptance_rate_window_size`` iterations with drafts is below ``acceptance_rate_threshold``
@@ -38,7 +46,7 @@ from typing import Iterable
 import numpy as np
 
 from tensorrt_llm._torch.pyexecutor.config import DecodingType, SpeculativeConfig
-from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequest, LlmRequestState
+from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequest, LlmRequestState, num_in_flight_tokens
 from tensorrt_llm._torch.speculative.ngram import propose_ngram_drafts
 
 _CONTEXT_INIT = LlmRequestState.CONTEXT_INIT
@@ -110,7 +118,7 @@ class Drafter(abc.ABC):
 
     def prepare_draft_tokens(self, requests: Iterable[LlmRequest]) -> None:
         """Propose each speculative request's drafts for its next step, from its tokens as they
-        are now (every forward it sampled in has completed: see ``ModelEngine.can_pick``).
+        are now (placeholders of a forward in flight included: module docstring).
 
         A request in its prompt gets none (its chunks are the scheduler's to size), and no
         request gets more drafts than the tokens it may still generate after the one its next
@@ -143,7 +151,9 @@ class Drafter(abc.ABC):
 
     @abc.abstractmethod
     def propose(self, request: LlmRequest, max_drafts: int) -> list[int]:
-        """Up to ``max_drafts`` guesses of the tokens that follow ``request.tokens``."""
+        """Up to ``max_drafts`` guesses of the tokens that follow ``request.tokens`` (which may end
+        with placeholders of a forward in flight: they stand for its drafts, then the token after
+        them, still ``request.py_draft_tokens`` and unknown)."""
 
 
 class NGramDrafter(Drafter):
@@ -151,7 +161,14 @@ class NGramDrafter(Drafter):
 
     def propose(self, request: LlmRequest, max_drafts: int) -> list[int]:
         tokens = np.frombuffer(request.tokens, dtype=np.int64)  # a view: gone before the tokens grow
-        return propose_ngram_drafts(tokens, max_drafts, self.config.max_matching_ngram_size)
+        pending = num_in_flight_tokens(request.tokens)
+        if not pending:
+            return propose_ngram_drafts(tokens, max_drafts, self.config.max_matching_ngram_size)
+        # In flight: the known tokens, then the drafts the forward verifies (assumed accepted); the
+        # lookup's first token guesses the one that forward picks after them, which is not a draft.
+        context = np.concatenate((tokens[: len(tokens) - pending], np.asarray(request.py_draft_tokens[: pending - 1],
+                                                                               dtype=np.int64)))
+        return propose_ngram_drafts(context, max_drafts + 1, self.config.max_matching_ngram_size)[1:]
 
 
 def drafter_for(config: SpeculativeConfig, max_seq_len: int) -> Drafter:

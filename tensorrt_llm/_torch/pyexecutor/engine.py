@@ -17,19 +17,27 @@ Under the overlap scheduler a generation request can be in the next forward befo
 newest token is known: its ``tokens`` end with ``IN_FLIGHT_TOKEN_ID`` (see ``llm_request``),
 and the engine puts in that slot the token it picked for the request in the previous forward
 (:meth:`ModelEngine.can_pick` says for which requests an engine picks the token the sampler
-will return). Nothing here imports torch: the simulated engine runs on it alone.
+will return).
+
+A speculative request in flight is laid out as if its forward accepted every draft it verifies
+(one placeholder per draft, one for the token after them) and the next forward is built on that.
+The engine, which accepts drafts as the sampler will (``accept_greedy``), then puts the token
+after the accepted drafts in its first input and moves its positions back by the drafts that
+were rejected (:class:`Picks`): on a GPU on the device, here on the host
+(``TpInputs.resolve``). Nothing here imports torch: the simulated engine runs on it alone.
 """
 
 from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Protocol
+from typing import Any, Callable, Mapping, NamedTuple, Protocol
 
 from tensorrt_llm._torch.pyexecutor.engine_inputs import TpInputs, prepare_tp_inputs
 from tensorrt_llm._torch.pyexecutor.kv_cache_manager import KVCacheManager
 from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequest
 from tensorrt_llm._torch.pyexecutor.scheduled_requests import ScheduledRequests
+from tensorrt_llm._torch.speculative.verification import accept_greedy
 
 
 @dataclass(slots=True)
@@ -56,6 +64,44 @@ class ForwardOutput:
     # Beam-search requests in generation: the (beam_width, vocab) logits of their beams, beam 0
     # first (``logits`` holds beam 0's row alone). None: no beams ran, or an engine without a model.
     beam_logits: dict[int, Any] | None = None
+    # Requests that verified drafts: the drafts, as the forward's inputs held them (what
+    # ``accept_greedy`` compares ``draft_targets`` with: under overlap the request's own
+    # ``py_draft_tokens`` are the next step's already). None: no drafts ran.
+    verified_drafts: dict[int, list[int]] | None = None
+
+
+class Picks(NamedTuple):
+    """What the next forward takes from a forward in flight, per request that sampled in it: the
+    token the engine picked (for a request that verified drafts, the token after the drafts it
+    accepts) and, per request that verified drafts, how many of them it rejected."""
+
+    tokens: Mapping[int, int]
+    rejected: Mapping[int, int]
+
+
+NO_PICKS = Picks({}, {})
+
+
+def picks_of(output: ForwardOutput) -> Picks:
+    """:class:`Picks` of a host forward's output: greedy verification (``accept_greedy``) of each
+    request's verified drafts against its targets; without targets (an engine without a model)
+    every draft is rejected and the pick is the engine's own."""
+    tokens = output.greedy_tokens or {}
+    drafts = output.verified_drafts
+    if not drafts:
+        return Picks(tokens, {})
+    tokens = dict(tokens)
+    rejected = {}
+    targets = output.draft_targets or {}
+    for rid, verified in drafts.items():
+        picks = targets.get(rid)
+        if picks is None:
+            rejected[rid] = len(verified)
+            continue
+        run = accept_greedy(verified, picks)
+        tokens[rid] = run[-1]
+        rejected[rid] = len(verified) + 1 - len(run)
+    return Picks(tokens, rejected)
 
 
 class PendingForward(Protocol):
@@ -66,8 +112,8 @@ class PendingForward(Protocol):
     def result(self) -> ForwardOutput:
         """Wait for the forward (only it, not what was launched after it); raises what it raised."""
 
-    def picks(self) -> Mapping[int, int]:
-        """The engine's token for each request that sampled (waits for the forward); empty if it failed."""
+    def picks(self) -> Picks:
+        """What the next forward takes from this one (waits for it); :data:`NO_PICKS` if it failed."""
 
 
 class ReadyForward:
@@ -82,8 +128,8 @@ class ReadyForward:
     def result(self) -> ForwardOutput:
         return self._output
 
-    def picks(self) -> Mapping[int, int]:
-        return self._output.greedy_tokens or {}
+    def picks(self) -> Picks:
+        return picks_of(self._output)
 
 
 class DeferredForward:
@@ -113,11 +159,11 @@ class DeferredForward:
                 raise
         return self._output
 
-    def picks(self) -> Mapping[int, int]:
+    def picks(self) -> Picks:
         try:
-            return self.result().greedy_tokens or {}
+            return picks_of(self.result())
         except Exception:
-            return {}
+            return NO_PICKS
 
 
 class ModelEngine(abc.ABC):
@@ -138,6 +184,9 @@ class ModelEngine(abc.ABC):
     supports_draft_tokens: bool = False
     #: whether forwards carry ``greedy_tokens`` (the engine's own pick for each sampling request)
     picks_tokens: bool = False
+    #: whether the engine verifies drafts as the sampler does, so that it can pick for a
+    #: speculative request in flight and move the next forward back over rejected drafts (:class:`Picks`)
+    accepts_drafts: bool = False
 
     def __init__(self, max_num_tokens: int, kv_cache_manager: KVCacheManager, *, asynchronous: bool = False) -> None:
         self.max_num_tokens = max_num_tokens
@@ -156,21 +205,18 @@ class ModelEngine(abc.ABC):
         return self.asynchronous
 
     def can_pick(self, request: LlmRequest) -> bool:
-        """Whether this engine picks, in the forward itself, the very token the sampler will
-        return for ``request`` (so the request can be in the next forward before the token
-        reaches the host). Greedy, one beam, not speculative, nothing that needs its logits on the
-        host (penalties, a grammar mask, logprobs: ``LlmRequest.needs_host_logits``), and an engine
-        that picks.
-
-        A speculative request (``max_draft_len`` > 0) is never picked for, even on a step without
-        drafts: the drafter proposes its next drafts from the tokens the sampler accepted, so
-        every forward it samples in completes before the next iteration is scheduled (the
-        overlap scheduler runs such iterations without overlap; see ``PyExecutor``)."""
+        """Whether this engine picks, in the forward itself, the very tokens the sampler will
+        return for ``request`` (so the request can be in the next forward before they reach the
+        host). Greedy, one beam, nothing that needs its logits on the host (penalties, a grammar
+        mask, logprobs: ``LlmRequest.needs_host_logits``), and an engine that picks; a speculative
+        request (``max_draft_len`` > 0, or drafts of its own) only where the engine also accepts
+        drafts (``accepts_drafts``): its next forward is built as if every draft were accepted and
+        the engine moves it back over the rejected ones (module docstring). Elsewhere every
+        forward such a request samples in completes before the next iteration is scheduled."""
         return (
             self.picks_tokens
             and request.beam_width == 1
-            and not request.max_draft_len
-            and not request.py_draft_tokens
+            and (self.accepts_drafts or not (request.max_draft_len or request.py_draft_tokens))
             and request.sampling_config.is_greedy
             and not request.needs_host_logits
         )
@@ -202,7 +248,8 @@ class ModelEngine(abc.ABC):
 
         def complete() -> ForwardOutput:
             if inputs.in_flight:
-                inputs.resolve(previous.picks() if previous is not None else {})
+                tokens, rejected = previous.picks() if previous is not None else NO_PICKS
+                inputs.resolve(tokens, rejected)
             output = run()
             output.num_tokens = inputs.total_num_tokens
             return output

@@ -63,7 +63,10 @@ class TpInputs:
     at launch by :meth:`materialize` when the forward runs later.
 
     ``in_flight``: ``(flat index, request index)`` of each generation input whose token a
-    forward in flight is still sampling (overlap); :meth:`resolve` fills them in.
+    forward in flight is still sampling (overlap); :meth:`resolve` fills them in. A speculative
+    request in flight is built as if that forward accepts every draft it verifies (its tokens end
+    with one placeholder per verified draft and one for the token after them); :meth:`resolve`
+    moves its positions back by the drafts the forward rejected.
 
     ``num_drafts``: per request, the draft tokens this forward verifies. A request's positions
     end with its drafts and then first-draft padding; its *sampling row* is its last position
@@ -77,8 +80,8 @@ class TpInputs:
 
     __slots__ = (
         "requests", "num_new_tokens", "num_cached_tokens", "samples", "total_num_tokens", "in_flight", "prompt_logits",
-        "num_drafts", "_trailing", "_pieces", "_beams", "_tables", "_kv", "_input_ids", "_position_ids", "_block_tables",
-        "_beam_tables",
+        "num_drafts", "_trailing", "_pieces", "_beams", "_generation", "_tables", "_kv", "_input_ids", "_position_ids",
+        "_block_tables", "_beam_tables",
     )
 
     def __init__(self, kv_cache_manager: KVCacheManager | None = None) -> None:
@@ -93,6 +96,7 @@ class TpInputs:
         self._trailing: list[int] = []  # positions after each request's sampling row: drafts, then padding
         self._pieces: list[tuple[list[int], int, int, list[int]]] = []  # token source, start, stop, then extra
         self._beams: list[int] = []
+        self._generation: list[bool] = []  # a generation step (not a context chunk)
         self._tables: list[list[int] | None] = []  # None: the request's table in the KV manager
         self._kv = kv_cache_manager
         self._input_ids: list[int] | None = None
@@ -129,12 +133,13 @@ class TpInputs:
                 token_ids = state.last_tokens() if beams > 1 and state is not None else [tokens[-1]] * beams
                 self.num_drafts.append(0)
                 self._trailing.append(beams - 1)  # its sampling row is beam 0's, the first
-                if token_ids[0] == IN_FLIGHT_TOKEN_ID:
-                    self.in_flight.append((self.total_num_tokens + count, len(self._beams)))  # (flat, request index)
+            if token_ids[0] == IN_FLIGHT_TOKEN_ID:  # its newest token is still being sampled (overlap)
+                self.in_flight.append((self.total_num_tokens + count, len(self._beams)))  # (flat, request index)
             self._pieces.append((token_ids, 0, len(token_ids), ()))
             self.num_new_tokens.append(len(token_ids))
             self.num_cached_tokens.append(len(tokens) - 1)
             self._beams.append(beams)
+            self._generation.append(True)
             count += len(token_ids)
         self.requests += requests
         self.samples += [True] * len(requests)
@@ -159,19 +164,56 @@ class TpInputs:
         self.samples.append(samples)
         self._pieces.append(piece)
         self._beams.append(beams)
+        self._generation.append(False)
         self._tables.append(block_table)
         self.total_num_tokens += count
         self._input_ids = self._position_ids = self._block_tables = self._beam_tables = None
 
-    def resolve(self, picks: Mapping[int, int]) -> None:
+    def resolve(self, picks: Mapping[int, int], rejected: Mapping[int, int] | None = None) -> None:
         """Fill each in-flight input with the token the engine picked for its request in the
-        previous forward (``picks``: request id to token). A request with no pick (its previous
-        forward failed) gets token 0: it has failed already, and this forward's output for it is dropped."""
+        previous forward (``picks``: request id to token; for a request that verified drafts, the
+        token after its accepted ones). ``rejected``: the drafts the previous forward rejected, per
+        speculative request; its positions here move back by as many (its tokens were laid out as
+        if every draft had been accepted). A request with no pick (its previous forward failed)
+        gets token 0: it has failed already, and this forward's output for it is dropped."""
+        rejected = rejected or {}
         for flat, index in self.in_flight:
-            token = picks.get(self.requests[index].request_id, 0)
+            rid = self.requests[index].request_id
+            token = picks.get(rid, 0)
             self._pieces[index][0][0] = token  # the generation piece's own list
             if self._input_ids is not None:
                 self._input_ids[flat] = token
+            back = rejected.get(rid, 0)
+            if back:
+                self.num_cached_tokens[index] -= back
+                if self._position_ids is not None:  # built already (materialize): move its rows back
+                    for row in range(flat, flat + self.num_new_tokens[index]):
+                        self._position_ids[row] -= back
+
+    def verified_drafts(self) -> dict[int, list[int]]:
+        """The draft tokens each request verifies in this forward, as its inputs hold them (what
+        ``accept_greedy`` compares the target's picks with: ``ForwardOutput.verified_drafts``)."""
+        drafts = {}
+        for request, (source, start, stop, extra), count, samples in zip(
+            self.requests, self._pieces, self.num_drafts, self.samples
+        ):
+            if count and samples:
+                drafts[request.request_id] = list(extra[:count]) if extra else list(source[start + 1 : start + 1 + count])
+        return drafts
+
+    def sampling_position(self, index: int) -> int:
+        """The position of request ``index``'s sampling row."""
+        if self._beams[index] > 1:
+            return self.num_cached_tokens[index]
+        return self.num_cached_tokens[index] + self.num_new_tokens[index] - 1 - self._trailing[index]
+
+    def sampling_input_id(self, index: int) -> int:
+        """The input token at request ``index``'s sampling row (its last position before any
+        draft or padding)."""
+        source, start, stop, extra = self._pieces[index]
+        if extra or self._trailing[index] == 0:
+            return source[stop - 1]
+        return source[stop - 1 - self._trailing[index]]
 
     def materialize(self) -> None:
         """Build the flat inputs and copy the block tables now: a forward that runs after
@@ -179,11 +221,6 @@ class TpInputs:
         self.input_ids, self.position_ids  # noqa: B018 (built and kept)
         self._block_tables = [list(table) for table in self.block_tables]
         self._beam_tables = [None if t is None else [list(b) for b in t] for t in self.beam_block_tables]
-
-    def last_input_id(self, index: int) -> int:
-        """The last input token of request ``index`` (the one whose logits it samples from)."""
-        source, _start, stop, extra = self._pieces[index]
-        return extra[-1] if extra else source[stop - 1]
 
     def sampling_rows(self) -> tuple[list[int], list[int], list[tuple[int, int, int, int]]]:
         """Which flat positions get logits: ``(rows, request ids, prompt spans)``. ``rows`` holds
@@ -283,17 +320,29 @@ class TpInputs:
             ]
         return self._beam_tables
 
+    @property
+    def has_verification_rows(self) -> bool:
+        """Whether some generation step runs several positions (drafts, first-draft padding)."""
+        return any(self._trailing[i] and self._beams[i] == 1 and self._generation[i] for i in range(len(self.requests)))
+
     def attention_batch(self) -> tuple[list[int], list[int], list[list[int]]]:
         """``(num_new_tokens, num_cached_tokens, block_tables)`` per *sequence* as attention sees
-        them: a request's, or, for a beam-search request, one sequence per beam (one new token each,
-        at the same position, over its own table). The flat rows are the same either way."""
-        if not self.has_beams:
+        them: a request's; for a beam-search request, one sequence per beam (one new token each,
+        at the same position, over its own table); for a generation step with drafts (and
+        first-draft padding), one sequence per position, each a decode of one token over the
+        request's table (position ``j`` attends to ``[0, cached + j]``, what a chunk's causal
+        mask gives it), so a verification step runs the decode kernel and its CUDA graphs. The
+        flat rows are the same either way."""
+        beams_here, rows_here = self.has_beams, self.has_verification_rows
+        if not beams_here and not rows_here:
             return self.num_new_tokens, self.num_cached_tokens, self.block_tables
         new: list[int] = []
         cached: list[int] = []
         tables: list[list[int]] = []
-        for n, c, table, beams, beam_tables in zip(
-            self.num_new_tokens, self.num_cached_tokens, self.block_tables, self._beams, self.beam_block_tables
+        beam_tables_all = self.beam_block_tables if beams_here else [None] * len(self.requests)
+        for n, c, table, beams, beam_tables, generation in zip(
+            self.num_new_tokens, self.num_cached_tokens, self.block_tables, self._beams, beam_tables_all,
+            self._generation,
         ):
             if beams > 1:
                 if len(beam_tables) != beams:
@@ -301,6 +350,10 @@ class TpInputs:
                 new += [1] * beams
                 cached += [c] * beams
                 tables += beam_tables
+            elif generation and n > 1:  # a verification step: one decode row per position
+                new += [1] * n
+                cached += range(c, c + n)
+                tables += [table] * n
             else:
                 new.append(n)
                 cached.append(c)

@@ -19,6 +19,7 @@ the model's forward then runs unchecked (``LlamaForCausalLM.forward_with_plan``)
 from __future__ import annotations
 
 import abc
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -30,7 +31,15 @@ from tensorrt_llm._torch.models.modeling_llama import LlamaForCausalLM
 from tensorrt_llm._torch.pyexecutor.config import CudaGraphConfig
 from tensorrt_llm._torch.pyexecutor.cuda_graph_runner import CudaGraphRunner
 from tensorrt_llm._torch.pyexecutor.piecewise_cuda_graph import PiecewiseGraphRunner
-from tensorrt_llm._torch.pyexecutor.engine import ForwardOutput, ModelEngine, PendingForward, ReadyForward
+from tensorrt_llm._torch.pyexecutor.engine import (
+    NO_PICKS,
+    ForwardOutput,
+    ModelEngine,
+    PendingForward,
+    Picks,
+    ReadyForward,
+    picks_of,
+)
 from tensorrt_llm._torch.pyexecutor.engine_inputs import (
     PAD_TOKEN_ID,
     BeamSpan,
@@ -39,12 +48,48 @@ from tensorrt_llm._torch.pyexecutor.engine_inputs import (
     draft_targets,
 )
 from tensorrt_llm._torch.pyexecutor.kv_cache_manager import KVCacheManager
+from tensorrt_llm._torch.speculative.device_verification import accept_on_device, move_back_
 
 # Upstream's names, where an engineer looks for them.
 __all__ = [
     "PAD_TOKEN_ID", "CpuTorchModelEngine", "CudaForward", "CudaTorchModelEngine", "ForwardOutput", "ModelEngine",
     "PendingForward", "TorchModelEngine", "TpInputs",
 ]
+
+
+class _DevicePicks(NamedTuple):
+    """A launch's picks on the device, for the next launch's in-flight inputs: ``tokens[index[rid]]``
+    is request ``rid``'s (for one that verified drafts, the token after its accepted ones), and
+    ``rejected[speculative[rid]]`` how many drafts it rejected (``rejected`` None: no drafts ran)."""
+
+    index: dict[int, int]
+    tokens: torch.Tensor
+    speculative: dict[int, int]
+    rejected: torch.Tensor | None
+
+
+class _Moves(NamedTuple):
+    """Rows of a forward to move back over rejected drafts, on the device (``move_back_``)."""
+
+    rows: torch.Tensor  # (X,) flat rows
+    sequences: torch.Tensor  # (X,) their sequences in the attention batch
+    decode_index: torch.Tensor  # (X,) their place among the decode sequences (the eager plan's)
+    back: torch.Tensor  # (X,) positions back
+
+
+def rows_to_move(moved: list[tuple[int, int, int]], new: list[int]) -> tuple[np.ndarray, ...]:
+    """Where the rows of requests built on drafts still in flight are: ``moved`` holds each one's
+    (first flat row, rows, its index among the previous launch's verifying requests); ``new`` the
+    attention batch's rows per sequence (``TpInputs.attention_batch``, where every such row is a
+    decode sequence of its own). Returns int64 arrays, one entry per row: the flat rows, their
+    sequences, their place among the decode sequences (an eager plan's ``DecodeBatch`` index) and
+    the verifying request each row belongs to (which says how far it moves back)."""
+    starts = np.concatenate(([0], np.cumsum(new)))  # (sequences + 1,) first flat row of each sequence
+    decode_index = np.cumsum(np.asarray(new) == 1) - 1  # (sequences,) place among the decode sequences
+    rows = np.concatenate([np.arange(flat, flat + count) for flat, count, _ in moved]).astype(np.int64)
+    owners = np.concatenate([np.full(count, s) for _, count, s in moved]).astype(np.int64)
+    sequences = (np.searchsorted(starts, rows, side="right") - 1).astype(np.int64)
+    return rows, sequences, decode_index[sequences].astype(np.int64), owners
 
 
 class TorchModelEngine(ModelEngine):
@@ -66,6 +111,9 @@ class TorchModelEngine(ModelEngine):
     # Beams run as sequences of their own to attention, one row each, over their own block
     # tables (TpInputs.attention_batch); their rows come back in ForwardOutput.beam_logits.
     max_beam_width = 64
+    # A speculative request stays under overlap: the engine verifies drafts as the sampler does
+    # and moves the next forward back over rejected ones (on the host on the CPU, on the device on CUDA).
+    accepts_drafts = True
 
     def __new__(cls, model: LlamaForCausalLM, *args, **kwargs) -> "TorchModelEngine":
         if cls is TorchModelEngine:
@@ -81,7 +129,10 @@ class TorchModelEngine(ModelEngine):
         cuda_graph_config: CudaGraphConfig | None = None,
         max_batch_size: int = 0,
         max_seq_len: int | None = None,
+        max_draft_len: int = 0,
     ) -> None:
+        """``max_draft_len``: speculative decoding's; a verification step runs ``1 + max_draft_len``
+        decode rows per request, so the decode graphs are sized for ``max_batch_size`` times that."""
         super().__init__(max_num_tokens, kv_cache_manager)
         storage = kv_cache_manager.storage
         if storage is None:
@@ -93,7 +144,7 @@ class TorchModelEngine(ModelEngine):
         model.check_kv_pools(storage.k_cache, storage.v_cache, kv_cache_manager.tokens_per_block)  # once: forwards do not
         self.graph_runner: CudaGraphRunner | None = None
         self.piecewise_runner: PiecewiseGraphRunner | None = None
-        self._prepare_device(cuda_graph_config, max_batch_size, max_seq_len)
+        self._prepare_device(cuda_graph_config, max_batch_size * (1 + max_draft_len), max_seq_len)
 
     @abc.abstractmethod
     def _prepare_device(self, cuda_graph_config: CudaGraphConfig | None, max_batch_size: int, max_seq_len: int | None) -> None:
@@ -129,7 +180,8 @@ class TorchModelEngine(ModelEngine):
 
 class CpuTorchModelEngine(TorchModelEngine):
     """On the CPU: each forward runs to completion at launch, in order with the KV manager's
-    block copies, and still delivers its tokens one iteration later under overlap."""
+    block copies, and still delivers its tokens one iteration later under overlap (a speculative
+    request's next forward is moved back over its rejected drafts on the host: ``TpInputs.resolve``)."""
 
     def _prepare_device(self, cuda_graph_config: CudaGraphConfig | None, max_batch_size: int, max_seq_len: int | None) -> None:
         """The CPU's attention plan builder; nothing else."""
@@ -156,7 +208,8 @@ class CpuTorchModelEngine(TorchModelEngine):
         picks = picked.argmax(dim=-1).tolist() if len(picked) else []  # (rows,)
         return ForwardOutput(logits=dict(zip(sampling, logits)), greedy_tokens=dict(zip(sampling, picks)),
                              prompt_logits=_prompt_logits(logits, spans), draft_targets=draft_targets(picks, drafts),
-                             beam_logits=_beam_logits(logits, beams))
+                             beam_logits=_beam_logits(logits, beams),
+                             verified_drafts=inputs.verified_drafts() if drafts else None)
 
 
 class CudaTorchModelEngine(TorchModelEngine):
@@ -175,8 +228,8 @@ class CudaTorchModelEngine(TorchModelEngine):
 
     def _prepare_device(self, cuda_graph_config: CudaGraphConfig | None, max_batch_size: int, max_seq_len: int | None) -> None:
         """The pinned staging buffers, and the graph runners (decode, piecewise) when ``cuda_graph_config`` allows."""
-        # The previous launch's picks, on the device: request id -> row, and the tokens.
-        self._device_picks: tuple[dict[int, int], torch.Tensor] | None = None
+        # The previous launch's picks on the device (the next launch's in-flight inputs take them).
+        self._device_picks: _DevicePicks | None = None
         # Every host array a launch ships goes through these pinned buffers (one per launch, in turn).
         self._staging = PinnedStaging(self.device)
         kv = self.kv_cache_manager
@@ -228,61 +281,102 @@ class CudaTorchModelEngine(TorchModelEngine):
         if slots:
             ids[slots] = 0  # the previous launch's picks are written over them on the device
         positions = np.asarray(inputs.position_ids, dtype=np.int64)
-        self._check(ids, positions)
+        self._check(ids, positions)  # positions as built (a speculative request's may only move back)
         rows, sampling, spans, drafts, beams = inputs.logit_layout()  # prompt, draft, beam rows after the sampling rows
+        new, cached, tables = inputs.attention_batch()  # verification steps: one decode row per position
 
         size = None
         if self.graph_runner is not None and all(inputs.samples) and not spans and not beams:
-            size = self.graph_runner.graph_size(inputs.num_new_tokens, inputs.num_cached_tokens)
+            size = self.graph_runner.graph_size(new, cached)
         storage = self.kv_cache_manager.storage
         start = None
         with self._staging.step():
-            fill = self._in_flight_fill(inputs, slots) if slots else None
+            fill, moves = self._in_flight_inputs(inputs, slots, new) if slots else (None, None)
             if size is not None:
-                # A decode batch: every request samples, its one row in order.
-                step = self.graph_runner.prepare(size, ids, inputs.num_cached_tokens, inputs.block_tables)
+                # A decode batch (verification rows included): every row of it, in order.
+                step = self.graph_runner.prepare(size, ids, cached, tables)
                 storage.before_compute(inputs.block_tables)  # before the first kernel that touches the pools
                 if self.time_forwards:
                     start = _record_event()
-                logits, tokens = self.graph_runner.replay(step, fill)
+                logits, tokens = self.graph_runner.replay(step, fill, moves)
+                if rows != list(range(len(ids))):  # the sampling rows first, then the draft rows
+                    index = self._to_device(np.asarray(rows, dtype=np.int64))
+                    logits, tokens = logits.index_select(0, index), tokens.index_select(0, index)
             else:
-                plan = self._plan(inputs)
-                storage.before_compute(inputs.attention_batch()[2])  # every beam's table too
+                plan = self._plans.build(new, cached, tables)
+                storage.before_compute(tables)  # every beam's table too
                 if self.time_forwards:
                     start = _record_event()
-                logits, tokens = self._forward_eager(plan, ids, positions, rows, fill)
-        self._device_picks = (dict(zip(sampling, range(len(sampling)))), tokens)
+                logits, tokens = self._forward_eager(plan, ids, positions, rows, fill, moves)
+            self._device_picks = self._picks(inputs, sampling, drafts, tokens)
+        verified = inputs.verified_drafts() if drafts else None
         return CudaForward(sampling, logits, tokens, start, prompt_logits=_prompt_logits(logits, spans), drafts=drafts,
-                           beams=beams)
+                           beams=beams, verified_drafts=verified)
 
-    def _in_flight_fill(self, inputs: TpInputs, slots: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(flat slots, their tokens) on the device: each in-flight input's pick from the previous launch."""
-        if self._device_picks is None:
+    def _picks(self, inputs: TpInputs, sampling: list[int], drafts: list[DraftSpan], tokens: torch.Tensor) -> _DevicePicks:
+        """What the next launch takes from this one, on the device: each sampling request's pick
+        and, for each request that verifies drafts, the token after its accepted drafts and how
+        many it rejected (``speculative.device_verification``). Nothing is read back."""
+        index = dict(zip(sampling, range(len(sampling))))
+        if not drafts:
+            return _DevicePicks(index, tokens, {}, None)
+        verified = inputs.verified_drafts()
+        width = 1 + max(count for *_, count in drafts)
+        target_rows = np.empty((len(drafts), width), dtype=np.int64)
+        draft_tokens = np.full((len(drafts), width - 1), -1, dtype=np.int64)
+        counts = np.empty(len(drafts), dtype=np.int64)
+        for s, (rid, row, first, count) in enumerate(drafts):
+            target_rows[s, 0] = row
+            target_rows[s, 1 : 1 + count] = range(first, first + count)
+            target_rows[s, 1 + count :] = first + count - 1
+            draft_tokens[s, :count] = verified[rid]
+            counts[s] = count
+        bonus, rejected = accept_on_device(tokens, self._to_device(target_rows), self._to_device(draft_tokens),
+                                           self._to_device(counts))
+        speculative = {rid: len(sampling) + s for s, (rid, *_) in enumerate(drafts)}
+        picks = torch.cat((tokens[: len(sampling)], bonus))  # (sampling + S,): a request's pick at its index
+        return _DevicePicks(index | speculative, picks, {rid: s for s, (rid, *_) in enumerate(drafts)}, rejected)
+
+    def _in_flight_inputs(self, inputs: TpInputs, slots: list[int], new: list[int]):
+        """On the device, for this launch's in-flight inputs (overlap): ``(flat slots, their tokens)``,
+        each the previous launch's pick for its request (for one that verified drafts, the token
+        after its accepted ones); and the moves of requests whose previous forward verified drafts
+        (``(rows, decode sequences, positions back)``; None: none), since this forward was built as
+        if every draft had been accepted (``speculative.device_verification``)."""
+        picks = self._device_picks
+        if picks is None:
             raise RuntimeError("a forward has in-flight inputs but no forward was launched before it")
-        index, tokens = self._device_picks
-        rows = [index[inputs.requests[i].request_id] for _, i in inputs.in_flight]
-        picked = tokens.index_select(0, self._to_device(np.asarray(rows, dtype=np.int64)))
-        return self._to_device(np.asarray(slots, dtype=np.int64)), picked
+        sources = [picks.index[inputs.requests[i].request_id] for _, i in inputs.in_flight]
+        tokens = picks.tokens.index_select(0, self._to_device(np.asarray(sources, dtype=np.int64)))
+        fill = (self._to_device(np.asarray(slots, dtype=np.int64)), tokens)
+        moved = [(flat, inputs.num_new_tokens[i], picks.speculative[inputs.requests[i].request_id])
+                 for flat, i in inputs.in_flight if inputs.requests[i].request_id in picks.speculative]
+        if not moved:
+            return fill, None
+        rows, sequences, decode_index, owners = rows_to_move(moved, new)
+        back = picks.rejected.index_select(0, self._to_device(owners))
+        return fill, _Moves(self._to_device(rows), self._to_device(sequences), self._to_device(decode_index), back)
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         """A host array on the device, through the launch's pinned buffer (inside ``_staging.step()``)."""
         return self._staging.to_device(array)
 
-    def _plan(self, inputs: TpInputs) -> PagedAttentionPlan:
-        """The forward's attention plan, its index arrays through the launch's pinned buffer; a
-        beam-search request is one sequence per beam."""
-        return self._plans.build(*inputs.attention_batch())
-
-    def _forward_eager(self, plan: PagedAttentionPlan, ids: np.ndarray, positions: np.ndarray, rows: list[int], fill=None):
+    def _forward_eager(self, plan: PagedAttentionPlan, ids: np.ndarray, positions: np.ndarray, rows: list[int], fill=None,
+                       moves: _Moves | None = None):
         storage = self.kv_cache_manager.storage
         ids_device = self._to_device(ids)
+        positions_device = self._to_device(positions)
         if fill is not None:
             ids_device.index_copy_(0, *fill)
+        if moves is not None:  # every moved row is a decode of the plan (attention_batch)
+            decode = plan.decode
+            move_back_(positions_device, plan.new_slots, decode.seq_lens, decode.block_tables, moves.rows,
+                       moves.decode_index, moves.back, plan.tokens_per_block)
         runner = self.piecewise_runner
         forward = self.model.forward_with_plan
         if runner is not None and runner.size_for(len(ids)) is not None:
             forward = runner.forward  # everything but attention from graphs (piecewise_cuda_graph)
-        hidden = forward(ids_device, self._to_device(positions), plan, storage.k_cache, storage.v_cache)  # (T, hidden)
+        hidden = forward(ids_device, positions_device, plan, storage.k_cache, storage.v_cache)  # (T, hidden)
         if not rows:
             return hidden.new_empty((0, self.vocab_size)), torch.empty(0, dtype=torch.int64, device=self.device)
         if rows == list(range(len(rows))) and len(rows) == hidden.shape[0]:
@@ -304,12 +398,12 @@ class CudaForward:
     """
 
     __slots__ = ("_output", "_event", "_start", "_tokens_host", "_request_ids", "_drafts", "_logits", "num_tokens",
-                 "_prompt_logits", "_beams")
+                 "_prompt_logits", "_beams", "_verified")
 
     def __init__(
         self, request_ids: list[int], logits: torch.Tensor, tokens: torch.Tensor, start: torch.cuda.Event | None = None,
         *, prompt_logits: dict[int, tuple[int, torch.Tensor]] | None = None, drafts: list[DraftSpan] = (),
-        beams: list[BeamSpan] = (),
+        beams: list[BeamSpan] = (), verified_drafts: dict[int, list[int]] | None = None,
     ) -> None:
         """Enqueue the copy of ``tokens`` (device) to pinned host memory and an event after it;
         ``start``: an event recorded before the forward's first kernel (timing). ``logits`` and
@@ -317,6 +411,7 @@ class CudaForward:
         them; draft rows, ``drafts``; beam rows, ``beams``, as ``TpInputs.logit_layout`` lays them
         out); only the first ``len(request_ids)`` are the requests' picks."""
         self._prompt_logits = prompt_logits
+        self._verified = verified_drafts
         self._output: ForwardOutput | None = None
         self.num_tokens = 0  # positions in the forward
         self._start = start
@@ -331,11 +426,13 @@ class CudaForward:
             self._tokens_host.copy_(checked, non_blocking=True)
         self._event = _record_event()
 
-    def picks(self) -> dict[int, int]:
+    def picks(self) -> Picks:
+        """What the next forward takes from this one, read on the host (the engine's own next
+        launch takes it on the device instead)."""
         try:
-            return self.result().greedy_tokens or {}
+            return picks_of(self.result())
         except Exception:
-            return {}
+            return NO_PICKS
 
     @property
     def events(self) -> tuple | None:
@@ -367,6 +464,7 @@ class CudaForward:
                 prompt_logits=self._prompt_logits,
                 draft_targets=targets,
                 beam_logits=_beam_logits(self._logits, self._beams),
+                verified_drafts=self._verified,
             )
         return self._output
 

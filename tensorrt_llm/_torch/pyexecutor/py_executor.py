@@ -36,11 +36,15 @@ Under overlap, upstream's rules for what n+1 cannot know:
   token n+1 computes for it is dropped (never sent), and its KV blocks are freed only when n+1
   completes (the device still writes them); a request whose placeholder is its last token by
   ``max_new_tokens`` is known to finish and is not scheduled again;
-* a request whose next token the engine cannot pick (sampling other than greedy, beams,
-  speculative requests: ``ModelEngine.can_pick``) gets no placeholder, and the forward it samples in
-  is completed before the next iteration is scheduled (that iteration runs without overlap);
-  so speculative decoding is correct under overlap, and overlap does not hide the host's work
-  of iterations that hold a speculative request: the drafter needs the accepted tokens;
+* a request whose next token the engine cannot pick (sampling other than greedy, beams:
+  ``ModelEngine.can_pick``) gets no placeholder, and the forward it samples in is completed
+  before the next iteration is scheduled (that iteration runs without overlap);
+* a speculative request stays under overlap where the engine accepts drafts itself: forward n
+  verifying ``k`` drafts leaves ``k + 1`` placeholders (as if it accepted them all), the drafter
+  proposes n+1's drafts after them, and n+1 is built on them; the engine moves n+1 back over the
+  drafts n rejected (positions on the device, the KV written there is overwritten later), and
+  completing n replaces the placeholders with the run it accepted, which pulls n+1's placeholders
+  back the same way; blocks that held only rejected positions go back to the pool at the commit;
 * a capacity pause (``MAX_UTILIZATION``) of a request in flight waits for its forward: the
   iteration completes it first and schedules again;
 * a request cancelled or failed while in flight keeps its blocks until its forward completes;
@@ -97,6 +101,7 @@ from tensorrt_llm._torch.pyexecutor.llm_request import (
     LlmRequest,
     LlmRequestState,
     num_in_flight_tokens,
+    token_array,
 )
 from tensorrt_llm._torch.pyexecutor.engine import ForwardOutput, ModelEngine, PendingForward
 from tensorrt_llm._torch.pyexecutor.request_validation import RequestLimits, validate_request
@@ -115,6 +120,7 @@ logger = logging.getLogger(__name__)
 _COMPLETE, _ERROR = LlmRequestState.GENERATION_COMPLETE, LlmRequestState.ERROR
 _CONTEXT_INIT = LlmRequestState.CONTEXT_INIT
 _request_id = attrgetter("request_id")
+_IN_FLIGHT = token_array([IN_FLIGHT_TOKEN_ID])  # times a width: a speculative request's placeholders
 
 
 # Response(request_id, tokens) for the one response per generated token: the named tuple's
@@ -132,7 +138,8 @@ class _InFlight:
     pending: PendingForward
     batch: ScheduledRequests  # the batch that runs
     sampling: list[LlmRequest]  # the requests that sample in it, in batch order
-    slots: list[int | None]  # each one's placeholder index in its tokens, or None: appended at completion
+    # each one's placeholders in its tokens (1, or 1 + the drafts it verifies), or None: appended at completion
+    slots: list[int | None]
     request_ids: frozenset[int]  # every request in the forward: their blocks stay held until it completes
     launch: Launch  # what the iteration decided and measured up to its launch
 
@@ -500,8 +507,13 @@ class PyExecutor:
         if picked is not None:
             for index, (request, pick) in enumerate(zip(sampling, picked)):
                 if pick:
-                    slots[index] = len(request.tokens)
-                    request.tokens.append(IN_FLIGHT_TOKEN_ID)
+                    # one placeholder per draft it verifies, then one for the token after them
+                    width = 1 + len(request.py_draft_tokens)
+                    slots[index] = width
+                    if width == 1:
+                        request.tokens.append(IN_FLIGHT_TOKEN_ID)
+                    else:
+                        request.tokens.extend(_IN_FLIGHT * width)
         ids = frozenset(map(_request_id, batch.all_requests))
         return _InFlight(pending, batch, sampling, slots, ids, launch)
 
@@ -536,7 +548,7 @@ class PyExecutor:
         return self._record(launch, drafts, failure)
 
     def _sample(self, flight: _InFlight, output: ForwardOutput) -> tuple[list[tuple[LlmRequest, int | None]], list]:
-        """The requests of ``flight`` that still want its tokens (with their placeholder slots),
+        """The requests of ``flight`` that still want its tokens (with their placeholder counts),
         and what the sampler returned for each. A request that finished while the forward was
         in flight gets nothing from it (upstream drops it)."""
         dropping = self._dropping
@@ -577,15 +589,24 @@ class PyExecutor:
             if callback is not None:
                 callback(request, _new_tuple(Response, (request.request_id, tokens, *_RESPONSE_DEFAULTS)))
 
-    def _fill(self, request: LlmRequest, slot: int, tokens: list[int], now: float) -> None:
-        """Write the one sampled token over its placeholder; when it ends the request drop the
-        next forward's placeholder (that forward's token for it will be dropped); respond."""
+    def _fill(self, request: LlmRequest, width: int, tokens: list[int], now: float) -> None:
+        """Write the sampled tokens over this forward's ``width`` placeholders (the first of the
+        trailing ones: a later forward's follow), as many as the stop rule keeps; a run shorter
+        than its placeholders (rejected drafts) pulls the later ones back, as the engine moved that
+        forward back. When the run ends the request drop every later placeholder (that forward's
+        tokens for it will be dropped). Respond."""
         sequence = request.tokens
-        sequence[slot] = tokens[0]
-        _, finished = finish(request, tokens[:1], slot)
+        start = len(sequence) - num_in_flight_tokens(sequence)
+        kept, finished = finish(request, tokens, start)
+        if kept < len(tokens):
+            tokens = tokens[:kept]
+        if width == 1:
+            sequence[start] = tokens[0]
+        else:
+            sequence[start : start + width] = token_array(tokens)
         if finished:
-            del sequence[slot + 1 :]
-        self._deliver(request, tokens[:1], finished, now)
+            del sequence[start + len(tokens) :]
+        self._deliver(request, tokens, finished, now)
 
     def _advance_beams(self, request: LlmRequest, step: BeamStep, now: float) -> None:
         """Apply a beam-search step: the request's beams, its tokens (beam 0's, so that its length

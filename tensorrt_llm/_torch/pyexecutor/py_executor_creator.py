@@ -148,6 +148,7 @@ def create_py_executor(
             cuda_graph_config=config.cuda_graph_config,
             max_batch_size=config.max_batch_size,
             max_seq_len=config.max_seq_len,
+            max_draft_len=config.speculative_config.max_draft_len if config.speculative_config else 0,
         )
         engine.warmup()
         sampler = sampler or TorchSampler()

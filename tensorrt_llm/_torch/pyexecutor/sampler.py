@@ -100,7 +100,9 @@ class TorchSampler(Sampler):
             if config.is_greedy:
                 targets = output.draft_targets.get(request.request_id) if output.draft_targets else None
                 if targets is not None:  # the drafts this forward verified (a non-greedy request's are all rejected)
-                    return accept_greedy(request.py_draft_tokens[: len(targets) - 1], targets)
+                    verified = output.verified_drafts  # as the forward's inputs held them (overlap: py_draft_tokens moved on)
+                    drafts = verified[request.request_id] if verified else request.py_draft_tokens[: len(targets) - 1]
+                    return accept_greedy(drafts, targets)
                 if output.greedy_tokens is not None:  # picked on the engine's device, for the whole batch
                     return [output.greedy_tokens[request.request_id]]
                 return [int(torch.argmax(logits))]

@@ -44,11 +44,14 @@ class SimulatedModelEngine(ModelEngine):
     would, the token that sampler will return for each request it can pick for
     (:meth:`ModelEngine.can_pick`), so the overlap scheduler can run it one forward ahead;
     ``asynchronous`` makes a forward run only when its result is asked for (see ``ModelEngine``).
-    The forward's time is taken at launch, from the inputs as they were then.
+    The forward's time is taken at launch, from the inputs as they were then. Drafts are all
+    rejected, as the synthetic sampler rejects them: a speculative request's pick is the rule's
+    token after its newest one, and the next forward moves back over every draft (``Picks``).
     """
 
     max_beam_width = 8
     supports_draft_tokens = True
+    accepts_drafts = True
 
     def __init__(
         self,
@@ -77,17 +80,20 @@ class SimulatedModelEngine(ModelEngine):
         if self.clock is not None and self.forward_time_s is not None:
             seconds = self.forward_time_s(inputs)  # now: it reads the requests' state
         samplers = [(i, r) for i, (r, s) in enumerate(zip(inputs.requests, inputs.samples)) if s]
-        picks = [(i, r, inputs.num_cached_tokens[i] + inputs.num_new_tokens[i]) for i, r in samplers if self.can_pick(r)]
+        picks = [(i, r) for i, r in samplers if self.can_pick(r)]
         logits = {r.request_id: None for _, r in samplers}
+        drafts = inputs.verified_drafts() if any(inputs.num_drafts) else None
 
         def run() -> ForwardOutput:
             if seconds:
                 self.clock.advance(seconds)
             if self.sampler is None:
-                return ForwardOutput(logits=logits)
+                return ForwardOutput(logits=logits, verified_drafts=drafts)
             rule = self.sampler.next_token
-            greedy = {r.request_id: rule(r, inputs.last_input_id(i), position) for i, r, position in picks}
-            return ForwardOutput(logits=logits, greedy_tokens=greedy)
+            # the token after each sampling row (its position + 1), positions as resolved (overlap)
+            greedy = {r.request_id: rule(r, inputs.sampling_input_id(i), inputs.sampling_position(i) + 1)
+                      for i, r in picks}
+            return ForwardOutput(logits=logits, greedy_tokens=greedy, verified_drafts=drafts)
 
         return run
 

@@ -12,6 +12,12 @@ Two drafters: the production n-gram drafter (which tiny-random rarely rewards) a
 *reference* drafter that proposes the true greedy continuation with drawn tokens made wrong,
 so that runs of accepted drafts, rejections at every draft position, an ``end_id`` inside an
 accepted run and the KV roll-back of rejected positions all happen.
+
+Half the examples run the overlap scheduler: a speculative request is then in the next forward
+before its drafts are verified, laid out as if they were all accepted, and moved back over the
+rejected ones (``engine``'s module docstring); the outputs must still be greedy decoding's. The
+simulated engine (which rejects every draft) runs the same scheduling with drafts against its
+own plain run, with the invariants checked after every step.
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ from tensorrt_llm._torch.pyexecutor.config import (
     TokenBudgetPolicyName,
 )
 from tensorrt_llm._torch.pyexecutor.drafter import Drafter, NGramDrafter
-from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequest
+from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequest, num_in_flight_tokens
 from tensorrt_llm._torch.pyexecutor.py_executor_creator import create_py_executor
 
 MAX_SEQ_LEN = 256
@@ -133,7 +139,7 @@ def workloads(draw) -> Workload:
         drafter=draw(st.sampled_from(["reference", "reference", "ngram"])),
         period=draw(st.integers(2, 6)),
         phase=draw(st.integers(0, 5)),
-        overlap=draw(st.integers(0, 3)) == 0,
+        overlap=draw(st.booleans()),
         max_concurrency=draw(st.none() | st.integers(1, 4)),
         acceptance=draw(st.none() | st.tuples(st.sampled_from([0.3, 0.9, 1.0]), st.integers(1, 3))),
         warm=warm,
@@ -177,6 +183,7 @@ def serve(workload: Workload) -> tuple[ExecutorChecker, list[tuple[LlmRequest, t
     else:
         drafter = NGramDrafter(spec, MAX_SEQ_LEN)
     checker = ExecutorChecker(create_py_executor(config, model=reference_model(), drafter=drafter))
+    _watch_drafts_in_flight(checker)
     submitted = []
 
     def submit(prompt: tuple[int, ...], max_tokens: int, end_at: int | None) -> None:
@@ -194,6 +201,21 @@ def serve(workload: Workload) -> tuple[ExecutorChecker, list[tuple[LlmRequest, t
         submit(prompt, max_tokens, end_at)
     checker.drain()
     return checker, submitted
+
+
+def _watch_drafts_in_flight(checker: ExecutorChecker) -> None:
+    """Record (a hypothesis event) when a forward was launched on drafts still in flight."""
+    executor = checker.executor
+    step = executor.step
+
+    def watched(*args, **kwargs):
+        before = {r.request_id: num_in_flight_tokens(r.tokens) for r in executor.active_requests}
+        iteration = step(*args, **kwargs)
+        if iteration is not None and any(before.get(r.request_id, 0) > 1 for r in iteration.batch.generation_requests):
+            event("a forward launched on drafts in flight")
+        return iteration
+
+    executor.step = watched
 
 
 @settings(max_examples=examples(1 / 10, 12))
@@ -215,9 +237,67 @@ def test_greedy_outputs_with_drafts_equal_greedy_decoding_under_every_policy(wor
     assert accepted <= drafts
     if workload.drafter == "reference" and drafts:
         event("reference drafts: some accepted" if accepted else "reference drafts: none accepted")
+    if workload.overlap and any(s.num_draft_tokens > s.num_accepted_draft_tokens for s in stats):
+        event("overlap: drafts rejected (the next forward moved back)")
     if checker.num_budget_deferrals:
         event("budget deferrals")
     if not checker.executor.drafter.enabled:
         event("speculation turned off part-way")
     if any(s.reuse_claimed_tokens for s in stats):
         event("reuse claimed")
+
+
+# --------------------------------------------------------------------------- the simulated engine
+
+
+class _SyntheticDrafter(Drafter):
+    """Drafts the synthetic sampler's own continuation (which it rejects anyway: it keeps one
+    token a step), or garbage, by the request's parity: the scheduling is the same either way."""
+
+    def propose(self, request: LlmRequest, max_drafts: int) -> list[int]:
+        return [1 + (request.request_id * 31 + len(request.tokens) + i) % 997 for i in range(max_drafts)]
+
+
+@settings(max_examples=examples(1 / 10, 12))
+@given(
+    specs=st.lists(st.tuples(st.integers(1, 40), st.integers(1, 9)), min_size=1, max_size=8),
+    max_draft_len=st.integers(1, 4),
+    tpb=st.integers(1, 8),
+    budget=st.integers(8, 48),
+    policy=st.sampled_from(TokenBudgetPolicyName),
+    max_concurrency=st.none() | st.integers(1, 4),
+    blocks_slack=st.integers(0, 40),
+)
+def test_overlap_with_drafts_on_the_simulated_engine_gives_the_plain_tokens(
+    specs, max_draft_len, tpb, budget, policy, max_concurrency, blocks_slack
+):
+    """The simulated engine rejects every draft, so under overlap every forward built on drafts
+    in flight moves back over all of them: the tokens equal the plain, unspeculated run's, and
+    the invariants hold after every step (the checker's leak oracle after the drain)."""
+    from factories import make_config, make_request, make_sim_executor
+
+    longest = max(p + n for p, n in specs) + max_draft_len
+    config = make_config(max_num_tokens=max(budget, tpb, 1 + max_draft_len), tokens_per_block=tpb,
+                         num_blocks=-(-longest // tpb) + blocks_slack, token_budget_policy=policy.value)
+
+    def serve(speculative: bool, overlap: bool) -> dict[int, list[int]]:
+        spec = SpeculativeConfig(max_draft_len=max_draft_len, max_concurrency=max_concurrency)
+        run = dataclasses.replace(config, speculative_config=spec if speculative else None)
+        executor = make_sim_executor(run, overlap=overlap)
+        if speculative:
+            executor.drafter = _SyntheticDrafter(spec, run.max_seq_len)
+        checker = ExecutorChecker(executor)
+        _watch_drafts_in_flight(checker)
+        for i, (prompt_len, max_new) in enumerate(specs):
+            checker.submit(make_request(prompt_len=prompt_len, max_new_tokens=max_new, request_id=5000 + i, seed=i))
+        checker.drain()
+        for rid, response in checker.final.items():  # an unsafe policy may fail a batch that overshoots
+            assert response.error is None or not checker.claims_safety, response.error
+        return {rid: tokens for rid, tokens in checker.tokens.items() if checker.final[rid].error is None}
+
+    plain = serve(False, False)
+    for overlap in (False, True):
+        got = serve(True, overlap)
+        for rid, tokens in got.items():
+            if rid in plain:
+                assert tokens == plain[rid], f"request {rid}, overlap={overlap}"
