@@ -64,3 +64,36 @@ def test_drafts_on_the_gpu_give_the_tokens_of_plain_decoding(overlap: bool) -> N
         speculative, drafts = _generate(model, prompts, drafter, disable_overlap_scheduler=not overlap)
         assert drafts > 0
         assert speculative == plain, type(drafter).__name__
+
+
+def test_verification_steps_replay_decode_graphs_and_stay_under_overlap() -> None:
+    """With drafts, generation-only steps replay the decode graphs (each draft position a decode
+    row), forwards are launched on drafts still in flight (the overlap scheduler stays on), and
+    the outputs are plain decoding's."""
+    from tensorrt_llm._torch.pyexecutor.llm_request import num_in_flight_tokens
+
+    rng = random.Random(5)
+    prompts = [[rng.randrange(2048) for _ in range(10)] * 3 for _ in range(3)]
+    model = _model()
+    plain, _ = _generate(model, prompts, None)
+    config = make_config(max_num_tokens=96, tokens_per_block=8, num_blocks=256, max_batch_size=8,
+                         cuda_graph_config=CudaGraphConfig(), speculative_config=SPEC)
+    drafter = _HalfRightDrafter({tuple(p): out for p, out in zip(prompts, plain)})
+    executor = create_py_executor(config, model=model, drafter=drafter)
+    assert executor.overlap
+    requests = [make_request(p, max_new_tokens=16) for p in prompts]
+    for request in requests:
+        executor.enqueue_request(request)
+    replays_before = executor.model_engine.graph_runner.num_replays
+    on_drafts_in_flight = verify_steps = 0
+    while executor.has_work:
+        waiting = {r.request_id: num_in_flight_tokens(r.tokens) for r in executor.active_requests}
+        iteration = executor.step()
+        if iteration is None:
+            continue
+        batch = iteration.batch
+        on_drafts_in_flight += any(waiting.get(r.request_id, 0) > 1 for r in batch.generation_requests)
+        verify_steps += not batch.context_chunks and any(r.py_draft_tokens for r in batch.generation_requests)
+    assert [r.output_token_ids for r in requests] == plain
+    assert on_drafts_in_flight > 0, "no forward was launched on drafts still in flight"
+    assert executor.model_engine.graph_runner.num_replays - replays_before >= verify_steps > 0
