@@ -22,7 +22,8 @@ Two benchmarks:
   are timed with the thread's CPU clock by default (``--clock cpu``): on a machine shared with
   other work the wall clock also counts the time spent waiting for a core.
 * ``--replay``: each tree's own ``benchmarks.replay`` with the arguments after ``--``; the
-  number compared is each policy's ``wall_s``. The replays' JSONs must agree on everything
+  numbers compared are each policy's ``wall_s`` and the replay process's CPU time (``cpu_s``,
+  start-up and trace loading included: what a busy machine disturbs least). The replays' JSONs must agree on everything
   else (``benchmarks.replay_diff``); a difference is reported (``identical: false``).
 
 Every run imports the package from its own tree (``PYTHONPATH`` is the tree, checked before
@@ -94,7 +95,10 @@ def checked_out(refs: Sequence[str], tree: str | None, *, same_benchmark: bool) 
 
 def _run(tree: Tree, args: Sequence[str]) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(tree.root))
-    return subprocess.run([sys.executable, *args], cwd=tree.root, env=env, check=True, capture_output=True, text=True)
+    done = subprocess.run([sys.executable, *args], cwd=tree.root, env=env, capture_output=True, text=True)
+    if done.returncode:
+        raise SystemExit(f"{tree.label}: {' '.join(args)} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
+    return done
 
 
 def check_imports(tree: Tree) -> None:
@@ -115,9 +119,16 @@ def run_overhead(tree: Tree, sizes: Sequence[int], iterations: int, clock: str) 
             tree.samples.setdefault(f"{key}@{size}", []).append(row[key])
 
 
+def _children_cpu_s() -> float:
+    times = os.times()
+    return times.children_user + times.children_system
+
+
 def run_replay(tree: Tree, replay_args: Sequence[str], keep: Path) -> dict:
     out = keep / f"{tree.label}.json"
+    before = _children_cpu_s()
     _run(tree, ["-m", "benchmarks.replay", *replay_args, "--json", str(out)])
+    tree.samples.setdefault("cpu_s", []).append(round(_children_cpu_s() - before, 3))  # the whole process's
     result = json.loads(out.read_text())
     for policy, metrics in result["results"].items():
         tree.samples.setdefault(f"wall_s@{policy}", []).append(metrics["wall_s"])
@@ -167,6 +178,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("arguments after -- are for --replay")
     sizes = [int(n) for n in args.active.split(",")]
     refs = [r for r in args.against.split(",") if r]
+    # every run's working directory is its own tree: a file named relative to here is named absolutely
+    replay_args = [str(Path(a).resolve()) if not a.startswith("-") and Path(a).exists() else a for a in replay_args]
 
     with checked_out(refs, args.tree, same_benchmark=not args.replay) as trees, tempfile.TemporaryDirectory() as keep:
         for tree in trees:
@@ -180,7 +193,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 else:
                     run_overhead(tree, sizes, args.iterations, args.clock)
             print(f"round {round_index + 1}/{args.runs}: "
-                  + ", ".join(f"{t.label} {', '.join(f'{m}={v[-1]}' for m, v in t.samples.items() if m.startswith(('host', 'step_us_per', 'wall')))}"
+                  + ", ".join(f"{t.label} {', '.join(f'{m}={v[-1]}' for m, v in t.samples.items() if m.startswith(('host', 'step_us_per', 'wall', 'cpu')))}"
                               for t in trees), file=sys.stderr, flush=True)
         table = summarize(trees)
         identical = None
@@ -191,7 +204,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     print(f"{'metric':<28}" + "".join(f"{t.label:>24}" for t in trees))
     for metric, by_tree in table.items():
-        if not metric.startswith(("host", "step_us_per", "wall")):
+        if not metric.startswith(("host", "step_us_per", "wall", "cpu")):
             continue
         print(f"{metric:<28}" + "".join(
             f"{by_tree[t.label]['median']:>15.3f} ({by_tree[t.label]['ratio_to_reference']:.2f}x)" for t in trees))
