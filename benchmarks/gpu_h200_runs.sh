@@ -14,7 +14,8 @@
 #                                                                    travels in at most 64 MiB; the file is 94 MiB)
 #   speculative           [.carry/gguf .carry/smollm2-b.part] ~6 min right after stage-smollm2 (the machine keeps /tmp for
 #                                                                    30 s): benchmarks.speculative, SmolLM2, repetitive,
-#                                                                    batch 1/4/8 with overlap (the defaults), then 1/8 without
+#                                                                    batch 1/4/8 with overlap (the defaults), then 1/8 without;
+#                                                                    64 requests of the default scenario with max_concurrency 16
 #   fp8-decode            []                                ~4 min   decode 64 x 8k and 256 x 2k, bf16 vs FP8 pools, roofline
 #   fp8-replay            []       [REQUESTS]               ~6 min   the default scenario, same pool bytes in bf16 and FP8
 #   peer-bf16, peer-fp8   [.whl .carry/smollm2-tokenizer]   ~8 min   Llama-3.1-8B-shaped checkpoint, trtllm-serve, GuideLLM
@@ -107,6 +108,10 @@ case $phase in
         --batch $b --max-tokens 256 --repeats 3 --disable-overlap-scheduler --json "$out/speculative_b${b}_no_overlap.json" \
         2>&1 | grep -v "^INFO" | tee -a "$out/speculative.log"
     done
+    # where drafts do not pay (64 requests at once): max_concurrency and the threshold turn them off
+    timeout 150 "$PY" -m benchmarks.speculative --model "$model" --device cuda --dtype bfloat16 --workloads default \
+      --num-requests 64 --max-prompt-len 2048 --max-num-tokens 8192 --max-tokens 128 --repeats 3 --max-concurrency 16 \
+      --acceptance-rate-threshold 0.3 --json "$out/speculative_default_64.json" 2>&1 | grep -v "^INFO" | tee -a "$out/speculative.log"
     pack
     ;;
   fp8-decode)
