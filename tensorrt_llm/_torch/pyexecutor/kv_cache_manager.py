@@ -765,7 +765,8 @@ class KVCacheManager:
         chain, tpb = claim.chain, self.tokens_per_block
         needed_len = max(request.prompt_len, chunk.start + chunk.cost())
         total = self._blocks_for_tokens(request, needed_len)
-        to_onboard = sum(1 for block in chain if block.block_id is None)
+        on_host = [block for block in chain if block.block_id is None]  # pinned: they stay there until onboarded
+        to_onboard = len(on_host)
         # A partial-match source pinned by this claim alone goes back to the cache once it is
         # copied into the first fresh block, so the rest of the allocation may take its slot.
         recycled = int(claim.partial is not None and claim.partial.ref_count == 1)
@@ -774,10 +775,8 @@ class KVCacheManager:
             self.release_claim(claim)
             return None
         del self._claims[request.request_id]
-        if to_onboard:
-            for block in chain:
-                if block.block_id is None:
-                    self.pool.onboard(block)
+        for block in on_host:
+            self.pool.onboard(block)
         shared_total = _ceil_div(needed_len, tpb)
         blocks = chain + ([self.pool.allocate()] if shared_total > len(chain) else [])
         if claim.partial is not None:
@@ -850,9 +849,8 @@ class KVCacheManager:
         width = self.tokens_per_block * TOKEN_BYTES
         if buffer is None:
             buffer = packed.tobytes()
-        blocks = [buffer[i : i + width] for i in range(0, num_blocks * width, width)]
         if self.block_hash is None:
             hashes = content_hashes(packed, num_blocks, self.tokens_per_block) if num_blocks else []
-        else:
-            hashes = list(map(self.block_hash, blocks))
-        return list(zip(hashes, blocks))
+            return [(h, buffer[i : i + width]) for h, i in zip(hashes, range(0, num_blocks * width, width))]
+        blocks = [buffer[i : i + width] for i in range(0, num_blocks * width, width)]
+        return list(zip(map(self.block_hash, blocks), blocks))
