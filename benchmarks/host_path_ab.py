@@ -21,6 +21,9 @@ Two benchmarks:
   the requests' update and the KV commit included); the phases are kept beside them. They
   are timed with the thread's CPU clock by default (``--clock cpu``): on a machine shared with
   other work the wall clock also counts the time spent waiting for a core.
+* ``--phases``: this tree's ``benchmarks/host_phases.py`` (copied in too): each phase of
+  the step in CPU microseconds per active request (``<phase>@<active>``), to see which
+  phase a difference comes from.
 * ``--replay``: each tree's own ``benchmarks.replay`` with the arguments after ``--``; the
   numbers compared are each policy's ``wall_s`` and the replay process's CPU time (``cpu_s``,
   start-up and trace loading included: what a busy machine disturbs least). The replays' JSONs must agree on everything
@@ -50,6 +53,7 @@ from benchmarks import replay_diff
 
 REPO = Path(__file__).resolve().parents[1]
 WORKING_TREE = "working-tree"
+BENCHMARK_FILES = ("overhead.py", "host_phases.py")  # copied into every tree: one benchmark measures them all
 
 
 @dataclass
@@ -81,7 +85,8 @@ def checked_out(refs: Sequence[str], tree: str | None, *, same_benchmark: bool) 
                 _git("worktree", "add", "--detach", str(path), sha)
                 made.append(path)
                 if same_benchmark:
-                    shutil.copyfile(REPO / "benchmarks" / "overhead.py", path / "benchmarks" / "overhead.py")
+                    for name in BENCHMARK_FILES:
+                        shutil.copyfile(REPO / "benchmarks" / name, path / "benchmarks" / name)
             trees.append(Tree(sha, path))
         if not tree:
             trees.append(Tree(WORKING_TREE, REPO))
@@ -124,6 +129,16 @@ def _children_cpu_s() -> float:
     return times.children_user + times.children_system
 
 
+def run_phases(tree: Tree, sizes: Sequence[int], iterations: int) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "phases.json"
+        for size in sizes:
+            _run(tree, ["-m", "benchmarks.host_phases", "--active", str(size), "--iterations", str(iterations),
+                        "--json", str(out)])
+            for phase, us in json.loads(out.read_text())["us_per_request"].items():
+                tree.samples.setdefault(f"{phase}@{size}", []).append(us)
+
+
 def run_replay(tree: Tree, replay_args: Sequence[str], keep: Path) -> dict:
     out = keep / f"{tree.label}.json"
     before = _children_cpu_s()
@@ -136,21 +151,24 @@ def run_replay(tree: Tree, replay_args: Sequence[str], keep: Path) -> dict:
 
 
 def summarize(trees: Sequence[Tree]) -> dict:
-    """Per metric: each tree's median, min, max and samples, and its median over the reference's."""
+    """Per metric: each tree's median, min, max and samples, and its median over the reference's
+    (a metric a tree lacks, such as a phase an older tree does not have, is left out for it)."""
     reference = trees[0]
+    metrics = list(dict.fromkeys(m for tree in trees for m in tree.samples))
     table = {}
-    for metric in reference.samples:
-        ref_median = statistics.median(reference.samples[metric])
-        table[metric] = {
-            tree.label: {
-                "median": round(statistics.median(tree.samples[metric]), 4),
-                "min": min(tree.samples[metric]),
-                "max": max(tree.samples[metric]),
-                "ratio_to_reference": round(statistics.median(tree.samples[metric]) / ref_median, 3),
-                "samples": tree.samples[metric],
+    for metric in metrics:
+        ref = reference.samples.get(metric)
+        table[metric] = {}
+        for tree in trees:
+            values = tree.samples.get(metric)
+            if not values:
+                continue
+            median = statistics.median(values)
+            table[metric][tree.label] = {
+                "median": round(median, 4), "min": min(values), "max": max(values),
+                "ratio_to_reference": round(median / statistics.median(ref), 3) if ref else None,
+                "samples": values,
             }
-            for tree in trees
-        }
     return table
 
 
@@ -168,6 +186,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--clock", choices=("wall", "cpu"), default="cpu",
                         help="overhead: the clock that times the phases (cpu: the thread's CPU time, robust to"
                              " other work on the machine; wall: what make overhead reports)")
+    parser.add_argument("--phases", action="store_true", help="time each phase of the step (benchmarks.host_phases)")
     parser.add_argument("--replay", action="store_true", help="time benchmarks.replay (its arguments after --)")
     parser.add_argument("--runs", type=int, default=7, help="rounds; each runs every tree once")
     parser.add_argument("--json", help="write the samples, medians and ratios here")
@@ -178,8 +197,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("arguments after -- are for --replay")
     sizes = [int(n) for n in args.active.split(",")]
     refs = [r for r in args.against.split(",") if r]
+    given_replay_args = list(replay_args)  # as given, for the JSON (no machine's paths in it)
     # every run's working directory is its own tree: a file named relative to here is named absolutely
     replay_args = [str(Path(a).resolve()) if not a.startswith("-") and Path(a).exists() else a for a in replay_args]
+
+    def shown(metric: str) -> bool:  # printed; the JSON keeps every metric
+        return args.phases or metric.startswith(("host", "step_us_per", "wall", "cpu"))
 
     with checked_out(refs, args.tree, same_benchmark=not args.replay) as trees, tempfile.TemporaryDirectory() as keep:
         for tree in trees:
@@ -190,10 +213,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             for tree in trees[shift:] + trees[:shift]:  # rotated: each tree goes first in turn
                 if args.replay:
                     replays[tree.label] = run_replay(tree, replay_args, Path(keep))
+                elif args.phases:
+                    run_phases(tree, sizes, args.iterations)
                 else:
                     run_overhead(tree, sizes, args.iterations, args.clock)
             print(f"round {round_index + 1}/{args.runs}: "
-                  + ", ".join(f"{t.label} {', '.join(f'{m}={v[-1]}' for m, v in t.samples.items() if m.startswith(('host', 'step_us_per', 'wall', 'cpu')))}"
+                  + ", ".join(f"{t.label} {', '.join(f'{m}={v[-1]}' for m, v in t.samples.items() if shown(m))}"
                               for t in trees), file=sys.stderr, flush=True)
         table = summarize(trees)
         identical = None
@@ -204,20 +229,23 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     print(f"{'metric':<28}" + "".join(f"{t.label:>24}" for t in trees))
     for metric, by_tree in table.items():
-        if not metric.startswith(("host", "step_us_per", "wall", "cpu")):
+        if not shown(metric):
             continue
         print(f"{metric:<28}" + "".join(
-            f"{by_tree[t.label]['median']:>15.3f} ({by_tree[t.label]['ratio_to_reference']:.2f}x)" for t in trees))
+            f"{by_tree[t.label]['median']:>15.3f} " + (f"({by_tree[t.label]['ratio_to_reference']:.2f}x)"
+                                                       if by_tree[t.label]['ratio_to_reference'] else "       ")
+            if t.label in by_tree else f"{'-':>24}" for t in trees))
     if identical is not None:
         print("replay_diff against " + trees[0].label + ": "
               + ", ".join(f"{label} {'IDENTICAL' if same else 'DIFFERENT'}" for label, same in identical.items()))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({
-                "config": {"benchmark": "replay" if args.replay else "overhead", "reference": trees[0].label,
+                "config": {"benchmark": "replay" if args.replay else "phases" if args.phases else "overhead",
+                           "reference": trees[0].label,
                            "trees": [t.label for t in trees], "runs": args.runs,
                            "commits": {t.label: (_git("rev-parse", t.label) if t.label != WORKING_TREE else None) for t in trees},
-                           **({"replay_args": replay_args} if args.replay
+                           **({"replay_args": given_replay_args} if args.replay
                               else {"active": sizes, "iterations": args.iterations, "clock": args.clock}),
                            "python": sys.version.split()[0], "cpus": os.cpu_count()},
                 "results": table,
