@@ -21,3 +21,17 @@ from tensorrt_llm._torch.pyexecutor.stop_rule import finish
 def test_finish(tokens, length, stops, expected):
     request = make_request([1, 3, 4, 5], max_new_tokens=3, **stops)
     assert finish(request, tokens, length) == expected
+
+
+@pytest.mark.parametrize(
+    "count, length, expected",
+    [
+        (20, 4, (20, False)),  # more tokens than the prebuilt answers cover, none at the limit
+        (16, 4, (16, False)),
+        (0, 4, (0, False)),  # nothing delivered: nothing kept, not over
+        (1, 400, (1, True)),  # already past the limit (a restart recomputed more): the token still ends it
+    ],
+)
+def test_finish_without_stop_tokens_is_the_length_rule(count, length, expected):
+    request = make_request([1, 3, 4, 5], max_new_tokens=100)  # max_total_len 104
+    assert finish(request, [7] * count, length) == expected
