@@ -128,6 +128,7 @@ class ToolCallStream:
         self._body: _Body | None = None
         self._started = False  # any non-space text seen (Llama 3: the first character decides)
         self.calls: list[ParsedCall] = []  # completed, valid calls
+        self._num_started = 0  # calls sent a CallStart, a broken one included: each index is new
         self.broken = False  # a started call whose JSON broke (streamed: it stays as sent)
         self.cut_in_call = False  # set by finish: the output ended inside a started call
 
@@ -199,6 +200,12 @@ class ToolCallStream:
             self._buffer = buffer[len(buffer) - keep:]
         return False
 
+    def _start_index(self) -> int:
+        """The next call's index: a call that broke after its CallStart keeps its index, so the
+        calls after it never reuse one a client has already seen."""
+        self._num_started += 1
+        return self._num_started - 1
+
     def _open_body(self, raw_start: str, rest: str) -> None:
         self._state, self._body, self._buffer = _BODY, _Body(raw_start), ""
         self._body.text = rest
@@ -214,7 +221,7 @@ class ToolCallStream:
             match = self._head.match(body.text)
             if match and match.group(1) in self.tool_names and body.text[match.end()] == "{":
                 body.args_from = match.end()
-                body.index = len(self.calls)
+                body.index = self._start_index()
                 events.append(CallStart(body.index, match.group(1)))
         if body.index is not None and not body.args_done:
             self._send_args(body, events)
@@ -227,7 +234,7 @@ class ToolCallStream:
             if call is None:
                 self._buffer = rest
                 return self._not_a_call(events, rest_taken=True)
-            body.index = len(self.calls)
+            body.index = self._start_index()
             events += [CallStart(body.index, call.name), CallArgs(body.index, call.arguments)]
         elif call is None or not body.args_done:
             self.broken = True

@@ -173,3 +173,13 @@ def test_call_grammar_accepts_the_format_and_the_schema_only(smollm2_tokenizer, 
     assert not accepts(call("launch", "{}"))
     assert not accepts("It is sunny.")
     assert accepts(call("get_time", "{}") + joiner + call("get_weather", '{"city": "Tokyo"}')) == (not one_call)
+
+
+def test_a_call_after_a_broken_one_gets_an_index_of_its_own():
+    """Pinned from the property above: a call whose JSON broke after its CallStart keeps index 0,
+    so the next call is 1 (a client keyed by index would otherwise merge the two)."""
+    text = '<tool_call>{"name": "get_weather", "arguments": {"city": "Par' + f"<tool_call>{TIME}</tool_call>"
+    stream = HERMES.stream(TOOLS)
+    events = stream.push(text) + stream.finish()
+    starts = [event.index for event in events if isinstance(event, CallStart)]
+    assert stream.broken and starts == sorted(set(starts)) and len(starts) >= 1
