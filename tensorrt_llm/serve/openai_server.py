@@ -112,6 +112,11 @@ class OpenAIServer:
         self.metrics = ServerMetrics(self.executor, kv_bytes_per_token=llm.kv_bytes_per_token)
         self.created = int(time.time())
         self.version = _version()
+        # generation_config.json's sampling values: what a request that leaves a field unset runs with
+        self.sampling_defaults = llm.generation_defaults.sampling_kwargs()
+        self.sampling_defaults.pop("max_tokens", None)  # a request's length stays OpenAI's default
+        if self.sampling_defaults:
+            logger.info("sampling defaults from the checkpoint's generation_config.json: %s", self.sampling_defaults)
         self.tool_parser = get_tool_parser(config.tool_parser) if config.tool_parser else None
         self.chat_template = _read_template(config.chat_template) if config.chat_template else (
             llm.tokenizer.chat_template if llm.tokenizer is not None else None)
@@ -260,7 +265,8 @@ class OpenAIServer:
         if model != self.model_id:
             raise OpenAIError(404, f"the model {model!r} does not exist; this server serves {self.model_id!r}", "model")
 
-    async def _encode_prompt(self, prompt: str | list[int], param: str = "prompt") -> list[int]:
+    async def _encode_prompt(self, prompt: str | list[int], param: str = "prompt", *,
+                             add_special_tokens: bool = True) -> list[int]:
         if isinstance(prompt, list):
             if not prompt:
                 raise bad_request("the prompt is empty", param)
@@ -271,7 +277,8 @@ class OpenAIServer:
         if not prompt:
             raise bad_request("the prompt is empty", param)
         try:
-            token_ids = await asyncio.to_thread(self.tokenizer.encode, prompt)  # long texts take a while
+            # long texts take a while: off the event loop
+            token_ids = await asyncio.to_thread(self.tokenizer.encode, prompt, add_special_tokens)
         except ValueError as error:  # text the tokenizer cannot take (the edge refuses what it knows of)
             raise bad_request(f"{param}: {error}", param) from None
         if not token_ids:
@@ -291,20 +298,24 @@ class OpenAIServer:
                                            chat_template=self.chat_template, **tools)
         except ValueError as error:  # a conversation the template refuses (e.g. roles out of order)
             raise bad_request(str(error), "messages") from None
-        return await self._encode_prompt(text, "messages")
+        # The template writes the special tokens it wants (a BOS included): encode none on top.
+        return await self._encode_prompt(text, "messages", add_special_tokens=False)
 
     async def _submit(self, body: CompletionRequest | ChatCompletionRequest, prompt_ids: list[int],
                       max_tokens: int, *, guided: GuidedDecodingParams | None = None) -> Generation:
         """``guided``: the grammar tools require (else ``response_format``'s, if any)."""
         if body.stop_strings and self.tokenizer is None:
             raise bad_request(f"stop sequences need a tokenizer and model {self.model_id!r} has none", "stop")
+        # A field the request leaves unset takes the checkpoint's generation_config.json value (as
+        # vLLM does), else OpenAI's default. Beam search ranks log-probabilities: no sampling defaults.
+        defaults = {} if body.use_beam_search else self.sampling_defaults
         try:
             params = SamplingParams(
                 max_tokens=max_tokens,
-                # OpenAI's default temperature is 1; beam search ranks log-probabilities and takes none
-                temperature=(0.0 if body.use_beam_search else 1.0) if body.temperature is None else body.temperature,
-                top_k=body.top_k_value,
-                top_p=1.0 if body.top_p is None else body.top_p,
+                temperature=(0.0 if body.use_beam_search else defaults.get("temperature", 1.0))
+                if body.temperature is None else body.temperature,
+                top_k=defaults.get("top_k", 0) if body.top_k is None else body.top_k_value,
+                top_p=defaults.get("top_p", 1.0) if body.top_p is None else body.top_p,
                 seed=body.seed,
                 ignore_eos=bool(body.ignore_eos),
                 stop_token_ids=tuple(body.stop_token_ids or ()),
@@ -315,7 +326,8 @@ class OpenAIServer:
                 early_stopping=body.early_stopping_value,
                 presence_penalty=body.presence_penalty or 0.0,
                 frequency_penalty=body.frequency_penalty or 0.0,
-                repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+                repetition_penalty=defaults.get("repetition_penalty", 1.0)
+                if body.repetition_penalty is None else body.repetition_penalty,
                 min_tokens=body.min_tokens or 0,
                 logprobs=_logprobs_asked(body),
                 prompt_logprobs=body.logprobs if getattr(body, "echo", False) else None,

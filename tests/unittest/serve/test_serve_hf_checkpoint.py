@@ -75,3 +75,47 @@ def test_the_command_serves_a_checkpoint_directory(checkpoint):
         if process.poll() is None:
             process.kill()
             process.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def greedy_bos_checkpoint(checkpoint, tmp_path_factory):
+    """The same checkpoint whose tokenizer adds a BOS (``add_bos_token``), whose template writes
+    one itself, and whose ``generation_config.json`` asks for greedy decoding."""
+    import shutil
+
+    directory = tmp_path_factory.mktemp("greedy") / "greedy-llama"
+    shutil.copytree(checkpoint, directory)
+    config = json.loads((directory / "tokenizer_config.json").read_text())
+    config.update(add_bos_token=True, bos_token="<|endoftext|>",
+                  chat_template="{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n"
+                                "{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}")
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": 2, "temperature": 0.0}))
+    return directory
+
+
+def test_a_chat_gets_one_bos_and_unset_fields_take_the_generation_config(greedy_bos_checkpoint):
+    from tensorrt_llm.llmapi import LLM
+
+    from server_harness import RunningServer
+
+    llm = LLM(str(greedy_bos_checkpoint), device="cpu", max_seq_len=256,
+              kv_cache_config={"num_blocks": 64, "tokens_per_block": 16})
+    server = RunningServer(llm)
+    try:
+        tokenizer = llm.tokenizer
+        assert tokenizer.add_bos_token and tokenizer.encode("Hi")[0] == tokenizer.bos_token_id
+        messages = [{"role": "user", "content": "Hi"}]
+        rendered = tokenizer.apply_chat_template(messages)
+        client = server.client()
+        chat = client.chat.completions.create(model=server.model, max_tokens=2, messages=messages)
+        # the template's own BOS only: the text encoded without special tokens on top
+        assert chat.usage.prompt_tokens == len(tokenizer.encode(rendered, add_special_tokens=False))
+        # no temperature in the request: generation_config.json's 0.0, so any seed gives the greedy text
+        unset = {client.completions.create(model=server.model, prompt="Once upon a time", max_tokens=8,
+                                           seed=seed).choices[0].text for seed in range(3)}
+        sampled = {client.completions.create(model=server.model, prompt="Once upon a time", max_tokens=8,
+                                             seed=seed, temperature=1.0).choices[0].text for seed in range(3)}
+        assert len(unset) == 1 and len(sampled) > 1
+    finally:
+        server.stop()
