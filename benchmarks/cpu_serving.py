@@ -45,7 +45,7 @@ ANSWER = ("Thank you for asking. The library can help with that: most services a
 
 def run_probe(path: str, serve_argv: list[str]) -> int:
     """Start trtllm-serve with its executor's forward-running iterations and its engine's forwards timed."""
-    from tensorrt_llm._torch.pyexecutor.model_engine import TorchModelEngine
+    from tensorrt_llm._torch.pyexecutor.engine.torch_engine import TorchModelEngine
     from tensorrt_llm._torch.pyexecutor.py_executor import PyExecutor
     from tensorrt_llm.commands import serve
 

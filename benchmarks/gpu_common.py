@@ -18,7 +18,7 @@ import torch
 from benchmarks.cost_model import ForwardShape, GpuSpec, ModelShape, RooflineCostModel
 from tensorrt_llm._torch.models.modeling_llama import LlamaConfig
 from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequest, LlmRequestState
-from tensorrt_llm._torch.pyexecutor.engine_inputs import TpInputs
+from tensorrt_llm._torch.pyexecutor.engine.inputs import TpInputs
 
 H200 = GpuSpec()  # 800 TFLOP/s bf16, 4.2 TB/s: the ceilings the goals are stated in
 

@@ -25,7 +25,7 @@ from benchmarks.cost_model import ForwardShape, table_row_shape
 from benchmarks.gpu_common import BlockAllocator, fill_random, model_shape, roofline, synthetic_inputs
 from tensorrt_llm._torch.models.modeling_llama import LlamaForCausalLM
 from tensorrt_llm._torch.pyexecutor.config import CudaGraphConfig, ExecutorConfig, KvCacheConfig
-from tensorrt_llm._torch.pyexecutor.model_engine import TorchModelEngine
+from tensorrt_llm._torch.pyexecutor.engine.torch_engine import TorchModelEngine
 from tensorrt_llm._torch.pyexecutor.py_executor_creator import create_kv_cache_manager
 
 logger = logging.getLogger(__name__)

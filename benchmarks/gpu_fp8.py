@@ -42,7 +42,7 @@ from benchmarks.sim_engine import Engine
 from tensorrt_llm._torch.attention_backend.kv_quant import kv_cache_dtype
 from tensorrt_llm._torch.models.modeling_llama import MODEL_PRESETS, LlamaForCausalLM
 from tensorrt_llm._torch.pyexecutor.config import CudaGraphConfig, ExecutorConfig, KvCacheConfig
-from tensorrt_llm._torch.pyexecutor.model_engine import TorchModelEngine
+from tensorrt_llm._torch.pyexecutor.engine.torch_engine import TorchModelEngine
 from tensorrt_llm._torch.pyexecutor.py_executor_creator import create_kv_cache_manager
 
 logger = logging.getLogger("gpu_fp8")

@@ -34,12 +34,12 @@ from tensorrt_llm._torch.pyexecutor.config import ExecutorConfig, KvCacheConfig
 from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequest
 from tensorrt_llm._torch.pyexecutor.py_executor import PyExecutor
 from tensorrt_llm._torch.pyexecutor.py_executor_creator import create_py_executor
-from tensorrt_llm._torch.pyexecutor.simulated_engine import SimulatedModelEngine
+from tensorrt_llm._torch.pyexecutor.engine.simulated import SimulatedModelEngine
 
 try:
-    from tensorrt_llm._torch.pyexecutor.synthetic_sampler import SyntheticSampler
+    from tensorrt_llm._torch.pyexecutor.sampling.synthetic_sampler import SyntheticSampler
 except ImportError:  # an older tree (benchmarks.host_path_ab runs this file against earlier commits)
-    from tensorrt_llm._torch.pyexecutor.simulated_engine import SyntheticSampler
+    from tensorrt_llm._torch.pyexecutor.engine.simulated import SyntheticSampler
 
 VOCAB = 32000
 TOKENS_PER_BLOCK = 32

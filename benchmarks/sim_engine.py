@@ -24,13 +24,13 @@ from typing import Protocol
 from benchmarks.cost_model import CostModel, ForwardShape, ModelShape, RooflineCostModel
 from tensorrt_llm._torch.models.modeling_llama import MODEL_PRESETS, LlamaConfig, LlamaForCausalLM
 from tensorrt_llm._torch.pyexecutor.config import ExecutorConfig
-from tensorrt_llm._torch.pyexecutor.kv_cache_manager import KVCacheManager
+from tensorrt_llm._torch.pyexecutor.kv_cache.manager import KVCacheManager
 from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequestState
-from tensorrt_llm._torch.pyexecutor.engine_inputs import TpInputs
+from tensorrt_llm._torch.pyexecutor.engine.inputs import TpInputs
 from tensorrt_llm._torch.pyexecutor.py_executor import PyExecutor
 from tensorrt_llm._torch.pyexecutor.py_executor_creator import create_py_executor
-from tensorrt_llm._torch.pyexecutor.simulated_engine import SimulatedModelEngine, VirtualClock
-from tensorrt_llm._torch.pyexecutor.synthetic_sampler import SyntheticSampler
+from tensorrt_llm._torch.pyexecutor.engine.simulated import SimulatedModelEngine, VirtualClock
+from tensorrt_llm._torch.pyexecutor.sampling.synthetic_sampler import SyntheticSampler
 
 ENGINES = ("sim", "torch")
 _CONTEXT_INIT = LlmRequestState.CONTEXT_INIT

@@ -33,7 +33,7 @@ _NAMES = {
     "RequestOutput": ("tensorrt_llm.llmapi.llm", "RequestOutput"),
     "RequestOutputHandle": ("tensorrt_llm.llmapi.llm", "RequestOutputHandle"),
     "RequestError": ("tensorrt_llm._torch.pyexecutor.errors", "RequestError"),
-    "GuidedDecodingParams": ("tensorrt_llm._torch.pyexecutor.guided_decoder", "GuidedDecodingParams"),
+    "GuidedDecodingParams": ("tensorrt_llm._torch.pyexecutor.sampling.guided_decoder", "GuidedDecodingParams"),
     "KvCacheConfig": (_CONFIG, "KvCacheConfig"),
     "CudaGraphConfig": (_CONFIG, "CudaGraphConfig"),
     "SchedulerConfig": (_CONFIG, "SchedulerConfig"),

@@ -14,7 +14,7 @@ from typing import AsyncIterator, Callable, Iterator, NamedTuple
 
 from tensorrt_llm._torch.pyexecutor.errors import ExecutorShutdown, RequestError
 from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequest, TokenLogprob
-from tensorrt_llm._torch.pyexecutor.executor_client import Response
+from tensorrt_llm._torch.pyexecutor.executor.client import Response
 from tensorrt_llm.llmapi.tokenizer import IncrementalDetokenizer, Tokenizer
 
 logger = logging.getLogger(__name__)

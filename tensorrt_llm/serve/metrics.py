@@ -47,10 +47,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Proc
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from tensorrt_llm._torch.pyexecutor.executor_client import ExecutorClient, Load
+from tensorrt_llm._torch.pyexecutor.executor.client import ExecutorClient, Load
 from tensorrt_llm._torch.pyexecutor.priority import DEFAULT_PRIORITY, PRIORITY_CLASSES, priority_class
-from tensorrt_llm._torch.pyexecutor.fault_injection import FAULT_KINDS
-from tensorrt_llm._torch.pyexecutor.stats import IterationStats
+from tensorrt_llm._torch.pyexecutor.engine.fault_injection import FAULT_KINDS
+from tensorrt_llm._torch.pyexecutor.iteration.stats import IterationStats
 
 FINISH_REASONS = ("stop", "length", "error", "cancelled")
 REJECT_REASONS = ("unhealthy", "queue_full")

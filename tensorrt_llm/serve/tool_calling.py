@@ -27,7 +27,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Iterator
 
-from tensorrt_llm._torch.pyexecutor.guided_decoder import GuidedDecodingParams
+from tensorrt_llm._torch.pyexecutor.sampling.guided_decoder import GuidedDecodingParams
 from tensorrt_llm.serve.errors import bad_request
 from tensorrt_llm.serve.openai_protocol import (
     ChatCompletionMessage,

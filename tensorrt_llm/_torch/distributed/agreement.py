@@ -27,7 +27,7 @@ from tensorrt_llm._torch.distributed.digest import Record, decision_records, dig
 from tensorrt_llm._torch.distributed.errors import RankDivergenceError
 
 if TYPE_CHECKING:
-    from tensorrt_llm._torch.pyexecutor.kv_cache_manager import KVCacheManager
+    from tensorrt_llm._torch.pyexecutor.kv_cache.manager import KVCacheManager
     from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequest
     from tensorrt_llm._torch.pyexecutor.resource_manager import PreparedBatch
     from tensorrt_llm._torch.pyexecutor.scheduled_requests import ScheduledRequests

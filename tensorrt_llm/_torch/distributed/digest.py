@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Sequence
 from tensorrt_llm._torch.pyexecutor.llm_request import DeferReason
 
 if TYPE_CHECKING:
-    from tensorrt_llm._torch.pyexecutor.kv_cache_manager import KVCacheManager
+    from tensorrt_llm._torch.pyexecutor.kv_cache.manager import KVCacheManager
     from tensorrt_llm._torch.pyexecutor.resource_manager import PreparedBatch
     from tensorrt_llm._torch.pyexecutor.scheduled_requests import ScheduledRequests
 

@@ -33,14 +33,14 @@ from tensorrt_llm._torch.distributed.torchrun import TorchrunGroup
 from tensorrt_llm._torch.distributed.worker import serve_config, serve_rank
 from tensorrt_llm._torch.models.modeling_llama import HeadShard, LlamaConfig
 from tensorrt_llm._torch.pyexecutor.config import ExecutorConfig
-from tensorrt_llm._torch.pyexecutor.block_pool import KvCacheStats
+from tensorrt_llm._torch.pyexecutor.kv_cache.block_pool import KvCacheStats
 from tensorrt_llm._torch.pyexecutor.errors import ExecutorShutdown, InvalidRequestError
-from tensorrt_llm._torch.pyexecutor.executor_client import Health, IterationListener, Load, Response, ResponseCallback
+from tensorrt_llm._torch.pyexecutor.executor.client import Health, IterationListener, Load, Response, ResponseCallback
 from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequest
-from tensorrt_llm._torch.pyexecutor.model_engine import TorchModelEngine
+from tensorrt_llm._torch.pyexecutor.engine.torch_engine import TorchModelEngine
 from tensorrt_llm._torch.pyexecutor.py_executor_creator import create_kv_cache_manager
-from tensorrt_llm._torch.pyexecutor.request_validation import RequestLimits, validate_request
-from tensorrt_llm._torch.pyexecutor.stats import IterationStats
+from tensorrt_llm._torch.pyexecutor.executor.validation import RequestLimits, validate_request
+from tensorrt_llm._torch.pyexecutor.iteration.stats import IterationStats
 from tensorrt_llm.mapping import Mapping
 
 logger = logging.getLogger(__name__)

@@ -48,10 +48,10 @@ from tensorrt_llm._torch.distributed.communicator import Communicator, Contribut
 from tensorrt_llm._torch.distributed.digest import digest
 from tensorrt_llm._torch.distributed.errors import DistributedError, GroupAborted
 from tensorrt_llm._torch.distributed.request_spec import RequestSpec
-from tensorrt_llm._torch.pyexecutor.iteration import Iteration
+from tensorrt_llm._torch.pyexecutor.iteration.records import Iteration
 from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequest
 from tensorrt_llm._torch.pyexecutor.py_executor import PyExecutor, Response, ResponseCallback
-from tensorrt_llm._torch.pyexecutor.stats import IterationStats
+from tensorrt_llm._torch.pyexecutor.iteration.stats import IterationStats
 from tensorrt_llm.mapping import Mapping
 
 logger = logging.getLogger(__name__)

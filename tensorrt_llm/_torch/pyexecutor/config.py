@@ -287,7 +287,7 @@ class SchedulerConfig:
     request's *effective priority*, ``priority + priority_aging_rate * seconds waited`` (see
     ``pyexecutor/priority.py``, which states the wait bound aging gives). With
     ``enable_preemption`` a waiting request that cannot get KV memory may pause running
-    requests of strictly lower priority (``pyexecutor/preemption.py``); a request that resumed
+    requests of strictly lower priority (``pyexecutor/scheduler/preemption.py``); a request that resumed
     is not paused again for ``preemption_cooldown_iterations`` iterations. Priority classes, for
     the metrics: below ``priority_low_below`` is "low", above ``priority_high_above`` "high", the
     rest "normal" (by default: below 0.5, 0.5, above 0.5). ``low_priority_max_num_tokens`` caps

@@ -65,11 +65,11 @@ from typing import TYPE_CHECKING, Iterable, NamedTuple
 
 import numpy as np
 
-from tensorrt_llm._torch.pyexecutor.beam_search import EARLY_STOP, BeamConfig, BeamState
+from tensorrt_llm._torch.pyexecutor.sampling.beam_search import EARLY_STOP, BeamConfig, BeamState
 from tensorrt_llm._torch.pyexecutor.errors import InvalidRequestError
 
 if TYPE_CHECKING:
-    from tensorrt_llm._torch.pyexecutor.guided_decoder import Grammar
+    from tensorrt_llm._torch.pyexecutor.sampling.guided_decoder import Grammar
 
 IN_FLIGHT_TOKEN_ID = -1  # in ``tokens``: a token a forward in flight is sampling (overlap)
 

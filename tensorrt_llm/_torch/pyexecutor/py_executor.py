@@ -69,23 +69,23 @@ from dataclasses import dataclass
 from operator import attrgetter
 from typing import Callable, Collection, Mapping, Sequence
 
-from tensorrt_llm._torch.pyexecutor.beam_search import BeamStep
+from tensorrt_llm._torch.pyexecutor.sampling.beam_search import BeamStep
 from tensorrt_llm._torch.pyexecutor.config import DEFAULT_PRIORITY, ExecutorConfig
-from tensorrt_llm._torch.pyexecutor.drafter import Drafter
+from tensorrt_llm._torch.pyexecutor.sampling.drafter import Drafter
 from tensorrt_llm._torch.pyexecutor.errors import (
     InvalidRequestError,
     SamplingError,
     TokenBudgetExceeded,
 )
-from tensorrt_llm._torch.pyexecutor.executor_client import (
+from tensorrt_llm._torch.pyexecutor.executor.client import (
     Health,
     IterationListener,
     Load,
     Response,
     ResponseCallback,
 )
-from tensorrt_llm._torch.pyexecutor.executor_loop import Arrival, ExecutorLoop, StepCounts
-from tensorrt_llm._torch.pyexecutor.iteration import (
+from tensorrt_llm._torch.pyexecutor.executor.loop import Arrival, ExecutorLoop, StepCounts
+from tensorrt_llm._torch.pyexecutor.iteration.records import (
     NO_DRAFTS,
     BatchFailure,
     Completion,
@@ -94,7 +94,7 @@ from tensorrt_llm._torch.pyexecutor.iteration import (
     Launch,
     make_stats,
 )
-from tensorrt_llm._torch.pyexecutor.kv_cache_manager import KVCacheManager
+from tensorrt_llm._torch.pyexecutor.kv_cache.manager import KVCacheManager
 from tensorrt_llm._torch.pyexecutor.llm_request import (
     IN_FLIGHT_TOKEN_ID,
     DeferReason,
@@ -103,15 +103,15 @@ from tensorrt_llm._torch.pyexecutor.llm_request import (
     num_in_flight_tokens,
     token_array,
 )
-from tensorrt_llm._torch.pyexecutor.engine import ForwardOutput, ModelEngine, PendingForward
-from tensorrt_llm._torch.pyexecutor.request_validation import RequestLimits, validate_request
+from tensorrt_llm._torch.pyexecutor.engine.interface import ForwardOutput, ModelEngine, PendingForward
+from tensorrt_llm._torch.pyexecutor.executor.validation import RequestLimits, validate_request
 from tensorrt_llm._torch.pyexecutor.priority import priority_class
 from tensorrt_llm._torch.pyexecutor.resource_manager import PreparedBatch, ResourceManager
-from tensorrt_llm._torch.pyexecutor.sampler import Sampler
+from tensorrt_llm._torch.pyexecutor.sampling.sampler import Sampler
 from tensorrt_llm._torch.pyexecutor.scheduled_requests import ScheduledRequests
-from tensorrt_llm._torch.pyexecutor.scheduler import SimpleScheduler
-from tensorrt_llm._torch.pyexecutor.stats import IterationStats
-from tensorrt_llm._torch.pyexecutor.stop_rule import finish
+from tensorrt_llm._torch.pyexecutor.scheduler.schedulers import SimpleScheduler
+from tensorrt_llm._torch.pyexecutor.iteration.stats import IterationStats
+from tensorrt_llm._torch.pyexecutor.sampling.stop_rule import finish
 
 logger = logging.getLogger(__name__)
 

@@ -11,18 +11,18 @@ import torch
 
 from tensorrt_llm._torch.attention_backend.kv_quant import KvScales, kv_cache_dtype
 from tensorrt_llm._torch.models.modeling_llama import LlamaForCausalLM
-from tensorrt_llm._torch.pyexecutor.block_pool import BlockTokens
+from tensorrt_llm._torch.pyexecutor.kv_cache.block_pool import BlockTokens
 from tensorrt_llm._torch.pyexecutor.config import ExecutorConfig
-from tensorrt_llm._torch.pyexecutor.drafter import Drafter, drafter_for
-from tensorrt_llm._torch.pyexecutor.fault_injection import FaultInjectingEngine
-from tensorrt_llm._torch.pyexecutor.kv_cache_manager import KVCacheManager
-from tensorrt_llm._torch.pyexecutor.kv_storage import KVCacheStorage
-from tensorrt_llm._torch.pyexecutor.model_engine import ModelEngine, TorchModelEngine
+from tensorrt_llm._torch.pyexecutor.sampling.drafter import Drafter, drafter_for
+from tensorrt_llm._torch.pyexecutor.engine.fault_injection import FaultInjectingEngine
+from tensorrt_llm._torch.pyexecutor.kv_cache.manager import KVCacheManager
+from tensorrt_llm._torch.pyexecutor.kv_cache.storage import KVCacheStorage
+from tensorrt_llm._torch.pyexecutor.engine.torch_engine import ModelEngine, TorchModelEngine
 from tensorrt_llm._torch.pyexecutor.py_executor import PyExecutor
 from tensorrt_llm._torch.pyexecutor.resource_manager import ResourceManager
-from tensorrt_llm._torch.pyexecutor.sampler import Sampler, TorchSampler
-from tensorrt_llm._torch.pyexecutor.scheduler import make_scheduler
-from tensorrt_llm._torch.pyexecutor.token_budget import token_budget_policy_for
+from tensorrt_llm._torch.pyexecutor.sampling.sampler import Sampler, TorchSampler
+from tensorrt_llm._torch.pyexecutor.scheduler.schedulers import make_scheduler
+from tensorrt_llm._torch.pyexecutor.budget.policies import token_budget_policy_for
 
 logger = logging.getLogger(__name__)
 

@@ -27,11 +27,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from tensorrt_llm._torch.pyexecutor.token_budget_recheck import BudgetDecision
-from tensorrt_llm._torch.pyexecutor.kv_cache_manager import ClaimRecord, KVCacheManager, PrefixClaim
+from tensorrt_llm._torch.pyexecutor.budget.recheck import BudgetDecision
+from tensorrt_llm._torch.pyexecutor.kv_cache.manager import ClaimRecord, KVCacheManager, PrefixClaim
 from tensorrt_llm._torch.pyexecutor.llm_request import DeferReason, LlmRequest
 from tensorrt_llm._torch.pyexecutor.scheduled_requests import ContextChunk, Deferral, ScheduledRequests
-from tensorrt_llm._torch.pyexecutor.token_budget import TokenBudgetPolicy
+from tensorrt_llm._torch.pyexecutor.budget.policies import TokenBudgetPolicy
 
 KV_CACHE_MANAGER = "kv_cache_manager"  # upstream's name: get_resource_manager(KV_CACHE_MANAGER) is the KV manager
 

@@ -20,7 +20,7 @@ import pytest
 from server_harness import RunningServer
 
 from tensorrt_llm._torch.pyexecutor.config import FaultInjectionConfig
-from tensorrt_llm._torch.pyexecutor.fault_injection import FAULT_KINDS
+from tensorrt_llm._torch.pyexecutor.engine.fault_injection import FAULT_KINDS
 from tensorrt_llm.llmapi import LLM, KvCacheConfig
 
 NO_HANG_S = 120  # every request of a test must end well within this

@@ -148,7 +148,7 @@ def test_call_grammar_accepts_the_format_and_the_schema_only(smollm2_tokenizer, 
     """The grammar, compiled for SmolLM2's vocabulary: a call of either function in the format
     passes token by token; a wrong name, a value outside the schema, or plain text does not; two
     calls pass unless one_call."""
-    from tensorrt_llm._torch.pyexecutor.guided_decoder import GrammarCompiler, GuidedDecodingParams
+    from tensorrt_llm._torch.pyexecutor.sampling.guided_decoder import GrammarCompiler, GuidedDecodingParams
 
     compiler = GrammarCompiler(smollm2_tokenizer, vocab_size=49152, end_ids=smollm2_tokenizer.stop_token_ids)
     grammar = compiler.compile(GuidedDecodingParams(grammar=parser.grammar(FUNCTIONS, one_call=one_call)))

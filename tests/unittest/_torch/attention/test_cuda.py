@@ -220,7 +220,7 @@ def test_triton_context_kernel_matches_float64_reference(tiles, heads) -> None:
 
 
 def test_host_tier_round_trip_on_cuda() -> None:
-    from tensorrt_llm._torch.pyexecutor.kv_storage import KVCacheStorage
+    from tensorrt_llm._torch.pyexecutor.kv_cache.storage import KVCacheStorage
 
     storage = KVCacheStorage(num_layers=3, num_blocks=6, num_host_blocks=4, block_shape=(8, 2, 16),
                              dtype=torch.bfloat16, device=CUDA)
@@ -244,7 +244,7 @@ _SLEEP_CYCLES = 2_000_000_000  # about a second of one GPU thread: a forward tha
 
 def _tier_storage(**sizes):
     """A host tier with blocks of 4 MiB (float32), so that a copy takes long enough to race with."""
-    from tensorrt_llm._torch.pyexecutor.kv_storage import KVCacheStorage
+    from tensorrt_llm._torch.pyexecutor.kv_cache.storage import KVCacheStorage
 
     shape = dict(num_layers=8, num_blocks=8, num_host_blocks=4, block_shape=(64, 8, 128)) | sizes
     storage = KVCacheStorage(**shape, dtype=torch.float32, device=CUDA)
@@ -339,7 +339,7 @@ def test_host_tier_under_eviction_gives_the_cpu_tokens(graphs: bool, overlap: bo
     """A pool of 40 blocks and a host tier: prefixes are offloaded and onboarded again while
     forwards run (overlap), and the greedy tokens are the CPU's with a pool that never evicts.
     ``ahead``: ``offload_ahead_blocks``, whose copies run beside the forward just launched."""
-    from tensorrt_llm._torch.pyexecutor.kv_storage import KVCacheStorage
+    from tensorrt_llm._torch.pyexecutor.kv_cache.storage import KVCacheStorage
 
     prompts = _tier_prompts()
     cpu = _generate(_small("float32"), prompts, graphs=False)

@@ -165,7 +165,7 @@ def test_fp8_pool_holds_twice_the_blocks_of_bf16_from_the_same_memory() -> None:
 
 
 def test_fp8_host_tier_round_trip_on_cuda_moves_the_bytes() -> None:
-    from tensorrt_llm._torch.pyexecutor.kv_storage import KVCacheStorage
+    from tensorrt_llm._torch.pyexecutor.kv_cache.storage import KVCacheStorage
 
     storage = KVCacheStorage(num_layers=3, num_blocks=6, num_host_blocks=4, block_shape=(8, 2, 16), dtype=FP8,
                              device=CUDA)

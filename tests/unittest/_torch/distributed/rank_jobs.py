@@ -22,12 +22,12 @@ from tensorrt_llm._torch.distributed.launcher import RankContext
 from tensorrt_llm._torch.distributed.rank_executor import RankExecutor
 from tensorrt_llm._torch.models.modeling_llama import LlamaConfig, LlamaForCausalLM
 from tensorrt_llm._torch.pyexecutor.config import ExecutorConfig
-from tensorrt_llm._torch.pyexecutor.kv_storage import KVCacheStorage
+from tensorrt_llm._torch.pyexecutor.kv_cache.storage import KVCacheStorage
 from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequest
 from tensorrt_llm._torch.pyexecutor.py_executor import PyExecutor, Response
 from tensorrt_llm._torch.pyexecutor.py_executor_creator import create_py_executor
-from tensorrt_llm._torch.pyexecutor.simulated_engine import SimulatedModelEngine
-from tensorrt_llm._torch.pyexecutor.synthetic_sampler import SyntheticSampler
+from tensorrt_llm._torch.pyexecutor.engine.simulated import SimulatedModelEngine
+from tensorrt_llm._torch.pyexecutor.sampling.synthetic_sampler import SyntheticSampler
 from tensorrt_llm.mapping import Mapping
 
 MAX_ITERATIONS = 3000  # far beyond any scenario here: a run that needs more is stuck

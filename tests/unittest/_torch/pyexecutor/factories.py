@@ -9,20 +9,20 @@ from typing import Sequence
 
 from tensorrt_llm._torch.pyexecutor.config import ExecutorConfig, KvCacheConfig
 from tensorrt_llm._torch.pyexecutor.errors import InvalidRequestError
-from tensorrt_llm._torch.pyexecutor.kv_cache_manager import KVAllocation, KVCacheManager
+from tensorrt_llm._torch.pyexecutor.kv_cache.manager import KVAllocation, KVCacheManager
 from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequest, LlmRequestState
-from tensorrt_llm._torch.pyexecutor.model_engine import ModelEngine
+from tensorrt_llm._torch.pyexecutor.engine.torch_engine import ModelEngine
 from tensorrt_llm._torch.pyexecutor.py_executor import PyExecutor
 from tensorrt_llm._torch.pyexecutor.py_executor_creator import create_kv_cache_manager, create_py_executor
-from tensorrt_llm._torch.pyexecutor.request_validation import RequestLimits, validate_request
+from tensorrt_llm._torch.pyexecutor.executor.validation import RequestLimits, validate_request
 from tensorrt_llm._torch.pyexecutor.resource_manager import ResourceManager
-from tensorrt_llm._torch.pyexecutor.sampler import Sampler
+from tensorrt_llm._torch.pyexecutor.sampling.sampler import Sampler
 from tensorrt_llm._torch.pyexecutor.scheduled_requests import ContextChunk, ScheduledRequests
-from tensorrt_llm._torch.pyexecutor.scheduler import SimpleScheduler
-from tensorrt_llm._torch.pyexecutor.scheduler import make_scheduler as _make_scheduler
-from tensorrt_llm._torch.pyexecutor.simulated_engine import SimulatedModelEngine
-from tensorrt_llm._torch.pyexecutor.synthetic_sampler import SyntheticSampler
-from tensorrt_llm._torch.pyexecutor.token_budget import TokenBudgetPolicy, token_budget_policy_for
+from tensorrt_llm._torch.pyexecutor.scheduler.schedulers import SimpleScheduler
+from tensorrt_llm._torch.pyexecutor.scheduler.schedulers import make_scheduler as _make_scheduler
+from tensorrt_llm._torch.pyexecutor.engine.simulated import SimulatedModelEngine
+from tensorrt_llm._torch.pyexecutor.sampling.synthetic_sampler import SyntheticSampler
+from tensorrt_llm._torch.pyexecutor.budget.policies import TokenBudgetPolicy, token_budget_policy_for
 
 VOCAB = 1000
 KV_BYTES_PER_TOKEN = 64  # bookkeeping mode: only sizes the host tier
@@ -112,7 +112,7 @@ def cost_model():
 def make_torch_engine(config: ExecutorConfig):
     """``(kv, engine)``: the CPU torch engine over real K/V tensors, with the pool ``config`` asks
     for (its host tier too, in blocks as ``make_config`` counts them)."""
-    from tensorrt_llm._torch.pyexecutor.model_engine import TorchModelEngine
+    from tensorrt_llm._torch.pyexecutor.engine.torch_engine import TorchModelEngine
 
     model = cost_model()
     kv_config = config.kv_cache_config

@@ -21,13 +21,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tensorrt_llm._torch.pyexecutor.engine_inputs import prepare_tp_inputs
+from tensorrt_llm._torch.pyexecutor.engine.inputs import prepare_tp_inputs
 from tensorrt_llm._torch.pyexecutor.config import TokenBudgetPolicyName
 from tensorrt_llm._torch.pyexecutor.errors import TokenBudgetExceeded
 from tensorrt_llm._torch.pyexecutor.forward_cost import forward_cost
-from tensorrt_llm._torch.pyexecutor.kv_cache_manager import KVCacheManager
+from tensorrt_llm._torch.pyexecutor.kv_cache.manager import KVCacheManager
 from tensorrt_llm._torch.pyexecutor.llm_request import DeferReason, LlmRequest
-from tensorrt_llm._torch.pyexecutor.model_engine import ModelEngine
+from tensorrt_llm._torch.pyexecutor.engine.torch_engine import ModelEngine
 from tensorrt_llm._torch.pyexecutor.py_executor import Iteration, PyExecutor, Response
 from tensorrt_llm._torch.pyexecutor.resource_manager import PreparedBatch, ResourceManager
 from tensorrt_llm._torch.pyexecutor.scheduled_requests import ContextChunk, ScheduledRequests

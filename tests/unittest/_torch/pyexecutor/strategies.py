@@ -47,14 +47,14 @@ from hypothesis import strategies as st
 from invariants import BatchOutcome, format_batch, run_batch
 
 from tensorrt_llm._torch.pyexecutor.config import CapacitySchedulerPolicy, ContextChunkingPolicy, ExecutorConfig
-from tensorrt_llm._torch.pyexecutor.kv_cache_manager import KVCacheManager
+from tensorrt_llm._torch.pyexecutor.kv_cache.manager import KVCacheManager
 from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequest
-from tensorrt_llm._torch.pyexecutor.model_engine import ModelEngine
+from tensorrt_llm._torch.pyexecutor.engine.torch_engine import ModelEngine
 from tensorrt_llm._torch.pyexecutor.resource_manager import ResourceManager
 from tensorrt_llm._torch.pyexecutor.scheduled_requests import ContextChunk, ScheduledRequests
-from tensorrt_llm._torch.pyexecutor.scheduler import SimpleScheduler
-from tensorrt_llm._torch.pyexecutor.synthetic_sampler import SyntheticSampler
-from tensorrt_llm._torch.pyexecutor.token_budget import reuse_discounted_charge
+from tensorrt_llm._torch.pyexecutor.scheduler.schedulers import SimpleScheduler
+from tensorrt_llm._torch.pyexecutor.sampling.synthetic_sampler import SyntheticSampler
+from tensorrt_llm._torch.pyexecutor.budget.policies import reuse_discounted_charge
 
 POLICIES = ("none", "trim", "fit", "recheck", "claim")
 SAFE_POLICIES = ("recheck", "claim")  # the ones that claim no overshoot

@@ -39,7 +39,7 @@ from tensorrt_llm._torch.pyexecutor.config import (
 from tensorrt_llm._torch.pyexecutor.errors import InvalidRequestError
 from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequest, LlmRequestState, SamplingConfig
 from tensorrt_llm._torch.pyexecutor.py_executor_creator import create_py_executor
-from tensorrt_llm._torch.pyexecutor.synthetic_sampler import SyntheticSampler
+from tensorrt_llm._torch.pyexecutor.sampling.synthetic_sampler import SyntheticSampler
 from tensorrt_llm.llmapi.llm import LLM, SamplingParams
 from tensorrt_llm.mapping import Mapping
 
@@ -353,7 +353,7 @@ VOCAB_SIM = 1000
 def test_a_step_ranks_candidates_as_a_stable_sort_of_all_would(k):
     """``sampler._best`` (a top-k) returns what a stable descending sort of every (beam, token)
     total puts first: ties at the k-th value included and in index order, -inf padding left out."""
-    from tensorrt_llm._torch.pyexecutor.sampler import _best
+    from tensorrt_llm._torch.pyexecutor.sampling.sampler import _best
 
     totals = torch.tensor([0.0, -1.0, -1.0, -1.0, float("-inf"), -1.0, -2.0, float("-inf"), -0.5], dtype=torch.float64)
     values, order = torch.sort(totals, descending=True, stable=True)

@@ -12,8 +12,8 @@ from array import array
 import pytest
 from factories import make_request, make_sim_executor
 
-from tensorrt_llm._torch.pyexecutor.block_pool import BlockPool, KVBlock
-from tensorrt_llm._torch.pyexecutor.kv_cache_manager import PrefixIndex
+from tensorrt_llm._torch.pyexecutor.kv_cache.block_pool import BlockPool, KVBlock
+from tensorrt_llm._torch.pyexecutor.kv_cache.manager import PrefixIndex
 
 TPB = 4
 

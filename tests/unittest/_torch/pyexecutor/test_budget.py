@@ -4,7 +4,7 @@ charge order, full costs, cuts before deferrals, priority of requests deferred e
 import pytest
 from factories import make_request
 
-from tensorrt_llm._torch.pyexecutor.token_budget_recheck import cut_to_fit, recheck_remaining_budget
+from tensorrt_llm._torch.pyexecutor.budget.recheck import cut_to_fit, recheck_remaining_budget
 from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequestState
 from tensorrt_llm._torch.pyexecutor.scheduled_requests import ContextChunk
 

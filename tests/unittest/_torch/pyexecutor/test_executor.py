@@ -12,7 +12,7 @@ import pytest
 from factories import greedy_reference, make_config, make_request, make_sim_executor, served_model
 from invariants import ExecutorChecker
 
-from tensorrt_llm._torch.pyexecutor.engine_inputs import prepare_tp_inputs
+from tensorrt_llm._torch.pyexecutor.engine.inputs import prepare_tp_inputs
 from tensorrt_llm import LLM, SamplingParams
 from tensorrt_llm._torch.pyexecutor.errors import ExecutorShutdown, InvalidRequestError, TokenBudgetExceeded
 from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequest, LlmRequestState, token_array
@@ -389,7 +389,7 @@ def test_an_iteration_is_budget_bound_while_prompt_tokens_are_left_after_its_bat
      ([2, -2**62], -2**62)],
 )
 def test_first_bad_token_names_the_first_offender(tokens, bad):
-    from tensorrt_llm._torch.pyexecutor.request_validation import first_bad_token
+    from tensorrt_llm._torch.pyexecutor.executor.validation import first_bad_token
 
     assert first_bad_token(token_array(tokens), 10) == bad
 

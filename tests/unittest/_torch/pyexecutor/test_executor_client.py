@@ -6,7 +6,7 @@ import pytest
 from factories import make_config, make_request, make_sim_executor
 
 from tensorrt_llm._torch.distributed.multi_rank_executor import MultiRankExecutor
-from tensorrt_llm._torch.pyexecutor.executor_client import ExecutorClient, Health
+from tensorrt_llm._torch.pyexecutor.executor.client import ExecutorClient, Health
 from tensorrt_llm._torch.pyexecutor.py_executor import PyExecutor
 
 MEMBERS = sorted(n for n, v in vars(ExecutorClient).items() if not n.startswith("_") and (callable(v) or isinstance(v, property)))

@@ -21,7 +21,7 @@ from invariants import ExecutorChecker
 
 from tensorrt_llm import LLM, SamplingParams
 from tensorrt_llm._torch.models.modeling_llama import LlamaConfig, LlamaForCausalLM
-from tensorrt_llm._torch.pyexecutor.kv_storage import KVCacheStorage
+from tensorrt_llm._torch.pyexecutor.kv_cache.storage import KVCacheStorage
 from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequest
 from tensorrt_llm.llmapi import KvCacheConfig, RequestError
 

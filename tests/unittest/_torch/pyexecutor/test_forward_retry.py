@@ -14,7 +14,7 @@ from tensorrt_llm._torch.models.modeling_llama import MODEL_PRESETS
 from tensorrt_llm._torch.pyexecutor.config import FaultInjectionConfig
 from tensorrt_llm._torch.pyexecutor.errors import RequestError
 from tensorrt_llm._torch.pyexecutor.llm_request import IN_FLIGHT_TOKEN_ID
-from tensorrt_llm._torch.pyexecutor.engine import DeferredForward
+from tensorrt_llm._torch.pyexecutor.engine.interface import DeferredForward
 from tensorrt_llm.llmapi.llm import LLM, SamplingParams
 
 MODEL = dataclasses.replace(MODEL_PRESETS["tiny-random"], dtype="float64")

@@ -16,10 +16,10 @@ from factories import make_batch, make_config, make_request, make_sim_executor, 
 from invariants import ExecutorChecker
 
 from tensorrt_llm._torch.models.modeling_llama import LlamaConfig, LlamaForCausalLM
-from tensorrt_llm._torch.pyexecutor.block_pool import BlockPool, common_prefix_tokens
+from tensorrt_llm._torch.pyexecutor.kv_cache.block_pool import BlockPool, common_prefix_tokens
 from tensorrt_llm._torch.pyexecutor.config import ExecutorConfig, KvCacheConfig
-from tensorrt_llm._torch.pyexecutor.kv_cache_manager import KVAllocation, KVCacheManager, pack_tokens, content_hashes
-from tensorrt_llm._torch.pyexecutor.kv_storage import KVCacheStorage
+from tensorrt_llm._torch.pyexecutor.kv_cache.manager import KVAllocation, KVCacheManager, pack_tokens, content_hashes
+from tensorrt_llm._torch.pyexecutor.kv_cache.storage import KVCacheStorage
 from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequestState
 from tensorrt_llm._torch.pyexecutor.py_executor_creator import create_kv_cache_manager
 from tensorrt_llm._torch.pyexecutor.scheduled_requests import ContextChunk

@@ -12,7 +12,7 @@ import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tensorrt_llm._torch.pyexecutor.kv_copy_batch import CopyBatch, runs
+from tensorrt_llm._torch.pyexecutor.kv_cache.copy_batch import CopyBatch, runs
 
 NUM_BLOCKS, NUM_HOST = 6, 5
 

@@ -11,15 +11,15 @@ import torch
 from factories import make_request
 
 from tensorrt_llm._torch.pyexecutor.errors import SamplingError
-from tensorrt_llm._torch.pyexecutor.guided_decoder import Grammar, GrammarCompiler, GuidedDecodingParams
+from tensorrt_llm._torch.pyexecutor.sampling.guided_decoder import Grammar, GrammarCompiler, GuidedDecodingParams
 from tensorrt_llm._torch.pyexecutor.llm_request import SamplingConfig
-from tensorrt_llm._torch.pyexecutor.logits_processors import (
+from tensorrt_llm._torch.pyexecutor.sampling.logits_processors import (
     apply_penalties,
     forbid_end_before_min_tokens,
     token_logprob,
 )
-from tensorrt_llm._torch.pyexecutor.model_engine import ForwardOutput
-from tensorrt_llm._torch.pyexecutor.sampler import TorchSampler
+from tensorrt_llm._torch.pyexecutor.engine.torch_engine import ForwardOutput
+from tensorrt_llm._torch.pyexecutor.sampling.sampler import TorchSampler
 
 ROW = [2.0, -1.0, 0.5, 3.0, -2.0, 1.0]
 

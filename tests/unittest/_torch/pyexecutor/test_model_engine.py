@@ -4,13 +4,13 @@ budget assertion's exact message."""
 import pytest
 from factories import VOCAB, make_batch, make_config, make_kv_cache_manager, make_request, prepare_alone
 
-from tensorrt_llm._torch.pyexecutor.engine_inputs import draft_targets, prepare_tp_inputs
+from tensorrt_llm._torch.pyexecutor.engine.inputs import draft_targets, prepare_tp_inputs
 from tensorrt_llm._torch.pyexecutor.errors import TokenBudgetExceeded
 from tensorrt_llm._torch.pyexecutor.forward_cost import forward_cost
 from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequestState
-from tensorrt_llm._torch.pyexecutor.model_engine import PAD_TOKEN_ID
+from tensorrt_llm._torch.pyexecutor.engine.torch_engine import PAD_TOKEN_ID
 from tensorrt_llm._torch.pyexecutor.scheduled_requests import ContextChunk
-from tensorrt_llm._torch.pyexecutor.simulated_engine import SimulatedModelEngine
+from tensorrt_llm._torch.pyexecutor.engine.simulated import SimulatedModelEngine
 
 
 def engine_for(max_num_tokens=256, **overrides):

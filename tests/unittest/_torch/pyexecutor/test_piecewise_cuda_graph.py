@@ -10,7 +10,7 @@ import torch
 from tensorrt_llm._torch.attention_backend import plan_builder
 from tensorrt_llm._torch.models import LlamaConfig, LlamaForCausalLM
 from tensorrt_llm._torch.pyexecutor.config import CudaGraphConfig
-from tensorrt_llm._torch.pyexecutor.piecewise_cuda_graph import PiecewiseGraphRunner
+from tensorrt_llm._torch.pyexecutor.engine.piecewise_cuda_graph import PiecewiseGraphRunner
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

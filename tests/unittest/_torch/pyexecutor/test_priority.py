@@ -19,12 +19,12 @@ from invariants import check_priority_recheck
 
 from tensorrt_llm._torch.pyexecutor.config import ExecutorConfig, SchedulerConfig, WaitingQueuePolicy
 from tensorrt_llm._torch.pyexecutor.errors import InvalidRequestError
-from tensorrt_llm._torch.pyexecutor.preemption import choose_victims
+from tensorrt_llm._torch.pyexecutor.scheduler.preemption import choose_victims
 from tensorrt_llm._torch.pyexecutor.priority import PriorityOrder, priority_class
 from tensorrt_llm._torch.pyexecutor.scheduled_requests import ContextChunk
-from tensorrt_llm._torch.pyexecutor.scheduler import make_scheduler
-from tensorrt_llm._torch.pyexecutor.token_budget import token_budget_policy_for
-from tensorrt_llm._torch.pyexecutor.token_budget_recheck import recheck_by_priority
+from tensorrt_llm._torch.pyexecutor.scheduler.schedulers import make_scheduler
+from tensorrt_llm._torch.pyexecutor.budget.policies import token_budget_policy_for
+from tensorrt_llm._torch.pyexecutor.budget.recheck import recheck_by_priority
 
 PRIORITY = SchedulerConfig(waiting_queue_policy="priority", priority_aging_rate=0.0)
 

@@ -22,8 +22,8 @@ from factories import KV_BYTES_PER_TOKEN, VOCAB, make_config, make_request
 from tensorrt_llm._torch.pyexecutor.config import SchedulerConfig
 from tensorrt_llm._torch.pyexecutor.priority import PriorityOrder
 from tensorrt_llm._torch.pyexecutor.py_executor_creator import create_py_executor
-from tensorrt_llm._torch.pyexecutor.simulated_engine import SimulatedModelEngine
-from tensorrt_llm._torch.pyexecutor.synthetic_sampler import SyntheticSampler
+from tensorrt_llm._torch.pyexecutor.engine.simulated import SimulatedModelEngine
+from tensorrt_llm._torch.pyexecutor.sampling.synthetic_sampler import SyntheticSampler
 
 B, L = 2, 4
 BURST, RATE_PER_ITERATION, LOW_EVERY = 120, 0.45, 40

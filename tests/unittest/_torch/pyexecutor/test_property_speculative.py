@@ -40,7 +40,7 @@ from tensorrt_llm._torch.pyexecutor.config import (
     SpeculativeConfig,
     TokenBudgetPolicyName,
 )
-from tensorrt_llm._torch.pyexecutor.drafter import Drafter, NGramDrafter
+from tensorrt_llm._torch.pyexecutor.sampling.drafter import Drafter, NGramDrafter
 from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequest, num_in_flight_tokens
 from tensorrt_llm._torch.pyexecutor.py_executor_creator import create_py_executor
 

@@ -22,7 +22,7 @@ from invariants import ExecutorChecker
 from tensorrt_llm import LLM, SamplingParams
 from tensorrt_llm._torch.pyexecutor.llm_request import GREEDY_BELOW_TEMPERATURE, LlmRequest, SamplingConfig
 from tensorrt_llm._torch.pyexecutor.py_executor_creator import create_py_executor
-from tensorrt_llm._torch.pyexecutor.sampler import TorchSampler
+from tensorrt_llm._torch.pyexecutor.sampling.sampler import TorchSampler
 from tensorrt_llm.llmapi import KvCacheConfig
 from tensorrt_llm.llmapi.llm_utils import load_model
 

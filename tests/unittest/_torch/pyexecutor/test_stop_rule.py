@@ -3,7 +3,7 @@
 import pytest
 from factories import make_request
 
-from tensorrt_llm._torch.pyexecutor.stop_rule import finish
+from tensorrt_llm._torch.pyexecutor.sampling.stop_rule import finish
 
 
 @pytest.mark.parametrize(

@@ -7,14 +7,14 @@ import sys
 import pytest
 
 TORCH_FREE = [
-    "tensorrt_llm._torch.pyexecutor.scheduler",
-    "tensorrt_llm._torch.pyexecutor.kv_cache_manager",
+    "tensorrt_llm._torch.pyexecutor.scheduler.schedulers",
+    "tensorrt_llm._torch.pyexecutor.kv_cache.manager",
     "tensorrt_llm._torch.pyexecutor.resource_manager",
-    "tensorrt_llm._torch.pyexecutor.engine",
-    "tensorrt_llm._torch.pyexecutor.engine_inputs",
-    "tensorrt_llm._torch.pyexecutor.simulated_engine",
-    "tensorrt_llm._torch.pyexecutor.executor_client",
-    "tensorrt_llm._torch.pyexecutor.iteration",
+    "tensorrt_llm._torch.pyexecutor.engine.interface",
+    "tensorrt_llm._torch.pyexecutor.engine.inputs",
+    "tensorrt_llm._torch.pyexecutor.engine.simulated",
+    "tensorrt_llm._torch.pyexecutor.executor.client",
+    "tensorrt_llm._torch.pyexecutor.iteration.records",
 ]
 
 
@@ -24,7 +24,7 @@ def loads_torch(module: str) -> bool:
 
 
 def test_the_probe_sees_torch():
-    assert loads_torch("tensorrt_llm._torch.pyexecutor.model_engine")
+    assert loads_torch("tensorrt_llm._torch.pyexecutor.engine.torch_engine")
 
 
 @pytest.mark.parametrize("module", TORCH_FREE)

@@ -17,10 +17,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tensorrt_llm._torch.attention_backend.paged import PagedPlanBuilder
-from tensorrt_llm._torch.pyexecutor.engine import ForwardOutput, picks_of
-from tensorrt_llm._torch.pyexecutor.engine_inputs import PAD_TOKEN_ID, TpInputs
+from tensorrt_llm._torch.pyexecutor.engine.interface import ForwardOutput, picks_of
+from tensorrt_llm._torch.pyexecutor.engine.inputs import PAD_TOKEN_ID, TpInputs
 from tensorrt_llm._torch.pyexecutor.llm_request import IN_FLIGHT_TOKEN_ID, LlmRequestState
-from tensorrt_llm._torch.pyexecutor.model_engine import rows_to_move
+from tensorrt_llm._torch.pyexecutor.engine.torch_engine import rows_to_move
 from tensorrt_llm._torch.speculative.device_verification import accept_on_device, move_back_
 from tensorrt_llm._torch.speculative.verification import accept_greedy
 
@@ -149,7 +149,7 @@ def test_the_n_gram_drafter_continues_after_the_drafts_in_flight():
     """In flight: the known tokens, then the drafts the forward verifies (assumed accepted), then
     the unknown token after them; the next drafts are the lookup's continuation after that."""
     from tensorrt_llm._torch.pyexecutor.config import SpeculativeConfig
-    from tensorrt_llm._torch.pyexecutor.drafter import NGramDrafter
+    from tensorrt_llm._torch.pyexecutor.sampling.drafter import NGramDrafter
 
     drafter = NGramDrafter(SpeculativeConfig(max_draft_len=3, max_matching_ngram_size=2), 4096)
     request = _generation(2, [], [])

@@ -11,7 +11,7 @@ import yaml
 
 from tensorrt_llm._torch.models.modeling_llama import MODEL_PRESETS
 from tensorrt_llm._torch.pyexecutor.config import DecodingType, ExecutorConfig, KvCacheConfig, SpeculativeConfig
-from tensorrt_llm._torch.pyexecutor.drafter import Drafter
+from tensorrt_llm._torch.pyexecutor.sampling.drafter import Drafter
 from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequest, LlmRequestState
 from tensorrt_llm._torch.pyexecutor.py_executor_creator import create_py_executor
 from tensorrt_llm._torch.speculative.ngram import propose_ngram_drafts

@@ -12,7 +12,7 @@ from factories import make_config, make_request
 
 from tensorrt_llm._torch.models.modeling_llama import MODEL_PRESETS, LlamaForCausalLM
 from tensorrt_llm._torch.pyexecutor.config import CudaGraphConfig, SpeculativeConfig
-from tensorrt_llm._torch.pyexecutor.drafter import Drafter, NGramDrafter
+from tensorrt_llm._torch.pyexecutor.sampling.drafter import Drafter, NGramDrafter
 from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequest
 from tensorrt_llm._torch.pyexecutor.py_executor_creator import create_py_executor
 

@@ -33,8 +33,8 @@ import abc
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, NamedTuple, Protocol
 
-from tensorrt_llm._torch.pyexecutor.engine_inputs import TpInputs, prepare_tp_inputs
-from tensorrt_llm._torch.pyexecutor.kv_cache_manager import KVCacheManager
+from tensorrt_llm._torch.pyexecutor.engine.inputs import TpInputs, prepare_tp_inputs
+from tensorrt_llm._torch.pyexecutor.kv_cache.manager import KVCacheManager
 from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequest
 from tensorrt_llm._torch.pyexecutor.scheduled_requests import ScheduledRequests
 from tensorrt_llm._torch.speculative.verification import accept_greedy

@@ -19,7 +19,7 @@ import torch
 
 from tensorrt_llm._torch.pyexecutor.config import FaultInjectionConfig
 from tensorrt_llm._torch.pyexecutor.errors import ExecutorError
-from tensorrt_llm._torch.pyexecutor.engine import DeferredForward, ForwardOutput, ModelEngine, PendingForward
+from tensorrt_llm._torch.pyexecutor.engine.interface import DeferredForward, ForwardOutput, ModelEngine, PendingForward
 from tensorrt_llm._torch.pyexecutor.scheduled_requests import ScheduledRequests
 
 logger = logging.getLogger(__name__)

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from tensorrt_llm._torch.pyexecutor.engine import ForwardOutput
+from tensorrt_llm._torch.pyexecutor.engine.interface import ForwardOutput
 from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequest
-from tensorrt_llm._torch.pyexecutor.sampler import Sampler
+from tensorrt_llm._torch.pyexecutor.sampling.sampler import Sampler
 
 
 class SyntheticSampler(Sampler):

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from tensorrt_llm._torch.pyexecutor.llm_request import DeferReason
 from tensorrt_llm._torch.pyexecutor.resource_manager import PreparedBatch
 from tensorrt_llm._torch.pyexecutor.scheduled_requests import ScheduledRequests
-from tensorrt_llm._torch.pyexecutor.stats import IterationStats
+from tensorrt_llm._torch.pyexecutor.iteration.stats import IterationStats
 
 
 @dataclass(frozen=True, slots=True)

@@ -73,7 +73,7 @@ import torch
 
 from tensorrt_llm._torch.attention_backend.kv_quant import KvScales, is_quantized
 
-from .kv_copy_batch import CopyBatch, runs
+from .copy_batch import CopyBatch, runs
 
 
 class KVCacheStorage:

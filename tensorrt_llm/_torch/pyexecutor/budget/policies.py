@@ -32,7 +32,7 @@ from __future__ import annotations
 import logging
 from typing import ClassVar, Mapping, Sequence
 
-from tensorrt_llm._torch.pyexecutor.token_budget_recheck import (
+from tensorrt_llm._torch.pyexecutor.budget.recheck import (
     BudgetDecision,
     recheck_by_priority,
     recheck_remaining_budget,

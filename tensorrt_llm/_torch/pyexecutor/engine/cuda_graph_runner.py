@@ -37,7 +37,7 @@ import torch
 from tensorrt_llm._torch.attention_backend.paged import DecodeBatch, PagedAttentionPlan, decode_num_splits, num_sms
 from tensorrt_llm._torch.attention_backend.staging import PinnedStaging
 from tensorrt_llm._torch.models.modeling_llama import LlamaForCausalLM
-from tensorrt_llm._torch.pyexecutor.kv_storage import KVCacheStorage
+from tensorrt_llm._torch.pyexecutor.kv_cache.storage import KVCacheStorage
 from tensorrt_llm._torch.speculative.device_verification import move_back_
 
 logger = logging.getLogger(__name__)

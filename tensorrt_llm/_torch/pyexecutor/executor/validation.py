@@ -13,8 +13,8 @@ from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequest
 
 if TYPE_CHECKING:
     from tensorrt_llm._torch.pyexecutor.config import ExecutorConfig
-    from tensorrt_llm._torch.pyexecutor.engine import ModelEngine
-    from tensorrt_llm._torch.pyexecutor.kv_cache_manager import KVCacheManager
+    from tensorrt_llm._torch.pyexecutor.engine.interface import ModelEngine
+    from tensorrt_llm._torch.pyexecutor.kv_cache.manager import KVCacheManager
 
 
 @dataclass(frozen=True, slots=True)

@@ -38,12 +38,12 @@ from itertools import chain, islice
 from typing import Iterable, Iterator, Sequence
 
 from tensorrt_llm._torch.pyexecutor.config import CapacitySchedulerPolicy, ContextChunkingPolicy, ExecutorConfig
-from tensorrt_llm._torch.pyexecutor.kv_cache_manager import KVCacheManager
+from tensorrt_llm._torch.pyexecutor.kv_cache.manager import KVCacheManager
 from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequest, LlmRequestState
-from tensorrt_llm._torch.pyexecutor.preemption import choose_victims
+from tensorrt_llm._torch.pyexecutor.scheduler.preemption import choose_victims
 from tensorrt_llm._torch.pyexecutor.priority import PriorityOrder
 from tensorrt_llm._torch.pyexecutor.scheduled_requests import ContextChunk, ScheduledRequests
-from tensorrt_llm._torch.pyexecutor.token_budget import TokenBudgetPolicy
+from tensorrt_llm._torch.pyexecutor.budget.policies import TokenBudgetPolicy
 
 _CONTEXT_INIT = LlmRequestState.CONTEXT_INIT
 _request_id = attrgetter("request_id")

@@ -18,7 +18,7 @@ from tensorrt_llm._torch.pyexecutor.llm_request import IN_FLIGHT_TOKEN_ID, LlmRe
 from tensorrt_llm._torch.pyexecutor.scheduled_requests import ScheduledRequests
 
 if TYPE_CHECKING:
-    from tensorrt_llm._torch.pyexecutor.kv_cache_manager import KVCacheManager
+    from tensorrt_llm._torch.pyexecutor.kv_cache.manager import KVCacheManager
 
 PAD_TOKEN_ID = 0  # fills first-draft slots before the drafter has proposed anything
 

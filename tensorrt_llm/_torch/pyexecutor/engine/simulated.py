@@ -11,12 +11,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Callable
 
-from tensorrt_llm._torch.pyexecutor.engine import ForwardOutput, ModelEngine
-from tensorrt_llm._torch.pyexecutor.engine_inputs import TpInputs
-from tensorrt_llm._torch.pyexecutor.kv_cache_manager import KVCacheManager
+from tensorrt_llm._torch.pyexecutor.engine.interface import ForwardOutput, ModelEngine
+from tensorrt_llm._torch.pyexecutor.engine.inputs import TpInputs
+from tensorrt_llm._torch.pyexecutor.kv_cache.manager import KVCacheManager
 
 if TYPE_CHECKING:  # the sampler is a torch-side Sampler; the engine only calls its rule
-    from tensorrt_llm._torch.pyexecutor.synthetic_sampler import SyntheticSampler
+    from tensorrt_llm._torch.pyexecutor.sampling.synthetic_sampler import SyntheticSampler
 
 
 class VirtualClock:

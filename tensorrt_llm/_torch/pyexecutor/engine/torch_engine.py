@@ -1,0 +1,491 @@
+"""``TorchModelEngine``: a real torch model over the KV manager's paged tensors, one class per device.
+
+The engine interface (``ModelEngine``, ``PendingForward``, ``ForwardOutput``) is in
+:mod:`.engine`, the input preparation (``TpInputs``, ``_prepare_tp_inputs``) in
+:mod:`.engine_inputs`; both import no torch. Here, the device is chosen once, at
+construction: ``TorchModelEngine(model, ...)`` makes a :class:`CpuTorchModelEngine` or a
+:class:`CudaTorchModelEngine` after the model's device (as ``pathlib.Path`` makes a
+``PosixPath``), so no step runs an ``if device.type`` branch. Each makes the attention plan
+builder of its device at construction (``attention_backend``) and checks its inputs on the host;
+the model's forward then runs unchecked (``LlamaForCausalLM.forward_with_plan``)::
+
+    CpuTorchModelEngine    a forward runs to completion at launch (ReadyForward);
+                           plans from a CpuPlanBuilder
+    CudaTorchModelEngine   a forward is enqueued on the GPU and returns (CudaForward);
+                           plans from a PagedPlanBuilder through the pinned staging buffers;
+                           decode batches replay CUDA graphs; overlap on by default
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from tensorrt_llm._torch.attention_backend.cpu_paged import CpuPlanBuilder
+from tensorrt_llm._torch.attention_backend.paged import PagedAttentionPlan, PagedPlanBuilder
+from tensorrt_llm._torch.attention_backend.staging import PinnedStaging
+from tensorrt_llm._torch.models.modeling_llama import LlamaForCausalLM
+from tensorrt_llm._torch.pyexecutor.config import CudaGraphConfig
+from tensorrt_llm._torch.pyexecutor.engine.cuda_graph_runner import CudaGraphRunner
+from tensorrt_llm._torch.pyexecutor.engine.piecewise_cuda_graph import PiecewiseGraphRunner
+from tensorrt_llm._torch.pyexecutor.engine.interface import (
+    NO_PICKS,
+    ForwardOutput,
+    ModelEngine,
+    PendingForward,
+    Picks,
+    ReadyForward,
+    picks_of,
+)
+from tensorrt_llm._torch.pyexecutor.engine.inputs import (
+    PAD_TOKEN_ID,
+    BeamSpan,
+    DraftSpan,
+    TpInputs,
+    draft_targets,
+)
+from tensorrt_llm._torch.pyexecutor.kv_cache.manager import KVCacheManager
+from tensorrt_llm._torch.speculative.device_verification import accept_on_device, move_back_
+
+# Upstream's names, where an engineer looks for them.
+__all__ = [
+    "PAD_TOKEN_ID", "CpuTorchModelEngine", "CudaForward", "CudaTorchModelEngine", "ForwardOutput", "ModelEngine",
+    "PendingForward", "TorchModelEngine", "TpInputs",
+]
+
+
+class _DevicePicks(NamedTuple):
+    """A launch's picks on the device, for the next launch's in-flight inputs: ``tokens[index[rid]]``
+    is request ``rid``'s (for one that verified drafts, the token after its accepted ones), and
+    ``rejected[speculative[rid]]`` how many drafts it rejected (``rejected`` None: no drafts ran)."""
+
+    index: dict[int, int]
+    tokens: torch.Tensor
+    speculative: dict[int, int]
+    rejected: torch.Tensor | None
+
+
+class _Moves(NamedTuple):
+    """Rows of a forward to move back over rejected drafts, on the device (``move_back_``)."""
+
+    rows: torch.Tensor  # (X,) flat rows
+    sequences: torch.Tensor  # (X,) their sequences in the attention batch
+    decode_index: torch.Tensor  # (X,) their place among the decode sequences (the eager plan's)
+    back: torch.Tensor  # (X,) positions back
+
+
+def rows_to_move(moved: list[tuple[int, int, int]], new: list[int]) -> tuple[np.ndarray, ...]:
+    """Where the rows of requests built on drafts still in flight are: ``moved`` holds each one's
+    (first flat row, rows, its index among the previous launch's verifying requests); ``new`` the
+    attention batch's rows per sequence (``TpInputs.attention_batch``, where every such row is a
+    decode sequence of its own). Returns int64 arrays, one entry per row: the flat rows, their
+    sequences, their place among the decode sequences (an eager plan's ``DecodeBatch`` index) and
+    the verifying request each row belongs to (which says how far it moves back)."""
+    starts = np.concatenate(([0], np.cumsum(new)))  # (sequences + 1,) first flat row of each sequence
+    decode_index = np.cumsum(np.asarray(new) == 1) - 1  # (sequences,) place among the decode sequences
+    rows = np.concatenate([np.arange(flat, flat + count) for flat, count, _ in moved]).astype(np.int64)
+    owners = np.concatenate([np.full(count, s) for _, count, s in moved]).astype(np.int64)
+    sequences = (np.searchsorted(starts, rows, side="right") - 1).astype(np.int64)
+    return rows, sequences, decode_index[sequences].astype(np.int64), owners
+
+
+class TorchModelEngine(ModelEngine):
+    """Runs a real torch model over the paged KV tensors of the KV manager.
+
+    The model and the KV pools live on one device; constructing a ``TorchModelEngine`` makes
+    the subclass for that device (see the module docstring).
+
+    ``time_forwards``: on CUDA, each forward also carries the device time of its forward (from
+    its first kernel, after the host has prepared the inputs, to the greedy pick): what a cost
+    model predicts, without the host's share of the iteration.
+    """
+
+    time_forwards: bool = False
+    picks_tokens = True  # the greedy pick of every sampling row, made on the model's device
+    # Drafts run as extra positions of their request (causal over its cache, like a chunk); the
+    # greedy pick at each draft row comes back in ForwardOutput.draft_targets.
+    supports_draft_tokens = True
+    # Beams run as sequences of their own to attention, one row each, over their own block
+    # tables (TpInputs.attention_batch); their rows come back in ForwardOutput.beam_logits.
+    max_beam_width = 64
+    # A speculative request stays under overlap: the engine verifies drafts as the sampler does
+    # and moves the next forward back over rejected ones (on the host on the CPU, on the device on CUDA).
+    accepts_drafts = True
+
+    def __new__(cls, model: LlamaForCausalLM, *args, **kwargs) -> "TorchModelEngine":
+        if cls is TorchModelEngine:
+            cls = CudaTorchModelEngine if model.device.type == "cuda" else CpuTorchModelEngine
+        return super().__new__(cls)
+
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        max_num_tokens: int,
+        kv_cache_manager: KVCacheManager,
+        *,
+        cuda_graph_config: CudaGraphConfig | None = None,
+        max_batch_size: int = 0,
+        max_seq_len: int | None = None,
+        max_draft_len: int = 0,
+    ) -> None:
+        """``max_draft_len``: speculative decoding's; a verification step runs ``1 + max_draft_len``
+        decode rows per request, so the decode graphs are sized for ``max_batch_size`` times that."""
+        super().__init__(max_num_tokens, kv_cache_manager)
+        storage = kv_cache_manager.storage
+        if storage is None:
+            raise ValueError("TorchModelEngine needs a KV cache manager with tensor storage")
+        self.model = model.eval()
+        self.device = model.device
+        if storage.device != self.device:
+            raise ValueError(f"the KV pools are on {storage.device}, the model on {self.device}")
+        model.check_kv_pools(storage.k_cache, storage.v_cache, kv_cache_manager.tokens_per_block)  # once: forwards do not
+        self.graph_runner: CudaGraphRunner | None = None
+        self.piecewise_runner: PiecewiseGraphRunner | None = None
+        self._prepare_device(cuda_graph_config, max_batch_size * (1 + max_draft_len), max_seq_len)
+
+    @abc.abstractmethod
+    def _prepare_device(self, cuda_graph_config: CudaGraphConfig | None, max_batch_size: int, max_seq_len: int | None) -> None:
+        """What the device needs before the first forward (its attention plan builder first)."""
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.config.vocab_size
+
+    def _check(self, ids: np.ndarray, positions: np.ndarray) -> None:
+        """Check a forward's int64 ids and positions on the host: the model's forward does not
+        (on a device it would have to read them back). Raises ValueError, before anything runs,
+        for ids outside the vocabulary or positions past the model's."""
+        config = self.model.config
+        if ids.size and (ids.min() < 0 or ids.max() >= config.vocab_size):
+            raise ValueError(f"input_ids must lie in [0, {config.vocab_size})")
+        if positions.size and (positions.min() < 0 or positions.max() >= config.max_position_embeddings):
+            raise ValueError(f"position_ids must lie in [0, {config.max_position_embeddings})")
+
+    def warmup(self) -> None:
+        """Capture the decode graphs of every batch size and the piecewise graphs of every token
+        count now rather than at first use (also compiles the decode kernel for every split
+        count). Nothing to do on the CPU."""
+        if self.graph_runner is not None:
+            self.graph_runner.capture_all()
+        if self.piecewise_runner is not None:
+            self.piecewise_runner.capture_all()
+
+    @abc.abstractmethod
+    def launch(self, inputs: TpInputs) -> PendingForward:
+        """Start one forward over ``inputs`` and return at once (on the CPU it has run)."""
+
+
+class CpuTorchModelEngine(TorchModelEngine):
+    """On the CPU: each forward runs to completion at launch, in order with the KV manager's
+    block copies, and still delivers its tokens one iteration later under overlap (a speculative
+    request's next forward is moved back over its rejected drafts on the host: ``TpInputs.resolve``)."""
+
+    def _prepare_device(self, cuda_graph_config: CudaGraphConfig | None, max_batch_size: int, max_seq_len: int | None) -> None:
+        """The CPU's attention plan builder; nothing else."""
+        kv = self.kv_cache_manager
+        self._plans = CpuPlanBuilder(tokens_per_block=kv.tokens_per_block, num_blocks=kv.num_blocks,
+                                     dtype=self.model.config.torch_dtype, kv_scales=kv.storage.kv_scales)
+
+    def launch(self, inputs: TpInputs) -> PendingForward:
+        return ReadyForward(self._run(inputs))
+
+    @torch.inference_mode()
+    def _run(self, inputs: TpInputs) -> ForwardOutput:
+        storage = self.kv_cache_manager.storage
+        ids = np.asarray(inputs.input_ids, dtype=np.int64)  # in-flight inputs resolved already (ModelEngine._launch)
+        positions = np.asarray(inputs.position_ids, dtype=np.int64)
+        self._check(ids, positions)
+        plan = self._plans.build(*inputs.attention_batch())  # a beam-search request: one sequence per beam
+        hidden = self.model.forward_with_plan(
+            torch.from_numpy(ids), torch.from_numpy(positions), plan, storage.k_cache, storage.v_cache
+        )  # (T, hidden)
+        rows, sampling, spans, drafts, beams = inputs.logit_layout()  # sampling, prompt, draft, then beam rows
+        logits = self.model.compute_logits(hidden[rows]) if rows else hidden.new_empty((0, self.vocab_size))
+        picked = logits if drafts else logits[: len(sampling)]  # prompt and beam rows need no pick; draft rows do
+        picks = picked.argmax(dim=-1).tolist() if len(picked) else []  # (rows,)
+        return ForwardOutput(logits=dict(zip(sampling, logits)), greedy_tokens=dict(zip(sampling, picks)),
+                             prompt_logits=_prompt_logits(logits, spans), draft_targets=draft_targets(picks, drafts),
+                             beam_logits=_beam_logits(logits, beams),
+                             verified_drafts=inputs.verified_drafts() if drafts else None)
+
+
+class CudaTorchModelEngine(TorchModelEngine):
+    """On CUDA: :meth:`launch` enqueues the whole forward, the LM head on the sampled rows and
+    their greedy pick, then a copy of the picked tokens to pinned host memory, and returns a
+    :class:`CudaForward` without waiting for the GPU; ``result()`` waits for that copy alone. A
+    decode batch (every request computes one token) replays a CUDA graph when
+    ``cuda_graph_config`` allows (see ``cuda_graph_runner``); another forward of up to its
+    largest ``capture_num_tokens`` replays piecewise graphs around eager attention
+    (``piecewise_cuda_graph``). A launch's inputs travel through
+    persistent pinned buffers (``attention_backend.staging``), and the forward waits on the
+    device, never on the host, for the KV storage's host-tier copies issued before it
+    (``KVCacheStorage.before_compute``; ``benchmarks/results/h200/serving/sync_audit.md`` lists
+    every point where the step path waits for the device, and why).
+    """
+
+    def _prepare_device(self, cuda_graph_config: CudaGraphConfig | None, max_batch_size: int, max_seq_len: int | None) -> None:
+        """The pinned staging buffers, and the graph runners (decode, piecewise) when ``cuda_graph_config`` allows."""
+        # The previous launch's picks on the device (the next launch's in-flight inputs take them).
+        self._device_picks: _DevicePicks | None = None
+        # Every host array a launch ships goes through these pinned buffers (one per launch, in turn).
+        self._staging = PinnedStaging(self.device)
+        kv = self.kv_cache_manager
+        self._plans = PagedPlanBuilder(self.device, tokens_per_block=kv.tokens_per_block, num_blocks=kv.num_blocks,
+                                       num_kv_heads=self.model.num_local_kv_heads, staging=self._staging,
+                                       kv_scales=kv.storage.kv_scales)
+        mapping = self.model.mapping
+        if cuda_graph_config is not None and (mapping.attn_tp_size > 1 or mapping.mlp_tp_size > 1):
+            # Row-parallel layers all-reduce through the process group, which a graph cannot capture.
+            raise ValueError("CUDA graphs are not supported on tensor-parallel ranks: set cuda_graph_config=None")
+        if cuda_graph_config is not None:
+            self.graph_runner = CudaGraphRunner(
+                self.model,
+                kv.storage,
+                tokens_per_block=kv.tokens_per_block,
+                batch_sizes=cuda_graph_config.resolve_batch_sizes(max_batch_size or 1),
+                enable_padding=cuda_graph_config.enable_padding,
+                max_seq_len=max_seq_len or self.model.config.max_position_embeddings,
+                staging=self._staging,
+            )
+            sizes = cuda_graph_config.resolve_capture_num_tokens(self.max_num_tokens)
+            if sizes:
+                self.piecewise_runner = PiecewiseGraphRunner(self.model, num_tokens=sizes)
+
+    @property
+    def completes_asynchronously(self) -> bool:
+        return True
+
+    def _launch(self, inputs: TpInputs) -> PendingForward:
+        return self.launch(inputs)
+
+    def _run(self, inputs: TpInputs) -> ForwardOutput:
+        return self.launch(inputs).result()
+
+    @torch.inference_mode()
+    def launch(self, inputs: TpInputs) -> "CudaForward":
+        """Enqueue one forward on the device and return at once.
+
+        Raises ValueError, before anything is enqueued, for token ids outside the vocabulary
+        or positions past the model's (the device forward does not check them). In-flight
+        inputs (overlap) take the previous launch's picks on the device, never via the host.
+        The host does not wait for the device here: the inputs are copied from pinned buffers,
+        and the forward waits on the device for the KV storage's pending host-tier copies (the
+        exceptions, a graph captured at first use and a staging buffer still in use, are listed
+        in ``benchmarks/results/h200/serving/sync_audit.md``).
+        """
+        ids = np.asarray(inputs.input_ids, dtype=np.int64)
+        slots = [flat for flat, _ in inputs.in_flight]
+        if slots:
+            ids[slots] = 0  # the previous launch's picks are written over them on the device
+        positions = np.asarray(inputs.position_ids, dtype=np.int64)
+        self._check(ids, positions)  # positions as built (a speculative request's may only move back)
+        rows, sampling, spans, drafts, beams = inputs.logit_layout()  # prompt, draft, beam rows after the sampling rows
+        new, cached, tables = inputs.attention_batch()  # verification steps: one decode row per position
+
+        size = None
+        if self.graph_runner is not None and all(inputs.samples) and not spans and not beams:
+            size = self.graph_runner.graph_size(new, cached)
+        storage = self.kv_cache_manager.storage
+        start = None
+        with self._staging.step():
+            fill, moves = self._in_flight_inputs(inputs, slots, new) if slots else (None, None)
+            if size is not None:
+                # A decode batch (verification rows included): every row of it, in order.
+                step = self.graph_runner.prepare(size, ids, cached, tables)
+                storage.before_compute(inputs.block_tables)  # before the first kernel that touches the pools
+                if self.time_forwards:
+                    start = _record_event()
+                logits, tokens = self.graph_runner.replay(step, fill, moves)
+                if rows != list(range(len(ids))):  # the sampling rows first, then the draft rows
+                    index = self._to_device(np.asarray(rows, dtype=np.int64))
+                    logits, tokens = logits.index_select(0, index), tokens.index_select(0, index)
+            else:
+                plan = self._plans.build(new, cached, tables)
+                storage.before_compute(tables)  # every beam's table too
+                if self.time_forwards:
+                    start = _record_event()
+                logits, tokens = self._forward_eager(plan, ids, positions, rows, fill, moves)
+            self._device_picks = self._picks(inputs, sampling, drafts, tokens)
+        verified = inputs.verified_drafts() if drafts else None
+        return CudaForward(sampling, logits, tokens, start, prompt_logits=_prompt_logits(logits, spans), drafts=drafts,
+                           beams=beams, verified_drafts=verified)
+
+    def _picks(self, inputs: TpInputs, sampling: list[int], drafts: list[DraftSpan], tokens: torch.Tensor) -> _DevicePicks:
+        """What the next launch takes from this one, on the device: each sampling request's pick
+        and, for each request that verifies drafts, the token after its accepted drafts and how
+        many it rejected (``speculative.device_verification``). Nothing is read back."""
+        index = dict(zip(sampling, range(len(sampling))))
+        if not drafts:
+            return _DevicePicks(index, tokens, {}, None)
+        verified = inputs.verified_drafts()
+        width = 1 + max(count for *_, count in drafts)
+        target_rows = np.empty((len(drafts), width), dtype=np.int64)
+        draft_tokens = np.full((len(drafts), width - 1), -1, dtype=np.int64)
+        counts = np.empty(len(drafts), dtype=np.int64)
+        for s, (rid, row, first, count) in enumerate(drafts):
+            target_rows[s, 0] = row
+            target_rows[s, 1 : 1 + count] = range(first, first + count)
+            target_rows[s, 1 + count :] = first + count - 1
+            draft_tokens[s, :count] = verified[rid]
+            counts[s] = count
+        bonus, rejected = accept_on_device(tokens, self._to_device(target_rows), self._to_device(draft_tokens),
+                                           self._to_device(counts))
+        speculative = {rid: len(sampling) + s for s, (rid, *_) in enumerate(drafts)}
+        picks = torch.cat((tokens[: len(sampling)], bonus))  # (sampling + S,): a request's pick at its index
+        return _DevicePicks(index | speculative, picks, {rid: s for s, (rid, *_) in enumerate(drafts)}, rejected)
+
+    def _in_flight_inputs(self, inputs: TpInputs, slots: list[int], new: list[int]):
+        """On the device, for this launch's in-flight inputs (overlap): ``(flat slots, their tokens)``,
+        each the previous launch's pick for its request (for one that verified drafts, the token
+        after its accepted ones); and the moves of requests whose previous forward verified drafts
+        (``(rows, decode sequences, positions back)``; None: none), since this forward was built as
+        if every draft had been accepted (``speculative.device_verification``)."""
+        picks = self._device_picks
+        if picks is None:
+            raise RuntimeError("a forward has in-flight inputs but no forward was launched before it")
+        sources = [picks.index[inputs.requests[i].request_id] for _, i in inputs.in_flight]
+        tokens = picks.tokens.index_select(0, self._to_device(np.asarray(sources, dtype=np.int64)))
+        fill = (self._to_device(np.asarray(slots, dtype=np.int64)), tokens)
+        moved = [(flat, inputs.num_new_tokens[i], picks.speculative[inputs.requests[i].request_id])
+                 for flat, i in inputs.in_flight if inputs.requests[i].request_id in picks.speculative]
+        if not moved:
+            return fill, None
+        rows, sequences, decode_index, owners = rows_to_move(moved, new)
+        back = picks.rejected.index_select(0, self._to_device(owners))
+        return fill, _Moves(self._to_device(rows), self._to_device(sequences), self._to_device(decode_index), back)
+
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        """A host array on the device, through the launch's pinned buffer (inside ``_staging.step()``)."""
+        return self._staging.to_device(array)
+
+    def _forward_eager(self, plan: PagedAttentionPlan, ids: np.ndarray, positions: np.ndarray, rows: list[int], fill=None,
+                       moves: _Moves | None = None):
+        storage = self.kv_cache_manager.storage
+        ids_device = self._to_device(ids)
+        positions_device = self._to_device(positions)
+        if fill is not None:
+            ids_device.index_copy_(0, *fill)
+        if moves is not None:  # every moved row is a decode of the plan (attention_batch)
+            decode = plan.decode
+            move_back_(positions_device, plan.new_slots, decode.seq_lens, decode.block_tables, moves.rows,
+                       moves.decode_index, moves.back, plan.tokens_per_block)
+        runner = self.piecewise_runner
+        forward = self.model.forward_with_plan
+        if runner is not None and runner.size_for(len(ids)) is not None:
+            forward = runner.forward  # everything but attention from graphs (piecewise_cuda_graph)
+        hidden = forward(ids_device, positions_device, plan, storage.k_cache, storage.v_cache)  # (T, hidden)
+        if not rows:
+            return hidden.new_empty((0, self.vocab_size)), torch.empty(0, dtype=torch.int64, device=self.device)
+        if rows == list(range(len(rows))) and len(rows) == hidden.shape[0]:
+            sampled = hidden  # every row samples (a decode batch)
+        else:
+            sampled = hidden.index_select(0, self._to_device(np.asarray(rows, dtype=np.int64)))
+        logits = self.model.compute_logits(sampled)  # (rows, vocab)
+        return logits, logits.argmax(dim=-1)
+
+
+
+
+class CudaForward:
+    """A forward enqueued on the GPU. ``result()`` waits for its greedy tokens to reach the host
+    (not for anything enqueued after it) and returns the :class:`ForwardOutput`.
+
+    The logits rows it hands out are device tensors, valid until the engine's next forward of
+    the same graph size (they may live in a CUDA graph's static output).
+    """
+
+    __slots__ = ("_output", "_event", "_start", "_tokens_host", "_request_ids", "_drafts", "_logits", "num_tokens",
+                 "_prompt_logits", "_beams", "_verified")
+
+    def __init__(
+        self, request_ids: list[int], logits: torch.Tensor, tokens: torch.Tensor, start: torch.cuda.Event | None = None,
+        *, prompt_logits: dict[int, tuple[int, torch.Tensor]] | None = None, drafts: list[DraftSpan] = (),
+        beams: list[BeamSpan] = (), verified_drafts: dict[int, list[int]] | None = None,
+    ) -> None:
+        """Enqueue the copy of ``tokens`` (device) to pinned host memory and an event after it;
+        ``start``: an event recorded before the forward's first kernel (timing). ``logits`` and
+        ``tokens`` may hold more rows than ``request_ids`` (prompt rows, ``prompt_logits`` views
+        them; draft rows, ``drafts``; beam rows, ``beams``, as ``TpInputs.logit_layout`` lays them
+        out); only the first ``len(request_ids)`` are the requests' picks."""
+        self._prompt_logits = prompt_logits
+        self._verified = verified_drafts
+        self._output: ForwardOutput | None = None
+        self.num_tokens = 0  # positions in the forward
+        self._start = start
+        self._request_ids = request_ids
+        self._drafts = drafts
+        self._beams = beams  # beam rows: the sampler reads their logits (on the device) itself
+        self._logits = logits
+        self._tokens_host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=tokens.numel() > 0)
+        if tokens.numel():
+            # one copy carries the picks and the finiteness check: -1 for a row with NaN or inf
+            checked = torch.where(torch.isfinite(logits).all(dim=-1), tokens, torch.full_like(tokens, -1))
+            self._tokens_host.copy_(checked, non_blocking=True)
+        self._event = _record_event()
+
+    def picks(self) -> Picks:
+        """What the next forward takes from this one, read on the host (the engine's own next
+        launch takes it on the device instead)."""
+        try:
+            return picks_of(self.result())
+        except Exception:
+            return NO_PICKS
+
+    @property
+    def events(self) -> tuple | None:
+        """(start, end) CUDA events of the forward (engines with ``time_forwards``), else None."""
+        return (self._start, self._event) if self._start is not None else None
+
+    def done(self) -> bool:
+        """True once the result can be had without waiting."""
+        return self._output is not None or self._event.query()
+
+    def device_time_ms(self) -> float | None:
+        """The forward's device time (engines with ``time_forwards``), once ``result()`` returned."""
+        if self._start is None or self._output is None:
+            return None
+        return self._start.elapsed_time(self._event)
+
+    def result(self) -> ForwardOutput:
+        if self._output is None:
+            self._event.synchronize()
+            tokens = self._tokens_host.tolist()  # -1: a row that is not finite (see launch)
+            targets = draft_targets(tokens, self._drafts)
+            nonfinite = {rid for rid, token in zip(self._request_ids, tokens) if token < 0}
+            if targets:  # a draft row that is not finite fails its request too
+                nonfinite |= {rid for rid, picks in targets.items() if min(picks) < 0}
+            self._output = ForwardOutput(
+                logits=dict(zip(self._request_ids, self._logits)),
+                greedy_tokens=dict(zip(self._request_ids, tokens)),
+                nonfinite=nonfinite,
+                prompt_logits=self._prompt_logits,
+                draft_targets=targets,
+                beam_logits=_beam_logits(self._logits, self._beams),
+                verified_drafts=self._verified,
+            )
+        return self._output
+
+
+def _prompt_logits(logits: torch.Tensor, spans) -> dict[int, tuple[int, torch.Tensor]] | None:
+    """Each prompt span's rows of ``logits`` (see :meth:`TpInputs.sampling_rows`), keyed by request id."""
+    if not spans:
+        return None
+    return {rid: (start, logits[first : first + count]) for rid, start, first, count in spans}
+
+
+def _beam_logits(logits: torch.Tensor, spans: list[BeamSpan]) -> dict[int, torch.Tensor] | None:
+    """Each beam-search request's ``(beam_width, vocab)`` logits, beam 0 (its sampling row) first,
+    from the rows as :meth:`TpInputs.logit_layout` lays them out. None: no beams."""
+    if not spans:
+        return None
+    return {rid: torch.cat((logits[index : index + 1], logits[first : first + count]))
+            for rid, index, first, count in spans}
+
+
+def _record_event() -> torch.cuda.Event:
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
