@@ -1,8 +1,9 @@
-"""Hypothesis profiles: ``ci`` (default, used by ``make test``) and ``thorough`` (``make thorough``); fixtures
-shared by every test directory."""
+"""Hypothesis profiles: ``ci`` (default, used by ``make test``) and ``thorough`` (``make thorough``); the
+``property`` marker on every hypothesis test; fixtures shared by every test directory. Shared test code
+(factories, strategies, the invariant checker, server and rank harnesses) is the package
+``tests.helpers``."""
 
 import os
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,10 +14,6 @@ from hypothesis import HealthCheck, settings
 # imports huggingface_hub, which reads it once.
 os.environ["HF_HUB_OFFLINE"] = "1"
 
-# Test helper modules (factories, invariant checker) import by plain name.
-sys.path.insert(0, str(Path(__file__).parent / "unittest" / "_torch" / "pyexecutor"))
-# ... and the replay tests' hand-made traces (replay_cases), which the multi-rank replay tests share.
-sys.path.insert(0, str(Path(__file__).parent / "unittest" / "benchmarks"))
 
 _COMMON = dict(
     deadline=None,
@@ -26,6 +23,15 @@ _COMMON = dict(
 settings.register_profile("ci", max_examples=150, **_COMMON)
 settings.register_profile("thorough", max_examples=5000, **_COMMON)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+def pytest_collection_modifyitems(items):
+    """Every hypothesis test (a ``@given`` function or a stateful machine's test case) is a
+    ``property`` test: ``make thorough`` selects them by that marker."""
+    for item in items:
+        function = getattr(item, "function", None)
+        if getattr(function, "is_hypothesis_test", False) or getattr(getattr(item, "cls", None), "settings", None):
+            item.add_marker(pytest.mark.property)
 
 
 @pytest.fixture(scope="module")

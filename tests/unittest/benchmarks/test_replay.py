@@ -27,8 +27,8 @@ from benchmarks.replay import (
 )
 from benchmarks.traces import SyntheticRequest, Trace, segment_key
 from tensorrt_llm._torch.pyexecutor.config import KvCacheConfig
-from replay_cases import EVICTED_SETTINGS, evicted_discount_trace
-from replay_cases import request as _request
+from tests.helpers.replay_cases import EVICTED_SETTINGS, evicted_discount_trace
+from tests.helpers.replay_cases import request as _request
 
 
 def whole_prompt_hit_trace() -> Trace:
@@ -319,7 +319,7 @@ def test_torch_engine_refuses_a_request_longer_than_the_model_alone():
 def test_a_generation_step_charged_less_than_it_ran_is_named():
     """No context chunk ran past its charge: the diagnosis names the generation step that did
     (a first draft charged without its padding, beams charged as one position), under ``other``."""
-    from factories import make_batch, make_request
+    from tests.helpers.factories import make_batch, make_request
 
     from benchmarks.replay_diagnosis import diagnose_overshoot
     from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequestState

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from server_harness import RunningServer
+from tests.helpers.server_harness import RunningServer
 
 from tensorrt_llm.llmapi import LLM, KvCacheConfig
 

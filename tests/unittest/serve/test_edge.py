@@ -23,7 +23,7 @@ import time
 import httpx
 import openai
 import pytest
-from server_harness import RunningServer
+from tests.helpers.server_harness import RunningServer
 
 from tensorrt_llm._torch.pyexecutor.config import FaultInjectionConfig
 from tensorrt_llm.llmapi import LLM, KvCacheConfig

@@ -17,7 +17,7 @@ import collections
 import httpx
 import openai
 import pytest
-from server_harness import RunningServer
+from tests.helpers.server_harness import RunningServer
 
 from tensorrt_llm._torch.pyexecutor.config import FaultInjectionConfig
 from tensorrt_llm._torch.pyexecutor.engine.fault_injection import FAULT_KINDS

@@ -14,7 +14,7 @@ import time
 
 import httpx
 import pytest
-from server_harness import RunningServer
+from tests.helpers.server_harness import RunningServer
 
 from tensorrt_llm.llmapi import LLM, KvCacheConfig
 

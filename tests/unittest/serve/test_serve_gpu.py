@@ -15,7 +15,7 @@ from benchmarks.replay_loop import Progress
 from benchmarks.serve_replay import ReplayTarget, discover, replay
 from benchmarks.serve_soak import ServerProcess
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
 def test_the_server_serves_on_the_gpu_and_replays_20_requests(tmp_path):

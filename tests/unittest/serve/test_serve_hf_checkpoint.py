@@ -97,7 +97,7 @@ def greedy_bos_checkpoint(checkpoint, tmp_path_factory):
 def test_a_chat_gets_one_bos_and_unset_fields_take_the_generation_config(greedy_bos_checkpoint):
     from tensorrt_llm.llmapi import LLM
 
-    from server_harness import RunningServer
+    from tests.helpers.server_harness import RunningServer
 
     llm = LLM(str(greedy_bos_checkpoint), device="cpu", max_seq_len=256,
               kv_cache_config={"num_blocks": 64, "tokens_per_block": 16})

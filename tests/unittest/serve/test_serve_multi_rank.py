@@ -20,12 +20,12 @@ import time
 import httpx
 import openai
 import pytest
-from server_harness import RunningServer
+from tests.helpers.server_harness import RunningServer
 
 from tensorrt_llm.commands.serve import build_parser, llm_kwargs
 from tensorrt_llm.llmapi import LLM, KvCacheConfig
 
-pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("one_torch_thread")]
+pytestmark = [pytest.mark.multirank, pytest.mark.timeout(300), pytest.mark.usefixtures("one_torch_thread")]
 
 NO_HANG_S = 90.0
 OPTIONS = dict(dtype="float64", max_seq_len=256, max_num_tokens=64, max_batch_size=8, enable_chunked_prefill=True,

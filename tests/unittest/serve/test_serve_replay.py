@@ -6,7 +6,7 @@ import json
 import random
 
 import pytest
-from server_harness import RunningServer
+from tests.helpers.server_harness import RunningServer
 
 from benchmarks import serve_replay
 from tensorrt_llm.llmapi import LLM, KvCacheConfig

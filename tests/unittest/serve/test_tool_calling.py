@@ -15,8 +15,8 @@ from pathlib import Path
 
 import openai
 import pytest
-from scripted import install, scripted
-from server_harness import RunningServer
+from tests.helpers.scripted import install, scripted
+from tests.helpers.server_harness import RunningServer
 
 from tensorrt_llm.llmapi import LLM, KvCacheConfig
 from tensorrt_llm.serve.errors import OpenAIError

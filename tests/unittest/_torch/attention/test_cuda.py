@@ -15,13 +15,13 @@ import random
 import pytest
 import torch
 
-from factories import make_config, make_request
+from tests.helpers.factories import make_config, make_request
 from tensorrt_llm._torch.attention_backend import build_plan
 from tensorrt_llm._torch.models import MODEL_PRESETS, LlamaConfig, LlamaForCausalLM
 from tensorrt_llm._torch.pyexecutor.config import CudaGraphConfig
 from tensorrt_llm._torch.pyexecutor.py_executor_creator import create_py_executor
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 CUDA = torch.device("cuda")
 

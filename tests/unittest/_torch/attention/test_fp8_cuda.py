@@ -16,7 +16,7 @@ import random
 import pytest
 import torch
 
-from factories import make_config, make_request
+from tests.helpers.factories import make_config, make_request
 from tensorrt_llm._torch.attention_backend import KvScales, build_plan
 from tensorrt_llm._torch.attention_backend.cpu_paged import build_cpu_plan
 from tensorrt_llm._torch.attention_backend.kv_quant import FP8, quantize
@@ -24,7 +24,7 @@ from tensorrt_llm._torch.models import MODEL_PRESETS, LlamaForCausalLM
 from tensorrt_llm._torch.pyexecutor.config import CudaGraphConfig
 from tensorrt_llm._torch.pyexecutor.py_executor_creator import create_py_executor
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 CUDA = torch.device("cuda")
 

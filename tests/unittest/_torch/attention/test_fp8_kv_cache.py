@@ -17,7 +17,7 @@ import pytest
 import torch
 from hypothesis import event, given, note, settings
 from hypothesis import strategies as st
-from strategies import examples
+from tests.helpers.strategies import examples
 
 from tensorrt_llm._torch.attention_backend.interface import AttentionMetadata
 from tensorrt_llm._torch.attention_backend.kv_quant import (
@@ -302,7 +302,7 @@ def test_fp8_outputs_and_beams_do_not_depend_on_reuse_chunking_the_host_tier_or_
     """Served together under ``recheck`` (every invariant checked after every step), with
     whatever reuse, chunking, host tier and overlap the workload draws, each request's greedy
     tokens, or beams, equal its solo run's."""
-    from invariants import ExecutorChecker
+    from tests.helpers.invariants import ExecutorChecker
 
     checker = ExecutorChecker(_executor(workload, workload.num_blocks))
     requests = []

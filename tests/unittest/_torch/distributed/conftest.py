@@ -9,7 +9,7 @@ cases to these groups as jobs. Ranks run with different string-hash salts
 import logging
 
 import pytest
-from rank_jobs import COLLECTIVE_TIMEOUT_S
+from tests.helpers.rank_jobs import COLLECTIVE_TIMEOUT_S
 
 from tensorrt_llm._torch.distributed.launcher import LaunchOptions, RankGroup
 

@@ -14,14 +14,14 @@ Required, for hypothesis-generated traffic:
 
 import pytest
 from hypothesis import given, settings
-from rank_jobs import JOB_TIMEOUT_S, run_reference, run_scenario
-from scenarios import POLICIES, forced_scenario, scenarios
-from strategies import examples
+from tests.helpers.rank_jobs import JOB_TIMEOUT_S, run_reference, run_scenario
+from tests.helpers.scenarios import POLICIES, forced_scenario, scenarios
+from tests.helpers.strategies import examples
 
 from tensorrt_llm._torch.distributed.attention_dp import RankLoad, assign_requests
 from tensorrt_llm._torch.distributed.request_spec import RequestSpec
 
-pytestmark = [pytest.mark.timeout(240), pytest.mark.usefixtures("one_torch_thread")]
+pytestmark = [pytest.mark.multirank, pytest.mark.timeout(240), pytest.mark.usefixtures("one_torch_thread")]
 
 
 def check_attention_dp(group, scenario):

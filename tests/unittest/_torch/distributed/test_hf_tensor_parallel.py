@@ -17,7 +17,7 @@ from tensorrt_llm._torch.models.modeling_llama import LlamaConfig
 from tensorrt_llm._torch.pyexecutor.config import ExecutorConfig
 from tensorrt_llm.llmapi import KvCacheConfig
 
-pytestmark = [pytest.mark.timeout(240), pytest.mark.usefixtures("one_torch_thread")]
+pytestmark = [pytest.mark.multirank, pytest.mark.timeout(240), pytest.mark.usefixtures("one_torch_thread")]
 
 OPTIONS = dict(dtype="float64", max_num_tokens=24, enable_chunked_prefill=True, max_seq_len=96,
                kv_cache_config=KvCacheConfig(tokens_per_block=4, num_blocks=64))

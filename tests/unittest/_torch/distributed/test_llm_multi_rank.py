@@ -14,7 +14,7 @@ import signal
 import time
 
 import pytest
-from scenarios import prompt
+from tests.helpers.scenarios import prompt
 
 from tensorrt_llm import LLM, SamplingParams
 from tensorrt_llm._torch.models.modeling_llama import MODEL_PRESETS
@@ -22,7 +22,7 @@ from tensorrt_llm._torch.pyexecutor.config import FaultInjectionConfig
 from tensorrt_llm.llmapi import KvCacheConfig, RequestError
 from tensorrt_llm._torch.pyexecutor.errors import ExecutorShutdown
 
-pytestmark = [pytest.mark.timeout(240), pytest.mark.usefixtures("one_torch_thread")]
+pytestmark = [pytest.mark.multirank, pytest.mark.timeout(240), pytest.mark.usefixtures("one_torch_thread")]
 
 OPTIONS = dict(
     dtype="float64", max_num_tokens=24, enable_chunked_prefill=True, max_seq_len=128,

@@ -11,12 +11,12 @@ would fail. Every output equals the single-rank run without priority.
 import time
 
 import pytest
-from scenarios import prompt
+from tests.helpers.scenarios import prompt
 
 from tensorrt_llm import LLM, SamplingParams
 from tensorrt_llm.llmapi import KvCacheConfig
 
-pytestmark = [pytest.mark.timeout(240), pytest.mark.usefixtures("one_torch_thread")]
+pytestmark = [pytest.mark.multirank, pytest.mark.timeout(240), pytest.mark.usefixtures("one_torch_thread")]
 
 OPTIONS = dict(dtype="float64", max_num_tokens=24, enable_chunked_prefill=True, max_seq_len=128,
                kv_cache_config=KvCacheConfig(tokens_per_block=4, num_blocks=30))

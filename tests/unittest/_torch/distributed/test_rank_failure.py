@@ -9,13 +9,13 @@ executor's decision exchange (the failing rank raised before its step).
 """
 
 import pytest
-from rank_jobs import JOB_TIMEOUT_S, RaiseBeforeStep, RaiseInForward, run_scenario
-from scenarios import forced_scenario
+from tests.helpers.rank_jobs import JOB_TIMEOUT_S, RaiseBeforeStep, RaiseInForward, run_scenario
+from tests.helpers.scenarios import forced_scenario
 
 from tensorrt_llm._torch.distributed.communicator import Phase
 from tensorrt_llm._torch.distributed.launcher import RankContext
 
-pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("one_torch_thread")]
+pytestmark = [pytest.mark.multirank, pytest.mark.timeout(120), pytest.mark.usefixtures("one_torch_thread")]
 
 FAILING_RANK = 1
 

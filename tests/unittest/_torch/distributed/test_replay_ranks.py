@@ -8,13 +8,13 @@ every rank.
 """
 
 import pytest
-from rank_jobs import JOB_TIMEOUT_S
+from tests.helpers.rank_jobs import JOB_TIMEOUT_S
 
 from benchmarks.replay import ReplaySettings, TraceSpec, build_parser, rank_layout, replay_trace
 from benchmarks.replay_ranks import RankLayout, RanksJob, RanksResult, replay_on_rank, schema_errors, summarize
-from replay_cases import EVICTED_SETTINGS, evicted_discount_trace
+from tests.helpers.replay_cases import EVICTED_SETTINGS, evicted_discount_trace
 
-pytestmark = [pytest.mark.timeout(240), pytest.mark.usefixtures("one_torch_thread")]
+pytestmark = [pytest.mark.multirank, pytest.mark.timeout(240), pytest.mark.usefixtures("one_torch_thread")]
 
 SPEC = TraceSpec(num_requests=24, time_scale=0.3)
 SETTINGS = ReplaySettings.from_options(max_num_tokens=2048, kv_cache_config={"num_blocks": 640}, host_cache_blocks=128)

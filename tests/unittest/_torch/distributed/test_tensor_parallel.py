@@ -19,7 +19,7 @@ import re
 import pytest
 import torch
 from hypothesis import example, given, settings
-from rank_jobs import (
+from tests.helpers.rank_jobs import (
     JOB_TIMEOUT_S,
     CorruptNewestToken,
     ReverseActiveRequests,
@@ -28,12 +28,12 @@ from rank_jobs import (
     run_scenario,
     tp_logits,
 )
-from scenarios import POLICIES, TINY64, forced_scenario, prompt, scenarios
-from strategies import examples
+from tests.helpers.scenarios import POLICIES, TINY64, forced_scenario, prompt, scenarios
+from tests.helpers.strategies import examples
 
 from tensorrt_llm._torch.models.modeling_llama import LlamaForCausalLM
 
-pytestmark = [pytest.mark.timeout(240), pytest.mark.usefixtures("one_torch_thread")]
+pytestmark = [pytest.mark.multirank, pytest.mark.timeout(240), pytest.mark.usefixtures("one_torch_thread")]
 
 
 def check_equal_to_single_rank(group, scenario):

@@ -25,7 +25,7 @@ import pytest
 
 from tensorrt_llm.llmapi import LLM, SamplingParams
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.multirank, pytest.mark.timeout(240)]
 
 HEALTH_CHECK_TIMEOUT_S = 3.0
 SERVE_ARGS = ["tiny-random", "--dtype", "float64", "--max_num_tokens", "64", "--max_batch_size", "4",

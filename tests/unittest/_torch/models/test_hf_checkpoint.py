@@ -18,7 +18,7 @@ import huggingface_hub
 import pytest
 import torch
 import transformers
-from hf_reference import CASES, float64_reference, reference_logits, write_checkpoint
+from tests.helpers.hf_reference import CASES, float64_reference, reference_logits, write_checkpoint
 from safetensors.torch import load_file, save_file
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 

@@ -18,7 +18,7 @@ import collections
 
 import pytest
 import torch
-from hf_reference import CASE_NAMES, CASES, float64_reference, reference_greedy, reference_logits, write_checkpoint
+from tests.helpers.hf_reference import CASE_NAMES, CASES, float64_reference, reference_greedy, reference_logits, write_checkpoint
 
 from tensorrt_llm import LLM, SamplingParams
 from tensorrt_llm.llmapi import KvCacheConfig

@@ -2,7 +2,7 @@
 deferral records and preemption (pause)."""
 
 import pytest
-from factories import make_request
+from tests.helpers.factories import make_request
 
 from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequestState
 from tensorrt_llm._torch.pyexecutor.scheduled_requests import ContextChunk

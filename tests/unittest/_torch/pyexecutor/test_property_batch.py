@@ -25,8 +25,8 @@ from hypothesis import event, find, given, note, settings, target
 from hypothesis import strategies as st
 
 from tensorrt_llm._torch.pyexecutor.config import CapacitySchedulerPolicy, ContextChunkingPolicy
-from invariants import BatchOutcome, check_batch, check_budget_priority
-from strategies import (
+from tests.helpers.invariants import BatchOutcome, check_batch, check_budget_priority
+from tests.helpers.strategies import (
     BatchRecipe,
     HistoryStep,
     Prompt,

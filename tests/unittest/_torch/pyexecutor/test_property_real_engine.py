@@ -20,8 +20,8 @@ from __future__ import annotations
 import pytest
 from hypothesis import event, given, note, settings
 from hypothesis import strategies as st
-from invariants import BatchOutcome, check_batch, check_budget_priority, check_engine_output
-from strategies import SAFE_POLICIES, BatchRecipe, batch_recipes, describe, examples, run_recipe
+from tests.helpers.invariants import BatchOutcome, check_batch, check_budget_priority, check_engine_output
+from tests.helpers.strategies import SAFE_POLICIES, BatchRecipe, batch_recipes, describe, examples, run_recipe
 from test_property_batch import PINNED
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

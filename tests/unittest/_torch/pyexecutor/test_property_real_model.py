@@ -22,10 +22,10 @@ import functools
 import queue
 
 import pytest
-import factories
+from tests.helpers import factories
 from hypothesis import event, given, note, settings
 from hypothesis import strategies as st
-from strategies import examples
+from tests.helpers.strategies import examples
 
 from tensorrt_llm._torch.models.modeling_llama import MODEL_PRESETS, LlamaForCausalLM
 from tensorrt_llm._torch.pyexecutor.config import CapacitySchedulerPolicy, ContextChunkingPolicy, KvCacheConfig

@@ -27,8 +27,8 @@ import dataclasses
 import pytest
 from hypothesis import event, given, note, settings
 from hypothesis import strategies as st
-from invariants import ExecutorChecker
-from strategies import examples
+from tests.helpers.invariants import ExecutorChecker
+from tests.helpers.strategies import examples
 # the model, its greedy reference (forward_full, no cache, no drafts) and the shared documents
 from test_property_real_model import MODEL, document, greedy_reference, reference_model
 
@@ -274,7 +274,7 @@ def test_overlap_with_drafts_on_the_simulated_engine_gives_the_plain_tokens(
     """The simulated engine rejects every draft, so under overlap every forward built on drafts
     in flight moves back over all of them: the tokens equal the plain, unspeculated run's, and
     the invariants hold after every step (the checker's leak oracle after the drain)."""
-    from factories import make_config, make_request, make_sim_executor
+    from tests.helpers.factories import make_config, make_request, make_sim_executor
 
     longest = max(p + n for p, n in specs) + max_draft_len
     config = make_config(max_num_tokens=max(budget, tpb, 1 + max_draft_len), tokens_per_block=tpb,

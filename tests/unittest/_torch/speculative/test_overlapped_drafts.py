@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from factories import make_request
+from tests.helpers.factories import make_request
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-import factories
+from tests.helpers import factories
 import numpy as np
 import pytest
 import yaml

@@ -8,7 +8,7 @@ import random
 
 import pytest
 import torch
-from factories import make_config, make_request
+from tests.helpers.factories import make_config, make_request
 
 from tensorrt_llm._torch.models.modeling_llama import MODEL_PRESETS, LlamaForCausalLM
 from tensorrt_llm._torch.pyexecutor.config import CudaGraphConfig, SpeculativeConfig
@@ -16,7 +16,7 @@ from tensorrt_llm._torch.pyexecutor.sampling.drafter import Drafter, NGramDrafte
 from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequest
 from tensorrt_llm._torch.pyexecutor.py_executor_creator import create_py_executor
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 SPEC = SpeculativeConfig(max_draft_len=4, max_matching_ngram_size=2)
 
 

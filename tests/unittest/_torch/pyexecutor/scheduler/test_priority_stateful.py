@@ -20,11 +20,11 @@ import dataclasses
 from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, rule
-from invariants import ExecutorChecker, check_priority_order, priority_snapshot
-from strategies import RequestSpec, Setting, examples, kv_settings, request_specs
+from tests.helpers.invariants import ExecutorChecker, check_priority_order, priority_snapshot
+from tests.helpers.strategies import RequestSpec, Setting, examples, kv_settings, request_specs
 from test_stateful_executor import ExecutorMachine
 
-from factories import make_sim_executor
+from tests.helpers.factories import make_sim_executor
 from tensorrt_llm._torch.pyexecutor.config import SchedulerConfig
 from tensorrt_llm._torch.pyexecutor.priority import PriorityOrder
 

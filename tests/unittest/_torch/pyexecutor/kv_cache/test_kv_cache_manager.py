@@ -12,8 +12,8 @@ from array import array
 
 import pytest
 import torch
-from factories import make_batch, make_config, make_request, make_sim_executor, prepare_alone
-from invariants import ExecutorChecker
+from tests.helpers.factories import make_batch, make_config, make_request, make_sim_executor, prepare_alone
+from tests.helpers.invariants import ExecutorChecker
 
 from tensorrt_llm._torch.models.modeling_llama import LlamaConfig, LlamaForCausalLM
 from tensorrt_llm._torch.pyexecutor.kv_cache.block_pool import BlockPool, common_prefix_tokens

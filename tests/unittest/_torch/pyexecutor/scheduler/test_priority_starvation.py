@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 
-from factories import KV_BYTES_PER_TOKEN, VOCAB, make_config, make_request
+from tests.helpers.factories import KV_BYTES_PER_TOKEN, VOCAB, make_config, make_request
 
 from tensorrt_llm._torch.pyexecutor.config import SchedulerConfig
 from tensorrt_llm._torch.pyexecutor.priority import PriorityOrder

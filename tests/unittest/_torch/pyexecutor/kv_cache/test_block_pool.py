@@ -10,7 +10,7 @@ import sys
 from array import array
 
 import pytest
-from factories import make_request, make_sim_executor
+from tests.helpers.factories import make_request, make_sim_executor
 
 from tensorrt_llm._torch.pyexecutor.kv_cache.block_pool import BlockPool, KVBlock
 from tensorrt_llm._torch.pyexecutor.kv_cache.manager import PrefixIndex

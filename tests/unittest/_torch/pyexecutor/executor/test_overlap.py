@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from factories import make_config, make_request, make_sim_executor
+from tests.helpers.factories import make_config, make_request, make_sim_executor
 
 from tensorrt_llm._torch.models.modeling_llama import MODEL_PRESETS
 from tensorrt_llm._torch.pyexecutor.config import FaultInjectionConfig

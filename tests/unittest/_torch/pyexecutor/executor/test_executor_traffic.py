@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-import factories
-from factories import make_config, make_sim_executor
-from invariants import ExecutorChecker
+from tests.helpers import factories
+from tests.helpers.factories import make_config, make_sim_executor
+from tests.helpers.invariants import ExecutorChecker
 
 from tensorrt_llm import LLM, SamplingParams
 from tensorrt_llm._torch.models.modeling_llama import LlamaConfig, LlamaForCausalLM

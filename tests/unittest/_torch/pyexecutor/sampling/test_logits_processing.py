@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from factories import make_request
+from tests.helpers.factories import make_request
 
 from tensorrt_llm._torch.pyexecutor.errors import SamplingError
 from tensorrt_llm._torch.pyexecutor.sampling.guided_decoder import Grammar, GrammarCompiler, GuidedDecodingParams

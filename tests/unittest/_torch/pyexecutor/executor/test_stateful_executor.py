@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import itertools
 
-from factories import make_request, make_sim_executor
+from tests.helpers.factories import make_request, make_sim_executor
 from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, rule
-from invariants import ExecutorChecker
-from strategies import Prompt, RequestSpec, Setting, examples, kv_settings, request_specs
+from tests.helpers.invariants import ExecutorChecker
+from tests.helpers.strategies import Prompt, RequestSpec, Setting, examples, kv_settings, request_specs
 
 from tensorrt_llm._torch.pyexecutor.errors import InvalidRequestError
 

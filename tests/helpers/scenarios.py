@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from factories import make_config
+from tests.helpers.factories import make_config
 from hypothesis import strategies as st
-from rank_jobs import Arrival, Scenario
+from tests.helpers.rank_jobs import Arrival, Scenario
 
 from tensorrt_llm._torch.models.modeling_llama import MODEL_PRESETS
 from tensorrt_llm._torch.pyexecutor.config import CapacitySchedulerPolicy, ContextChunkingPolicy

@@ -30,7 +30,7 @@ import dataclasses
 import enum
 from dataclasses import dataclass, field
 
-from factories import (
+from tests.helpers.factories import (
     is_servable,
     make_config,
     make_kv_cache_manager,
@@ -44,7 +44,7 @@ from factories import (
 )
 from hypothesis import settings
 from hypothesis import strategies as st
-from invariants import BatchOutcome, format_batch, run_batch
+from tests.helpers.invariants import BatchOutcome, format_batch, run_batch
 
 from tensorrt_llm._torch.pyexecutor.config import CapacitySchedulerPolicy, ContextChunkingPolicy, ExecutorConfig
 from tensorrt_llm._torch.pyexecutor.kv_cache.manager import KVCacheManager

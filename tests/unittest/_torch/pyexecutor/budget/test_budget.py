@@ -2,7 +2,7 @@
 charge order, full costs, cuts before deferrals, priority of requests deferred earlier."""
 
 import pytest
-from factories import make_request
+from tests.helpers.factories import make_request
 
 from tensorrt_llm._torch.pyexecutor.budget.recheck import cut_to_fit, recheck_remaining_budget
 from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequestState

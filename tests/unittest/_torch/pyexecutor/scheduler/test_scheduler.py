@@ -5,8 +5,8 @@ policies (GUARANTEED_NO_EVICT reserves to completion; MAX_UTILIZATION pauses).""
 import random
 
 import pytest
-from factories import make_config, make_kv_cache_manager, make_policy, make_request, make_sim_executor, prepare_alone
-from invariants import ExecutorChecker
+from tests.helpers.factories import make_config, make_kv_cache_manager, make_policy, make_request, make_sim_executor, prepare_alone
+from tests.helpers.invariants import ExecutorChecker
 
 from tensorrt_llm._torch.pyexecutor.config import CapacitySchedulerPolicy
 from tensorrt_llm._torch.pyexecutor.forward_cost import forward_cost

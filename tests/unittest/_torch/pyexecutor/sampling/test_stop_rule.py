@@ -1,7 +1,7 @@
 """``stop_rule.finish``: the one rule for when a request is over, on every delivery path."""
 
 import pytest
-from factories import make_request
+from tests.helpers.factories import make_request
 
 from tensorrt_llm._torch.pyexecutor.sampling.stop_rule import finish
 

@@ -9,8 +9,8 @@ import random
 import re
 
 import pytest
-from factories import greedy_reference, make_config, make_request, make_sim_executor, served_model
-from invariants import ExecutorChecker
+from tests.helpers.factories import greedy_reference, make_config, make_request, make_sim_executor, served_model
+from tests.helpers.invariants import ExecutorChecker
 
 from tensorrt_llm._torch.pyexecutor.engine.inputs import prepare_tp_inputs
 from tensorrt_llm import LLM, SamplingParams

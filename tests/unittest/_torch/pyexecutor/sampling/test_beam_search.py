@@ -25,7 +25,7 @@ import math
 
 import pytest
 import torch
-from factories import make_config, make_kv_cache_manager, make_request, run_alone
+from tests.helpers.factories import make_config, make_kv_cache_manager, make_request, run_alone
 
 from tensorrt_llm._torch.distributed.multi_rank_executor import _Validator
 from tensorrt_llm._torch.models.modeling_llama import MODEL_PRESETS, LlamaForCausalLM

@@ -3,7 +3,7 @@
 import dataclasses
 
 import pytest
-from factories import make_config, make_request, make_sim_executor
+from tests.helpers.factories import make_config, make_request, make_sim_executor
 
 from tensorrt_llm._torch.distributed.multi_rank_executor import MultiRankExecutor
 from tensorrt_llm._torch.pyexecutor.executor.client import ExecutorClient, Health

@@ -2,7 +2,7 @@
 budget assertion's exact message."""
 
 import pytest
-from factories import VOCAB, make_batch, make_config, make_kv_cache_manager, make_request, prepare_alone
+from tests.helpers.factories import VOCAB, make_batch, make_config, make_kv_cache_manager, make_request, prepare_alone
 
 from tensorrt_llm._torch.pyexecutor.engine.inputs import draft_targets, prepare_tp_inputs
 from tensorrt_llm._torch.pyexecutor.errors import TokenBudgetExceeded

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from factories import greedy_reference, make_config, make_request, served_model
+from tests.helpers.factories import greedy_reference, make_config, make_request, served_model
 from test_priority_stateful import PriorityChecker
 
 from tensorrt_llm._torch.pyexecutor.config import SchedulerConfig

@@ -16,8 +16,8 @@ import math
 
 import pytest
 import torch
-from factories import greedy_reference, make_config
-from invariants import ExecutorChecker
+from tests.helpers.factories import greedy_reference, make_config
+from tests.helpers.invariants import ExecutorChecker
 
 from tensorrt_llm import LLM, SamplingParams
 from tensorrt_llm._torch.pyexecutor.llm_request import GREEDY_BELOW_TEMPERATURE, LlmRequest, SamplingConfig

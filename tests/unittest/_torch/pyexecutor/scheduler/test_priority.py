@@ -12,10 +12,10 @@ from __future__ import annotations
 import logging
 
 import pytest
-from factories import make_config, make_kv_cache_manager, make_request, make_sim_executor
+from tests.helpers.factories import make_config, make_kv_cache_manager, make_request, make_sim_executor
 from hypothesis import given
 from hypothesis import strategies as st
-from invariants import check_priority_recheck
+from tests.helpers.invariants import check_priority_recheck
 
 from tensorrt_llm._torch.pyexecutor.config import ExecutorConfig, SchedulerConfig, WaitingQueuePolicy
 from tensorrt_llm._torch.pyexecutor.errors import InvalidRequestError

@@ -15,7 +15,7 @@ import dataclasses
 import time
 from dataclasses import dataclass, field
 
-from factories import KV_BYTES_PER_TOKEN, VOCAB
+from tests.helpers.factories import KV_BYTES_PER_TOKEN, VOCAB
 
 from tensorrt_llm._torch.distributed.digest import decision_records, digest
 from tensorrt_llm._torch.distributed.launcher import RankContext
