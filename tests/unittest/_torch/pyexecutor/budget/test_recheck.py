@@ -1,10 +1,15 @@
-"""The remaining_budget re-check (``budget.recheck_remaining_budget``) on hand-made values:
-charge order, full costs, cuts before deferrals, priority of requests deferred earlier."""
+"""The remaining_budget re-check (``budget.recheck.recheck_remaining_budget``) on hand-made values:
+charge order, full costs, cuts before deferrals, priority of requests deferred earlier; and, as a
+property over random batches, its contract: what it admits fits, what it cuts keeps a unit, what it
+defers is untouched, and a request deferred before is admitted whenever its full chunk fits."""
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from tests.helpers.factories import make_request
 
 from tensorrt_llm._torch.pyexecutor.budget.recheck import cut_to_fit, recheck_remaining_budget
+from tensorrt_llm._torch.pyexecutor.forward_cost import forward_cost
 from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequestState
 from tensorrt_llm._torch.pyexecutor.scheduled_requests import ContextChunk
 
@@ -135,3 +140,49 @@ def test_room_is_taken_only_when_all_of_it_can_be_had():
     )
     assert decision.chunks[long.request.request_id].size == 8
     assert decision.deferred == [(reuser.request, 100)]  # 4 left: not even one unit
+
+
+@st.composite
+def batches(draw):
+    """Generation steps and first chunks (some deferred before, some with drafts), a budget, a unit."""
+    unit = draw(st.sampled_from([1, 4, 16]))
+    generation = [in_generation(beam_width=draw(st.integers(1, 3))) for _ in range(draw(st.integers(0, 4)))]
+    firsts = []
+    for _ in range(draw(st.integers(1, 6))):
+        prompt_len = draw(st.integers(1, 96))
+        chunk = first(prompt_len, draw(st.integers(1, prompt_len)), drafts=draw(st.sampled_from([0, 0, 2])))
+        chunk.request.py_budget_deferred = draw(st.booleans())
+        firsts.append(chunk)
+    return generation, firsts, draw(st.integers(1, 128)), unit, draw(st.booleans())
+
+
+@given(batches())
+def test_the_recheck_keeps_its_contract_on_any_batch(batch):
+    generation, firsts, budget, unit, chunked = batch
+    before = {c.request.request_id: (c.start, c.size) for c in firsts}
+    decision = recheck(generation, firsts=firsts, max_num_tokens=budget, unit=unit if chunked else 0, tpb=unit)
+    admitted = [decision.chunks[c.request.request_id] for c in firsts if c.request.request_id in decision.chunks]
+    charged = sum(map(forward_cost, decision.generation)) + sum(c.cost(reuse_can_shift=True) for c in admitted)
+    # what it admits fits, charged at full cost (reuse not discounted)
+    assert charged == decision.charged <= budget
+    deferred = {r.request_id for r, _ in decision.deferred}
+    for chunk in firsts:
+        rid = chunk.request.request_id
+        assert (rid in deferred) != (rid in decision.chunks)  # each first chunk: admitted or deferred
+        if rid in decision.chunks:
+            ran = decision.chunks[rid]
+            assert ran.start == chunk.start and 1 <= ran.size <= chunk.size
+            if ran.size < chunk.size:  # a cut chunk ends on a unit boundary and is not the last
+                assert chunked and ran.end % unit == 0 and not ran.is_last
+        # the re-check decides; it never moves a request
+        assert (chunk.start, chunk.size) == before[rid]
+    # a request deferred before goes first: if its whole chunk fits beside the generation steps, it runs
+    fixed = sum(map(forward_cost, decision.generation))
+    room = budget - fixed
+    for chunk in firsts:  # in scheduler order, the requests deferred before take the room first
+        if not chunk.request.py_budget_deferred:
+            continue
+        if chunk.request.request_id in decision.chunks:
+            room -= decision.chunks[chunk.request.request_id].cost(reuse_can_shift=True)
+        else:
+            assert chunk.cost(reuse_can_shift=True) > room, "deferred twice although its chunk fitted"
