@@ -18,8 +18,8 @@ from tensorrt_llm._torch.pyexecutor.executor.validation import RequestLimits, va
 from tensorrt_llm._torch.pyexecutor.resource_manager import ResourceManager
 from tensorrt_llm._torch.pyexecutor.sampling.sampler import Sampler
 from tensorrt_llm._torch.pyexecutor.scheduled_requests import ContextChunk, ScheduledRequests
-from tensorrt_llm._torch.pyexecutor.scheduler.schedulers import SimpleScheduler
-from tensorrt_llm._torch.pyexecutor.scheduler.schedulers import make_scheduler as _make_scheduler
+from tensorrt_llm._torch.pyexecutor.scheduler import SimpleScheduler
+from tensorrt_llm._torch.pyexecutor.scheduler import make_scheduler as _make_scheduler
 from tensorrt_llm._torch.pyexecutor.engine.simulated import SimulatedModelEngine
 from tensorrt_llm._torch.pyexecutor.sampling.synthetic_sampler import SyntheticSampler
 from tensorrt_llm._torch.pyexecutor.budget.policies import TokenBudgetPolicy, token_budget_policy_for

@@ -52,7 +52,7 @@ from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequest
 from tensorrt_llm._torch.pyexecutor.engine.torch_engine import ModelEngine
 from tensorrt_llm._torch.pyexecutor.resource_manager import ResourceManager
 from tensorrt_llm._torch.pyexecutor.scheduled_requests import ContextChunk, ScheduledRequests
-from tensorrt_llm._torch.pyexecutor.scheduler.schedulers import SimpleScheduler
+from tensorrt_llm._torch.pyexecutor.scheduler import SimpleScheduler
 from tensorrt_llm._torch.pyexecutor.sampling.synthetic_sampler import SyntheticSampler
 from tensorrt_llm._torch.pyexecutor.budget.policies import reuse_discounted_charge
 

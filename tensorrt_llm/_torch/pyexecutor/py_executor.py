@@ -109,7 +109,7 @@ from tensorrt_llm._torch.pyexecutor.priority import priority_class
 from tensorrt_llm._torch.pyexecutor.resource_manager import PreparedBatch, ResourceManager
 from tensorrt_llm._torch.pyexecutor.sampling.sampler import Sampler
 from tensorrt_llm._torch.pyexecutor.scheduled_requests import ScheduledRequests
-from tensorrt_llm._torch.pyexecutor.scheduler.schedulers import SimpleScheduler
+from tensorrt_llm._torch.pyexecutor.scheduler import SimpleScheduler
 from tensorrt_llm._torch.pyexecutor.iteration.stats import IterationStats
 from tensorrt_llm._torch.pyexecutor.sampling.stop_rule import finish
 

@@ -21,7 +21,7 @@ from tensorrt_llm._torch.pyexecutor.engine.torch_engine import ModelEngine, Torc
 from tensorrt_llm._torch.pyexecutor.py_executor import PyExecutor
 from tensorrt_llm._torch.pyexecutor.resource_manager import ResourceManager
 from tensorrt_llm._torch.pyexecutor.sampling.sampler import Sampler, TorchSampler
-from tensorrt_llm._torch.pyexecutor.scheduler.schedulers import make_scheduler
+from tensorrt_llm._torch.pyexecutor.scheduler import make_scheduler
 from tensorrt_llm._torch.pyexecutor.budget.policies import token_budget_policy_for
 
 logger = logging.getLogger(__name__)

@@ -92,7 +92,7 @@ def test_the_finder_sees_a_cycle():
 def test_the_graph_counts_type_checking_and_local_imports(tmp_path):
     modules = project_modules()
     graph = {name: imports_of(name, path, modules) for name, path in modules.items()}
-    assert "tensorrt_llm._torch.pyexecutor.kv_cache.manager" in graph["tensorrt_llm._torch.pyexecutor.scheduler.schedulers"]
+    assert "tensorrt_llm._torch.pyexecutor.kv_cache.manager" in graph["tensorrt_llm._torch.pyexecutor.scheduler.capacity"]
     source = tmp_path / "probe.py"
     source.write_text(
         "from typing import TYPE_CHECKING\n"

@@ -7,7 +7,7 @@ import sys
 import pytest
 
 TORCH_FREE = [
-    "tensorrt_llm._torch.pyexecutor.scheduler.schedulers",
+    "tensorrt_llm._torch.pyexecutor.scheduler",
     "tensorrt_llm._torch.pyexecutor.kv_cache.manager",
     "tensorrt_llm._torch.pyexecutor.resource_manager",
     "tensorrt_llm._torch.pyexecutor.engine.interface",

@@ -22,7 +22,7 @@ from tensorrt_llm._torch.pyexecutor.errors import InvalidRequestError
 from tensorrt_llm._torch.pyexecutor.scheduler.preemption import choose_victims
 from tensorrt_llm._torch.pyexecutor.priority import PriorityOrder, priority_class
 from tensorrt_llm._torch.pyexecutor.scheduled_requests import ContextChunk
-from tensorrt_llm._torch.pyexecutor.scheduler.schedulers import make_scheduler
+from tensorrt_llm._torch.pyexecutor.scheduler import make_scheduler
 from tensorrt_llm._torch.pyexecutor.budget.policies import token_budget_policy_for
 from tensorrt_llm._torch.pyexecutor.budget.recheck import recheck_by_priority
 

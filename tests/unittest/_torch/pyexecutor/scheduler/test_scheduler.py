@@ -11,7 +11,7 @@ from tests.helpers.invariants import ExecutorChecker
 from tensorrt_llm._torch.pyexecutor.config import CapacitySchedulerPolicy
 from tensorrt_llm._torch.pyexecutor.forward_cost import forward_cost
 from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequestState
-from tensorrt_llm._torch.pyexecutor.scheduler.schedulers import CapacityScheduler, MicroBatchScheduler, SimpleScheduler
+from tensorrt_llm._torch.pyexecutor.scheduler import CapacityScheduler, MicroBatchScheduler, SimpleScheduler
 from tensorrt_llm._torch.pyexecutor.budget.policies import make_token_budget_policy, reuse_discounted_charge
 
 POLICIES = ["none", "trim", "fit", "recheck"]
