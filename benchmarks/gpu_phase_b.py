@@ -44,7 +44,8 @@ from benchmarks.replay import TraceSpec, replay_trace
 from benchmarks.replay_settings import ReplaySettings
 from benchmarks.sim_engine import Engine, forward_shape, torch_model
 from tensorrt_llm._torch.pyexecutor.config import ExecutorConfig, KvCacheConfig
-from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequest, SamplingConfig
+from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequest
+from tensorrt_llm._torch.pyexecutor.sampling_config import SamplingConfig
 from tensorrt_llm._torch.pyexecutor.py_executor_creator import create_py_executor
 
 logger = logging.getLogger("gpu_phase_b")

@@ -21,7 +21,8 @@ from tensorrt_llm._torch.pyexecutor.config import DEFAULT_PRIORITY, ExecutorConf
 from tensorrt_llm._torch.pyexecutor.errors import RequestError
 from tensorrt_llm._torch.pyexecutor.executor.client import ExecutorClient, Health
 from tensorrt_llm._torch.pyexecutor.sampling.guided_decoder import GrammarCompiler, GuidedDecodingParams
-from tensorrt_llm._torch.pyexecutor.llm_request import SEED_LIMIT, LlmRequest, SamplingConfig, check_priority
+from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequest, check_priority
+from tensorrt_llm._torch.pyexecutor.sampling_config import SEED_LIMIT, SamplingConfig
 from tensorrt_llm._torch.pyexecutor.py_executor_creator import create_py_executor
 from tensorrt_llm.llmapi.config_fields import build_nested
 from tensorrt_llm.llmapi.llm_utils import GenerationDefaults, describe_checkpoint, load_model, seeded_model

@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable, Iterator, NamedTuple
 
 from tensorrt_llm._torch.pyexecutor.errors import ExecutorShutdown, RequestError
-from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequest, TokenLogprob
+from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequest
+from tensorrt_llm._torch.pyexecutor.sampling_config import TokenLogprob
 from tensorrt_llm._torch.pyexecutor.executor.client import Response
 from tensorrt_llm.llmapi.tokenizer import IncrementalDetokenizer, Tokenizer
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import AsyncIterator
 
-from tensorrt_llm._torch.pyexecutor.llm_request import TokenLogprob
+from tensorrt_llm._torch.pyexecutor.sampling_config import TokenLogprob
 from tensorrt_llm.llmapi import RequestOutputHandle
 from tensorrt_llm.serve.metrics import RequestMetrics
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from tensorrt_llm._torch.pyexecutor.llm_request import TokenLogprob
+from tensorrt_llm._torch.pyexecutor.sampling_config import TokenLogprob
 from tensorrt_llm.serve.openai_protocol import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, TopLogprob
 
 

@@ -43,7 +43,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from tensorrt_llm._torch.pyexecutor.llm_request import SEED_LIMIT
+from tensorrt_llm._torch.pyexecutor.sampling_config import SEED_LIMIT
 from tensorrt_llm.serve import openai_fields
 from tensorrt_llm.serve.openai_fields import CHAT, COMPLETIONS
 

@@ -19,9 +19,10 @@ Upstream's semantics (the TensorRT-LLM beam-search kernels, as HuggingFace's ``B
 * the result is the ``num_return_sequences`` best of them by score.
 
 Nothing here imports torch: :func:`advance` takes candidates already ranked (the sampler computes
-them from the logits). The request holds :class:`BeamState` (``LlmRequest.py_beams``); the
-executor applies each :class:`BeamStep` to it, and tells the KV manager which beam each new live
-beam descends from (``BeamStep.parents``), so that its block tables follow.
+them from the logits). The request holds :class:`BeamState` (``LlmRequest.py_beams``; the values
+a request holds are in :mod:`..beam_state`, so that a request imports no sampler); the executor
+applies each :class:`BeamStep` to it, and tells the KV manager which beam each new live beam
+descends from (``BeamStep.parents``), so that its block tables follow.
 """
 
 from __future__ import annotations
@@ -30,38 +31,22 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-#: ``early_stopping`` values (upstream's integer encoding of HuggingFace's True / False / "never").
-EARLY_STOP_HEURISTIC, EARLY_STOP, EARLY_STOP_NEVER = 0, 1, 2
+# The values a request holds live in a value module (a request imports no sampler); importable here as before.
+from tensorrt_llm._torch.pyexecutor.beam_state import (
+    EARLY_STOP,
+    EARLY_STOP_HEURISTIC,
+    EARLY_STOP_NEVER,
+    BeamConfig,
+    BeamState,
+    Hypothesis,
+    length_penalized,
+    padded,
+)
 
-
-def length_penalized(cum_logprob: float, length: int, length_penalty: float) -> float:
-    """Upstream's score: ``cum_logprob / length ** length_penalty`` (unchanged for a penalty of 0 or one token)."""
-    if length_penalty == 0.0 or length == 1:
-        return cum_logprob
-    return cum_logprob / length**length_penalty
-
-
-@dataclass(frozen=True, slots=True)
-class Hypothesis:
-    """One beam: the tokens it generated (after the prompt) and their cumulative log-probability.
-    ``finished``: it ended on an end token (kept, as the stop rule keeps it)."""
-
-    tokens: tuple[int, ...]
-    cum_logprob: float
-    finished: bool = False
-
-    def score(self, length_penalty: float) -> float:
-        return length_penalized(self.cum_logprob, len(self.tokens), length_penalty)
-
-
-@dataclass(frozen=True, slots=True)
-class BeamConfig:
-    """What a beam-search request asks for. ``beam_width`` W (>= 2), ``num_return_sequences`` (1..W)."""
-
-    beam_width: int
-    length_penalty: float = 0.0
-    early_stopping: int = EARLY_STOP
-    num_return_sequences: int = 1
+__all__ = [
+    "EARLY_STOP", "EARLY_STOP_HEURISTIC", "EARLY_STOP_NEVER", "BeamConfig", "BeamState", "BeamStep", "Candidate",
+    "Hypothesis", "advance", "length_penalized",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,42 +56,6 @@ class Candidate:
     parent: int
     token: int
     cum_logprob: float
-
-
-@dataclass(frozen=True, slots=True)
-class BeamState:
-    """A request's beams between steps.
-
-    ``live``: exactly W beams, best first, all of one length (the next forward computes one
-    position per beam). Where fewer than W continuations exist (a tiny vocabulary, the first
-    step), the rest are *padding*: copies of the best live beam at ``-inf``, which no candidate
-    ever comes from (upstream initialises beams 1..W-1 the same way). ``finished``: the kept
-    hypotheses (at most W). ``done``: the search is over; ``results`` then holds the answer.
-    """
-
-    live: tuple[Hypothesis, ...]
-    finished: tuple[Hypothesis, ...] = ()
-    done: bool = False
-    results: tuple[Hypothesis, ...] = ()
-
-    @staticmethod
-    def start(beam_width: int) -> "BeamState":
-        """Before the first token: one empty beam (the prompt), padded to ``beam_width``."""
-        return BeamState(_padded((Hypothesis((), 0.0),), beam_width))
-
-    @property
-    def num_live(self) -> int:
-        """Live beams that are not padding (the candidates come from these)."""
-        return sum(1 for h in self.live if h.cum_logprob > -math.inf)
-
-    @property
-    def length(self) -> int:
-        """Tokens each live beam has generated."""
-        return len(self.live[0].tokens)
-
-    def last_tokens(self) -> list[int]:
-        """Each live beam's newest token: the next forward's input, one position per beam."""
-        return [h.tokens[-1] for h in self.live]
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,7 +110,7 @@ def advance(
     done = early or length >= max_new_tokens or not live
     if not live:  # every continuation ended: keep the shape, nothing runs again
         live, parents = [Hypothesis(state.live[0].tokens + (0,), -math.inf)], [0]
-    padded = _padded(tuple(live), width)
+    next_live = padded(tuple(live), width)
     parents += [parents[0]] * (width - len(parents))
     results: tuple[Hypothesis, ...] = ()
     if done:
@@ -170,7 +119,7 @@ def advance(
         pool = [h for h in pool if h.cum_logprob > -math.inf]
         ranked = sorted(pool, key=lambda h: h.score(penalty), reverse=True)  # stable: ties keep order
         results = tuple(ranked[: config.num_return_sequences])
-    return BeamStep(BeamState(padded, tuple(finished), done, results), tuple(parents))
+    return BeamStep(BeamState(next_live, tuple(finished), done, results), tuple(parents))
 
 
 def _stops_early(
@@ -186,8 +135,3 @@ def _stops_early(
         length = max_new_tokens  # "never": a longer beam could still score better, up to the longest
     best = candidates[0].cum_logprob if candidates else -math.inf
     return min(h.score(penalty) for h in finished) >= length_penalized(best, length, penalty)
-
-
-def _padded(live: tuple[Hypothesis, ...], width: int) -> tuple[Hypothesis, ...]:
-    pad = Hypothesis(live[0].tokens, -math.inf)
-    return live + (pad,) * (width - len(live))

@@ -12,7 +12,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequest, SamplingConfig, TokenLogprob
+from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequest
+from tensorrt_llm._torch.pyexecutor.sampling_config import SamplingConfig, TokenLogprob
 
 
 def _ids(tokens) -> torch.Tensor:

@@ -8,10 +8,12 @@ import math
 
 import torch
 
-from tensorrt_llm._torch.pyexecutor.sampling.beam_search import BeamState, BeamStep, Candidate, advance
+from tensorrt_llm._torch.pyexecutor.beam_state import BeamState
+from tensorrt_llm._torch.pyexecutor.sampling.beam_search import BeamStep, Candidate, advance
 from tensorrt_llm._torch.pyexecutor.errors import NonFiniteLogitsError, SamplingError
 from tensorrt_llm._torch.pyexecutor.sampling.guided_decoder import GrammarMatcher
-from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequest, SamplingConfig
+from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequest
+from tensorrt_llm._torch.pyexecutor.sampling_config import SamplingConfig
 from tensorrt_llm._torch.pyexecutor.sampling.logits_processors import (
     apply_penalties,
     forbid_end_before_min_tokens,

@@ -8,7 +8,8 @@ from tensorrt_llm._torch.distributed.digest import RecordKind, digest, first_dif
 from tensorrt_llm._torch.distributed.request_spec import RequestSpec
 from tensorrt_llm._torch.models.modeling_llama import HeadShard, LlamaConfig, LlamaForCausalLM
 from tensorrt_llm._torch.modules.linear import Linear, TensorParallelMode, split_sizes
-from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequest, SamplingConfig
+from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequest
+from tensorrt_llm._torch.pyexecutor.sampling_config import SamplingConfig
 from tensorrt_llm.mapping import Mapping
 
 

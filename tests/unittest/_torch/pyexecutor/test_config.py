@@ -9,7 +9,7 @@ from tensorrt_llm._torch.pyexecutor.config import (
     KvCacheConfig,
     TokenBudgetPolicyName,
 )
-from tensorrt_llm._torch.pyexecutor.llm_request import SamplingConfig
+from tensorrt_llm._torch.pyexecutor.sampling_config import SamplingConfig
 
 
 @pytest.mark.parametrize("field", ["max_batch_size", "max_num_tokens", "max_seq_len"])

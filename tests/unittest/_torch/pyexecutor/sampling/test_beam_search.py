@@ -37,8 +37,9 @@ from tensorrt_llm._torch.pyexecutor.config import (
     SpeculativeConfig,
 )
 from tensorrt_llm._torch.pyexecutor.errors import InvalidRequestError
-from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequest, LlmRequestState, SamplingConfig
+from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequest, LlmRequestState
 from tensorrt_llm._torch.pyexecutor.py_executor_creator import create_py_executor
+from tensorrt_llm._torch.pyexecutor.sampling_config import SamplingConfig
 from tensorrt_llm._torch.pyexecutor.sampling.synthetic_sampler import SyntheticSampler
 from tensorrt_llm.llmapi.llm import LLM, SamplingParams
 from tensorrt_llm.mapping import Mapping

@@ -12,7 +12,7 @@ from tests.helpers.factories import make_request
 
 from tensorrt_llm._torch.pyexecutor.errors import SamplingError
 from tensorrt_llm._torch.pyexecutor.sampling.guided_decoder import Grammar, GrammarCompiler, GuidedDecodingParams
-from tensorrt_llm._torch.pyexecutor.llm_request import SamplingConfig
+from tensorrt_llm._torch.pyexecutor.sampling_config import SamplingConfig
 from tensorrt_llm._torch.pyexecutor.sampling.logits_processors import (
     apply_penalties,
     forbid_end_before_min_tokens,

@@ -20,7 +20,8 @@ from tests.helpers.factories import greedy_reference, make_config
 from tests.helpers.invariants import ExecutorChecker
 
 from tensorrt_llm import LLM, SamplingParams
-from tensorrt_llm._torch.pyexecutor.llm_request import GREEDY_BELOW_TEMPERATURE, LlmRequest, SamplingConfig
+from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequest
+from tensorrt_llm._torch.pyexecutor.sampling_config import GREEDY_BELOW_TEMPERATURE, SamplingConfig
 from tensorrt_llm._torch.pyexecutor.py_executor_creator import create_py_executor
 from tensorrt_llm._torch.pyexecutor.sampling.sampler import TorchSampler
 from tensorrt_llm.llmapi import KvCacheConfig
