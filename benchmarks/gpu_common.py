@@ -18,7 +18,7 @@ import torch
 from benchmarks.cost_model import ForwardShape, GpuSpec, ModelShape, RooflineCostModel
 from tensorrt_llm._torch.models.modeling_llama import LlamaConfig
 from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequest, LlmRequestState
-from tensorrt_llm._torch.pyexecutor.engine.inputs import TpInputs
+from tensorrt_llm._torch.pyexecutor.engine.inputs import ForwardInputs
 
 H200 = GpuSpec()  # 800 TFLOP/s bf16, 4.2 TB/s: the ceilings the issue's goals are stated in
 
@@ -145,11 +145,11 @@ class BlockAllocator:
 
 def synthetic_inputs(
     shape: ForwardShape, allocator: BlockAllocator, tokens_per_block: int, vocab_size: int, seed: int = 0
-) -> TpInputs:
+) -> ForwardInputs:
     """The flat forward ``_prepare_tp_inputs`` would build for ``shape``: context chunks first
     (each sampled, as a last chunk), then one-token decodes; random tokens, fresh blocks."""
     rng = np.random.default_rng(seed)
-    inputs = TpInputs()
+    inputs = ForwardInputs()
     allocator.reset()
     rid = 0
     for new, cached in shape.contexts:

@@ -26,7 +26,7 @@ from tensorrt_llm._torch.models.modeling_llama import MODEL_PRESETS, LlamaConfig
 from tensorrt_llm._torch.pyexecutor.config import ExecutorConfig
 from tensorrt_llm._torch.pyexecutor.kv_cache.manager import KVCacheManager
 from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequestState
-from tensorrt_llm._torch.pyexecutor.engine.inputs import TpInputs
+from tensorrt_llm._torch.pyexecutor.engine.inputs import ForwardInputs
 from tensorrt_llm._torch.pyexecutor.py_executor import PyExecutor
 from tensorrt_llm._torch.pyexecutor.py_executor_creator import create_py_executor
 from tensorrt_llm._torch.pyexecutor.engine.simulated import SimulatedModelEngine, VirtualClock
@@ -69,7 +69,7 @@ class SkippingWallClock:
         self._skipped = 0.0
 
 
-def forward_shape(inputs: TpInputs) -> ForwardShape:
+def forward_shape(inputs: ForwardInputs) -> ForwardShape:
     """The cost model's view of one flat forward.
 
     Request ``i`` is a context chunk while it is still in context state (the executor moves
@@ -96,7 +96,7 @@ class CostModelTimer:
     def __init__(self, cost_model: CostModel) -> None:
         self.cost_model = cost_model
 
-    def __call__(self, inputs: TpInputs) -> float:
+    def __call__(self, inputs: ForwardInputs) -> float:
         return self.cost_model.forward_time_s(forward_shape(inputs))
 
 

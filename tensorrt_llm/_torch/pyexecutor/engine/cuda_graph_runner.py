@@ -11,7 +11,7 @@ A graph replays fixed addresses and shapes, so each batch size gets static buffe
     -> logits (B, vocab), tokens (B,) int64 (greedy pick, on the device)
 
 A verification step (drafts) is a decode batch too: each of its positions is a row of its own
-over the request's block table (``TpInputs.attention_batch``), so it replays the graph of its
+over the request's block table (``ForwardInputs.attention_batch``), so it replays the graph of its
 row count. Each step copies its values in (three small host-to-device copies, through the engine's
 persistent pinned buffers, ``attention_backend.staging``; of the tables only the columns in
 use: stale columns past a sequence's length are never read) and replays. A batch of ``n <

@@ -1,17 +1,26 @@
 """``_prepare_tp_inputs``: one flat forward from a batch, the same for every engine.
 
-:func:`prepare_tp_inputs` appends each request's positions — a context request's chunk as
-the batch carries it, a generation request's next step — checks each count against
-:func:`forward_cost`, and checks the total against ``max_num_tokens`` the way upstream
+:func:`prepare_tp_inputs` (upstream's name) appends each request's positions — a context
+request's chunk as the batch carries it, a generation request's next step — checks each count
+against :func:`forward_cost`, and checks the total against ``max_num_tokens`` the way upstream
 asserts it, except that here it raises :class:`TokenBudgetExceeded`, which fails the batch
-instead of killing the executor thread. :class:`TpInputs` holds the result. Nothing here
-needs torch: the simulated engine and the replay run on it alone.
+instead of killing the executor thread. :class:`ForwardInputs` holds the result; which rows of
+the forward's logits belong to which request is :mod:`.logit_rows`' job. Nothing here needs
+torch: the simulated engine and the replay run on it alone.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Mapping, NamedTuple
+from typing import TYPE_CHECKING, Mapping
 
+from tensorrt_llm._torch.pyexecutor.engine.logit_rows import (
+    BeamSpan,
+    DraftSpan,
+    LogitRows,
+    RowColumns,
+    draft_targets,
+    logit_layout,
+)
 from tensorrt_llm._torch.pyexecutor.errors import TokenBudgetExceeded
 from tensorrt_llm._torch.pyexecutor.forward_cost import forward_cost
 from tensorrt_llm._torch.pyexecutor.llm_request import IN_FLIGHT_TOKEN_ID, LlmRequest
@@ -20,39 +29,16 @@ from tensorrt_llm._torch.pyexecutor.scheduled_requests import ScheduledRequests
 if TYPE_CHECKING:
     from tensorrt_llm._torch.pyexecutor.kv_cache.manager import KVCacheManager
 
+__all__ = [
+    "PAD_TOKEN_ID", "ForwardInputs", "TpInputs", "prepare_tp_inputs",
+    # the logit-row layout's names, importable here as before they had a module of their own
+    "BeamSpan", "DraftSpan", "LogitRows", "draft_targets",
+]
+
 PAD_TOKEN_ID = 0  # fills first-draft slots before the drafter has proposed anything
 
-#: A request's draft rows among :meth:`TpInputs.logit_rows`: (request id, index of its sampling
-#: row, index of its first draft row, number of drafts).
-DraftSpan = tuple[int, int, int, int]
 
-
-#: A beam-search request's beam rows among :meth:`TpInputs.logit_layout`: (request id, index of
-#: its sampling row, which is beam 0's, index of beam 1's row, number of beams after beam 0).
-BeamSpan = tuple[int, int, int, int]
-
-
-class LogitRows(NamedTuple):
-    """The flat rows whose logits a forward computes, in order: the sampling rows (one per request
-    that samples: ``request_ids``), the prompt rows (``prompt_spans``), the draft rows (``drafts``),
-    then the rows of beams 1.. of each beam-search request in generation (``beams``)."""
-
-    rows: list[int]
-    request_ids: list[int]
-    prompt_spans: list[tuple[int, int, int, int]]
-    drafts: list[DraftSpan]
-    beams: list[BeamSpan]
-
-
-def draft_targets(picks: list[int], spans: list[DraftSpan]) -> dict[int, list[int]] | None:
-    """Each verifying request's greedy picks, laid out as ``TpInputs.logit_rows`` lays out rows:
-    at its sampling row, then after each draft (``ForwardOutput.draft_targets``). None: no drafts."""
-    if not spans:
-        return None
-    return {rid: [picks[index], *picks[first : first + count]] for rid, index, first, count in spans}
-
-
-class TpInputs:
+class ForwardInputs:
     """One flat forward. Request ``i`` owns ``input_ids[offsets[i]:offsets[i] + num_new_tokens[i]]``.
 
     ``requests``, ``num_new_tokens``, ``num_cached_tokens`` and ``samples`` (does request
@@ -71,7 +57,7 @@ class TpInputs:
     ``num_drafts``: per request, the draft tokens this forward verifies. A request's positions
     end with its drafts and then first-draft padding; its *sampling row* is its last position
     before them (it predicts the next token), and each draft position's row predicts the token
-    after that draft (:meth:`logit_rows`)::
+    after that draft (:meth:`logit_layout`)::
 
         generation, drafts d1 d2, first-draft padding to max_draft_len 4:
             input   t  d1  d2  PAD PAD          t: the newest token
@@ -222,60 +208,17 @@ class TpInputs:
         self._block_tables = [list(table) for table in self.block_tables]
         self._beam_tables = [None if t is None else [list(b) for b in t] for t in self.beam_block_tables]
 
-    def sampling_rows(self) -> tuple[list[int], list[int], list[tuple[int, int, int, int]]]:
-        """Which flat positions get logits: ``(rows, request ids, prompt spans)``. ``rows`` holds
-        first the sampling row of each request that samples (its last position before any draft or
-        padding: it predicts its next token; the ids are theirs, in order), then the prompt positions of each context chunk whose request
-        asks for prompt log-probabilities (``prompt spans``: ``(request id, first prompt position,
-        first row in rows, count)``), so rows ``[0, len(ids))`` are the sampling rows whatever follows."""
-        rows, request_ids, spans = [], [], []
-        offset = 0
-        for index, (request, n, samples, trailing) in enumerate(
-            zip(self.requests, self.num_new_tokens, self.samples, self._trailing)
-        ):
-            offset += n
-            if samples:
-                rows.append(offset - 1 - trailing)
-                request_ids.append(request.request_id)
-            if index in self.prompt_logits:
-                _, start, stop, _ = self._pieces[index]
-                spans.append((request.request_id, start, offset - n, stop - start))
-        first_row = len(rows)
-        for i, (request_id, start, first, count) in enumerate(spans):
-            rows += range(first, first + count)
-            spans[i] = (request_id, start, first_row, count)
-            first_row += count
-        return rows, request_ids, spans
-
-    def logit_rows(self) -> tuple[list[int], list[int], list[tuple[int, int, int, int]], list[DraftSpan]]:
-        """``(rows, request_ids, prompt_spans, drafts)`` of :meth:`logit_layout` (its ``rows`` end
-        with the beam rows, which ``drafts`` does not describe)."""
-        return tuple(self.logit_layout()[:4])
-
     def logit_layout(self) -> LogitRows:
-        """The flat rows whose logits the forward computes (:class:`LogitRows`).
-        :meth:`sampling_rows`' rows come first (rows ``[0, len(request_ids))`` are the sampling
-        rows, whatever follows; then the prompt rows its ``prompt_spans`` describe); then, for each
-        request that verifies drafts, one row per draft (the row after draft ``j`` predicts the
-        token after it), described by a :data:`DraftSpan` in ``drafts``; then, for each beam-search
-        request in generation, the rows of its beams after beam 0 (whose row is its sampling row),
-        described by a :data:`BeamSpan` in ``beams``."""
-        rows, request_ids, prompt_spans = self.sampling_rows()
-        spans: list[DraftSpan] = []
-        if any(self.num_drafts):
-            drafts = [d for d, samples in zip(self.num_drafts, self.samples) if samples]
-            for index, (row, rid, count) in enumerate(zip(rows[: len(request_ids)], request_ids, drafts)):
-                if count:
-                    spans.append((rid, index, len(rows), count))
-                    rows.extend(range(row + 1, row + 1 + count))
-        beam_spans: list[BeamSpan] = []
-        if any(beams > 1 for beams in self._beams):
-            widths = [b for b, samples in zip(self._beams, self.samples) if samples]
-            for index, (row, rid, beams) in enumerate(zip(rows[: len(request_ids)], request_ids, widths)):
-                if beams > 1:
-                    beam_spans.append((rid, index, len(rows), beams - 1))
-                    rows.extend(range(row + 1, row + beams))
-        return LogitRows(rows, request_ids, prompt_spans, spans, beam_spans)
+        """The flat rows whose logits this forward computes, and whose they are
+        (:func:`.logit_rows.logit_layout`): sampling rows first, then prompt, draft and beam rows."""
+        prompt_chunks = {}
+        for index in self.prompt_logits:
+            _, start, stop, _ = self._pieces[index]
+            prompt_chunks[index] = (start, stop - start)
+        return logit_layout(RowColumns(
+            [request.request_id for request in self.requests], self.num_new_tokens, self.samples, self._trailing,
+            self.num_drafts, self._beams, prompt_chunks,
+        ))
 
     @property
     def input_ids(self) -> list[int]:
@@ -361,9 +304,16 @@ class TpInputs:
         return new, cached, tables
 
 
-def prepare_tp_inputs(scheduled: ScheduledRequests, kv_cache_manager: KVCacheManager, max_num_tokens: int) -> TpInputs:
-    """Flat inputs for the batch; raises TokenBudgetExceeded past ``max_num_tokens``."""
-    inputs = TpInputs(kv_cache_manager)
+#: The name this class had first ("Tp" read as tensor parallel, which it is not); kept for outside users.
+TpInputs = ForwardInputs
+
+
+def prepare_tp_inputs(
+    scheduled: ScheduledRequests, kv_cache_manager: KVCacheManager, max_num_tokens: int
+) -> ForwardInputs:
+    """Flat inputs for the batch (upstream's ``_prepare_tp_inputs``); raises TokenBudgetExceeded
+    past ``max_num_tokens``."""
+    inputs = ForwardInputs(kv_cache_manager)
     for chunk in scheduled.context_chunks:
         request = chunk.request
         last = chunk.is_last

@@ -1,6 +1,6 @@
 """The engine interface: ``ModelEngine`` launches a forward and returns a ``PendingForward``.
 
-``forward_async`` builds the inputs (:func:`~engine_inputs.prepare_tp_inputs`, which raises
+``forward_async`` builds the inputs (:func:`.inputs.prepare_tp_inputs`, which raises
 ``TokenBudgetExceeded`` past the budget before anything runs) and launches them. What comes
 back is a :class:`PendingForward`: one of a few small classes, each one way a forward can be
 in flight —
@@ -24,7 +24,7 @@ A speculative request in flight is laid out as if its forward accepted every dra
 The engine, which accepts drafts as the sampler will (``accept_greedy``), then puts the token
 after the accepted drafts in its first input and moves its positions back by the drafts that
 were rejected (:class:`Picks`): on a GPU on the device, here on the host
-(``TpInputs.resolve``). Nothing here imports torch: the simulated engine runs on it alone.
+(``ForwardInputs.resolve``). Nothing here imports torch: the simulated engine runs on it alone.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import abc
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, NamedTuple, Protocol
 
-from tensorrt_llm._torch.pyexecutor.engine.inputs import TpInputs, prepare_tp_inputs
+from tensorrt_llm._torch.pyexecutor.engine.inputs import ForwardInputs, prepare_tp_inputs
 from tensorrt_llm._torch.pyexecutor.kv_cache.manager import KVCacheManager
 from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequest
 from tensorrt_llm._torch.pyexecutor.scheduled_requests import ScheduledRequests
@@ -236,11 +236,11 @@ class ModelEngine(abc.ABC):
         pending.num_tokens = inputs.total_num_tokens
         return pending
 
-    def _prepare_tp_inputs(self, scheduled: ScheduledRequests) -> TpInputs:
-        """Flat inputs for the batch (:func:`~engine_inputs.prepare_tp_inputs`)."""
+    def _prepare_tp_inputs(self, scheduled: ScheduledRequests) -> ForwardInputs:
+        """Flat inputs for the batch (:func:`.inputs.prepare_tp_inputs`)."""
         return prepare_tp_inputs(scheduled, self.kv_cache_manager, self.max_num_tokens)
 
-    def _launch(self, inputs: TpInputs) -> PendingForward:
+    def _launch(self, inputs: ForwardInputs) -> PendingForward:
         """A host forward: now, or later in launch order when the engine is asynchronous. Its
         in-flight inputs take the previous forward's picks."""
         previous = self._previous
@@ -258,11 +258,11 @@ class ModelEngine(abc.ABC):
         self._previous = pending
         return pending
 
-    def _host_forward(self, inputs: TpInputs) -> Callable[[], ForwardOutput]:
+    def _host_forward(self, inputs: ForwardInputs) -> Callable[[], ForwardOutput]:
         """Take what running ``inputs`` later needs now (state moves on after launch)."""
         if self.asynchronous:
             inputs.materialize()
         return lambda: self._run(inputs)
 
     @abc.abstractmethod
-    def _run(self, inputs: TpInputs) -> ForwardOutput: ...
+    def _run(self, inputs: ForwardInputs) -> ForwardOutput: ...

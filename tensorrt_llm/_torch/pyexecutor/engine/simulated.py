@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Callable
 
 from tensorrt_llm._torch.pyexecutor.engine.interface import ForwardOutput, ModelEngine
-from tensorrt_llm._torch.pyexecutor.engine.inputs import TpInputs
+from tensorrt_llm._torch.pyexecutor.engine.inputs import ForwardInputs
 from tensorrt_llm._torch.pyexecutor.kv_cache.manager import KVCacheManager
 
 if TYPE_CHECKING:  # the sampler is a torch-side Sampler; the engine only calls its rule
@@ -60,7 +60,7 @@ class SimulatedModelEngine(ModelEngine):
         *,
         vocab_size: int = 32000,
         clock: VirtualClock | None = None,
-        forward_time_s: Callable[[TpInputs], float] | None = None,
+        forward_time_s: Callable[[ForwardInputs], float] | None = None,
         sampler: "SyntheticSampler | None" = None,
         asynchronous: bool = False,
     ) -> None:
@@ -75,7 +75,7 @@ class SimulatedModelEngine(ModelEngine):
     def vocab_size(self) -> int:
         return self._vocab_size
 
-    def _host_forward(self, inputs: TpInputs) -> Callable[[], ForwardOutput]:
+    def _host_forward(self, inputs: ForwardInputs) -> Callable[[], ForwardOutput]:
         seconds = 0.0
         if self.clock is not None and self.forward_time_s is not None:
             seconds = self.forward_time_s(inputs)  # now: it reads the requests' state
@@ -97,5 +97,5 @@ class SimulatedModelEngine(ModelEngine):
 
         return run
 
-    def _run(self, inputs: TpInputs) -> ForwardOutput:
+    def _run(self, inputs: ForwardInputs) -> ForwardOutput:
         return self._host_forward(inputs)()

@@ -1,11 +1,11 @@
 """``TorchModelEngine``: a real torch model over the KV manager's paged tensors, one class per device.
 
 The engine interface (``ModelEngine``, ``PendingForward``, ``ForwardOutput``) is in
-:mod:`.engine`, the input preparation (``TpInputs``, ``_prepare_tp_inputs``) in
-:mod:`.engine_inputs`; both import no torch. Here, the device is chosen once, at
-construction: ``TorchModelEngine(model, ...)`` makes a :class:`CpuTorchModelEngine` or a
-:class:`CudaTorchModelEngine` after the model's device (as ``pathlib.Path`` makes a
-``PosixPath``), so no step runs an ``if device.type`` branch. Each makes the attention plan
+:mod:`.interface`, the input preparation (``ForwardInputs``, ``_prepare_tp_inputs``) in
+:mod:`.inputs`, the logit-row layout in :mod:`.logit_rows`; none imports torch. Here, the
+device is chosen once, at construction: ``TorchModelEngine(model, ...)`` makes a
+:class:`CpuTorchModelEngine` or a :class:`CudaTorchModelEngine` after the model's device (as
+``pathlib.Path`` makes a ``PosixPath``), so no step runs an ``if device.type`` branch. Each makes the attention plan
 builder of its device at construction (``attention_backend``) and checks its inputs on the host;
 the model's forward then runs unchecked (``LlamaForCausalLM.forward_with_plan``)::
 
@@ -40,20 +40,15 @@ from tensorrt_llm._torch.pyexecutor.engine.interface import (
     ReadyForward,
     picks_of,
 )
-from tensorrt_llm._torch.pyexecutor.engine.inputs import (
-    PAD_TOKEN_ID,
-    BeamSpan,
-    DraftSpan,
-    TpInputs,
-    draft_targets,
-)
+from tensorrt_llm._torch.pyexecutor.engine.inputs import PAD_TOKEN_ID, ForwardInputs, TpInputs
+from tensorrt_llm._torch.pyexecutor.engine.logit_rows import BeamSpan, DraftSpan, PromptSpan, draft_targets
 from tensorrt_llm._torch.pyexecutor.kv_cache.manager import KVCacheManager
 from tensorrt_llm._torch.speculative.device_verification import accept_on_device, move_back_
 
 # Upstream's names, where an engineer looks for them.
 __all__ = [
     "PAD_TOKEN_ID", "CpuTorchModelEngine", "CudaForward", "CudaTorchModelEngine", "ForwardOutput", "ModelEngine",
-    "PendingForward", "TorchModelEngine", "TpInputs",
+    "PendingForward", "TorchModelEngine", "ForwardInputs", "TpInputs",
 ]
 
 
@@ -80,7 +75,7 @@ class _Moves(NamedTuple):
 def rows_to_move(moved: list[tuple[int, int, int]], new: list[int]) -> tuple[np.ndarray, ...]:
     """Where the rows of requests built on drafts still in flight are: ``moved`` holds each one's
     (first flat row, rows, its index among the previous launch's verifying requests); ``new`` the
-    attention batch's rows per sequence (``TpInputs.attention_batch``, where every such row is a
+    attention batch's rows per sequence (``ForwardInputs.attention_batch``, where every such row is a
     decode sequence of its own). Returns int64 arrays, one entry per row: the flat rows, their
     sequences, their place among the decode sequences (an eager plan's ``DecodeBatch`` index) and
     the verifying request each row belongs to (which says how far it moves back)."""
@@ -109,7 +104,7 @@ class TorchModelEngine(ModelEngine):
     # greedy pick at each draft row comes back in ForwardOutput.draft_targets.
     supports_draft_tokens = True
     # Beams run as sequences of their own to attention, one row each, over their own block
-    # tables (TpInputs.attention_batch); their rows come back in ForwardOutput.beam_logits.
+    # tables (ForwardInputs.attention_batch); their rows come back in ForwardOutput.beam_logits.
     max_beam_width = 64
     # A speculative request stays under overlap: the engine verifies drafts as the sampler does
     # and moves the next forward back over rejected ones (on the host on the CPU, on the device on CUDA).
@@ -174,14 +169,14 @@ class TorchModelEngine(ModelEngine):
             self.piecewise_runner.capture_all()
 
     @abc.abstractmethod
-    def launch(self, inputs: TpInputs) -> PendingForward:
+    def launch(self, inputs: ForwardInputs) -> PendingForward:
         """Start one forward over ``inputs`` and return at once (on the CPU it has run)."""
 
 
 class CpuTorchModelEngine(TorchModelEngine):
     """On the CPU: each forward runs to completion at launch, in order with the KV manager's
     block copies, and still delivers its tokens one iteration later under overlap (a speculative
-    request's next forward is moved back over its rejected drafts on the host: ``TpInputs.resolve``)."""
+    request's next forward is moved back over its rejected drafts on the host: ``ForwardInputs.resolve``)."""
 
     def _prepare_device(self, cuda_graph_config: CudaGraphConfig | None, max_batch_size: int, max_seq_len: int | None) -> None:
         """The CPU's attention plan builder; nothing else."""
@@ -189,11 +184,11 @@ class CpuTorchModelEngine(TorchModelEngine):
         self._plans = CpuPlanBuilder(tokens_per_block=kv.tokens_per_block, num_blocks=kv.num_blocks,
                                      dtype=self.model.config.torch_dtype, kv_scales=kv.storage.kv_scales)
 
-    def launch(self, inputs: TpInputs) -> PendingForward:
+    def launch(self, inputs: ForwardInputs) -> PendingForward:
         return ReadyForward(self._run(inputs))
 
     @torch.inference_mode()
-    def _run(self, inputs: TpInputs) -> ForwardOutput:
+    def _run(self, inputs: ForwardInputs) -> ForwardOutput:
         storage = self.kv_cache_manager.storage
         ids = np.asarray(inputs.input_ids, dtype=np.int64)  # in-flight inputs resolved already (ModelEngine._launch)
         positions = np.asarray(inputs.position_ids, dtype=np.int64)
@@ -258,14 +253,14 @@ class CudaTorchModelEngine(TorchModelEngine):
     def completes_asynchronously(self) -> bool:
         return True
 
-    def _launch(self, inputs: TpInputs) -> PendingForward:
+    def _launch(self, inputs: ForwardInputs) -> PendingForward:
         return self.launch(inputs)
 
-    def _run(self, inputs: TpInputs) -> ForwardOutput:
+    def _run(self, inputs: ForwardInputs) -> ForwardOutput:
         return self.launch(inputs).result()
 
     @torch.inference_mode()
-    def launch(self, inputs: TpInputs) -> "CudaForward":
+    def launch(self, inputs: ForwardInputs) -> "CudaForward":
         """Enqueue one forward on the device and return at once.
 
         Raises ValueError, before anything is enqueued, for token ids outside the vocabulary
@@ -313,7 +308,7 @@ class CudaTorchModelEngine(TorchModelEngine):
         return CudaForward(sampling, logits, tokens, start, prompt_logits=_prompt_logits(logits, spans), drafts=drafts,
                            beams=beams, verified_drafts=verified)
 
-    def _picks(self, inputs: TpInputs, sampling: list[int], drafts: list[DraftSpan], tokens: torch.Tensor) -> _DevicePicks:
+    def _picks(self, inputs: ForwardInputs, sampling: list[int], drafts: list[DraftSpan], tokens: torch.Tensor) -> _DevicePicks:
         """What the next launch takes from this one, on the device: each sampling request's pick
         and, for each request that verifies drafts, the token after its accepted drafts and how
         many it rejected (``speculative.device_verification``). Nothing is read back."""
@@ -337,7 +332,7 @@ class CudaTorchModelEngine(TorchModelEngine):
         picks = torch.cat((tokens[: len(sampling)], bonus))  # (sampling + S,): a request's pick at its index
         return _DevicePicks(index | speculative, picks, {rid: s for s, (rid, *_) in enumerate(drafts)}, rejected)
 
-    def _in_flight_inputs(self, inputs: TpInputs, slots: list[int], new: list[int]):
+    def _in_flight_inputs(self, inputs: ForwardInputs, slots: list[int], new: list[int]):
         """On the device, for this launch's in-flight inputs (overlap): ``(flat slots, their tokens)``,
         each the previous launch's pick for its request (for one that verified drafts, the token
         after its accepted ones); and the moves of requests whose previous forward verified drafts
@@ -408,7 +403,7 @@ class CudaForward:
         """Enqueue the copy of ``tokens`` (device) to pinned host memory and an event after it;
         ``start``: an event recorded before the forward's first kernel (timing). ``logits`` and
         ``tokens`` may hold more rows than ``request_ids`` (prompt rows, ``prompt_logits`` views
-        them; draft rows, ``drafts``; beam rows, ``beams``, as ``TpInputs.logit_layout`` lays them
+        them; draft rows, ``drafts``; beam rows, ``beams``, as ``ForwardInputs.logit_layout`` lays them
         out); only the first ``len(request_ids)`` are the requests' picks."""
         self._prompt_logits = prompt_logits
         self._verified = verified_drafts
@@ -469,8 +464,8 @@ class CudaForward:
         return self._output
 
 
-def _prompt_logits(logits: torch.Tensor, spans) -> dict[int, tuple[int, torch.Tensor]] | None:
-    """Each prompt span's rows of ``logits`` (see :meth:`TpInputs.sampling_rows`), keyed by request id."""
+def _prompt_logits(logits: torch.Tensor, spans: list[PromptSpan]) -> dict[int, tuple[int, torch.Tensor]] | None:
+    """Each prompt span's rows of ``logits`` (:mod:`.logit_rows`), keyed by request id: (first prompt position, rows)."""
     if not spans:
         return None
     return {rid: (start, logits[first : first + count]) for rid, start, first, count in spans}
@@ -478,7 +473,7 @@ def _prompt_logits(logits: torch.Tensor, spans) -> dict[int, tuple[int, torch.Te
 
 def _beam_logits(logits: torch.Tensor, spans: list[BeamSpan]) -> dict[int, torch.Tensor] | None:
     """Each beam-search request's ``(beam_width, vocab)`` logits, beam 0 (its sampling row) first,
-    from the rows as :meth:`TpInputs.logit_layout` lays them out. None: no beams."""
+    from the rows as :meth:`ForwardInputs.logit_layout` lays them out. None: no beams."""
     if not spans:
         return None
     return {rid: torch.cat((logits[index : index + 1], logits[first : first + count]))

@@ -1,6 +1,6 @@
 """Drafts under the overlap scheduler, piece by piece: a verification step as decode rows, the next
 forward built as if every draft were accepted, and the engine moving it back over the rejected
-ones (on the host: ``TpInputs.resolve``; on the device: ``device_verification``, checked here on
+ones (on the host: ``ForwardInputs.resolve``; on the device: ``device_verification``, checked here on
 CPU tensors against a plan built where the drafts really stopped).
 
 The executor-level properties (greedy outputs equal plain decoding with overlap on, the budget
@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from tensorrt_llm._torch.attention_backend.paged import PagedPlanBuilder
 from tensorrt_llm._torch.pyexecutor.engine.interface import ForwardOutput, picks_of
-from tensorrt_llm._torch.pyexecutor.engine.inputs import PAD_TOKEN_ID, TpInputs
+from tensorrt_llm._torch.pyexecutor.engine.inputs import PAD_TOKEN_ID, ForwardInputs
 from tensorrt_llm._torch.pyexecutor.llm_request import IN_FLIGHT_TOKEN_ID, LlmRequestState
 from tensorrt_llm._torch.pyexecutor.engine.torch_engine import rows_to_move
 from tensorrt_llm._torch.speculative.device_verification import accept_on_device, move_back_
@@ -26,7 +26,7 @@ from tensorrt_llm._torch.speculative.verification import accept_greedy
 
 
 class _Tables:
-    """The one question TpInputs asks a KV manager, answered from a dict."""
+    """The one question ForwardInputs asks a KV manager, answered from a dict."""
 
     def __init__(self, tables: dict[int, list[int]]) -> None:
         self.tables = tables
@@ -50,7 +50,7 @@ def test_a_verification_step_is_one_decode_row_per_position_over_the_requests_ta
     plain = _generation(5, [7], [])
     verifying = _generation(9, [3], [11, 12, 13])
     first = _generation(4, [8], [21], first_draft=3)
-    inputs = TpInputs(_Tables({plain.request_id: [1, 2], verifying.request_id: [3, 4, 5], first.request_id: [6, 7]}))
+    inputs = ForwardInputs(_Tables({plain.request_id: [1, 2], verifying.request_id: [3, 4, 5], first.request_id: [6, 7]}))
     inputs.append_generation([plain, verifying, first])
     new, cached, tables = inputs.attention_batch()
     assert new == [1] * 9
@@ -69,7 +69,7 @@ def test_resolve_fills_the_in_flight_token_and_moves_a_speculative_request_back(
     request = _generation(6, [5], [31, 32])
     request.tokens.extend([IN_FLIGHT_TOKEN_ID] * 4)
     plain = _generation(3, [4, IN_FLIGHT_TOKEN_ID], [])
-    inputs = TpInputs()
+    inputs = ForwardInputs()
     inputs.append_generation([request, plain])
     assert inputs.in_flight == [(0, 0), (3, 1)]
     assert inputs.position_ids == [10, 11, 12, 4]
@@ -97,7 +97,7 @@ def test_device_acceptance_is_accept_greedy(cases):
         targets = data.draw(st.lists(st.integers(0, 3), min_size=len(drafts) + 1, max_size=len(drafts) + 1))
         drafts_all.append(drafts)
         targets_all.append(targets)
-    # the forward's picks laid out as TpInputs.logit_layout does: sampling rows, then draft rows
+    # the forward's picks laid out as ForwardInputs.logit_layout does: sampling rows, then draft rows
     tokens, rows = [t[0] for t in targets_all], []
     for targets in targets_all:
         first = len(tokens)

@@ -4,7 +4,8 @@ budget assertion's exact message."""
 import pytest
 from tests.helpers.factories import VOCAB, make_batch, make_config, make_kv_cache_manager, make_request, prepare_alone
 
-from tensorrt_llm._torch.pyexecutor.engine.inputs import draft_targets, prepare_tp_inputs
+from tensorrt_llm._torch.pyexecutor.engine.inputs import prepare_tp_inputs
+from tensorrt_llm._torch.pyexecutor.engine.logit_rows import draft_targets
 from tensorrt_llm._torch.pyexecutor.errors import TokenBudgetExceeded
 from tensorrt_llm._torch.pyexecutor.forward_cost import forward_cost
 from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequestState
@@ -156,8 +157,8 @@ def test_logit_rows_put_the_sampling_rows_first_then_each_verifying_requests_dra
     first_draft.py_draft_tokens = [6]
     inputs = build(engine, kv, context=[(chunk, 12), last], generation=[drafts, first_draft])
     # flat positions: chunk 0-11, last 12-20 (prompt 12-18, drafts 19-20), drafts 21-23, first draft 24-29
-    rows, request_ids, prompt_spans, spans = inputs.logit_rows()
-    assert prompt_spans == []  # no request asked for prompt log-probabilities
+    rows, request_ids, prompt_spans, spans, beams = inputs.logit_layout()
+    assert prompt_spans == beams == []  # no request asked for prompt log-probabilities, none runs beams
     assert request_ids == [last.request_id, drafts.request_id, first_draft.request_id]
     assert rows == [18, 21, 24, 19, 20, 22, 23, 25]
     assert spans == [(last.request_id, 0, 3, 2), (drafts.request_id, 1, 5, 2), (first_draft.request_id, 2, 7, 1)]
