@@ -1,10 +1,14 @@
-"""Submission-time checks: a request the executor could never serve fails alone, with a reason."""
+"""Submission-time checks: a request the executor could never serve fails alone, with a reason.
+
+Bookkeeping, like the scheduler and the KV manager: it imports no engine module. What it needs
+of the engine (three numbers) it is handed, through :class:`EngineLimits`.
+"""
 
 from __future__ import annotations
 
 from array import array
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
@@ -13,8 +17,20 @@ from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequest
 
 if TYPE_CHECKING:
     from tensorrt_llm._torch.pyexecutor.config import ExecutorConfig
-    from tensorrt_llm._torch.pyexecutor.engine.interface import ModelEngine
     from tensorrt_llm._torch.pyexecutor.kv_cache.manager import KVCacheManager
+
+
+class EngineLimits(Protocol):
+    """What a request asks of the engine that would serve it (``ModelEngine`` answers these)."""
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def max_beam_width(self) -> int: ...
+
+    @property
+    def supports_draft_tokens(self) -> bool: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,7 +45,7 @@ class RequestLimits:
     chunk_unit_size: int = 1  # smallest context chunk that is not a prompt's last one
 
     @classmethod
-    def of(cls, config: "ExecutorConfig", kv_cache_manager: "KVCacheManager", engine: "ModelEngine") -> "RequestLimits":
+    def of(cls, config: "ExecutorConfig", kv_cache_manager: "KVCacheManager", engine: EngineLimits) -> "RequestLimits":
         """The limits an executor with this config, KV manager and engine enforces at submission."""
         return cls(
             max_seq_len=config.max_seq_len,
