@@ -35,7 +35,7 @@ serve: $(STAMP)
 	$(VENV)/bin/trtllm-serve
 
 overhead: $(STAMP)
-	$(PY) -m benchmarks.overhead --json overhead.json
+	$(PY) -m benchmarks.host_path.overhead --json overhead.json
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis replay.json replay.png overhead.json

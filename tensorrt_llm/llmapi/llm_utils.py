@@ -31,7 +31,7 @@ Without a ``dtype``: on a GPU, a Hugging Face checkpoint runs in its ``config.js
 (``bfloat16`` if it names none) and everything else in ``bfloat16``; on the CPU, a checkpoint
 runs as ``float16-weights`` (the linear layers' weights in float16, everything else float32:
 :func:`default_checkpoint_dtype`), the fastest format whose perplexity stays within 2% of
-float32 (``benchmarks/decode_speed.py``); random-weight presets keep their own dtype.
+float32 (``benchmarks/model/decode_speed.py``); random-weight presets keep their own dtype.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ the docstrings are the executor's arithmetic.
 from __future__ import annotations
 
 from benchmarks.replay import ReplaySettings
-from benchmarks.traces import SyntheticRequest, Trace, segment_key
+from benchmarks.replay.traces import SyntheticRequest, Trace, segment_key
 
 VOCAB = 32000
 

@@ -50,7 +50,7 @@ class ContextConfig:
     num_stages: int = 4
 
 
-# The best of ``benchmarks.gpu_kernels``' sweep for a 4096-token chunk after a 16k prefix on the
+# The best of ``benchmarks.gpu.kernels``' sweep for a 4096-token chunk after a 16k prefix on the
 # H200 (488 TFLOP/s; 64/64/4/3 was within 3% there and ahead on a plain prefill, 394 against 334,
 # but whole forwards came out equal or better with this one: ``benchmarks/results/h200/context/``).
 DEFAULT_CONFIG = ContextConfig()

@@ -17,7 +17,7 @@ On the CPU a layer may keep its weight packed in float16 (:meth:`Linear.pack_flo
 ``float16-weights`` dtype): fbgemm's fp16 GEMM reads half the bytes and widens them to float32
 in registers, so activations and accumulation stay float32. A decode step reads every weight
 once, so it reads half as much, and fbgemm's kernel also outruns the float32 GEMM at batch 16-64
-on this project's AVX2 machine (``benchmarks/decode_speed.py`` measures both).
+on this project's AVX2 machine (``benchmarks/model/decode_speed.py`` measures both).
 """
 
 from __future__ import annotations

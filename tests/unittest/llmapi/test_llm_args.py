@@ -22,7 +22,7 @@ import pytest
 import yaml
 
 from benchmarks import replay
-from benchmarks.replay_settings import SET_BY_THE_REPLAY, ReplaySettings
+from benchmarks.replay.settings import SET_BY_THE_REPLAY, ReplaySettings
 from tensorrt_llm._torch.pyexecutor.config import CudaGraphConfig, ExecutorConfig, FaultInjectionConfig, TokenBudgetPolicyName
 from tensorrt_llm.commands import serve
 from tensorrt_llm.llmapi.config_fields import FieldSpec, deep_merge, from_mapping, overrides_from_args, to_mapping, walk

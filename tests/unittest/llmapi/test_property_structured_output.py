@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from jsonschema import validate
 
-from benchmarks.json_schemas import max_output_bytes, random_schema, schema_prompt
+from benchmarks.serving.json_schemas import max_output_bytes, random_schema, schema_prompt
 from tensorrt_llm.llmapi import LLM, GuidedDecodingParams, KvCacheConfig, SamplingParams
 
 THOROUGH = os.environ.get("HYPOTHESIS_PROFILE") == "thorough"

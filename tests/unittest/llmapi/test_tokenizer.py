@@ -273,7 +273,7 @@ def corpus() -> list[str]:
     """Real text: the perplexity paragraphs, this project's docs and code, chat-formatted strings."""
     from pathlib import Path
 
-    from benchmarks.perplexity import PARAGRAPHS
+    from benchmarks.model.perplexity import PARAGRAPHS
 
     root = Path(__file__).resolve().parents[3]
     texts = list(PARAGRAPHS)

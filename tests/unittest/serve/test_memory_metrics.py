@@ -7,7 +7,7 @@ import json
 import pytest
 from prometheus_client import generate_latest
 
-from benchmarks.serve_soak import memory_gauges, summarize_memory, summarize_polls
+from benchmarks.serving.soak import memory_gauges, summarize_memory, summarize_polls
 from tensorrt_llm.llmapi import LLM
 from tensorrt_llm.serve.metrics import ServerMetrics
 

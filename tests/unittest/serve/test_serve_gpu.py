@@ -1,5 +1,5 @@
 """`trtllm-serve` on the GPU, end to end (skipped without CUDA; run on the H200 by
-``benchmarks/results/h200/serving/run_h200.sh``): the real command with ``--device auto`` picks
+``benchmarks/gpu/h200_serving.sh``): the real command with ``--device auto`` picks
 the GPU, and 20 of the default scenario's requests, replayed over HTTP, all complete."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from benchmarks.replay import TraceSpec
-from benchmarks.replay_loop import Progress
-from benchmarks.serve_replay import ReplayTarget, discover, replay
-from benchmarks.serve_soak import ServerProcess
+from benchmarks.replay.loop import Progress
+from benchmarks.serving.replay import ReplayTarget, discover, replay
+from benchmarks.serving.soak import ServerProcess
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 

@@ -1,4 +1,4 @@
-"""``python -m benchmarks.serve_replay`` against a real server: every request served, the JSON of DESIGN.md §6."""
+"""``python -m benchmarks.serving.replay`` against a real server: every request served, the JSON of DESIGN.md §6."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import random
 import pytest
 from tests.helpers.server_harness import RunningServer
 
-from benchmarks import serve_replay
+from benchmarks.serving import replay as serve_replay
 from tensorrt_llm.llmapi import LLM, KvCacheConfig
 
 

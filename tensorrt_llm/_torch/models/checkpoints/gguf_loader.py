@@ -18,7 +18,7 @@ Two layout facts differ from the Hugging Face checkpoints our model follows:
       HF row of the head   j * head_dim/2 + i
 
   Left undone, the model still writes fluent short text, but its perplexity is several-fold
-  worse: the tests and ``benchmarks/decode_speed.py`` measure exactly that.
+  worse: the tests and ``benchmarks/model/decode_speed.py`` measure exactly that.
 * without an ``output.weight`` tensor the LM head is tied to the token embedding.
 
 Tensor names map to our parameters as ``token_embd`` -> ``model.embed_tokens``, ``blk.N.attn_q``

@@ -24,7 +24,7 @@ greedy pick ignores the mask, so a guided request is never given an in-flight pl
 samples it completes, its row comes to the host, the mask is computed and applied there, and
 only then is the next iteration scheduled: a guided request makes the iteration wait for its
 mask (about 0.5 ms a token on the CPU, next to tens of ms of forward; see
-``benchmarks.structured_output``). Computing the mask of step n+1 while forward n+1 runs would
+``benchmarks.serving.structured_output``). Computing the mask of step n+1 while forward n+1 runs would
 need the token of step n first, i.e. the same wait, so nothing would be hidden.
 """
 

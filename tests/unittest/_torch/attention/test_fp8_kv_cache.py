@@ -200,7 +200,7 @@ def test_the_start_up_line_and_the_metrics_say_what_the_pool_holds():
 
 
 def test_smollm2_perplexity_with_an_fp8_cache_is_within_one_percent(smollm2_path, smollm2_tokenizer):
-    from benchmarks.perplexity import paged_perplexity, paragraph_ids
+    from benchmarks.model.perplexity import paged_perplexity, paragraph_ids
 
     from tensorrt_llm._torch.models.checkpoints.gguf_loader import load_llama_from_gguf
 

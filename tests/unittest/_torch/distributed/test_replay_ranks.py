@@ -11,7 +11,7 @@ import pytest
 from tests.helpers.rank_jobs import JOB_TIMEOUT_S
 
 from benchmarks.replay import ReplaySettings, TraceSpec, build_parser, rank_layout, replay_trace
-from benchmarks.replay_ranks import RankLayout, RanksJob, RanksResult, replay_on_rank, schema_errors, summarize
+from benchmarks.replay.ranks import RankLayout, RanksJob, RanksResult, replay_on_rank, schema_errors, summarize
 from tests.helpers.replay_cases import EVICTED_SETTINGS, evicted_discount_trace
 
 pytestmark = [pytest.mark.multirank, pytest.mark.timeout(240), pytest.mark.usefixtures("one_torch_thread")]

@@ -17,7 +17,7 @@ import pytest
 import torch
 from gguf.quants import dequantize, quantize
 
-from benchmarks.perplexity import paragraph_ids, perplexity
+from benchmarks.model.perplexity import paragraph_ids, perplexity
 from tensorrt_llm._torch.models.checkpoints import (
     CheckpointError,
     llama_config_from_gguf,

@@ -363,17 +363,17 @@ def test_generation_config_supplies_eos_ids_and_sampling_defaults(tmp_path, capl
 
 
 def test_loading_holds_about_one_tensor_beside_the_model(tmp_path):
-    """Peak RSS of a load (a fresh process, benchmarks.hf_load_memory's measurement) stays within
+    """Peak RSS of a load (a fresh process, benchmarks.model.hf_load_memory's measurement) stays within
     1.3x the bytes on disk: the mapped pages of each tensor are released once it is copied."""
     import subprocess
     import sys
 
-    from benchmarks.hf_load_memory import LLAMA_3_2_1B, write_checkpoint as write_streamed
+    from benchmarks.model.hf_load_memory import LLAMA_3_2_1B, write_checkpoint as write_streamed
 
     shape = {**LLAMA_3_2_1B, "vocab_size": 8192, "hidden_size": 512, "intermediate_size": 2048, "num_hidden_layers": 8,
              "num_attention_heads": 8, "num_key_value_heads": 2, "tie_word_embeddings": False}
     disk = write_streamed(tmp_path / "ckpt", shape)
-    out = subprocess.run([sys.executable, "-m", "benchmarks.hf_load_memory", "--measure", str(tmp_path / "ckpt"),
+    out = subprocess.run([sys.executable, "-m", "benchmarks.model.hf_load_memory", "--measure", str(tmp_path / "ckpt"),
                           "bfloat16"], capture_output=True, text=True, check=True, timeout=240)
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["disk_bytes"] == disk > 50e6 and result["model_bytes"] == disk
@@ -384,7 +384,7 @@ def test_the_replays_torch_engine_runs_a_checkpoint_directory(sharded):
     """``python -m benchmarks.replay --engine torch --model DIR``: the flag takes the directory and
     every policy replays a small trace on it."""
     from benchmarks.replay import build_parser, replay_trace, settings_from_args
-    from benchmarks.traces import SyntheticRequest, Trace, segment_key
+    from benchmarks.replay.traces import SyntheticRequest, Trace, segment_key
 
     args = build_parser().parse_args(["--engine", "torch", "--device", "cpu", "--model", str(sharded), "--max-num-tokens",
                                       "32", "--kv-blocks", "64", "--tokens-per-block", "4", "--host-cache-blocks", "8",

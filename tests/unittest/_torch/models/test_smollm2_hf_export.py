@@ -4,7 +4,7 @@ written out by ``tools/gguf_to_hf`` (float32, sharded), then
 * served from the directory, it is the GGUF model: the same logits bit for bit, the same
   tokenizer, stop ids and chat template, the same greedy text;
 * transformers, running the same directory, scores the same perplexity on
-  ``benchmarks.perplexity``'s paragraphs (within 0.5%; in practice ~1e-6).
+  ``benchmarks.model.perplexity``'s paragraphs (within 0.5%; in practice ~1e-6).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import json
 import pytest
 import torch
 
-from benchmarks.perplexity import PARAGRAPHS, paragraph_ids, perplexity
+from benchmarks.model.perplexity import PARAGRAPHS, paragraph_ids, perplexity
 from tensorrt_llm import LLM, SamplingParams
 from tensorrt_llm.llmapi import KvCacheConfig
 from tensorrt_llm.llmapi.llm_utils import load_model

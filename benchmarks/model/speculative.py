@@ -1,0 +1,209 @@
+"""Speculative decoding (NGram) against none, A/B alternated in one run: acceptance, tokens per
+forward, output tokens/s, ITL.
+
+Two workloads:
+
+* **repetitive**: the model is asked to repeat a given text (``--model`` with a tokenizer, e.g.
+  SmolLM2: a chat prompt "Repeat this text exactly"; a random-weight model: token-id prompts made
+  of a repeated random sequence). Output that copies its input is where prompt lookup pays.
+* **default**: the replay's default scenario (``benchmarks.replay.scenario``; token-id prompts), its
+  first ``--num-requests`` requests with their prompts cut to ``--max-prompt-len`` tokens and at
+  most ``--max-tokens`` generated each, submitted together.
+
+Each of ``--repeats`` rounds serves a workload with speculation, then without (order swapped
+every other round), on one ``LLM`` each built once; the machine may be shared, so speeds are
+reported as the ratio of the two measured in the same run (median over rounds), with absolute
+numbers beside them. Greedy outputs must be equal, token for token (checked every round), in float32
+and float64; in 16-bit floats their agreement is reported (``_agreement``). A model
+with a tokenizer stops at its end of text; a random-weight one generates ``--max-tokens``.
+
+    python -m benchmarks.model.speculative [--model smollm2-135m-instruct] [--workloads repetitive,default]
+        [--batch 4] [--max-tokens 96] [--max-draft-len 4] [--max-matching-ngram-size 3]
+        [--num-requests 16] [--max-prompt-len 512] [--repeats 3] [--device auto] [--kv-memory-fraction 0.4]
+        [--max-concurrency N] [--acceptance-rate-threshold X] [--acceptance-rate-window-size 8]
+        [--disable-overlap-scheduler] [--kv-cache-dtype auto|fp8] [--json OUT.json]
+
+On a GPU both runs use the engine's defaults: CUDA graphs (a verification step replays the decode
+graph of its rows) and the overlap scheduler (drafts stay under it); ``--disable-overlap-scheduler``
+turns it off for both, to tell what it buys.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+from tensorrt_llm._torch.pyexecutor.config import KvCacheConfig, SpeculativeConfig
+from tensorrt_llm.llmapi.llm import LLM, SamplingParams
+
+TEXT = (
+    "The quick brown fox jumps over the lazy dog. A journey of a thousand miles begins with a single step. "
+    "All that glitters is not gold. Actions speak louder than words. The early bird catches the worm. "
+    "Knowledge is power, and time is money. Where there is a will, there is a way."
+)
+
+
+def repetitive_prompts(llm: LLM, batch: int) -> list:
+    """``batch`` prompts whose answer repeats their input."""
+    if llm.tokenizer is not None and llm.tokenizer.chat_template:
+        prompts = []
+        for i in range(batch):
+            sentences = TEXT.split(". ")
+            text = ". ".join(sentences[i % len(sentences) :] + sentences[: i % len(sentences)])
+            messages = [{"role": "user", "content": f"Repeat this text exactly, word for word:\n\n{text}"}]
+            prompts.append(llm.tokenizer.encode(llm.tokenizer.apply_chat_template(messages)))
+        return prompts
+    vocab = llm.model_config.vocab_size
+    return [[1 + (i * 7919 + j * 104729) % (vocab - 1) for j in range(24)] * 4 for i in range(batch)]
+
+
+def default_prompts(num_requests: int, max_prompt_len: int, vocab: int) -> list[list[int]]:
+    from benchmarks.replay.scenario import default_scenario
+
+    trace = default_scenario()
+    prompts = []
+    for request in trace.requests[:num_requests]:
+        tokens = [t % vocab for t in request.prompt_token_ids().tolist()[:max_prompt_len]]
+        prompts.append(tokens or [1])
+    return prompts
+
+
+def run_once(llm: LLM, prompts: list, params: SamplingParams) -> dict:
+    start = time.perf_counter()
+    handles = [llm.generate_async(p, params) for p in prompts]
+    outputs = [tuple(h.result(timeout=3600).outputs[0].token_ids) for h in handles]
+    wall = time.perf_counter() - start
+    return {"outputs": outputs, "wall_s": wall}
+
+
+def measure(llm: LLM, prompts: list, params: SamplingParams) -> dict:
+    before = len(llm.iteration_stats)
+    run = run_once(llm, prompts, params)
+    stats = llm.iteration_stats[before:]
+    generated = sum(map(len, run["outputs"]))
+    drafts = sum(s.num_draft_tokens for s in stats)
+    accepted = sum(s.num_accepted_draft_tokens for s in stats)
+    steps = sum(s.num_generation_requests for s in stats)  # forwards a generation request ran in
+    iteration_ms = [1000 * (s.end_time - s.start_time) for s in stats if s.num_generation_requests]
+    return {
+        "outputs": run["outputs"],
+        "wall_s": run["wall_s"],
+        "output_tokens": generated,
+        "output_tokens_per_s": generated / run["wall_s"],
+        "iterations": len(stats),
+        "forwards_per_request_token": len(stats) / max(1, generated / len(prompts)),
+        "draft_tokens": drafts,
+        "accepted_draft_tokens": accepted,
+        "acceptance_rate": accepted / drafts if drafts else 0.0,
+        # tokens a generation request gets per forward it runs in (1 without speculation)
+        "tokens_per_forward": (steps + accepted) / steps if steps else 0.0,
+        "iteration_ms": statistics.median(iteration_ms) if iteration_ms else 0.0,
+    }
+
+
+def _agreement(speculative: list[tuple], plain: list[tuple]) -> dict:
+    """How far greedy outputs with drafts follow those without: the share of requests whose
+    outputs are identical, and the mean share of each output before the first difference."""
+    identical = sum(a == b for a, b in zip(speculative, plain))
+    prefixes = []
+    for a, b in zip(speculative, plain):
+        common = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        prefixes.append(common / max(len(b), 1))
+    return {"identical_requests": identical / max(len(plain), 1),
+            "common_prefix_fraction": statistics.mean(prefixes) if prefixes else 1.0}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--dtype", default=None)
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--workloads", default="repetitive,default")
+    parser.add_argument("--batch", type=int, default=4, help="repetitive workload: prompts served together")
+    parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--max-draft-len", type=int, default=4)
+    parser.add_argument("--max-matching-ngram-size", type=int, default=3)
+    parser.add_argument("--num-requests", type=int, default=16, help="default workload: requests")
+    parser.add_argument("--max-prompt-len", type=int, default=512, help="default workload: prompts cut to this")
+    parser.add_argument("--max-num-tokens", type=int, default=2048)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--max-concurrency", type=int, default=None,
+                        help="SpeculativeConfig.max_concurrency: no drafts above this many generation requests")
+    parser.add_argument("--acceptance-rate-threshold", type=float, default=None,
+                        help="SpeculativeConfig: speculation off for good below this acceptance (with the window)")
+    parser.add_argument("--acceptance-rate-window-size", type=int, default=8)
+    parser.add_argument("--kv-memory-fraction", type=float, default=0.4,
+                        help="on a GPU, each LLM's KV pool takes this share of the memory free when it starts: the two "
+                             "LLMs (with and without drafts) share the device, and the second needs room for its weights")
+    parser.add_argument("--disable-overlap-scheduler", action="store_true",
+                        help="both runs without the overlap scheduler (default: the engine's, on for CUDA)")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"))
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+
+    common = dict(dtype=args.dtype, device=args.device, max_num_tokens=args.max_num_tokens, max_batch_size=64,
+                  enable_chunked_prefill=True,
+                  kv_cache_config=KvCacheConfig(tokens_per_block=32, free_gpu_memory_fraction=args.kv_memory_fraction,
+                                                dtype=args.kv_cache_dtype))
+    if args.disable_overlap_scheduler:
+        common["disable_overlap_scheduler"] = True
+    spec = SpeculativeConfig(max_draft_len=args.max_draft_len, max_matching_ngram_size=args.max_matching_ngram_size,
+                             max_concurrency=args.max_concurrency, acceptance_rate_threshold=args.acceptance_rate_threshold,
+                             acceptance_rate_window_size=args.acceptance_rate_window_size)
+    llms = {"ngram": LLM(args.model, speculative_config=spec, **common), "none": LLM(args.model, **common)}
+    # A model with a tokenizer stops at its end of text (past it, SmolLM2 starts a new conversation
+    # that repeats nothing: not the workload); a random-weight model generates max_tokens.
+    params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=llms["none"].tokenizer is None)
+    # Greedy outputs must be equal token for token where the arithmetic is exact enough (float32,
+    # float64). In 16-bit floats the verification forward (several positions per request, the
+    # prefill kernels) and a decode step (one position, the decode kernels or a CUDA graph) round
+    # differently, and a near-tie in the argmax can flip: there the agreement is measured, not
+    # required (the CUDA tests check equality in float32 on the GPU).
+    exact = llms["none"].model_config.torch_dtype.itemsize >= 4
+    report: dict = {"config": vars(args), "exact_dtype": exact, "results": {}}
+    try:
+        for workload in args.workloads.split(","):
+            if workload == "repetitive":
+                prompts = repetitive_prompts(llms["none"], args.batch)
+            elif workload == "default":
+                prompts = default_prompts(args.num_requests, args.max_prompt_len, llms["none"].model_config.vocab_size)
+            else:
+                raise SystemExit(f"unknown workload {workload!r}")
+            rounds: dict[str, list[dict]] = {"ngram": [], "none": []}
+            agreements: list[dict] = []
+            for repeat in range(args.repeats):
+                order = ("ngram", "none") if repeat % 2 == 0 else ("none", "ngram")
+                for name in order:
+                    rounds[name].append(measure(llms[name], prompts, params))
+                agreement = _agreement(rounds["ngram"][-1]["outputs"], rounds["none"][-1]["outputs"])
+                agreements.append(agreement)
+                if agreement["identical_requests"] < 1 and exact:
+                    raise SystemExit(f"{workload}: outputs with speculation differ from those without ({agreement})")
+            result = {key: min(a[key] for a in agreements) for key in agreements[0]}  # the worst round
+            for name, runs in rounds.items():
+                result[name] = {key: statistics.median(run[key] for run in runs)
+                                for key in runs[0] if key != "outputs"}
+                # inter-token latency: a generation iteration's time over the tokens it gives a request
+                result[name]["itl_ms"] = result[name]["iteration_ms"] / max(result[name]["tokens_per_forward"], 1.0)
+            ratios = [a["output_tokens_per_s"] / b["output_tokens_per_s"] for a, b in zip(rounds["ngram"], rounds["none"])]
+            result["speedup_output_tokens_per_s"] = statistics.median(ratios)
+            report["results"][workload] = result
+            ngram, none = result["ngram"], result["none"]
+            print(f"{workload}: acceptance {ngram['acceptance_rate']:.2f}, tokens/forward {ngram['tokens_per_forward']:.2f},"
+                  f" output tok/s {ngram['output_tokens_per_s']:.1f} vs {none['output_tokens_per_s']:.1f}"
+                  f" (x{result['speedup_output_tokens_per_s']:.2f}, median of {args.repeats} A/B rounds),"
+                  f" ITL {ngram['itl_ms']:.1f} vs {none['itl_ms']:.1f} ms; outputs identical for"
+                  f" {result['identical_requests']:.0%} of requests")
+    finally:
+        for llm in llms.values():
+            llm.shutdown()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+    return report
+
+
+if __name__ == "__main__":
+    main()
