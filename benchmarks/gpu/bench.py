@@ -9,8 +9,8 @@ Writes ``DIR/gpu_bench.json`` (every number, with the settings and versions), pl
 (each guarded: a failure is recorded in the JSON and the next section runs):
 
 * ``env``: versions, the GPU, measured matmul and copy ceilings.
-* ``attention``: one attention layer at the issue's shapes (``gpu.kernels``).
-* ``forward``: the model built on the GPU; the issue's roofline cases, decode with and without
+* ``attention``: one attention layer at the roofline cases' shapes (``gpu.kernels``).
+* ``forward``: the model built on the GPU; the four roofline cases, decode with and without
   CUDA graphs per batch size, and the shapes of ``../shared/calibration/`` (``gpu.forward``).
 * ``executor``: the scaled-down default scenario through the real executor, every iteration
   priced by the cost models (``gpu.sim_check``).
@@ -57,7 +57,8 @@ def _shared_table() -> Path | None:
 def run(args: argparse.Namespace) -> dict:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     t0 = time.perf_counter()
-    result: dict = {"command": " ".join(sys.argv), "model": args.model, "quick": args.quick, "sections": {}}
+    result: dict = {"command": " ".join(["python -m benchmarks.gpu.bench", *sys.argv[1:]]), "model": args.model,
+                    "quick": args.quick, "sections": {}}
 
     def section(name, fn):
         if name not in args.sections:

@@ -25,7 +25,7 @@ cached tokens plus itself, and ``decode_batch`` generation requests each attendi
 ``decode_ctx`` cached tokens plus itself. GEMMs run over all tokens together; the chunk and the
 decodes get one attention call each. KV for the largest shape is allocated once.
 
-The output has the format of the shared table (/work/shared/calibration/*.json): header fields
+The output has the format of the shared table (``../shared/calibration/*.json``): header fields
 ``gpu``, ``torch``, ``model``, ``method`` and ``rows`` of ``ctx_tokens, prefix, decode_batch,
 decode_ctx, ms``; extra header fields record the grid, the measured ceilings, the attention
 choice and a check of the per-layer scaling against whole eager and graph-replayed forwards.

@@ -1,6 +1,6 @@
 """Shared pieces of the GPU benchmarks: timing, ceilings, synthetic forwards, roofline accounting.
 
-Timing follows ``/work/.library/device/METHOD.md``: CUDA events around the region, warm-up
+Timing: CUDA events around the region, warm-up
 first, the median of several runs; on the CPU (``--dry-run``, to check the scripts without a
 GPU) the host clock after the work is done.
 """
@@ -20,7 +20,7 @@ from tensorrt_llm._torch.models.modeling_llama import LlamaConfig
 from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequest, LlmRequestState
 from tensorrt_llm._torch.pyexecutor.engine.inputs import ForwardInputs
 
-H200 = GpuSpec()  # 800 TFLOP/s bf16, 4.2 TB/s: the ceilings the issue's goals are stated in
+H200 = GpuSpec()  # 800 TFLOP/s bf16, 4.2 TB/s: the ceilings the GPU goals are stated in
 
 
 def synchronize(device: torch.device) -> None:
@@ -116,7 +116,7 @@ class Roofline:
 
 def roofline(shape: ForwardShape, model: ModelShape, gpu: GpuSpec = H200) -> Roofline:
     """FLOPs as the cost model counts them (GEMMs, attention pairs, LM head on sampled rows);
-    bytes: every weight once plus every cached K/V read once (the issue's decode floor)."""
+    bytes: every weight once plus every cached K/V read once (the decode floor)."""
     cost = RooflineCostModel(model, gpu)
     flops = cost.flops(shape)
     cached = sum(c for _, c in shape.contexts) + sum(c for _, c in shape.decodes)

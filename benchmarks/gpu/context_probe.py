@@ -1,4 +1,4 @@
-"""Probe of the Triton context kernel on the H200 (issue 15 item 6): the attention-layer sweep,
+"""Probe of the Triton context kernel on the H200: the attention-layer sweep,
 then whole forwards of the roofline's two context cases with flash and with Triton tiles.
 
     PYTHONPATH=. python benchmarks/gpu/context_probe.py OUT_DIR

@@ -1,5 +1,6 @@
 """Where the host's time goes when it launches an eager mixed forward on the H200 (Nemo preset):
-small mixed forwards ran at ~4x their roofline in run 6's replay (44 ms against 12 ms).
+small mixed forwards ran at ~4x their roofline in the replay with the Triton context kernel (44 ms against
+12 ms; ``benchmarks/results/h200/serving/README.md``).
 
     PYTHONPATH=. python benchmarks/gpu/eager_host_probe.py OUT_DIR
 

@@ -1,4 +1,4 @@
-"""Whole forwards of the engine on the GPU: the issue's roofline cases, what CUDA graphs buy at
+"""Whole forwards of the engine on the GPU: the four roofline cases, what CUDA graphs buy at
 each decode batch size, and the shapes of the shared calibration table.
 
 Every forward goes through ``TorchModelEngine.launch`` exactly as the executor drives it (plan
@@ -72,7 +72,7 @@ def time_forward(engine: TorchModelEngine, shape: ForwardShape, allocator: Block
 
 
 def roofline_cases(engine: TorchModelEngine, *, quick: bool) -> dict:
-    """The issue's four cases against the H200 roofline (decode with and without graphs)."""
+    """The four roofline cases against the H200 roofline (decode with and without graphs)."""
     cfg = engine.model.config
     shape_m = model_shape(cfg)
     allocator = BlockAllocator(engine.kv_cache_manager.num_blocks)

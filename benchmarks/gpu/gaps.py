@@ -1,4 +1,5 @@
-"""What the host did during the GPU's largest idle gaps in a replay (issue 9's leftover 0.8 points).
+"""What the host did during the GPU's largest idle gaps in a replay (the 0.8 points of
+idle over the 5% goal in ``benchmarks/results/h200/README.md``).
 
 Replays the default scenario's first ``--requests`` requests under one policy on the torch
 engine (overlap on, as ``gpu_phase_b``'s replay), records every forward's CUDA events (as

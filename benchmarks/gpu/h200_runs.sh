@@ -86,7 +86,7 @@ case $phase in
   cuda-tests)
     gpu
     timeout 540 "$PY" -m pytest tests/unittest/_torch/attention/test_fp8_cuda.py tests/unittest/_torch/speculative/test_speculative_cuda.py \
-      tests/unittest/_torch/attention/test_cuda.py tests/unittest/_torch/pyexecutor/test_beam_search_cuda.py \
+      tests/unittest/_torch/attention/test_cuda.py tests/unittest/_torch/pyexecutor/sampling/test_beam_search_cuda.py \
       -q -rs -p no:cacheprovider --durations=8 2>&1 | tee "$out/pytest_cuda.log" | tail -25
     ;;
   stage-smollm2)

@@ -26,7 +26,7 @@ case $phase in
     ;;
   cuda-tests)
     timeout 400 "$PY" -m pytest tests/unittest/_torch/attention/test_cuda.py tests/unittest/serve/test_serve_gpu.py \
-      tests/unittest/_torch/speculative/test_speculative_cuda.py tests/unittest/_torch/pyexecutor/test_beam_search_cuda.py \
+      tests/unittest/_torch/speculative/test_speculative_cuda.py tests/unittest/_torch/pyexecutor/sampling/test_beam_search_cuda.py \
       -q -rs -p no:cacheprovider --durations=5 > "$out/pytest_cuda.log" 2>&1
     tail -15 "$out/pytest_cuda.log"
     ;;
@@ -70,7 +70,7 @@ for name in ("kv_cache_manager.py.*prepare_resources", "_issue_batch", "_evict_u
 PY
     tail -5 "$out/gaps.txt"; head -70 "$out/profile.txt"
     ;;
-  speculative-smollm2)  # issue 20: NGram drafts against none on SmolLM2 (a real acceptance rate), bf16
+  speculative-smollm2)  # NGram drafts against none on SmolLM2 (a real acceptance rate), bf16
     for b in 1 4 8; do
       "$PY" -m benchmarks.model.speculative --model "${SMOLLM2:-smollm2-135m-instruct}" --device cuda --dtype bfloat16 \
         --workloads repetitive --batch $b --max-tokens 256 --repeats 5 --json "$out/h200_smollm2_repetitive_b$b.json"

@@ -1,4 +1,4 @@
-"""One attention layer of the engine at the issue's shapes, against torch's contiguous kernels.
+"""One attention layer of the engine at the roofline cases' shapes, against torch's contiguous kernels.
 
 Cases (Mistral-NeMo-12B attention: 32 query heads, 8 KV heads, head dim 128, bf16, 32-token
 blocks in shuffled order):

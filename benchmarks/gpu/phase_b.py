@@ -1,4 +1,4 @@
-"""Issue 9, phase B on the GPU: the replay of every policy on the engine, the overlap scheduler's
+"""Phase B on the GPU: the replay of every policy on the engine, the overlap scheduler's
 effect on GPU idle time, and the simulator's cost model against every iteration of a GPU replay.
 
     PYTHONPATH=. python -m benchmarks.gpu.phase_b --out DIR [--requests 150] [--time-scale 1.0]
@@ -373,7 +373,8 @@ def plot(result: dict, out_dir: Path) -> None:
 def run(args) -> dict:
     t0 = time.perf_counter()
     out_dir = Path(args.out)
-    result: dict = {"command": " ".join(sys.argv), "quick": args.quick, "torch": torch.__version__, "sections": {}}
+    result: dict = {"command": " ".join(["python -m benchmarks.gpu.phase_b", *sys.argv[1:]]), "quick": args.quick,
+                    "torch": torch.__version__, "sections": {}}
     if torch.cuda.is_available():
         result["device"] = torch.cuda.get_device_name()
 

@@ -1,7 +1,7 @@
 """Pydantic models of the OpenAI completions and chat completions API, as this server supports it.
 
 Requests are validated strictly at the edge, so that nothing a client sends can reach the
-executor in a form it cannot serve (issue 21):
+executor in a form it cannot serve (a bad request fails alone):
 
 * Types are not coerced (pydantic strict mode): ``"stream": "yes"``, ``1`` or ``"true"``,
   ``"n": true``, ``"seed": "1"`` are refused. An integer is taken where a number is expected

@@ -1,5 +1,5 @@
-"""The HTTP edge's limits, driven over raw sockets where a client library would hide the bytes
-(issue 21): every refusal is a whole HTTP response with the OpenAI error body, and no client
+"""The HTTP edge's limits, driven over raw sockets where a client library would hide the bytes:
+every refusal is a whole HTTP response with the OpenAI error body, and no client
 can hold a connection open by sending slowly.
 
 - malformed framing (request line, Content-Length, chunk size) -> 400 JSON, closed;

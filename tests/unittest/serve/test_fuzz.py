@@ -1,4 +1,4 @@
-"""A bad request fails alone (issue 21): HTTP fuzz of both endpoints, and the reproducers pinned.
+"""A bad request fails alone: HTTP fuzz of both endpoints, and the reproducers pinned.
 
 The fuzz sends random and adversarial bodies (wrong types, out-of-range and huge numbers,
 NaN, lone surrogates, unknown fields, nested junk, bytes that are not JSON) to

@@ -1,4 +1,4 @@
-"""The sampling fields people call with (issue 17), each driven by the ``openai`` client against a
+"""The sampling fields people call with, each driven by the ``openai`` client against a
 real server: logprobs (checked against a float64 reference forward), n, best_of, penalties,
 min_tokens, stop_token_ids, echo and response_format.
 

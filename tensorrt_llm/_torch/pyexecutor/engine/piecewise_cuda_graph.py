@@ -7,7 +7,7 @@ attention is 2 of a layer's ~20 kernels; the rest (norms, projections, RoPE, the
 adds) only sees a (T, hidden) batch of rows, whatever requests they belong to. Launched one by
 one from Python, a 12B model's eager mixed forward takes the host about 1 ms per layer, so a
 small one is bound by the host (on the H200: 42 ms to launch a 90-token chunk with 10 decodes
-whose kernels need ~12 ms; ``benchmarks/results/h200/serving/README.md``, run 6).
+whose kernels need ~12 ms; ``benchmarks/results/h200/serving/README.md``, the Triton context kernel's run).
 
 So each layer is cut around its attention (``DecoderLayer.attention_inputs`` / ``finish``) and
 the pieces between two attentions are captured, per padded token count N::

@@ -2,7 +2,7 @@
 
 The grammar library is ``llguidance`` (a 3 MB wheel with no dependencies). Upstream
 TRT-LLM uses ``xgrammar``, whose wheel also pulls ``transformers`` and ``triton`` (about
-200 MB beside the pinned torch): see the CHANGELOG entry of issue 17 for the comparison.
+200 MB beside the pinned torch).
 
 Life of a guided request::
 

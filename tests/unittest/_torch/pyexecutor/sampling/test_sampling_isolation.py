@@ -1,4 +1,4 @@
-"""Whatever one request's sampling carries fails that request alone (issue 21).
+"""Whatever one request's sampling carries fails that request alone.
 
 - A sampler that raises for one request of a batch (a seed the generator cannot take, forced
   past ``SamplingConfig``'s validation) fails that request; the greedy requests batched with
