@@ -86,7 +86,7 @@ def full_costs(scheduled: ScheduledRequests, kv: KVCacheManager) -> dict[int, Ch
     """Every scheduled request's pre-allocation bound; call before ``prepare_resources``."""
     costs = {}
     for chunk in scheduled.context_chunks:
-        can_shift = kv.reuse_can_shift(chunk.request)
+        can_shift = kv.prefix.can_shift(chunk.request)
         costs[chunk.request.request_id] = Charged(chunk.cost(reuse_can_shift=can_shift), chunk, can_shift)
     for request in scheduled.generation_requests:
         costs[request.request_id] = Charged(forward_cost(request), None, False)
@@ -452,7 +452,7 @@ class ExecutorChecker:
         check = self.invariants
         open_requests = [r for rid, r in self.submitted.items() if rid not in self.final]
         before = {r.request_id: snapshot(r, kv) for r in open_requests}
-        can_shift = {r.request_id: kv.reuse_can_shift(r) for r in open_requests}
+        can_shift = {r.request_id: kv.prefix.can_shift(r) for r in open_requests}
         # A generation step's cost is read after the step, from the drafts that ran (the drafter
         # proposes them inside the step, and they stay until the next step's drafter), except
         # first-draft padding, which the step clears: whether a request was first-draft is taken now.

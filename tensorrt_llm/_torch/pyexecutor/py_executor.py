@@ -621,7 +621,7 @@ class PyExecutor:
         if not state.done:
             if request.first_token_time is None:
                 request.first_token_time = now
-            self.kv_cache_manager.fork_beams(request, step.parents)
+            self.kv_cache_manager.sequences.fork_beams(request, step.parents)
             return
         self._deliver(request, list(best.tokens), True, now, beams=state.results)
 

@@ -258,7 +258,7 @@ class ForwardInputs:
         """Per request: the block table of each of its beams (a beam-search request), else None."""
         if self._beam_tables is None:
             self._beam_tables = [
-                self._kv.beam_block_tables(request) if beams > 1 else None
+                self._kv.sequences.beam_block_tables(request) if beams > 1 else None
                 for request, beams in zip(self.requests, self._beams)
             ]
         return self._beam_tables

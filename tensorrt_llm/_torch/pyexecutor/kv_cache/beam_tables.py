@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from tensorrt_llm._torch.pyexecutor.kv_cache.block_pool import KVBlock
+from tensorrt_llm._torch.pyexecutor.kv_cache.block import KVBlock
 
 
 class BeamTables:

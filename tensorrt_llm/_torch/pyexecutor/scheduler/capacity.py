@@ -103,7 +103,7 @@ class CapacityScheduler:
         waiting request is decided here (the iterator is empty): a preemption changes
         ``fitting``. ``iteration`` is the executor's, for the preemption cooldown.
         """
-        started, waiting = self.kv.split_allocated(active)
+        started, waiting = self.kv.sequences.split_allocated(active)
         if self.order is not None and waiting:
             waiting.sort(key=self.order.key)
         if self.preemption_cooldown is not None and waiting:
@@ -130,7 +130,7 @@ class CapacityScheduler:
             return CapacityDecision(started), iter(())
         # every holder's reservation, not only the requests scheduled now: under overlap one whose
         # last token is in flight is not scheduled but holds its blocks until that forward completes
-        available = self.kv.available_blocks - self.kv.reserved_blocks
+        available = self.kv.available_blocks - self.kv.sequences.reserved_blocks
         return CapacityDecision(started), self._admit(waiting, available, to_completion=True)
 
     def _max_utilization(
@@ -165,10 +165,10 @@ class CapacityScheduler:
         to_completion = self.policy is CapacitySchedulerPolicy.GUARANTEED_NO_EVICT
         if to_completion:
             decision = CapacityDecision(list(started))
-            available = kv.available_blocks - kv.reserved_blocks  # every holder's (see _guaranteed_no_evict)
+            available = kv.available_blocks - kv.sequences.reserved_blocks  # every holder's (see _guaranteed_no_evict)
 
             def set_aside(request: LlmRequest) -> int:
-                return kv.blocks_reserved_to_completion([request])
+                return kv.sequences.blocks_reserved_to_completion([request])
         else:
             decision, _ = self._max_utilization(started, [])
             if decision.paused:  # memory is short while anything is paused: admit nothing new
@@ -181,7 +181,7 @@ class CapacityScheduler:
         running = list(decision.fitting)
 
         def credit(request: LlmRequest) -> int:
-            return kv.releasable_blocks(request) + set_aside(request)
+            return kv.sequences.releasable_blocks(request) + set_aside(request)
 
         for request in waiting:
             match = kv.match(request)

@@ -20,7 +20,7 @@ host tier, or once evicted from it too, they are recomputed. Its generated token
 resumes as context over prompt + output, so its output is the one it would have had unpaused.
 
 A victim credits what pausing it frees: the blocks it alone holds
-(``KVCacheManager.releasable_blocks``), plus what the policy had set aside for it (its blocks
+(``SequenceBlocks.releasable_blocks``), plus what the policy had set aside for it (its blocks
 to completion under GUARANTEED_NO_EVICT, its next step under MAX_UTILIZATION). The waiting
 request is then charged its blocks without any sharing credit (a block it would share with a
 victim is released by the pause and claimed again: it needs a slot), so preemption never

@@ -135,7 +135,7 @@ def test_rejected_drafts_roll_back_their_blocks_and_never_reach_the_prefix_tree(
     iteration = executor.step()  # first draft: 1 + max_draft_len positions, all drafts rejected
     assert iteration.stats.forward_tokens == 5 and iteration.stats.num_draft_tokens == 4
     assert iteration.stats.num_accepted_draft_tokens == 0
-    assert len(request.tokens) == 6 and kv.num_held_blocks(request) == 3  # not the 5 the forward wrote
+    assert len(request.tokens) == 6 and kv.sequences.num_held_blocks(request) == 3  # not the 5 the forward wrote
     executor.run_until_idle()
     assert tuple(request.output_token_ids) == want
     kv.check_integrity()

@@ -289,7 +289,7 @@ def test_resumed_admission_walk_equals_fresh_walks(monkeypatch):
 
     def checked(self, request_id, prompt_len, keys):
         got = resumed(self, request_id, prompt_len, keys)
-        assert got == self._pool.match(keys)  # the walk from the root
+        assert got == self._tree.match(keys)  # the walk from the root
         calls.append(len(got))
         return got
 

@@ -13,7 +13,7 @@ import pytest
 from tests.helpers.factories import make_request, make_sim_executor
 
 from tensorrt_llm._torch.pyexecutor.kv_cache.block_pool import BlockPool, KVBlock
-from tensorrt_llm._torch.pyexecutor.kv_cache.manager import PrefixIndex
+from tensorrt_llm._torch.pyexecutor.kv_cache.prefix_reuse import PrefixIndex
 
 TPB = 4
 
@@ -31,7 +31,7 @@ def commit(pool: BlockPool, seed: int, n: int) -> list[KVBlock]:
     """``n`` fresh blocks committed as one chain from the root, still held."""
     chain = pool.allocate_many(n)
     assert len(chain) == n
-    pool.commit_chain(chain, 0, keys(content(seed, n)))
+    pool.tree.commit_chain(chain, 0, keys(content(seed, n)))
     return chain
 
 
@@ -52,7 +52,7 @@ def test_a_slot_gets_its_object_on_first_use_and_keeps_it():
 def test_released_blocks_are_blank_and_unreferenced():
     pool = BlockPool(4)
     chain = commit(pool, 0, 2)
-    private = pool.allocate()
+    private = pool.allocate_many(1)[0]
     pool.release([private])
     assert private.ref_count == 0 and not private.in_tree and private.host_id is None
     pool.release(chain)
@@ -73,7 +73,7 @@ def test_allocate_and_release_build_nothing_once_every_slot_was_used():
     built = pool.num_block_objects
     before = sys.getallocatedblocks()
     for _ in range(2000):
-        block = pool.allocate()
+        block = pool.allocate_many(1)[0]
         pool.release([block])
         pair = pool.allocate_many(2)
         pool.release(pair)
@@ -86,14 +86,14 @@ def test_allocate_and_release_build_nothing_once_every_slot_was_used():
 def test_reference_counts_and_the_three_sets():
     pool = BlockPool(6)
     chain = commit(pool, 0, 3)
-    pool.incref(chain[0])  # a second holder of the root block
+    pool.incref_all([chain[0]])  # a second holder of the root block
     pool.release(chain)
     assert (pool.num_free, pool.num_cached) == (3, 2) and chain[0].ref_count == 1
     pool.check_integrity([chain[0]])
-    pool.decref(chain[0])
+    pool.release([chain[0]])
     assert (pool.num_free, pool.num_cached, pool.stats().num_held) == (3, 3, 0)
     with pytest.raises(AssertionError, match="unreferenced"):
-        pool.decref(chain[0])
+        pool.release([chain[0]])
     pool.incref_all(chain)  # a claim pins the whole prefix at once: nothing of it stays evictable
     assert pool.num_cached == 0 and pool.available == 3
     pool.release(chain)
@@ -105,7 +105,7 @@ def test_a_duplicate_commit_hands_its_slot_back_and_shares_the_canonical_block()
     first = commit(pool, 0, 2)
     second = pool.allocate_many(2)
     dup_ids = [b.block_id for b in second]
-    pool.commit_chain(second, 0, keys(content(0, 2)))  # the same content, computed concurrently
+    pool.tree.commit_chain(second, 0, keys(content(0, 2)))  # the same content, computed concurrently
     assert second == first and all(b.ref_count == 2 for b in first)
     assert pool.num_free == 2 and {b.block_id for b in first}.isdisjoint(dup_ids)
     pool.release(first)
@@ -185,12 +185,12 @@ def test_random_churn_keeps_the_pool_whole_and_the_objects_bounded():
             n = rng.randint(1, 4)
             if pool.available >= n:
                 chain = pool.allocate_many(n)
-                pool.commit_chain(chain, 0, keys(content(rng.randrange(8) * 10, n)))
+                pool.tree.commit_chain(chain, 0, keys(content(rng.randrange(8) * 10, n)))
                 held.append(chain)
         elif op < 0.8 and held:
             pool.release(held.pop(rng.randrange(len(held))))
         elif held:  # pin something cached or on the host, as a claim would, and onboard it
-            candidates = [b for b in pool.lru_blocks() + pool.lru_blocks(host=True) if b.parent is pool.root]
+            candidates = [b for b in pool.lru_blocks() + pool.host.lru_blocks() if b.parent is pool.tree.root]
             if candidates:
                 block = rng.choice(candidates)
                 pool.incref_all([block])
@@ -207,19 +207,19 @@ def test_a_kept_walk_sees_through_a_reused_block_object():
     """PrefixIndex resumes a waiting request's walk. Its blocks may leave the tree and their
     objects come back holding other content: the resumed walk must still equal a fresh one."""
     pool = BlockPool(4)
-    index = PrefixIndex(pool)
+    index = PrefixIndex(pool.tree)
     prompt = keys(content(0, 2))
     x = commit(pool, 0, 2)
     pool.release(x)
     assert index.chain(1, 8, prompt) == x
     taken = pool.allocate_many(4)  # both of x are evicted (no host tier) and handed out again
     assert {id(b) for b in x} <= {id(b) for b in taken}
-    pool.commit_chain(taken, 0, keys(content(50, 4)))  # ... and re-enter the tree as other blocks
+    pool.tree.commit_chain(taken, 0, keys(content(50, 4)))  # ... and re-enter the tree as other blocks
     assert all(b.in_tree for b in x)
-    assert index.chain(1, 8, prompt) == pool.match(prompt) == []
+    assert index.chain(1, 8, prompt) == pool.tree.match(prompt) == []
     pool.release(taken)
     y = commit(pool, 0, 2)  # the prompt's content is computed again
-    assert index.chain(1, 8, prompt) == pool.match(prompt) == y
+    assert index.chain(1, 8, prompt) == pool.tree.match(prompt) == y
     pool.release(y)
     pool.check_integrity()
 

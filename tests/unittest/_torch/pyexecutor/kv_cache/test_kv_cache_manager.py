@@ -250,22 +250,22 @@ def test_lru_keeps_its_order_and_a_bounded_length_under_repeated_pins():
     pool = BlockPool(4, 2)
     chain = pool.allocate_many(3)
     content = [array("I", range(i * TPB, (i + 1) * TPB)).tobytes() for i in range(3)]  # packed tokens
-    pool.commit_chain(chain, 0, [(hash(t), t) for t in content])
+    pool.tree.commit_chain(chain, 0, [(hash(t), t) for t in content])
     a, b, c = chain
     pool.release(chain)  # leaves first: c, b, a from oldest
     assert pool.lru_blocks() == [c, b, a]
     for _ in range(1000):  # a hot block, pinned by claim after claim
-        pool.incref(b)
-        pool.decref(b)
+        pool.incref_all([b])
+        pool.release([b])
     assert pool.lru_blocks() == [c, a, b] and pool.num_cached == 3
     assert pool.lru_length <= 2 * pool.num_cached + 64
     fresh = pool.allocate_many(3)  # 1 free slot, then c and a go to the host tier, oldest first
-    assert pool.lru_blocks() == [b] and pool.lru_blocks(host=True) == [c, a]
+    assert pool.lru_blocks() == [b] and pool.host.lru_blocks() == [c, a]
     assert (a.block_id, c.block_id) == (None, None) and pool.num_host_cached == 2
-    pool.incref(a)  # a claim pins a host block: it leaves the host list at once
-    assert pool.lru_blocks(host=True) == [c] and pool.num_host_cached == 1
-    pool.decref(a)
-    assert pool.lru_blocks(host=True) == [c, a]
+    pool.incref_all([a])  # a claim pins a host block: it leaves the host list at once
+    assert pool.host.lru_blocks() == [c] and pool.num_host_cached == 1
+    pool.release([a])
+    assert pool.host.lru_blocks() == [c, a]
     pool.check_integrity(fresh)
 
 
@@ -472,7 +472,7 @@ def test_allocation_is_all_or_nothing(shared):
     assert allocation.scheduled.is_empty and allocation.claims == []
     assert not kv.is_allocated(request)
     assert counts(kv) == before  # nothing stays claimed
-    assert all(block.ref_count == 0 for block in kv.pool.lru_blocks() + kv.pool.lru_blocks(host=True))
+    assert all(block.ref_count == 0 for block in kv.pool.lru_blocks() + kv.pool.host.lru_blocks())
     assert (request.context_current_position, request.prepopulated_prompt_len) == (0, 0)
     kv.check_integrity()
 
@@ -523,7 +523,7 @@ def test_one_failed_allocation_leaves_the_others_in_the_batch():
     allocation = kv.prepare_resources(make_batch([small, big]))
     assert allocation.scheduled.context_requests == [small]
     assert allocation.deferred == [big]
-    assert kv.num_held_blocks(small) == 2 and not kv.is_allocated(big)
+    assert kv.sequences.num_held_blocks(small) == 2 and not kv.is_allocated(big)
     kv.check_integrity()
 
 
@@ -539,7 +539,7 @@ def test_allocate_returns_the_chunk_on_its_reused_prefix_or_none():
     got = kv.allocate(ContextChunk.of(request, 12))
     assert got is not None and got.first
     assert (got.chunk.start, got.chunk.size, got.chunk.reused) == (8, 4, 8)
-    assert kv.is_allocated(request) and kv.num_held_blocks(request) == 3
+    assert kv.is_allocated(request) and kv.sequences.num_held_blocks(request) == 3
 
     before = counts(kv)
     too_big = make_request(tokens(16, seed=63))  # 4 blocks, 3 available
@@ -550,7 +550,7 @@ def test_allocate_returns_the_chunk_on_its_reused_prefix_or_none():
     request.state = LlmRequestState.GENERATION_IN_PROGRESS
     request.add_new_token(5)  # position 12: a fourth block
     step = kv.allocate(request)
-    assert step is not None and step.chunk is None and kv.num_held_blocks(request) == 4
+    assert step is not None and step.chunk is None and kv.sequences.num_held_blocks(request) == 4
     kv.check_integrity()
 
 
@@ -586,7 +586,7 @@ def test_leak_oracle_catches_a_leaked_block():
     kv = manager(num_blocks=4)
     cache_prompt(kv, tokens(8, seed=46))
     kv.check_integrity()
-    kv.pool.allocate()  # taken from the pool, held by no request: neither free, cached nor held
+    kv.pool.allocate_many(1)  # taken from the pool, held by no request: neither free, cached nor held
     with pytest.raises(AssertionError, match="leak"):
         kv.check_integrity()
 
@@ -630,20 +630,20 @@ def test_partial_match_takes_the_earliest_committed_child_with_an_index_built_la
     pool = BlockPool(8)
 
     def commit(block_hash, ids):
-        block = pool.allocate()
-        pool.commit_chain([block], 0, [(block_hash, array("I", ids).tobytes())])
+        block = pool.allocate_many(1)[0]
+        pool.tree.commit_chain([block], 0, [(block_hash, array("I", ids).tobytes())])
         return block
 
     a1 = commit(1, [5, 1, 1, 1])
     b1 = commit(2, [5, 6, 9, 9])
     a2 = commit(1, [5, 6, 7, 7])  # shares a1's hash bucket: by hash it comes before b1
     query = array("I", [5, 6, 0, 0]).tobytes()
-    assert pool.match_partial(None, query) == (b1, 2)  # b1 and a2 tie: b1 was committed first
+    assert pool.tree.match_partial(None, query) == (b1, 2)  # b1 and a2 tie: b1 was committed first
     pool.release([b1])
     pool.release(pool.allocate_many(pool.num_free + 1))  # evicts b1, the one cached block (no host tier: dropped)
     assert not b1.in_tree and pool.num_evictions == 1
-    assert pool.match_partial(None, query) == (a2, 2)
+    assert pool.tree.match_partial(None, query) == (a2, 2)
     c = commit(3, [5, 6, 0, 7])
-    assert pool.match_partial(None, query) == (c, 3)
-    assert pool.match_partial(None, array("I", [7, 6, 0, 0]).tobytes()) == (None, 0)
+    assert pool.tree.match_partial(None, query) == (c, 3)
+    assert pool.tree.match_partial(None, array("I", [7, 6, 0, 0]).tobytes()) == (None, 0)
     assert a1.in_tree

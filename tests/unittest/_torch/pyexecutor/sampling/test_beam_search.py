@@ -321,22 +321,22 @@ def test_beam_tables_share_prompt_blocks_copy_on_write_and_free_dropped_beams():
     sampler = SyntheticSampler(VOCAB_SIM)
     request = make_request(list(range(1, 11)), beam_width=3, max_new_tokens=8)
     assert run_alone(kv, request, sampler)  # the prompt, and its first token
-    assert kv.num_held_blocks(request) == 3 + 2  # 3 prompt blocks + 2 set aside for the beams' copies
+    assert kv.sequences.num_held_blocks(request) == 3 + 2  # 3 prompt blocks + 2 set aside for the beams' copies
     assert run_alone(kv, request, sampler)  # the first beam step: each beam writes position 10
-    tables = kv.beam_block_tables(request)
+    tables = kv.sequences.beam_block_tables(request)
     assert len({tuple(t[:2]) for t in tables}) == 1, f"full prompt blocks are shared: {tables}"
     assert len({t[2] for t in tables}) == 3, f"each beam has its own copy of the partial block: {tables}"
-    assert kv.num_held_blocks(request) == 2 + 3  # = the bound the capacity scheduler counts at this length
+    assert kv.sequences.num_held_blocks(request) == 2 + 3  # = the bound the capacity scheduler counts at this length
     free = kv.pool.num_free
-    kv.fork_beams(request, (0, 0, 1))  # beam 2 dropped; beams 0 and 1 continue old beam 0
-    tables = kv.beam_block_tables(request)
-    assert tables[0] == tables[1] and kv.pool.num_free == free + 1 and kv.num_held_blocks(request) == 2 + 2
+    kv.sequences.fork_beams(request, (0, 0, 1))  # beam 2 dropped; beams 0 and 1 continue old beam 0
+    tables = kv.sequences.beam_block_tables(request)
+    assert tables[0] == tables[1] and kv.pool.num_free == free + 1 and kv.sequences.num_held_blocks(request) == 2 + 2
     kv.check_integrity()
     assert run_alone(kv, request, sampler)  # position 11: beams 0 and 1 share that block: one copies it
-    tables = kv.beam_block_tables(request)
-    assert len({t[2] for t in tables}) == 3 and kv.num_held_blocks(request) == 5
+    tables = kv.sequences.beam_block_tables(request)
+    assert len({t[2] for t in tables}) == 3 and kv.sequences.num_held_blocks(request) == 5
     assert run_alone(kv, request, sampler)  # position 12: a new block for every beam
-    assert [len(t) for t in kv.beam_block_tables(request)] == [4, 4, 4] and kv.num_held_blocks(request) == 8
+    assert [len(t) for t in kv.sequences.beam_block_tables(request)] == [4, 4, 4] and kv.sequences.num_held_blocks(request) == 8
     kv.check_integrity()
     request.state = LlmRequestState.GENERATION_COMPLETE
     kv.free(request)

@@ -259,7 +259,7 @@ def test_guaranteed_no_evict_reserves_to_completion_and_admits_in_order():
     assert decision.fitting == [r1] and decision.paused == []
 
     prefill(kv, r1)  # holds its 3 prompt blocks now, reserves 2 more to completion
-    assert kv.num_held_blocks(r1) == 3 and kv.blocks_reserved_to_completion([r1]) == 2
+    assert kv.sequences.num_held_blocks(r1) == 3 and kv.sequences.blocks_reserved_to_completion([r1]) == 2
     fits = make_request(prompt_len=16, max_new_tokens=4)  # 5 blocks: 3 held + 2 reserved + 5 = 10
     too_big = make_request(prompt_len=16, max_new_tokens=5)  # 6 blocks
     assert scheduler.schedule([r1, fits]).fitting == [r1, fits]
