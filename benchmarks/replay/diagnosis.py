@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from tensorrt_llm._torch.pyexecutor.forward_cost import forward_cost
-from tensorrt_llm._torch.pyexecutor.kv_cache.manager import ClaimRecord
+from tensorrt_llm._torch.pyexecutor.kv_cache.values import ClaimRecord
 from tensorrt_llm._torch.pyexecutor.scheduled_requests import ContextChunk, ScheduledRequests
 
 MECHANISMS = ("whole_prompt_hit", "evicted_discount", "other")

@@ -9,7 +9,8 @@ from typing import Sequence
 
 from tensorrt_llm._torch.pyexecutor.config import ExecutorConfig, KvCacheConfig
 from tensorrt_llm._torch.pyexecutor.errors import InvalidRequestError
-from tensorrt_llm._torch.pyexecutor.kv_cache.manager import KVAllocation, KVCacheManager
+from tensorrt_llm._torch.pyexecutor.kv_cache.manager import KVCacheManager
+from tensorrt_llm._torch.pyexecutor.kv_cache.values import KVAllocation
 from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequest, LlmRequestState
 from tensorrt_llm._torch.pyexecutor.engine.torch_engine import ModelEngine
 from tensorrt_llm._torch.pyexecutor.py_executor import PyExecutor

@@ -33,7 +33,7 @@ from tensorrt_llm._torch.distributed.torchrun import TorchrunGroup
 from tensorrt_llm._torch.distributed.worker import serve_config, serve_rank
 from tensorrt_llm._torch.models.modeling_llama import HeadShard, LlamaConfig
 from tensorrt_llm._torch.pyexecutor.config import ExecutorConfig
-from tensorrt_llm._torch.pyexecutor.kv_cache.block_pool import KvCacheStats
+from tensorrt_llm._torch.pyexecutor.kv_cache.values import KvCacheStats
 from tensorrt_llm._torch.pyexecutor.errors import ExecutorShutdown, InvalidRequestError
 from tensorrt_llm._torch.pyexecutor.executor.client import Health, IterationListener, Load, Response, ResponseCallback
 from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequest

@@ -11,7 +11,7 @@ import torch
 
 from tensorrt_llm._torch.attention_backend.kv_quant import KvScales, kv_cache_dtype
 from tensorrt_llm._torch.models.modeling_llama import LlamaForCausalLM
-from tensorrt_llm._torch.pyexecutor.kv_cache.block_pool import BlockTokens
+from tensorrt_llm._torch.pyexecutor.kv_cache.block import BlockTokens
 from tensorrt_llm._torch.pyexecutor.config import ExecutorConfig
 from tensorrt_llm._torch.pyexecutor.sampling.drafter import Drafter, drafter_for
 from tensorrt_llm._torch.pyexecutor.engine.fault_injection import FaultInjectingEngine

@@ -28,7 +28,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from tensorrt_llm._torch.pyexecutor.budget.recheck import BudgetDecision
-from tensorrt_llm._torch.pyexecutor.kv_cache.manager import ClaimRecord, KVCacheManager, PrefixClaim
+from tensorrt_llm._torch.pyexecutor.kv_cache.manager import KVCacheManager
+from tensorrt_llm._torch.pyexecutor.kv_cache.values import ClaimRecord, PrefixClaim
 from tensorrt_llm._torch.pyexecutor.llm_request import DeferReason, LlmRequest
 from tensorrt_llm._torch.pyexecutor.scheduled_requests import ContextChunk, Deferral, ScheduledRequests
 from tensorrt_llm._torch.pyexecutor.budget.policies import TokenBudgetPolicy

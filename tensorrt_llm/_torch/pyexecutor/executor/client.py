@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Mapping, NamedTuple, Protocol, Sequence
 
-from tensorrt_llm._torch.pyexecutor.kv_cache.block_pool import KvCacheStats
+from tensorrt_llm._torch.pyexecutor.kv_cache.values import KvCacheStats
 from tensorrt_llm._torch.pyexecutor.config import ExecutorConfig
 from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequest
 from tensorrt_llm._torch.pyexecutor.iteration.stats import IterationStats

@@ -1,7 +1,6 @@
 """``BlockPool``: the primary slots, their reference counts and LRU eviction.
 
-Every primary slot is in exactly one of three sets, so ``num_free + num_cached + num_held ==
-num_blocks``::
+Every primary slot is in exactly one of three sets, so ``num_free + num_cached + num_held == num_blocks``::
 
     free     no content                                   allocate_many() takes these first
     held     ref_count > 0: in block tables, or claimed    release() gives them back
@@ -10,19 +9,17 @@ num_blocks``::
     allocate ─► held ─release─► cached ─evict─► host tier (offloaded: still matches), or dropped ─► free
                      └─release (not in the tree) ───────────────────────────────────────────────► free
 
-It is vLLM's block pool (a free queue and a hash map): the hash map is the prefix tree
-(:mod:`.prefix_tree`, :attr:`tree`), the host slots behind it are :attr:`host`
-(:mod:`.host_tier`), the LRU deques drop stale entries lazily (:mod:`.lru`).
+It is vLLM's block pool, a free queue and a hash map: the map is the prefix tree (:attr:`tree`,
+:mod:`.prefix_tree`), the host slots behind the pool are :attr:`host` (:mod:`.host_tier`), and
+the LRU deques drop stale entries lazily (:mod:`.lru`).
 
-Block objects are built once and reused: a primary slot gets its object the first time it is
-handed out, and from then on a free slot keeps an object on the free list, ready to hand out
-again (an allocation sets its reference count, nothing more). A tree block is its content's
-identity: when it moves to the host tier it keeps its object and the primary slot it leaves
-takes a spare one (an object that holds no slot: a host-only block that left the tree, or a
-fresh block whose content was already in the tree). So a pool never holds more than
-``num_blocks + num_host_blocks`` block objects (:attr:`num_block_objects`), and once every slot
-has been used an allocation builds none. A block handed back to the free list is blank (no
-tokens, parent, children or host slot); one that re-enters the tree gets a new ``serial``.
+Block objects are built once and reused: a slot gets its object the first time it is handed out
+and keeps one on the free list from then on, so an allocation only sets a reference count. A tree
+block is its content's identity: offloaded, it keeps its object and the slot it leaves takes a
+spare one (an object that holds no slot: a host-only block that left the tree, or a fresh block
+whose content a node already held). A pool never holds more than ``num_blocks + num_host_blocks``
+objects (:attr:`num_block_objects`). A block back on the free list is blank; one that re-enters
+the tree gets a new ``serial``.
 """
 
 from __future__ import annotations
@@ -30,10 +27,9 @@ from __future__ import annotations
 from collections import deque
 from typing import Iterable
 
-from tensorrt_llm._torch.pyexecutor.kv_cache import lru as lru_order
-from tensorrt_llm._torch.pyexecutor.kv_cache.lru import SLACK
 from tensorrt_llm._torch.pyexecutor.kv_cache.block import TOKEN_BYTES, BlockStorage, BlockTokens, KVBlock
 from tensorrt_llm._torch.pyexecutor.kv_cache.host_tier import HostTier
+from tensorrt_llm._torch.pyexecutor.kv_cache.lru import SLACK, compact, live_blocks
 from tensorrt_llm._torch.pyexecutor.kv_cache.prefix_tree import PrefixTree, common_prefix_tokens, unindex
 from tensorrt_llm._torch.pyexecutor.kv_cache.values import KvCacheStats
 
@@ -43,8 +39,8 @@ __all__ = ["BlockPool", "BlockStorage", "BlockTokens", "KVBlock", "KvCacheStats"
 class BlockPool:
     """Owns every primary and host slot; hands out blocks and takes them back.
 
-    Running out is a value, not an exception: ``allocate_many`` returns fewer blocks than asked and
-    the caller defers. ``available`` counts what an allocation could obtain (free + evictable).
+    Running out is a value, not an exception: ``allocate_many`` returns fewer blocks than asked
+    (callers check ``available`` first: free + evictable) and the caller defers.
     """
 
     def __init__(self, num_blocks: int, num_host_blocks: int = 0, *, storage: BlockStorage | None = None) -> None:
@@ -126,7 +122,7 @@ class BlockPool:
                 self.host.push(block)
         self._num_cached += cached
         if len(lru) > 2 * self._num_cached + SLACK:
-            self._lru = lru_order.compact(lru, host=False)
+            self._lru = compact(lru, host=False)
 
     def _merge(self, node: KVBlock, duplicate: KVBlock) -> None:
         """``duplicate`` (fresh, held once) was computed with ``node``'s content: ``node`` takes
@@ -216,25 +212,21 @@ class BlockPool:
         return True
 
     def offload_until(self, num_free: int) -> int:
-        """Evict least recently used cached blocks until ``num_free`` primary slots are free or
-        nothing cached is left, as an allocation would: each moves to the host tier, or, when no
-        host slot can be had (every host block held), leaves the tree. Returns how many were
-        evicted. Only with a host tier: without one, every eviction would drop content."""
+        """Evict as an allocation would until ``num_free`` slots are free or nothing cached is left
+        (to the host tier, or out of the tree when every host slot is held); returns how many."""
         if not self.num_host_blocks:
             raise ValueError("offload_until needs a host tier: without one, eviction drops the blocks")
         return self._evict_until(num_free)
 
     # ---- eviction -------------------------------------------------------------------
     def _evict_until(self, num_free: int) -> int:
-        """Evict LRU cached blocks, oldest first, until ``num_free`` slots are free or nothing
-        is left to evict; returns how many were evicted. An evicted block moves to the host
-        tier when it can (dropping the host's own LRU block when the tier is full);
-        otherwise it leaves the tree with its subtree.
+        """Evict LRU cached blocks, oldest first, until ``num_free`` slots are free or nothing is
+        left to evict; returns how many. A victim moves to the host tier when it can (the tier's
+        own LRU block dropped when it is full), else leaves the tree with its subtree.
 
-        Every block a long replay allocates passes through here once, and usually pushes one
-        host block out of the tree: the counts are kept in locals (written back around the
-        rare calls that update them), and the usual host drop, a leaf, is inlined
-        (``lru.is_live``, ``PrefixTree.unlink``)."""
+        Every block a long replay allocates passes through here, usually pushing one host block
+        out of the tree: counts are kept in locals (written back around the rare calls that
+        change them) and the usual host drop, a leaf, is inlined (``PrefixTree.unlink``)."""
         free, host = self._free, self.host
         free_host = host.free
         num_free -= self._unused  # never-used slots count as free (none is left when anything is cached)
@@ -295,7 +287,7 @@ class BlockPool:
             victim.host_lru_entries += 1
         self._num_cached, host.num_cached = num_cached, num_host_cached
         if len(host.lru) > 2 * num_host_cached + SLACK:
-            host.lru = lru_order.compact(host.lru, host=True)
+            host.lru = compact(host.lru, host=True)
         self.num_evictions += evicted
         self.num_offloads += evicted - dropped_whole
         return evicted
@@ -319,7 +311,7 @@ class BlockPool:
     # ---- integrity ------------------------------------------------------------------
     def lru_blocks(self) -> list[KVBlock]:
         """The cached primary blocks, oldest first (for checks; O(entries)); the host's: ``host.lru_blocks()``."""
-        return lru_order.live_blocks(self._lru, host=False)
+        return live_blocks(self._lru, host=False)
 
     def check_integrity(self, held_blocks: Iterable[KVBlock] = ()) -> None:
         """The leak oracle: raise AssertionError unless free + cached + ``held_blocks``

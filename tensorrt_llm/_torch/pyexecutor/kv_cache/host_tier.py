@@ -22,8 +22,8 @@ from __future__ import annotations
 from collections import deque
 from typing import Iterable
 
-from tensorrt_llm._torch.pyexecutor.kv_cache import lru as lru_order
 from tensorrt_llm._torch.pyexecutor.kv_cache.block import KVBlock
+from tensorrt_llm._torch.pyexecutor.kv_cache.lru import SLACK, compact, live_blocks
 
 
 class HostTier:
@@ -42,15 +42,12 @@ class HostTier:
         self.lru.append(block)
         block.host_lru_entries += 1
         self.num_cached += 1
-        self.compact_if_stale()
-
-    def compact_if_stale(self) -> None:
-        if len(self.lru) > 2 * self.num_cached + lru_order.SLACK:
-            self.lru = lru_order.compact(self.lru, host=True)
+        if len(self.lru) > 2 * self.num_cached + SLACK:
+            self.lru = compact(self.lru, host=True)
 
     def lru_blocks(self) -> list[KVBlock]:
         """The cached host-only blocks, oldest first (for checks; O(entries))."""
-        return lru_order.live_blocks(self.lru, host=True)
+        return live_blocks(self.lru, host=True)
 
     def check(self, held: Iterable[KVBlock]) -> None:
         """Raise AssertionError unless free + cached + held partition the host slots."""

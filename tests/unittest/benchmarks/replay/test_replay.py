@@ -282,7 +282,7 @@ def test_resumed_admission_walk_equals_fresh_walks(monkeypatch):
     """The KV manager's prefix index (each waiting request's walk, resumed by the next) returns
     what a walk from scratch returns, at every match and claim of a replay whose pool and host
     tier churn."""
-    from tensorrt_llm._torch.pyexecutor.kv_cache.manager import PrefixIndex
+    from tensorrt_llm._torch.pyexecutor.kv_cache.prefix_reuse import PrefixIndex
 
     resumed = PrefixIndex.chain
     calls = []

@@ -16,9 +16,11 @@ from tests.helpers.factories import make_batch, make_config, make_request, make_
 from tests.helpers.invariants import ExecutorChecker
 
 from tensorrt_llm._torch.models.modeling_llama import LlamaConfig, LlamaForCausalLM
-from tensorrt_llm._torch.pyexecutor.kv_cache.block_pool import BlockPool, common_prefix_tokens
+from tensorrt_llm._torch.pyexecutor.kv_cache.block_pool import BlockPool
 from tensorrt_llm._torch.pyexecutor.config import ExecutorConfig, KvCacheConfig
-from tensorrt_llm._torch.pyexecutor.kv_cache.manager import KVAllocation, KVCacheManager, pack_tokens, content_hashes
+from tensorrt_llm._torch.pyexecutor.kv_cache.manager import KVCacheManager
+from tensorrt_llm._torch.pyexecutor.kv_cache.prefix_tree import common_prefix_tokens, content_hashes, pack_tokens
+from tensorrt_llm._torch.pyexecutor.kv_cache.values import KVAllocation
 from tensorrt_llm._torch.pyexecutor.kv_cache.storage import KVCacheStorage
 from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequestState
 from tensorrt_llm._torch.pyexecutor.py_executor_creator import create_kv_cache_manager
