@@ -13,7 +13,6 @@ import pytest
 from tests.helpers.factories import make_request, make_sim_executor
 
 from tensorrt_llm._torch.pyexecutor.kv_cache.block_pool import BlockPool, KVBlock
-from tensorrt_llm._torch.pyexecutor.kv_cache.prefix_reuse import PrefixIndex
 
 TPB = 4
 
@@ -200,28 +199,6 @@ def test_random_churn_keeps_the_pool_whole_and_the_objects_bounded():
                 held.append([block])
         pool.check_integrity([b for chain in held for b in chain])
         assert pool.num_block_objects <= pool.num_blocks + pool.num_host_blocks, f"step {step}"
-
-
-# ---- a walk kept across iterations ----------------------------------------------------
-def test_a_kept_walk_sees_through_a_reused_block_object():
-    """PrefixIndex resumes a waiting request's walk. Its blocks may leave the tree and their
-    objects come back holding other content: the resumed walk must still equal a fresh one."""
-    pool = BlockPool(4)
-    index = PrefixIndex(pool.tree)
-    prompt = keys(content(0, 2))
-    x = commit(pool, 0, 2)
-    pool.release(x)
-    assert index.chain(1, 8, prompt) == x
-    taken = pool.allocate_many(4)  # both of x are evicted (no host tier) and handed out again
-    assert {id(b) for b in x} <= {id(b) for b in taken}
-    pool.tree.commit_chain(taken, 0, keys(content(50, 4)))  # ... and re-enter the tree as other blocks
-    assert all(b.in_tree for b in x)
-    assert index.chain(1, 8, prompt) == pool.tree.match(prompt) == []
-    pool.release(taken)
-    y = commit(pool, 0, 2)  # the prompt's content is computed again
-    assert index.chain(1, 8, prompt) == pool.tree.match(prompt) == y
-    pool.release(y)
-    pool.check_integrity()
 
 
 # ---- through the executor ----------------------------------------------------------------

@@ -19,7 +19,6 @@ from tensorrt_llm._torch.models.modeling_llama import LlamaConfig, LlamaForCausa
 from tensorrt_llm._torch.pyexecutor.kv_cache.block_pool import BlockPool
 from tensorrt_llm._torch.pyexecutor.config import ExecutorConfig, KvCacheConfig
 from tensorrt_llm._torch.pyexecutor.kv_cache.manager import KVCacheManager
-from tensorrt_llm._torch.pyexecutor.kv_cache.prefix_tree import common_prefix_tokens, content_hashes, pack_tokens
 from tensorrt_llm._torch.pyexecutor.kv_cache.values import KVAllocation
 from tensorrt_llm._torch.pyexecutor.kv_cache.storage import KVCacheStorage
 from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequestState
@@ -598,54 +597,3 @@ def test_leak_oracle_catches_a_block_in_two_sets():
     cache_prompt(kv, tokens(8, seed=47))
     with pytest.raises(AssertionError, match="two sets"):  # a cached block that something says it holds
         kv.pool.check_integrity(held_blocks=kv.pool.lru_blocks()[:1])
-
-
-# ---- block keys ---------------------------------------------------------------------
-def test_a_block_hashes_alike_alone_or_within_a_prompt():
-    """Prompt blocks are hashed a prompt at a time, generated blocks one at a time: equal
-    content must get equal hashes either way, or a generated block would never match."""
-    prompt = tokens(5 * TPB, seed=60)
-    whole = content_hashes(pack_tokens(prompt), 5, TPB)
-    alone = [content_hashes(pack_tokens(prompt[i * TPB : (i + 1) * TPB]), 1, TPB)[0] for i in range(5)]
-    assert whole == alone
-    assert len(set(whole)) == 5  # not a constant
-
-
-def test_common_prefix_counts_tokens_not_bytes():
-    a = pack_tokens([1, 2, 3, 4]).tobytes()
-    assert common_prefix_tokens(a, pack_tokens([1, 2, 3, 4]).tobytes()) == 4
-    assert common_prefix_tokens(a, pack_tokens([1, 2, 9, 4]).tobytes()) == 2
-    assert common_prefix_tokens(a, pack_tokens([1 + 256, 2, 3, 4]).tobytes()) == 0  # same low byte, other token
-    assert common_prefix_tokens(a, pack_tokens([1, 2]).tobytes()) == 2
-
-
-@pytest.mark.parametrize("bad", [-1, 1 << 32, 1.0])
-def test_tokens_the_tree_cannot_key_are_refused(bad):
-    with pytest.raises(ValueError, match="token ids"):
-        pack_tokens([1, bad, 2])
-
-
-def test_partial_match_takes_the_earliest_committed_child_with_an_index_built_late():
-    """A parent's first-token index is built when partial matching first asks, from children
-    kept by hash: it must still list them in commit order, and commits and drops after it is
-    built must keep it up to date."""
-    pool = BlockPool(8)
-
-    def commit(block_hash, ids):
-        block = pool.allocate_many(1)[0]
-        pool.tree.commit_chain([block], 0, [(block_hash, array("I", ids).tobytes())])
-        return block
-
-    a1 = commit(1, [5, 1, 1, 1])
-    b1 = commit(2, [5, 6, 9, 9])
-    a2 = commit(1, [5, 6, 7, 7])  # shares a1's hash bucket: by hash it comes before b1
-    query = array("I", [5, 6, 0, 0]).tobytes()
-    assert pool.tree.match_partial(None, query) == (b1, 2)  # b1 and a2 tie: b1 was committed first
-    pool.release([b1])
-    pool.release(pool.allocate_many(pool.num_free + 1))  # evicts b1, the one cached block (no host tier: dropped)
-    assert not b1.in_tree and pool.num_evictions == 1
-    assert pool.tree.match_partial(None, query) == (a2, 2)
-    c = commit(3, [5, 6, 0, 7])
-    assert pool.tree.match_partial(None, query) == (c, 3)
-    assert pool.tree.match_partial(None, array("I", [7, 6, 0, 0]).tobytes()) == (None, 0)
-    assert a1.in_tree
