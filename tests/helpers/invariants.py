@@ -279,7 +279,7 @@ def check_deferrals_clean(
     ``completed``: requests whose previous forward completed during the step (overlap). That
     completion may finish one, or commit a block it filled to the prefix tree, where an
     identical cached block can take its place: for those, the same number of blocks; or fewer,
-    where the completion released blocks that held only rejected drafts (``KVCacheManager._trim``),
+    where the completion released blocks that held only rejected drafts (``SequenceBlocks._trim``),
     but never fewer than its tokens need."""
     for deferral in prepared.deferred:
         request = deferral.request

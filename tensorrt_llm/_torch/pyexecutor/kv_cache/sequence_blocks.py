@@ -1,13 +1,14 @@
 """``SequenceBlocks``: the blocks each started request holds, grown step by step.
 
-One request's :class:`HeldBlocks`, tokens_per_block 4, a 10-token prompt, two tokens generated
-and one draft slot::
+One request's :class:`HeldBlocks`, tokens_per_block 4: a 10-token prompt (p), two tokens
+generated (g: the newest has no KV yet) and one draft (d) for the next forward::
 
-    positions   0  1  2  3 | 4  5  6  7 | 8  9  g  g | d  .  .  .
-    blocks      [   B0    ] [   B1    ] [   B2    ] [   B3    ]     table: their block ids
-                ├── committed: tree nodes ─┤                          num_committed = 2
-                ├── computed: KV written ──────────┤                  num_computed = 11
-                ├── capacity: positions the blocks hold ──────────────┤  = 16
+    position   0  1  2  3   4  5  6  7   8  9  10 11  12 13 14 15
+    token      p  p  p  p   p  p  p  p   p  p  g  g   d  .  .  .
+    block      [    B0   ]  [    B1   ]  [    B2   ]  [    B3   ]    table: their block ids
+    committed  ├─ tree nodes ─────────┤                             num_committed = 2 blocks
+    computed   ├─ KV written ───────────────────┤                   num_computed = 11 positions
+    capacity   ├─ what the blocks hold ─────────────────────────┤   capacity = 16 positions
 
 * Ownership: the request holds one pool reference per distinct block. ``blocks[:num_committed]``
   are prefix-tree nodes, maybe shared with other requests (a claimed prefix) and cached once

@@ -12,7 +12,7 @@ Speculative decoding in one iteration (``ExecutorConfig.speculative_config``)::
     append                                  stop_rule.finish cuts the run at a stop token or
                                             the length limit, like any delivery
     update_resources                        KV valid up to the accepted tokens; blocks holding
-                                            only rejected drafts released (KVCacheManager._trim)
+                                            only rejected drafts released (SequenceBlocks._trim)
 
 A request speculates when the executor admits it greedy with one beam and its draft slots fit
 ``max_seq_len`` (``max_total_len + max_draft_len``) and the executor's other limits (validated
