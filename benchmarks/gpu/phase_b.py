@@ -13,7 +13,7 @@ Sections (each guarded: a failure is recorded and the next section runs):
 * ``replay``: the default scenario's first ``--requests`` requests (``benchmarks.replay``'s
   settings; ``mistral-nemo-12b-random`` on the GPU, overlap on as upstream) under each policy,
   ``recheck`` again without overlap, and the same trace on ``--engine sim``. The replay JSONs
-  keep DESIGN.md §5's schema (``replay_gpu.json``, ``replay_sim.json``). Each GPU forward's shape
+  keep docs/design.md §5's schema (``replay_gpu.json``, ``replay_sim.json``). Each GPU forward's shape
   and device time is recorded: the idle fraction of each run, and for ``recheck`` (overlap) the
   per-iteration table the cost model is checked on — the default fitted model, the roofline,
   and the model refitted (``cost_model.refit_to_iterations``) on half of the iterations and

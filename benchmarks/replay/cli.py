@@ -13,7 +13,7 @@ trace output length (the synthetic sampler never stops early).
 
 ``none`` is upstream before any fix: at the first forward whose positions exceed
 ``max_num_tokens`` the replay stops, as upstream's assertion stops the executor thread,
-and reports the crash, the overshoot mechanism that fired (DESIGN.md §1) and how many
+and reports the crash, the overshoot mechanism that fired (docs/design.md §1) and how many
 requests were left unserved. The other policies go on past an overshoot: the executor
 fails that batch with ``TokenBudgetExceeded`` and serves everyone else.
 
@@ -66,7 +66,7 @@ __all__ = [
     "parse_args", "rank_layout", "replay_on_ranks", "replay_policy", "replay_trace", "run_replay", "settings_from_args",
 ]
 
-POLICIES = ("none", "trim", "fit", "recheck", "claim")  # DESIGN.md §5 set, plus claim-then-charge
+POLICIES = ("none", "trim", "fit", "recheck", "claim")  # docs/design.md §5 set, plus claim-then-charge
 KNOWN_POLICIES = tuple(p.value for p in TokenBudgetPolicyName)  # also later work, e.g. "claim"
 # The default scenario's length in the replay: 100 s of arrivals at 7 req/s. The bug is a
 # rare coincidence (a few overshoots per 100 s of this traffic under the default settings),
@@ -279,7 +279,7 @@ def _positive_float(text: str) -> float:
     return value
 
 
-TRACE_FLAG_NAMES = {"path": ["--trace"]}  # DESIGN.md §5
+TRACE_FLAG_NAMES = {"path": ["--trace"]}  # docs/design.md §5
 # The replay's flag names from before they were generated, kept (the generated ones work too).
 SETTINGS_FLAG_ALIASES = {
     "kv_cache_config.tokens_per_block": ["--tokens-per-block"],
@@ -296,11 +296,11 @@ def build_parser() -> argparse.ArgumentParser:
     alias ``--tokens-per-block``); the policies, the outputs and the ranks are the CLI's own."""
     p = argparse.ArgumentParser(
         prog="python -m benchmarks.replay",
-        description="Replay a request trace under each token-budget policy (DESIGN.md §5).",
+        description="Replay a request trace under each token-budget policy (docs/design.md §5).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("--policies", type=_policies, default=list(POLICIES), help="comma-separated subset of " + ",".join(KNOWN_POLICIES))
-    p.add_argument("--json", metavar="OUT.json", help="write the results (DESIGN.md §5 schema)")
+    p.add_argument("--json", metavar="OUT.json", help="write the results (docs/design.md §5 schema)")
     p.add_argument("--plot", metavar="OUT.png", help="forward tokens per iteration and TTFT CDF per policy")
     trace = p.add_argument_group("the trace (TraceSpec)")
     add_arguments(trace, TraceSpec, spell="-", names=TRACE_FLAG_NAMES)
@@ -393,7 +393,7 @@ def _main_on_ranks(args: argparse.Namespace, spec: TraceSpec, settings: ReplaySe
     )
     errors = report.schema_errors(result.to_json()) + ranks.schema_errors(result)
     if errors:  # a bug in the replay, not in the user's input
-        raise AssertionError("multi-rank replay JSON breaks DESIGN.md §5: " + "; ".join(errors))
+        raise AssertionError("multi-rank replay JSON breaks docs/design.md §5: " + "; ".join(errors))
     trace = result.config["trace"]
     print(f"trace: {trace['name']} ({trace['format']}), {trace['requests']} requests over {trace['arrival_span_s']:.1f} s;"
           f" {layout.label}, sim engine, {settings.executor.kv_cache_config.num_blocks} KV blocks and max_num_tokens={settings.executor.max_num_tokens}"

@@ -1,4 +1,4 @@
-"""Which DESIGN.md §1 mechanism made a forward overshoot ``max_num_tokens``.
+"""Which docs/design.md §1 mechanism made a forward overshoot ``max_num_tokens``.
 
 Everything it reads is a value the failing step returned (``PyExecutor.step`` ->
 ``Iteration``): the batch as it ran (its chunks, moved onto reused prefixes), what admission
@@ -56,7 +56,7 @@ class Overshoot:
 
 
 def classify_claim(prompt_len: int, claim: ClaimRecord, tokens_per_block: int) -> str:
-    """Which DESIGN.md §1 mechanism a first chunk's shortfall of reuse is.
+    """Which docs/design.md §1 mechanism a first chunk's shortfall of reuse is.
 
     ``whole_prompt_hit``: a block-aligned prompt estimated fully reusable, whose claim went
     as far as a claim can (``(prompt_len - 1) // tpb * tpb``: the last token is always

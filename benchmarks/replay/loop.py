@@ -379,7 +379,7 @@ class _PolicyReplay:
             "deferrals": o.deferrals,
             "max_consecutive_deferrals": o.max_consecutive_deferrals,
             "budget_utilization": forward_sum / busy / self.settings.executor.max_num_tokens if busy else 0.0,
-            # DESIGN.md §5: over the busy iterations after which some active request still had
+            # docs/design.md §5: over the busy iterations after which some active request still had
             # prompt tokens to compute (the budget, not the traffic, was the limit)
             "budget_utilization_when_bound": bound_sum / bound / self.settings.executor.max_num_tokens if bound else 0.0,
             "iterations": busy,
@@ -387,7 +387,7 @@ class _PolicyReplay:
             "tpot_ms": percentiles(tpot),
             "output_tokens_per_s": o.output_tokens / makespan if makespan > 0 else 0.0,
             "wall_s": time.perf_counter() - self.wall_t0,
-            # Extras beyond DESIGN.md §5.
+            # Extras beyond docs/design.md §5.
             "unserved": n - o.completed - o.errored,
             "errors": dict(Counter(o.error_of.values()).most_common(10)),  # the errored requests' messages, most frequent first
             "overshoot_mechanisms": mechanisms,

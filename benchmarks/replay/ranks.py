@@ -264,7 +264,7 @@ def _metrics(runs: Sequence[RankRun], max_num_tokens: int, num_requests: int, fi
         "deferrals": sum(run.deferrals for run in runs),
         "max_consecutive_deferrals": max(run.max_consecutive_deferrals for run in runs),
         "budget_utilization": forward / busy / max_num_tokens if busy else 0.0,
-        # DESIGN.md §5: over the busy iterations in which the budget, not the traffic, was the limit
+        # docs/design.md §5: over the busy iterations in which the budget, not the traffic, was the limit
         "budget_utilization_when_bound": bound_forward / bound / max_num_tokens if bound else 0.0,
         # the share of all group iterations a rank's budget was used: an idle rank waits at 0
         "budget_utilization_all_iterations": forward / (group_iterations * len(runs)) / max_num_tokens

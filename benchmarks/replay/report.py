@@ -1,4 +1,4 @@
-"""The replay's outputs: the stdout table, the JSON file (DESIGN.md §5) and the plot."""
+"""The replay's outputs: the stdout table, the JSON file (docs/design.md §5) and the plot."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 from benchmarks.replay.loop import ReplayResult
 
-# DESIGN.md §5: every key a result must carry, with its type. Extra keys are allowed.
+# docs/design.md §5: every key a result must carry, with its type. Extra keys are allowed.
 RESULT_SCHEMA: dict[str, type | tuple[type, ...]] = {
     "requests": int,
     "completed": int,
@@ -24,7 +24,7 @@ RESULT_SCHEMA: dict[str, type | tuple[type, ...]] = {
     "tpot_ms": dict,
     "output_tokens_per_s": float,
     "wall_s": float,
-    # added later (DESIGN.md §5, "further keys")
+    # added later (docs/design.md §5, "further keys")
     "budget_utilization_when_bound": float,
     "iterations": int,
 }
@@ -66,7 +66,7 @@ def write_json(result: ReplayResult, path: Path) -> None:
     document = result.to_json()
     errors = schema_errors(document)
     if errors:  # a bug in the replay, not in the user's input
-        raise AssertionError("replay JSON breaks DESIGN.md §5: " + "; ".join(errors))
+        raise AssertionError("replay JSON breaks docs/design.md §5: " + "; ".join(errors))
     partial = path.with_name(path.name + ".partial")  # replaced whole: a run killed mid-write keeps the last file
     partial.write_text(json.dumps(document, indent=2, allow_nan=False) + "\n")
     os.replace(partial, path)

@@ -3,7 +3,7 @@
 Modelled on the upstream reproduction of the over-admission bug (``max_num_tokens=4096``,
 chunked prefill, block reuse + partial reuse + host offload, about 7 requests/s). Public
 long-prompt traces fire the overshoot about once per thousand requests; this scenario is
-built so that both DESIGN.md §1 mechanisms fire within a few hundred requests. What each
+built so that both docs/design.md §1 mechanisms fire within a few hundred requests. What each
 feature is for:
 
 - **Multi-turn conversations** (turn ``k+1``'s prompt = turn ``k``'s prompt + a synthetic

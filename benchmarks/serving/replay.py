@@ -1,4 +1,4 @@
-"""Replay a request trace against a running server over HTTP (DESIGN.md §6).
+"""Replay a request trace against a running server over HTTP (docs/design.md §6).
 
     python -m benchmarks.serving.replay --url http://127.0.0.1:8000 [--trace FILE --format ...] \
         [--num-requests N] [--time-scale X | --qps R | --concurrency N] [--max-output-tokens N] [--json OUT.json]
@@ -197,7 +197,7 @@ def summarize(records: Sequence[RequestRecord], wall_s: float, server: dict | No
         "output_tokens_per_s": output_tokens / wall_s if wall_s > 0 else 0.0,
         "wall_s": wall_s,
         "server": server,
-        # beyond DESIGN.md §6
+        # beyond docs/design.md §6
         "refused": sum(1 for r in records if r.status is not None and 400 <= r.status < 500),
         "errors": dict(errors.most_common(5)),
         "error_kinds": dict(collections.Counter(r.error_kind for r in records if r.error_kind)),
@@ -218,7 +218,7 @@ def counter_diff(before: dict | None, after: dict | None) -> dict | None:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m benchmarks.serving.replay",
-                                description="Replay a trace against a running server over HTTP (DESIGN.md §6).",
+                                description="Replay a trace against a running server over HTTP (docs/design.md §6).",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--url", default="http://127.0.0.1:8000", help="the server's base URL")
     p.add_argument("--trace", help="trace file; default: the built-in default scenario")

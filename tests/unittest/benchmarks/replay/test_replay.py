@@ -1,6 +1,6 @@
 """The replay benchmark: §5 JSON contract, determinism, upstream's crash under ``none``, the CLI, both engines.
 
-The crash tests use tiny hand-made traces built so that one DESIGN.md §1 mechanism fires at
+The crash tests use tiny hand-made traces built so that one docs/design.md §1 mechanism fires at
 a known iteration; the numbers in their comments are the executor's arithmetic.
 """
 
@@ -128,7 +128,7 @@ def test_none_crashes_on_whole_prompt_hit():
 
 
 def test_utilization_when_bound_averages_the_iterations_that_left_prompt_tokens_behind():
-    """DESIGN.md §5: the busy iterations after which some active request still had prompt
+    """docs/design.md §5: the busy iterations after which some active request still had prompt
     tokens to compute; recomputed here from the executor's own statistics."""
     from benchmarks.replay import loop
 
