@@ -1,62 +1,37 @@
-"""``PyExecutor``: the executor's iteration, driven by an :class:`~executor_loop.ExecutorLoop`.
+"""``PyExecutor``: the executor's iteration, driven by an :class:`~executor.loop.ExecutorLoop`.
 
 ``PyExecutor`` is the stepper: it holds the requests, the scheduler, the resource manager,
 the engine and the sampler, and runs one iteration per :meth:`PyExecutor.step`. The thread,
 the submission queue, cancellations, health and the loop's death are
-:class:`~executor_loop.ExecutorLoop`'s (``self.loop``); ``PyExecutor`` answers the
-:class:`~executor_client.ExecutorClient` interface by asking it. One iteration is
+:class:`~executor.loop.ExecutorLoop`'s (``self.loop``); ``PyExecutor`` answers the
+:class:`~executor.client.ExecutorClient` interface by asking it. One iteration is
 upstream's, as a chain of values::
 
-    arrivals + cancelled (from the loop) ─► drafter.prepare_draft_tokens(active) (speculative decoding)
+    arrivals + cancelled (from the loop) ─► admitted (or failed alone); cancelled ended   (admission)
+        ─► drafter.prepare_draft_tokens(active) (speculative decoding)
         ─► scheduler.schedule_request(active) ─► ScheduledRequests
         ─► pause what the capacity stage preempts
         ─► resource_manager.prepare_resources(scheduled) ─► PreparedBatch
                (re-check ─► allocation ─► after-allocation fix-ups; see resource_manager)
-        ─► record deferrals and reuse on the requests
-        ─► model_engine.forward_async(batch) ─► PendingForward; requests move past it ─► _InFlight
-        ─► complete the previous forward: sample / fill in its tokens, respond,
-               resource_manager.update_resources
-           ─► make_stats(Launch, Completion) ─► IterationStats, published (see ``iteration``)
-        ─► free finished requests
+        ─► record deferrals and reuse on the requests                                  (launch)
+        ─► model_engine.forward_async(batch) ─► PendingForward; requests move past it ─► InFlight
+        ─► complete the previous forward: sample / fill in its tokens, respond     (completion)
+               ─► resource_manager.update_resources
+           ─► make_stats(Launch, Completion) ─► IterationStats, published            (records)
+        ─► free finished requests                                                 (responses)
     ─► Iteration(launch, stats)
+    a batch that raises on the way ─► its requests fail, or start over             (failures)
 
-**Overlap** (upstream's overlap scheduler; ``disable_overlap_scheduler`` False, the default
-when the engine completes asynchronously, i.e. on CUDA): the forward launched by step n+1 is
-built while forward n still runs, and forward n is completed only after n+1 is launched, so the
-host's fetch, schedule, re-check and allocation hide behind the device. A request that samples
-in forward n gets a placeholder token (``IN_FLIGHT_TOKEN_ID``) in its ``tokens`` at launch:
-the scheduler, the re-check and the KV manager therefore charge it its *next* position, as
-upstream charges a generation request in flight, and the engine feeds its own pick into n+1.
-Completing n writes the sampled token over the placeholder and responds. Without overlap the
-same phases run with the launch completed at once (no placeholder is ever written).
+The names on the right are the modules of ``iteration/`` that hold each phase's code.
 
-Under overlap, upstream's rules for what n+1 cannot know:
+**Overlap** (upstream's overlap scheduler; on by default when the engine completes
+asynchronously, i.e. on CUDA): forward n+1 is launched before forward n is completed, so the
+host's work hides behind the device; ``iteration.launch`` states what n+1 cannot know.
 
-* a request that finishes at n by EOS or a stop token was also scheduled into n+1: the
-  token n+1 computes for it is dropped (never sent), and its KV blocks are freed only when n+1
-  completes (the device still writes them); a request whose placeholder is its last token by
-  ``max_new_tokens`` is known to finish and is not scheduled again;
-* a request whose next token the engine cannot pick (sampling other than greedy, beams:
-  ``ModelEngine.can_pick``) gets no placeholder, and the forward it samples in is completed
-  before the next iteration is scheduled (that iteration runs without overlap);
-* a speculative request stays under overlap where the engine accepts drafts itself: forward n
-  verifying ``k`` drafts leaves ``k + 1`` placeholders (as if it accepted them all), the drafter
-  proposes n+1's drafts after them, and n+1 is built on them; the engine moves n+1 back over the
-  drafts n rejected (positions on the device, the KV written there is overwritten later), and
-  completing n replaces the placeholders with the run it accepted, which pulls n+1's placeholders
-  back the same way; blocks that held only rejected positions go back to the pool at the commit;
-* a capacity pause (``MAX_UTILIZATION``) of a request in flight waits for its forward: the
-  iteration completes it first and schedules again;
-* a request cancelled or failed while in flight keeps its blocks until its forward completes;
-  its output from that forward is dropped.
-
-Each phase takes what the previous one returned; only the executor writes request state
-(see ``llm_request``). An iteration never fails as a whole: whatever a batch raises —
-``TokenBudgetExceeded`` from ``_prepare_tp_inputs`` included — fails that batch's requests
-with the error, is counted in the iteration's statistics and in :meth:`health`, and the
-next iteration serves everyone else; a request whose logits are not finite fails alone.
-Whether a request is over is :func:`~stop_rule.finish`'s answer on every delivery path.
-The loop's thread calls the same ``step`` that a replay with a virtual clock calls directly.
+Only the executor and its iteration modules write request state (see ``llm_request``). An
+iteration never fails as a whole: a batch that raises fails its requests or starts them over
+(``iteration.failures``), and the next iteration serves everyone else. The loop's thread calls
+the same ``step`` that a replay with a virtual clock calls directly.
 """
 
 from __future__ import annotations
@@ -64,89 +39,39 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections import Counter, deque
-from dataclasses import dataclass
+from collections import Counter
 from operator import attrgetter
 from typing import Callable, Collection, Mapping, Sequence
 
-from tensorrt_llm._torch.pyexecutor.sampling.beam_search import BeamStep
-from tensorrt_llm._torch.pyexecutor.config import DEFAULT_PRIORITY, ExecutorConfig
-from tensorrt_llm._torch.pyexecutor.sampling.drafter import Drafter
-from tensorrt_llm._torch.pyexecutor.errors import (
-    InvalidRequestError,
-    SamplingError,
-    TokenBudgetExceeded,
-)
-from tensorrt_llm._torch.pyexecutor.executor.client import (
-    Health,
-    IterationListener,
-    Load,
-    Response,
-    ResponseCallback,
-)
+from tensorrt_llm._torch.pyexecutor.config import ExecutorConfig
+from tensorrt_llm._torch.pyexecutor.engine.interface import ModelEngine
+from tensorrt_llm._torch.pyexecutor.errors import TokenBudgetExceeded
+from tensorrt_llm._torch.pyexecutor.executor.client import Health, IterationListener, Load, Response, ResponseCallback
 from tensorrt_llm._torch.pyexecutor.executor.loop import Arrival, ExecutorLoop, StepCounts
-from tensorrt_llm._torch.pyexecutor.iteration.records import (
-    NO_DRAFTS,
-    BatchFailure,
-    Completion,
-    Drafts,
-    Iteration,
-    Launch,
-    make_stats,
-)
-from tensorrt_llm._torch.pyexecutor.kv_cache.manager import KVCacheManager
-from tensorrt_llm._torch.pyexecutor.llm_request import (
-    IN_FLIGHT_TOKEN_ID,
-    DeferReason,
-    LlmRequest,
-    LlmRequestState,
-    num_in_flight_tokens,
-    token_array,
-)
-from tensorrt_llm._torch.pyexecutor.engine.interface import ForwardOutput, ModelEngine, PendingForward
 from tensorrt_llm._torch.pyexecutor.executor.validation import RequestLimits, validate_request
+from tensorrt_llm._torch.pyexecutor.iteration.admission import Admission
+from tensorrt_llm._torch.pyexecutor.iteration.completion import CompletionHandler, count_drafts, sample
+from tensorrt_llm._torch.pyexecutor.iteration.failures import Failures
+from tensorrt_llm._torch.pyexecutor.iteration.launch import InFlight, advance, budget_bound, record_prepared
+from tensorrt_llm._torch.pyexecutor.iteration.records import NO_DRAFTS, BatchFailure, Completion, Drafts, Iteration, Launch, make_stats
+from tensorrt_llm._torch.pyexecutor.iteration.responses import Responses
+from tensorrt_llm._torch.pyexecutor.iteration.stats import IterationStats, StatsLog
+from tensorrt_llm._torch.pyexecutor.kv_cache.manager import KVCacheManager
+from tensorrt_llm._torch.pyexecutor.llm_request import IN_FLIGHT_TOKEN_ID, LlmRequest, LlmRequestState
 from tensorrt_llm._torch.pyexecutor.priority import priority_class
-from tensorrt_llm._torch.pyexecutor.resource_manager import PreparedBatch, ResourceManager
+from tensorrt_llm._torch.pyexecutor.resource_manager import ResourceManager
+from tensorrt_llm._torch.pyexecutor.sampling.drafter import Drafter
 from tensorrt_llm._torch.pyexecutor.sampling.sampler import Sampler
 from tensorrt_llm._torch.pyexecutor.scheduled_requests import ScheduledRequests
 from tensorrt_llm._torch.pyexecutor.scheduler import SimpleScheduler
-from tensorrt_llm._torch.pyexecutor.iteration.stats import IterationStats
-from tensorrt_llm._torch.pyexecutor.sampling.stop_rule import finish
+
+__all__ = ["PyExecutor", "Response", "ResponseCallback"]
 
 logger = logging.getLogger(__name__)
 
-# ``LlmRequest.is_finished`` is ``state`` being one of these; the per-forward loops compare
-# identities instead (a property call, or an Enum's Python-level hash, per request per forward).
-_COMPLETE, _ERROR = LlmRequestState.GENERATION_COMPLETE, LlmRequestState.ERROR
-_CONTEXT_INIT = LlmRequestState.CONTEXT_INIT
+_COMPLETE, _ERROR = LlmRequestState.GENERATION_COMPLETE, LlmRequestState.ERROR  # identities: see completion
 _request_id = attrgetter("request_id")
-_IN_FLIGHT = token_array([IN_FLIGHT_TOKEN_ID])  # times a width: a speculative request's placeholders
-
-
-# Response(request_id, tokens) for the one response per generated token: the named tuple's
-# own constructor is a Python function (its defaults), tuple.__new__ is the C one; the fields
-# after the first two take their declared defaults.
-_new_tuple = tuple.__new__
-_RESPONSE_DEFAULTS = tuple(Response._field_defaults.values())
-assert Response._fields[2:] == tuple(Response._field_defaults), "every Response field after the tokens has a default"
-
-
-@dataclass(slots=True)
-class _InFlight:
-    """A launched forward whose tokens have not reached its requests yet."""
-
-    pending: PendingForward
-    batch: ScheduledRequests  # the batch that runs
-    sampling: list[LlmRequest]  # the requests that sample in it, in batch order
-    # each one's placeholders in its tokens (1, or 1 + the drafts it verifies), or None: appended at completion
-    slots: list[int | None]
-    request_ids: frozenset[int]  # every request in the forward: their blocks stay held until it completes
-    launch: Launch  # what the iteration decided and measured up to its launch
-
-    @property
-    def overlappable(self) -> bool:
-        """Whether the next iteration can be scheduled before this one completes."""
-        return None not in self.slots
+_NONE: frozenset[int] = frozenset()
 
 
 class PyExecutor:
@@ -177,22 +102,17 @@ class PyExecutor:
         self.limits = RequestLimits.of(config, self.kv_cache_manager, model_engine)
         disabled = config.disable_overlap_scheduler
         self.overlap = not disabled if disabled is not None else model_engine.completes_asynchronously
-        self._in_flight: _InFlight | None = None
-        # Requests starting over after a failed forward: a later forward already in flight was
-        # built on the failed one's tokens, so its output for them is dropped (_start_over).
-        self._dropping: frozenset[int] = frozenset()
         self.active_requests: list[LlmRequest] = []
+        self.responses = Responses()  # callbacks, and the requests finished since the last free
+        # The iteration's parts; the sampler and the drafter they are handed at each call.
+        self.failures = Failures(config, self.responses, resource_manager, clock)
+        self.admission = Admission(config, self.validate, self.responses, self.failures, clock)
+        self.completion = CompletionHandler(self.kv_cache_manager, self.responses, self.failures)
+        self._in_flight: InFlight | None = None
         # A ring when iter_stats_max_iterations is set (a server); the whole record otherwise (a replay).
-        self._stats: deque[IterationStats] = deque(maxlen=config.iter_stats_max_iterations)
-        self.num_budget_violations = 0
-        self.num_failed_batches = 0
+        self._stats = StatsLog(config.iter_stats_max_iterations)
         self.num_preemptions = 0  # requests paused for one of higher priority (SchedulerConfig.enable_preemption)
-        self._priority_ignored_logged = False
-        self.last_error: str | None = None
-        self._callbacks: dict[int, ResponseCallback] = {}
-        self._finished: list[LlmRequest] = []  # finished since the last _free_finished
         self._iteration = 0
-        self._iteration_listeners: list[IterationListener] = []
         # The thread, the submission queue, cancellations, health and death: the loop's.
         self.loop = ExecutorLoop(self, health_check_timeout_s=config.health_check_timeout_s)
 
@@ -236,30 +156,27 @@ class PyExecutor:
     @property
     def busy(self) -> bool:
         """Requests active, a forward in flight, or finished requests still to free (queue aside)."""
-        return bool(self.active_requests or self._in_flight is not None or self._finished)
+        return bool(self.active_requests or self._in_flight is not None or self.responses.finished)
 
     @property
     def in_flight_request_ids(self) -> frozenset[int]:
         """The requests of the forward in flight (overlap; none without): the next :meth:`step`
         completes it, and their blocks stay held until then."""
-        return self._in_flight.request_ids if self._in_flight is not None else frozenset()
+        return self._in_flight.request_ids if self._in_flight is not None else _NONE
 
     def step(
         self, arrivals: Sequence[Arrival] | None = None, cancelled: Collection[int] = ()
     ) -> Iteration | None:
-        """Run one iteration; None when there was nothing to schedule. Called with no
-        ``arrivals``, it takes what the loop has queued (and cancelled) first.
-
-        The phases, in order (each takes what the one before returned): admit the arrivals,
-        end the cancelled, schedule, prepare_resources, launch; then complete the previous
-        launch (overlap) or this one (sample, respond, update_resources); free; offload ahead
-        (``KVCacheManager.offload_ahead``, when configured). Returns the
-        iteration launched here; its statistics are published when its forward completes.
-        """
+        """Run one iteration (the module docstring's picture); None when there was nothing to
+        schedule. Called with no ``arrivals``, it takes what the loop has queued (and cancelled)
+        first. Returns the iteration launched here; its statistics are published when its
+        forward completes: here without overlap, in the next step with it."""
         if arrivals is None:
             return self.loop.step()
-        self._fetch_new_requests(arrivals)
-        self._handle_cancellations(cancelled)
+        self.active_requests += self.admission.admit(arrivals, self.drafter)
+        if cancelled:
+            self.admission.cancel(self.active_requests, cancelled)
+            self._free_finished()
         if self._in_flight is not None and not self._in_flight.overlappable:
             self._complete_in_flight()  # only the host's sampler knows a token the next batch needs
             self._free_finished()
@@ -295,12 +212,12 @@ class PyExecutor:
         """Call ``listener(stats)`` on the executor thread when an iteration's statistics are
         made (its forward completed, or nothing ran); it must be quick. An exception it raises
         is logged and ignored."""
-        self._iteration_listeners.append(listener)
+        self._stats.add_listener(listener)
 
     @property
     def iteration_stats(self) -> list[IterationStats]:
         """The iteration statistics kept (a ring of ``iter_stats_max_iterations``, or all), oldest first."""
-        return list(self._stats)
+        return self._stats.snapshot()
 
     def iteration_stats_by_rank(self) -> list[tuple[int, IterationStats]]:
         """:attr:`iteration_stats`, each as rank 0's (the interface of several ranks)."""
@@ -318,25 +235,34 @@ class PyExecutor:
         by_class = Counter(priority_class(r.priority, scheduling) for r in waiting)
         return Load(len(active) - len(waiting), len(waiting) + self.loop.num_queued, kv.pool.stats(), dict(by_class))
 
-    # ---- what the loop asks of its stepper ------------------------------------------
+    # ---- what the loop and Health ask of the stepper ----------------------------------
+    @property
+    def num_failed_batches(self) -> int:
+        return self.failures.num_failed_batches
+
+    @property
+    def num_budget_violations(self) -> int:
+        return self.failures.num_budget_violations
+
+    @property
+    def last_error(self) -> str | None:
+        return self.failures.last_error
+
     def counts(self) -> StepCounts:
-        return StepCounts(self._iteration, len(self.active_requests), self.num_failed_batches,
-                          self.num_budget_violations, self.last_error)
+        failures = self.failures
+        return StepCounts(self._iteration, len(self.active_requests), failures.num_failed_batches,
+                          failures.num_budget_violations, failures.last_error)
 
     def recover(self, error: Exception) -> None:
         """A bug outside any batch: fail what is active, keep serving."""
-        self.last_error = repr(error)
-        for request in self.active_requests:
-            self._fail(request, error)
+        self.failures.recover(self.active_requests, error)
         self._free_finished()
 
     def fail_all(self, error: Exception, queued: Sequence[Arrival]) -> None:
         """Every request held or ``queued`` (never admitted) ends with ``error``."""
         for request, on_response in queued:
-            if on_response is not None:
-                self._callbacks[request.request_id] = on_response
-        for request in (*self.active_requests, *(request for request, _ in queued)):
-            self._fail(request, error)
+            self.responses.register(request.request_id, on_response)
+        self.failures.fail_all((*self.active_requests, *(request for request, _ in queued)), error)
         self._free_finished()
 
     def close(self) -> None:
@@ -344,52 +270,18 @@ class PyExecutor:
         self._complete_in_flight()
 
     # ---- iteration parts ------------------------------------------------------------
-    def _fetch_new_requests(self, arrivals: Sequence[Arrival]) -> None:
-        for request, on_response in arrivals:
-            if on_response is not None:
-                self._callbacks[request.request_id] = on_response
-            request.arrival_time = request.arrival_time or self.clock()
-            if request.priority != DEFAULT_PRIORITY and not self._priority_ignored_logged \
-                    and not self.config.scheduler_config.by_priority:
-                self._priority_ignored_logged = True
-                logger.info("request priorities are accepted and ignored: scheduler_config.waiting_queue_policy"
-                            " is 'fcfs' (set it to 'priority' to honour them); said once")
-            try:
-                self.validate(request)
-            except InvalidRequestError as error:
-                logger.warning("%s", error)
-                self._fail(request, error)
-                continue
-            if self.drafter is not None and self.drafter.admit(request):
-                try:
-                    self.validate(request)  # its draft slots: speculation never refuses a request
-                except InvalidRequestError as error:
-                    logger.debug("request %d runs without speculation: %s", request.request_id, error)
-                    self.drafter.withdraw(request)
-            self.active_requests.append(request)
-
-    def _handle_cancellations(self, cancelled: Collection[int]) -> None:
-        if not cancelled:
-            return  # nothing to do: every path that finishes a request frees it before returning
-        for request in self.active_requests:
-            if request.request_id in cancelled and not request.is_finished:
-                _drop_in_flight_tokens(request)
-                request.is_cancelled = True
-                request.state = LlmRequestState.GENERATION_COMPLETE
-                request.finish_time = self.clock()
-                self._finished.append(request)
-                self._respond(request, Response(request.request_id, [], finished=True, cancelled=True))
-        self._free_finished()
-
     def _schedule(self) -> ScheduledRequests:
         """Schedule the active requests; free and restart the ones the capacity stage preempts.
 
         Under overlap a request whose in-flight token is its last (``max_new_tokens``) is not
         scheduled again, and a pause never frees blocks a forward in flight uses: the forward
         completes first and the requests are scheduled again."""
-        scheduled = self.scheduler.schedule_request(self._schedulable(), self._iteration)
-        in_flight = self._in_flight
-        if in_flight is not None and any(r.request_id in in_flight.request_ids for r in scheduled.paused_requests):
+        active = self.active_requests
+        if self._in_flight is not None:
+            active = [r for r in active if r.tokens[-1] != IN_FLIGHT_TOKEN_ID or len(r.tokens) < r.max_total_len]
+        scheduled = self.scheduler.schedule_request(active, self._iteration)
+        in_flight = self.in_flight_request_ids
+        if in_flight and any(r.request_id in in_flight for r in scheduled.paused_requests):
             self._complete_in_flight()
             self._free_finished()
             scheduled = self.scheduler.schedule_request(self.active_requests, self._iteration)
@@ -399,279 +291,77 @@ class PyExecutor:
             if request.request_id in scheduled.preempted_for:
                 request.preempt()
                 self.num_preemptions += 1
-                self._check_restartable(request, "preempted by a request of higher priority")
+                self.failures.check_restartable(request, "preempted by a request of higher priority", self.drafter)
             else:
                 request.pause()
-                self._check_restartable(request, "paused to free KV memory")
+                self.failures.check_restartable(request, "paused to free KV memory", self.drafter)
         return scheduled
 
-    def _check_restartable(self, request: LlmRequest, why: str) -> None:
-        """A request that starts over as context must fit one forward when chunked prefill is
-        off; fail it otherwise rather than let it (and every context request queued behind it)
-        wait forever."""
-        if self.drafter is not None:  # back in its prompt: the drafter takes its drafts away
-            self.drafter.prepare_draft_tokens((request,))
-        context = request.prompt_len + request.num_draft_tokens  # now with its generated tokens
-        if not self.config.enable_chunked_prefill and context > self.config.max_num_tokens:
-            self._fail(request, InvalidRequestError(
-                f"request {request.request_id}: {why}, its context of {context} tokens (prompt + generated)"
-                f" exceeds max_num_tokens {self.config.max_num_tokens} and chunked prefill is off"
-            ))
-
-    def _schedulable(self) -> list[LlmRequest]:
-        if self._in_flight is None:
-            return self.active_requests
-        return [
-            r for r in self.active_requests
-            if r.tokens[-1] != IN_FLIGHT_TOKEN_ID or len(r.tokens) < r.max_total_len
-        ]
-
-    def _launch(self, scheduled: ScheduledRequests) -> tuple[Launch, _InFlight | None]:
+    def _launch(self, scheduled: ScheduledRequests) -> tuple[Launch, InFlight | None]:
         """prepare_resources, then launch the forward: what that decided and measured, and the
         forward in flight, None when nothing runs (an empty batch, or a batch that failed: its
-        requests have their error)."""
+        requests have their error, or start over)."""
         iteration = self._iteration
         self._iteration += 1
         # What is known before prepare_resources; each way out adds what it learnt.
         launch = functools.partial(Launch, iteration, self.clock(), self.config.max_num_tokens, scheduled)
         prepared = None
-        budget_bound = False
+        bound = False
         forward_tokens = 0
         try:
-            prepared = self._prepare_resources(scheduled)
-            budget_bound = self._budget_bound(prepared.scheduled)
+            # the launch holds a prepared batch once what it decided is recorded on the requests
+            prepared = record_prepared(self.resource_manager.prepare_resources(scheduled), iteration)
             batch = prepared.scheduled
+            bound = budget_bound(batch, self.active_requests)
             if batch.is_empty:
-                return launch(prepared, budget_bound), None
+                return launch(prepared, bound), None
             pending = self.model_engine.forward_async(batch)
             forward_tokens = pending.num_tokens
-            launched = launch(prepared, budget_bound, forward_tokens)
-            return launched, self._advance(batch, pending, launched)
-        except TokenBudgetExceeded as error:
-            self.num_budget_violations += 1
-            failure = self._fail_batch(prepared.scheduled.all_requests, error)
-            return launch(prepared, budget_bound, error.total_num_tokens, error.overshoot, failure), None
+            launched = launch(prepared, bound, forward_tokens)
+            return launched, advance(batch, pending, launched, self.model_engine.can_pick if self.overlap else None)
+        except TokenBudgetExceeded as error:  # the forward's own check against the cost oracle
+            failure = self.failures.budget_exceeded(prepared.scheduled.all_requests, error)
+            return launch(prepared, bound, error.total_num_tokens, error.overshoot, failure), None
         except Exception as error:  # one bad batch must not take the server down
             if prepared is None:  # the KV manager or the budget policy raised: a bug, not the device
-                failure = self._fail_iteration(scheduled.all_requests, error, iteration)
+                failure = self.failures.batch_raised(scheduled.all_requests, error, iteration)
             else:  # the launch failed; a forward in flight before it is still good
-                retry, failure = self._forward_failed(prepared.scheduled.all_requests, error, iteration)
+                retry, failure = self.failures.forward_failed(prepared.scheduled.all_requests, error, iteration)
                 self._start_over(retry, in_flight_output_valid=True)
-            return launch(prepared, budget_bound, forward_tokens, failure=failure), None
+            return launch(prepared, bound, forward_tokens, failure=failure), None
 
-    def _prepare_resources(self, scheduled: ScheduledRequests) -> PreparedBatch:
-        """Re-check, allocate, fix up (``ResourceManager``); then record on the requests what
-        that decided: who was deferred, and the prefix each new allocation reused."""
-        prepared = self.resource_manager.prepare_resources(scheduled)
-        for deferral in prepared.deferred:
-            if deferral.reason is DeferReason.BUDGET:
-                deferral.request.record_budget_deferral()
-            else:
-                deferral.request.record_capacity_deferral()
-        for claim in prepared.claims:
-            if claim.reused_tokens:
-                claim.request.reuse_prefix(claim.reused_tokens)
-            if claim.request.awaiting_resumption:  # a preempted request got its blocks back
-                claim.request.record_resumption(self._iteration - 1, claim.reused_tokens, claim.onboarded_tokens)
-        return prepared
-
-    def _budget_bound(self, batch: ScheduledRequests) -> bool:
-        """DESIGN.md §5: the budget, not the traffic, limited this iteration when some active
-        request still has prompt tokens to compute after ``batch`` (taken before it runs)."""
-        finishing = {c.request.request_id for c in batch.context_chunks if c.is_last}
-        # Newest first: requests still in their prompt are the latest to arrive, so the scan
-        # usually stops at once instead of passing every generation request first.
-        return any(
-            r.state is _CONTEXT_INIT and r.request_id not in finishing for r in reversed(self.active_requests)
-        )
-
-    def _advance(self, batch: ScheduledRequests, pending: PendingForward, launch: Launch) -> _InFlight:
-        """Move each request past the positions the launched forward computes. Under overlap a
-        request that samples and whose token the engine picks gets that token's placeholder."""
-        sampling = [chunk.request for chunk in batch.context_chunks if chunk.is_last]
-        sampling += batch.generation_requests
-        # whether the engine picks each one's token, asked before first-draft padding goes
-        picked = list(map(self.model_engine.can_pick, sampling)) if self.overlap else None
-        for chunk in batch.context_chunks:
-            request = chunk.request
-            request.complete_context_chunk(chunk.end)
-            request.record_forward()
-            if chunk.is_last:
-                request.state = LlmRequestState.GENERATION_IN_PROGRESS
-        for request in batch.generation_requests:
-            if request.consecutive_budget_deferrals:
-                request.record_forward()
-            if request.is_first_draft:
-                request.is_first_draft = False  # it runs its padded first draft step
-        slots: list[int | None] = [None] * len(sampling)  # without overlap tokens are appended at completion
-        if picked is not None:
-            for index, (request, pick) in enumerate(zip(sampling, picked)):
-                if pick:
-                    # one placeholder per draft it verifies, then one for the token after them
-                    width = 1 + len(request.py_draft_tokens)
-                    slots[index] = width
-                    if width == 1:
-                        request.tokens.append(IN_FLIGHT_TOKEN_ID)
-                    else:
-                        request.tokens.extend(_IN_FLIGHT * width)
-        ids = frozenset(map(_request_id, batch.all_requests))
-        return _InFlight(pending, batch, sampling, slots, ids, launch)
-
-    def _complete_in_flight(self) -> IterationStats | None:
+    def _complete_in_flight(self, dropping: Collection[int] = _NONE) -> IterationStats | None:
         """Complete the forward in flight, if any; its statistics."""
         flight, self._in_flight = self._in_flight, None
-        return self._complete(flight) if flight is not None else None
+        return self._complete(flight, dropping) if flight is not None else None
 
-    def _complete(self, flight: _InFlight) -> IterationStats:
-        """Wait for the forward; its tokens reach the requests, the KV manager records what it
-        computed, its statistics are made and published. A forward that failed on the device
-        retries its requests (:meth:`_forward_failed`); a failure after it fails that batch's
-        requests."""
+    def _complete(self, flight: InFlight, dropping: Collection[int] = _NONE) -> IterationStats:
+        """Wait for the forward; its tokens reach the requests (but those in ``dropping``), the KV
+        manager records what it computed, its statistics are made and published. A forward that
+        failed on the device starts its requests over or fails them; a failure after it fails
+        that batch's requests (``failures``)."""
         launch = flight.launch
         try:
             output = flight.pending.result()
         except Exception as error:  # the forward failed on the device: retry its requests
-            retry, failure = self._forward_failed(flight.batch.all_requests, error, launch.iteration)
+            retry, failure = self.failures.forward_failed(flight.batch.all_requests, error, launch.iteration, dropping)
             stats = self._record(launch, failure=failure)  # before the forward _start_over completes
             self._start_over(retry, in_flight_output_valid=False)
             return stats
         drafts, failure = NO_DRAFTS, None
         try:
             now = self.clock()  # one instant for every token of this forward
-            live, sampled = self._sample(flight, output)
+            live, sampled = sample(self.sampler, flight, output, dropping)
             if output.draft_targets:
-                drafts = _count_drafts(live, sampled, output.draft_targets)
-            self._update_requests(live, sampled, now)
+                drafts = count_drafts(live, sampled, output.draft_targets)
+            self.completion.update_requests(live, sampled, now)
             self.resource_manager.update_resources(flight.batch)
         except Exception as error:  # one bad batch must not take the server down
-            failure = self._fail_iteration(flight.batch.all_requests, error, launch.iteration)
+            failure = self.failures.batch_raised(flight.batch.all_requests, error, launch.iteration)
         return self._record(launch, drafts, failure)
 
-    def _sample(self, flight: _InFlight, output: ForwardOutput) -> tuple[list[tuple[LlmRequest, int | None]], list]:
-        """The requests of ``flight`` that still want its tokens (with their placeholder counts),
-        and what the sampler returned for each. A request that finished while the forward was
-        in flight gets nothing from it (upstream drops it)."""
-        dropping = self._dropping
-        live = [(r, slot) for r, slot in zip(flight.sampling, flight.slots)
-                if r.state is not _COMPLETE and r.state is not _ERROR and (not dropping or r.request_id not in dropping)]
-        if output.prompt_logits:  # before sampling: a request's first response carries its prompt's
-            self.sampler.record_prompt_logprobs([c.request for c in flight.batch.context_chunks], output)
-        return live, self.sampler.sample_batch([r for r, _ in live], output)
-
-    def _update_requests(self, live: list[tuple[LlmRequest, int | None]], sampled: list, now: float) -> None:
-        """Write each sampled token over its placeholder (or append it); respond. Whether a
-        request is over is :func:`~stop_rule.finish`'s answer, on every path.
-
-        The usual request (tokens appended, not its last, not its first) is answered in the
-        loop itself, with a call only to its callback: this runs for every generated token."""
-        callbacks = self._callbacks
-        for (request, slot), tokens in zip(live, sampled):
-            if tokens.__class__ is not list:  # the usual answer, a list of tokens, is told by one check
-                if isinstance(tokens, SamplingError):  # this request's logits or settings are broken, not the batch's
-                    logger.error("%s", tokens)
-                    self._fail(request, tokens)
-                    continue
-                if isinstance(tokens, BeamStep):
-                    self._advance_beams(request, tokens, now)
-                    continue
-            if slot is not None:
-                self._fill(request, slot, tokens, now)
-                continue
-            sequence = request.tokens
-            kept, finished = finish(request, tokens, len(sequence))
-            if kept < len(tokens):
-                tokens = tokens[:kept]
-            sequence.extend(tokens)
-            if finished or request.first_token_time is None:
-                self._deliver(request, tokens, finished, now)
-                continue
-            callback = callbacks.get(request.request_id)
-            if callback is not None:
-                callback(request, _new_tuple(Response, (request.request_id, tokens, *_RESPONSE_DEFAULTS)))
-
-    def _fill(self, request: LlmRequest, width: int, tokens: list[int], now: float) -> None:
-        """Write the sampled tokens over this forward's ``width`` placeholders (the first of the
-        trailing ones: a later forward's follow), as many as the stop rule keeps; a run shorter
-        than its placeholders (rejected drafts) pulls the later ones back, as the engine moved that
-        forward back. When the run ends the request drop every later placeholder (that forward's
-        tokens for it will be dropped). Respond."""
-        sequence = request.tokens
-        start = len(sequence) - num_in_flight_tokens(sequence)
-        kept, finished = finish(request, tokens, start)
-        if kept < len(tokens):
-            tokens = tokens[:kept]
-        if width == 1:
-            sequence[start] = tokens[0]
-        else:
-            sequence[start : start + width] = token_array(tokens)
-        if finished:
-            del sequence[start + len(tokens) :]
-        self._deliver(request, tokens, finished, now)
-
-    def _advance_beams(self, request: LlmRequest, step: BeamStep, now: float) -> None:
-        """Apply a beam-search step: the request's beams, its tokens (beam 0's, so that its length
-        is every beam's), its KV (each new beam's tables are its parent's). Nothing is sent until
-        the search is over: a beam's tokens are not final while a better beam may replace it. Then
-        the one response carries the returned beams, and ``tokens`` ends with the best one's."""
-        state = step.state
-        request.py_beams = state
-        best = state.results[0] if state.done else state.live[0]
-        del request.tokens[request.orig_prompt_len :]
-        request.tokens.extend(best.tokens)
-        if not state.done:
-            if request.first_token_time is None:
-                request.first_token_time = now
-            self.kv_cache_manager.sequences.fork_beams(request, step.parents)
-            return
-        self._deliver(request, list(best.tokens), True, now, beams=state.results)
-
-    def _deliver(
-        self, request: LlmRequest, tokens: list[int], finished: bool, now: float, *, beams: tuple | None = None
-    ) -> None:
-        cached = request.prepopulated_prompt_len if request.first_token_time is None or beams is not None else None
-        if request.first_token_time is None:
-            request.first_token_time = now
-        if finished:
-            request.state = LlmRequestState.GENERATION_COMPLETE
-            request.finish_time = now
-            self._finished.append(request)
-            callback = self._callbacks.pop(request.request_id, None)
-        else:
-            callback = self._callbacks.get(request.request_id)
-        if callback is not None:
-            callback(request, Response(request.request_id, tokens, finished, beams=beams, cached_tokens=cached))
-
-    def _fail_iteration(self, requests: list[LlmRequest], error: Exception, iteration: int) -> BatchFailure:
-        """An unexpected error at launch or completion: log it with its traceback (call from the
-        ``except`` block) and fail the batch's requests."""
-        logger.exception("iteration %d failed; failing its %d requests", iteration, len(requests))
-        return self._fail_batch(requests, error)
-
-    def _forward_failed(
-        self, requests: list[LlmRequest], error: Exception, iteration: int
-    ) -> tuple[list[LlmRequest], BatchFailure]:
-        """A forward failed at launch or on the device (call from the ``except`` block). The batch
-        counts as failed; its requests with a retry left (``max_forward_retries`` in a row, see
-        ``LlmRequest.can_retry_forward``) are returned to :meth:`_start_over`, the others fail
-        with the error."""
-        logger.exception("iteration %d: the forward failed; retrying or failing its %d requests",
-                         iteration, len(requests))
-        self.num_failed_batches += 1
-        self.last_error = str(error)
-        live = [r for r in requests if not r.is_finished and r.request_id not in self._dropping]
-        retry, failed = [], []
-        for request in live:
-            (retry if request.can_retry_forward(self.config.max_forward_retries) else failed).append(request)
-        for request in failed:
-            logger.warning("request %s fails: its forward failed again before it made progress (max_forward_retries=%d)",
-                           request.request_id, self.config.max_forward_retries)
-            self._fail(request, error)
-        return retry, BatchFailure(str(error), len(failed), len(retry))
-
     def _start_over(self, requests: list[LlmRequest], *, in_flight_output_valid: bool) -> None:
-        """The requests of a failed forward start over as context: KV freed (what the forward
-        should have written cannot be trusted), generated tokens kept and recomputed, so a
-        streamed output goes on where it stopped.
+        """The requests of a failed forward start over as context (``Failures.start_over``).
 
         Under overlap another forward in flight may hold the same requests: it completes first
         (their blocks cannot be freed under it), and ``in_flight_output_valid`` says whether its
@@ -680,58 +370,19 @@ class PyExecutor:
         if not requests:
             return
         ids = frozenset(map(_request_id, requests))
-        if self._in_flight is not None and not ids.isdisjoint(self._in_flight.request_ids):
-            self._dropping = frozenset() if in_flight_output_valid else ids
-            try:
-                self._complete_in_flight()
-            finally:
-                self._dropping = frozenset()
-        for request in requests:
-            if request.is_finished:  # finished by the forward that just completed
-                continue
-            _drop_in_flight_tokens(request)
-            self.resource_manager.free_resources(request, store_for_reuse=False)
-            request.retry_after_failed_forward()
-            self._check_restartable(request, "its forward failed and it starts over")
-
-    def _fail_batch(self, requests: list[LlmRequest], error: Exception) -> BatchFailure:
-        self.num_failed_batches += 1
-        self.last_error = str(error)
-        for request in requests:
-            self._fail(request, error)
-        return BatchFailure(str(error), len(requests))
-
-    def _fail(self, request: LlmRequest, error: Exception) -> None:
-        if request.is_finished:
-            return
-        _drop_in_flight_tokens(request)
-        request.set_error(f"{type(error).__name__}: {error}")
-        request.finish_time = self.clock()
-        self._finished.append(request)
-        self._respond(request, Response(request.request_id, [], finished=True, error=request.error))
+        if not ids.isdisjoint(self.in_flight_request_ids):
+            self._complete_in_flight(_NONE if in_flight_output_valid else ids)
+        self.failures.start_over(requests, self.drafter)
 
     def _free_finished(self) -> None:
         """Free what the requests finished since the last call held; drop them from the active
         list. A request in the forward in flight keeps its blocks until that completes."""
-        if not self._finished:
+        if not self.responses.finished:
             return
-        busy = self._in_flight.request_ids if self._in_flight is not None else frozenset()
-        finished, self._finished = self._finished, []
-        for request in finished:
-            if request.request_id in busy:
-                self._finished.append(request)
-                continue
-            store = request.state is LlmRequestState.GENERATION_COMPLETE
-            self.resource_manager.free_resources(request, store_for_reuse=store)
+        for request in self.responses.take_finished(self.in_flight_request_ids):
+            self.resource_manager.free_resources(request, store_for_reuse=request.state is _COMPLETE)
             self.sampler.release(request)
         self.active_requests = [r for r in self.active_requests if r.state is not _COMPLETE and r.state is not _ERROR]
-
-    def _respond(self, request: LlmRequest, response: Response) -> None:
-        callback = self._callbacks.get(request.request_id)
-        if response.finished:
-            self._callbacks.pop(request.request_id, None)
-        if callback is not None:
-            callback(request, response)
 
     def _record(
         self, launch: Launch, drafts: Drafts = NO_DRAFTS, failure: BatchFailure | None = None
@@ -741,30 +392,5 @@ class PyExecutor:
         if self.drafter is not None and failure is None:  # whether speculation pays (acceptance_rate_threshold)
             self.drafter.observe(drafts.verified, drafts.accepted)
         stats = make_stats(launch, completion)
-        self._stats.append(stats)
-        for listener in self._iteration_listeners:
-            try:
-                listener(stats)
-            except Exception:  # statistics must never stop the loop
-                logger.exception("iteration listener %r failed", listener)
+        self._stats.publish(stats)
         return stats
-
-
-def _count_drafts(
-    live: list[tuple[LlmRequest, int | None]], sampled: list, targets: Mapping[int, list[int]]
-) -> Drafts:
-    """Drafts the forward verified, and how many the sampler accepted (before the stop rule)."""
-    verified = accepted = 0
-    for (request, _), tokens in zip(live, sampled):
-        picks = targets.get(request.request_id)
-        if picks is not None and not isinstance(tokens, SamplingError):
-            verified += len(picks) - 1
-            accepted += len(tokens) - 1
-    return Drafts(verified, accepted)
-
-
-def _drop_in_flight_tokens(request: LlmRequest) -> None:
-    """A request that ends while forwards are in flight keeps none of their placeholders."""
-    count = num_in_flight_tokens(request.tokens)
-    if count:
-        del request.tokens[-count:]

@@ -1,12 +1,18 @@
 """Per-iteration statistics: what was scheduled, what ran, what was deferred, what overshot.
 
-A value, made once per iteration by :func:`~iteration.make_stats` when the iteration
-completes; ``/metrics``, the Prometheus counters and the replay JSON read it.
+A value, made once per iteration by :func:`~records.make_stats` when the iteration
+completes; ``/metrics``, the Prometheus counters and the replay JSON read it. An executor
+keeps the recent ones, and tells its listeners of each, through a :class:`StatsLog`.
 """
 
 from __future__ import annotations
 
+import logging
+from collections import deque
 from dataclasses import asdict, dataclass
+from typing import Callable
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,3 +64,33 @@ class IterationStats:
 
     def to_dict(self) -> dict:
         return {**asdict(self), "budget_utilization": self.budget_utilization}
+
+
+class StatsLog:
+    """The iteration statistics an executor keeps, oldest first (a ring of ``maxlen``; every
+    one when None, as a replay wants), and the listeners told of each as it is published.
+
+    Published on the executor's thread; :meth:`snapshot` may be read from any thread.
+    """
+
+    __slots__ = ("_kept", "_listeners")
+
+    def __init__(self, maxlen: int | None = None) -> None:
+        self._kept: deque[IterationStats] = deque(maxlen=maxlen)
+        self._listeners: list[Callable[[IterationStats], None]] = []
+
+    def add_listener(self, listener: Callable[[IterationStats], None]) -> None:
+        self._listeners.append(listener)
+
+    def publish(self, stats: IterationStats) -> None:
+        """Keep ``stats`` and tell every listener; one that raises is logged and skipped
+        (statistics must never stop the loop)."""
+        self._kept.append(stats)
+        for listener in self._listeners:
+            try:
+                listener(stats)
+            except Exception:
+                logger.exception("iteration listener %r failed", listener)
+
+    def snapshot(self) -> list[IterationStats]:
+        return list(self._kept)

@@ -131,7 +131,7 @@ def test_the_serve_command_line_takes_the_scheduler_keys():
 
 def test_under_fcfs_priorities_are_accepted_ignored_and_said_so_once(caplog):
     executor = make_sim_executor(make_config())
-    with caplog.at_level(logging.INFO, logger="tensorrt_llm._torch.pyexecutor.py_executor"):
+    with caplog.at_level(logging.INFO, logger="tensorrt_llm._torch.pyexecutor.iteration.admission"):
         for i in range(3):
             executor.enqueue_request(make_request(prompt_len=8, priority=0.9, max_new_tokens=2))
         executor.run_until_idle()
