@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Fetch, into .whl/, the Python 3.12 x86-64 wheels that the H200 image lacks (the server, its
 # client and the model readers), at the versions this checkout's .venv holds, so that the GPU
-# runs use what the tests ran with. run_h200.sh setup installs them there into /tmp/site.
+# runs use what the tests ran with. benchmarks/gpu/h200_serving.sh setup installs them there into /tmp/site.
 #   bash benchmarks/gpu/fetch_wheels.sh      (after `make .venv/.installed`)
 set -euo pipefail
 cd "$(dirname "$0")/../.."

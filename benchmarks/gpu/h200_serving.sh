@@ -47,7 +47,7 @@ case $phase in
     echo "fault soak started detached, pid $!"
     ;;
   faults-wait)
-    while pgrep -f "run_h200.sh faults /tmp/faults" > /dev/null; do sleep 5; done
+    while pgrep -f "h200_serving.sh faults /tmp/faults" > /dev/null; do sleep 5; done
     cp -r /tmp/faults/. "$out"/ && tail -20 "$out/soak.log"
     ;;
   phase-b)  # phase-b [REQUESTS [OFFLOAD_AHEAD_BLOCKS [HOST_CACHE_BLOCKS]]]: the recheck replay with and without

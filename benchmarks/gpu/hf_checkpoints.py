@@ -23,7 +23,7 @@ missing, too little disk or GPU memory), as it stops when a server does not come
 ``--dry-run`` runs the same steps on the CPU with both configs scaled down (checks the script
 where there is no GPU).
 
-On the H200 (fastapi, uvicorn and openai as wheels: ``run_h200.sh setup``), one model per device
+On the H200 (fastapi, uvicorn and openai as wheels: ``benchmarks/gpu/h200_serving.sh setup``), one model per device
 call (each takes a few minutes)::
 
     PYTHONPATH=$PWD:/tmp/site python3 -m benchmarks.gpu.hf_checkpoints --out OUT --models llama-3.1-8b

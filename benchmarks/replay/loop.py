@@ -144,12 +144,12 @@ class _Outcomes:
                 self.first_token[slot] = request.first_token_time
             self.finish[slot] = request.finish_time if request.finish_time is not None else math.nan
             self.outputs[slot] = request.num_generated_tokens
-            self.max_consecutive_deferrals = max(self.max_consecutive_deferrals, request.max_consecutive_budget_deferrals)
-            self.deferrals += request.num_budget_deferrals
-            self.capacity_deferrals += request.num_capacity_deferrals
-            self.preemptions[slot] = request.num_preemptions
-            self.recomputed[slot] = request.num_recomputed_tokens
-            self.onboarded[slot] = request.num_onboarded_tokens
+            self.max_consecutive_deferrals = max(self.max_consecutive_deferrals, request.counters.max_consecutive_budget_deferrals)
+            self.deferrals += request.counters.budget_deferrals
+            self.capacity_deferrals += request.counters.capacity_deferrals
+            self.preemptions[slot] = request.counters.preemptions
+            self.recomputed[slot] = request.counters.recomputed_tokens
+            self.onboarded[slot] = request.counters.onboarded_tokens
             if request.state is LlmRequestState.GENERATION_COMPLETE and not request.is_cancelled:
                 self.status[slot] = 1
                 self.completed += 1
@@ -321,9 +321,9 @@ class _PolicyReplay:
             self.outcomes.hang(request.request_id)
         # In-flight requests report what they had so far (their deferrals count too).
         for request in executor.active_requests:
-            self.outcomes.deferrals += request.num_budget_deferrals
+            self.outcomes.deferrals += request.counters.budget_deferrals
             self.outcomes.max_consecutive_deferrals = max(
-                self.outcomes.max_consecutive_deferrals, request.max_consecutive_budget_deferrals
+                self.outcomes.max_consecutive_deferrals, request.counters.max_consecutive_budget_deferrals
             )
         return True
 

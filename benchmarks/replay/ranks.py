@@ -108,9 +108,9 @@ class RankRun:
         """``on_local_response``: this rank ran ``request``."""
         if not response.finished:
             return
-        self.deferrals += request.num_budget_deferrals
-        self.capacity_deferrals += request.num_capacity_deferrals
-        self.max_consecutive_deferrals = max(self.max_consecutive_deferrals, request.max_consecutive_budget_deferrals)
+        self.deferrals += request.counters.budget_deferrals
+        self.capacity_deferrals += request.counters.capacity_deferrals
+        self.max_consecutive_deferrals = max(self.max_consecutive_deferrals, request.counters.max_consecutive_budget_deferrals)
         if request.first_token_time is not None:
             self.ttft_ms.append((request.first_token_time - request.arrival_time) * 1e3)
         if request.state is LlmRequestState.GENERATION_COMPLETE and not request.is_cancelled:

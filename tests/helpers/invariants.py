@@ -402,7 +402,7 @@ class PrioritySnapshot:
 
 def priority_snapshot(request: LlmRequest, kv: KVCacheManager) -> PrioritySnapshot:
     return PrioritySnapshot(request.request_id, request.priority, request.arrival_time, request.is_context_init_state,
-                            kv.is_allocated(request), request.py_budget_deferred, request.resumed_iteration)
+                            kv.is_allocated(request), request.py_budget_deferred, request.counters.resumed_iteration)
 
 
 @dataclass(slots=True)
@@ -515,8 +515,8 @@ class ExecutorChecker:
                 raise AssertionError(f"invariant 5: non-last chunk {chunk!r} ends off a block boundary")
         if self.claims_safety:
             for request in self.executor.active_requests:
-                assert request.consecutive_budget_deferrals <= 1, (
-                    f"invariant 5: {request!r} deferred for budget {request.consecutive_budget_deferrals} times in a row"
+                assert request.counters.consecutive_budget_deferrals <= 1, (
+                    f"invariant 5: {request!r} deferred for budget {request.counters.consecutive_budget_deferrals} times in a row"
                 )
 
     def _check_nothing_lost(self) -> None:

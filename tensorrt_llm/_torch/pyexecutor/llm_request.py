@@ -14,30 +14,34 @@ Ownership: every mutable field has one writer; everyone else only reads it.
 =================================================  ==========================================
 field                                              written by
 =================================================  ==========================================
-``state``, ``tokens``, ``prompt_len``,             ``PyExecutor``: sampling, completion,
+``state``, ``tokens``, ``prompt_len``,             the executor (``PyExecutor`` and its
+                                                   ``iteration`` modules): sampling, completion,
                                                    the in-flight placeholder (overlap),
 ``is_first_draft``, ``error``, ``is_cancelled``,   errors, cancellation, ``pause()`` (a
-``first_token_time``, ``finish_time``,             MAX_UTILIZATION preemption),
-the forward-retry counters                          ``retry_after_failed_forward()``
-``context_current_position``,                      ``PyExecutor``, after a forward: the chunk
+``first_token_time``, ``finish_time``              MAX_UTILIZATION preemption),
+                                                   ``retry_after_failed_forward()``
+``context_current_position``,                      the executor, after a forward: the chunk
 ``prepopulated_prompt_len``                        that ran, with the reuse its allocation found
-``py_budget_deferred`` and the deferral counters   ``PyExecutor``, from what ``prepare_resources``
+``py_budget_deferred``                             the executor, from what ``prepare_resources``
                                                    returned (:meth:`record_budget_deferral`,
-                                                   :meth:`record_capacity_deferral`,
                                                    :meth:`record_forward`)
-``arrival_time``                                   the submitter, or ``PyExecutor`` when it is 0
+``counters`` (a :class:`RequestCounters`:          the executor, only through the request's
+deferrals, pauses, preemptions, forward            methods that count: the two above,
+retries, and the marks they are counted from)      :meth:`record_capacity_deferral`, :meth:`pause`,
+                                                   :meth:`preempt` (the scheduler's decision),
+                                                   :meth:`record_resumption` (what the
+                                                   resumption's allocation reused),
+                                                   :meth:`retry_after_failed_forward`
+``arrival_time``                                   the submitter, or the executor when it is 0
 ``py_draft_tokens``                                the executor's ``Drafter`` before each schedule
                                                    (speculative decoding), else the submitter
 ``max_draft_len``, ``is_first_draft``              the submitter, or the ``Drafter`` at admission
-                                                   (``PyExecutor`` clears ``is_first_draft`` when
+                                                   (the executor clears ``is_first_draft`` when
                                                    that step runs)
 ``priority``                                       the submitter (``[0, 1]``, default 0.5)
-``num_preemptions``, ``preempted_computed_tokens``, ``PyExecutor``, from the scheduler's decision
-``resumed_iteration``, ``num_recomputed_tokens``,  (:meth:`preempt`) and from what the
-``num_onboarded_tokens``, ``awaiting_resumption``  resumption's allocation reused (:meth:`record_resumption`)
 ``py_logprobs``, ``py_prompt_logprobs``            the sampler (one entry per token it samples,
                                                    per prompt position it is given logits for)
-``py_beams``                                       ``PyExecutor``, from the sampler's ``BeamStep``
+``py_beams``                                       the executor, from the sampler's ``BeamStep``
                                                    (beam search; ``tokens`` then ends with beam 0's)
 =================================================  ==========================================
 
@@ -150,6 +154,39 @@ class DeferReason(enum.Enum):
     CAPACITY = "capacity"  # its KV blocks could not be had at allocation time
 
 
+@dataclass(slots=True)
+class RequestCounters:
+    """What happened to one request, counted: deferrals, pauses, priority preemptions, forward
+    retries, and the marks they are counted from. One value per request (``LlmRequest.counters``),
+    written only through the request's counting methods; the replay and the tests read it, and
+    the preemption cooldown reads ``resumed_iteration``.
+    """
+
+    # Budget deferrals: in all, in a row now (the re-check never makes it 2), the most in a row.
+    budget_deferrals: int = 0
+    consecutive_budget_deferrals: int = 0
+    max_consecutive_budget_deferrals: int = 0
+    capacity_deferrals: int = 0  # its KV blocks could not be had at allocation time
+    pauses: int = 0  # restarts as context to free KV memory (MAX_UTILIZATION), preemptions included
+    # Priority preemption (SchedulerConfig.enable_preemption): times it was paused for a request of
+    # higher priority; prompt positions it computed again after one, and those it got back from
+    # the host tier. Marks: the KV positions it had computed when last paused (0 once it resumed),
+    # whether it waits for its blocks again, the iteration they were allocated again after the
+    # last one (-1: never preempted).
+    preemptions: int = 0
+    recomputed_tokens: int = 0
+    onboarded_tokens: int = 0
+    preempted_computed_tokens: int = 0
+    awaiting_resumption: bool = False
+    resumed_iteration: int = -1
+    # Forwards that failed under it and were retried; those since it last generated a token, and
+    # its length then (mark): a forward that keeps failing under it (a poison request, a broken
+    # device) is not retried forever.
+    forward_retries: int = 0
+    retries_without_progress: int = 0
+    retried_at_len: int = 0
+
+
 _request_ids = itertools.count()
 
 
@@ -191,26 +228,7 @@ class LlmRequest:
     # Budget deferral: a deferred request owes its full cost. The scheduler charges it that
     # and the re-check takes it first, so it is never deferred twice in a row.
     py_budget_deferred: bool = False
-    consecutive_budget_deferrals: int = 0
-    max_consecutive_budget_deferrals: int = 0
-    num_budget_deferrals: int = 0
-    num_capacity_deferrals: int = 0
-    num_pauses: int = 0
-    # Priority preemption (SchedulerConfig.enable_preemption): times it was paused for a request of
-    # higher priority; the KV positions it had computed when last paused (0 once it resumed); the
-    # iteration its blocks were allocated again after the last one (-1: never preempted); prompt
-    # positions it computed again after a preemption, and those it got back from the host tier.
-    num_preemptions: int = 0
-    preempted_computed_tokens: int = 0
-    resumed_iteration: int = -1
-    num_recomputed_tokens: int = 0
-    num_onboarded_tokens: int = 0
-    awaiting_resumption: bool = False  # preempted, its blocks not yet allocated again
-    num_forward_retries: int = 0  # forwards that failed under it and were retried (PyExecutor)
-    # Retries since it last generated a token, and its length at the last one: a forward that
-    # keeps failing under it (a poison request, a broken device) is not retried forever.
-    forward_retries_without_progress: int = 0
-    retried_at_len: int = 0
+    counters: RequestCounters = field(default_factory=RequestCounters)
     error: str | None = None
     is_cancelled: bool = False
     first_token_time: float | None = None
@@ -257,21 +275,22 @@ class LlmRequest:
             )
         self.context_current_position = end
 
-    # ---- deferrals (PyExecutor records what prepare_resources returned) ---------------
+    # ---- deferrals (the executor records what prepare_resources returned) -------------
     def record_budget_deferral(self) -> None:
         self.py_budget_deferred = True
-        self.num_budget_deferrals += 1
-        self.consecutive_budget_deferrals += 1
-        if self.consecutive_budget_deferrals > self.max_consecutive_budget_deferrals:
-            self.max_consecutive_budget_deferrals = self.consecutive_budget_deferrals
+        counters = self.counters
+        counters.budget_deferrals += 1
+        counters.consecutive_budget_deferrals += 1
+        if counters.consecutive_budget_deferrals > counters.max_consecutive_budget_deferrals:
+            counters.max_consecutive_budget_deferrals = counters.consecutive_budget_deferrals
 
     def record_capacity_deferral(self) -> None:
-        self.num_capacity_deferrals += 1
+        self.counters.capacity_deferrals += 1
 
     def record_forward(self) -> None:
         """It ran in a forward: a budget deferral it owed is paid."""
         self.py_budget_deferred = False
-        self.consecutive_budget_deferrals = 0
+        self.counters.consecutive_budget_deferrals = 0
 
     # ---- state ----------------------------------------------------------------------
     @property
@@ -333,25 +352,27 @@ class LlmRequest:
         the output continues where it stopped.
         """
         self._start_over()
-        self.num_pauses += 1
+        self.counters.pauses += 1
 
     def preempt(self) -> None:
         """Paused for a request of higher priority (the scheduler's preemption): as :meth:`pause`,
         remembering how many positions had KV, so that the resumption can count what it recomputes."""
         computed = self.context_current_position if self.is_context_init_state else len(self.tokens) - 1
         self.pause()
-        self.num_preemptions += 1
-        self.preempted_computed_tokens = computed
-        self.awaiting_resumption = True
+        counters = self.counters
+        counters.preemptions += 1
+        counters.preempted_computed_tokens = computed
+        counters.awaiting_resumption = True
 
     def record_resumption(self, iteration: int, reused_tokens: int, onboarded_tokens: int) -> None:
         """Its first chunk after a preemption was allocated at ``iteration``, reusing
         ``reused_tokens`` prompt positions (``onboarded_tokens`` of them from the host tier)."""
-        self.resumed_iteration = iteration
-        self.num_recomputed_tokens += max(0, self.preempted_computed_tokens - reused_tokens)
-        self.num_onboarded_tokens += onboarded_tokens
-        self.preempted_computed_tokens = 0
-        self.awaiting_resumption = False
+        counters = self.counters
+        counters.resumed_iteration = iteration
+        counters.recomputed_tokens += max(0, counters.preempted_computed_tokens - reused_tokens)
+        counters.onboarded_tokens += onboarded_tokens
+        counters.preempted_computed_tokens = 0
+        counters.awaiting_resumption = False
 
     def can_retry_forward(self, max_retries: int) -> bool:
         """Whether a failed forward may retry this request: fewer than ``max_retries`` retries
@@ -359,19 +380,20 @@ class LlmRequest:
         are not)."""
         if max_retries < 1:
             return False
-        progressed = len(self.tokens) - num_in_flight_tokens(self.tokens) > self.retried_at_len
-        return progressed or self.forward_retries_without_progress < max_retries
+        progressed = len(self.tokens) - num_in_flight_tokens(self.tokens) > self.counters.retried_at_len
+        return progressed or self.counters.retries_without_progress < max_retries
 
     def retry_after_failed_forward(self) -> None:
         """Start over as context, as :meth:`pause` does, after a forward it was in failed:
         the KV that forward should have written cannot be trusted, so it is recomputed. Call it
         once the failed forward's placeholders are dropped."""
-        if len(self.tokens) > self.retried_at_len:
-            self.forward_retries_without_progress = 0
+        counters = self.counters
+        if len(self.tokens) > counters.retried_at_len:
+            counters.retries_without_progress = 0
         self._start_over()
-        self.num_forward_retries += 1
-        self.forward_retries_without_progress += 1
-        self.retried_at_len = len(self.tokens)
+        counters.forward_retries += 1
+        counters.retries_without_progress += 1
+        counters.retried_at_len = len(self.tokens)
 
     def _start_over(self) -> None:
         if self.beam_width > 1 and self.py_beams is not None:

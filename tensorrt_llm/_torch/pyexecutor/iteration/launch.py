@@ -94,7 +94,7 @@ def record_prepared(prepared: PreparedBatch, iteration: int) -> PreparedBatch:
     for claim in prepared.claims:
         if claim.reused_tokens:
             claim.request.reuse_prefix(claim.reused_tokens)
-        if claim.request.awaiting_resumption:  # preempted: its resumption is counted
+        if claim.request.counters.awaiting_resumption:  # preempted: its resumption is counted
             claim.request.record_resumption(iteration, claim.reused_tokens, claim.onboarded_tokens)
     return prepared
 

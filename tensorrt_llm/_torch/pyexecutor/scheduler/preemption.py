@@ -8,7 +8,7 @@ When the capacity scheduler meets a waiting request whose blocks do not fit, it 
         candidates: running requests r with
             priority(r) < priority(w)                     strictly lower priority, and
             w ranks ahead of r in PriorityOrder            (so aging protects a request too), and
-            r did not resume within the cooldown          (iteration - resumed_iteration >= cooldown)
+            r did not resume within the cooldown          (iteration - counters.resumed_iteration >= cooldown)
         taken lowest-ranked first, each crediting the blocks it frees,
         until the shortfall is covered ─► the victims;  never enough ─► None (nobody is paused)
 
@@ -46,7 +46,8 @@ class Preemption:
 
 def in_cooldown(request: LlmRequest, iteration: int, cooldown: int) -> bool:
     """Whether ``request`` resumed from a preemption fewer than ``cooldown`` iterations ago."""
-    return request.resumed_iteration >= 0 and iteration - request.resumed_iteration < cooldown
+    resumed = request.counters.resumed_iteration
+    return resumed >= 0 and iteration - resumed < cooldown
 
 
 def choose_victims(

@@ -1,10 +1,12 @@
 """LlmRequest and ContextChunk: context progress, chunk windows and their reuse shift,
 deferral records and preemption (pause)."""
 
+import dataclasses
+
 import pytest
 from tests.helpers.factories import make_request
 
-from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequestState
+from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequest, LlmRequestState, RequestCounters
 from tensorrt_llm._torch.pyexecutor.scheduled_requests import ContextChunk
 
 
@@ -85,13 +87,37 @@ def test_deferral_records():
     request.record_budget_deferral()
     request.record_budget_deferral()
     assert request.py_budget_deferred
-    assert (request.num_budget_deferrals, request.consecutive_budget_deferrals) == (2, 2)
+    assert (request.counters.budget_deferrals, request.counters.consecutive_budget_deferrals) == (2, 2)
     request.record_forward()
-    assert not request.py_budget_deferred and request.consecutive_budget_deferrals == 0
+    assert not request.py_budget_deferred and request.counters.consecutive_budget_deferrals == 0
     request.record_budget_deferral()
     request.record_capacity_deferral()
-    assert (request.num_budget_deferrals, request.max_consecutive_budget_deferrals) == (3, 2)
-    assert request.num_capacity_deferrals == 1
+    assert request.counters == RequestCounters(budget_deferrals=3, consecutive_budget_deferrals=1,
+                                               max_consecutive_budget_deferrals=2, capacity_deferrals=1)
+
+
+def test_every_count_lives_in_the_one_counters_value():
+    """Preemption, resumption and forward retries count into ``counters`` and nowhere else: a
+    request's own fields are its settings, tokens, state and outputs."""
+    request = make_request(prompt_len=6, max_new_tokens=8)
+    request.complete_context_chunk(6)
+    request.state = LlmRequestState.GENERATION_IN_PROGRESS
+    request.add_new_token(11)
+    request.preempt()  # 6 prompt + 1 generated: 6 positions had KV
+    assert request.counters == RequestCounters(pauses=1, preemptions=1, preempted_computed_tokens=6,
+                                               awaiting_resumption=True)
+    request.record_resumption(iteration=9, reused_tokens=4, onboarded_tokens=4)
+    assert request.counters == RequestCounters(pauses=1, preemptions=1, recomputed_tokens=2, onboarded_tokens=4,
+                                               resumed_iteration=9)
+    assert request.can_retry_forward(1)
+    request.retry_after_failed_forward()
+    assert not request.can_retry_forward(1)  # no token since its last retry
+    assert (request.counters.forward_retries, request.counters.retries_without_progress) == (1, 1)
+    request.add_new_token(12)
+    assert request.can_retry_forward(1)
+    counted = {f.name for f in dataclasses.fields(RequestCounters)}
+    assert not counted & {f.name for f in dataclasses.fields(LlmRequest)}
+    assert not {f.name for f in dataclasses.fields(LlmRequest)} & {f"num_{name}" for name in counted}
 
 
 def test_pause_restarts_as_context_and_keeps_generated_tokens():
@@ -113,10 +139,10 @@ def test_pause_restarts_as_context_and_keeps_generated_tokens():
     assert request.max_total_len == 14  # unchanged: the budget of new tokens is not reset
     assert request.context_current_position == 0 and request.prepopulated_prompt_len == 0
     assert request.is_first_context_chunk
-    assert request.num_pauses == 1
+    assert request.counters.pauses == 1
 
     request.pause()
-    assert request.num_pauses == 2
+    assert request.counters.pauses == 2
 
 
 def test_finished_states():

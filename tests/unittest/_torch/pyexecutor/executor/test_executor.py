@@ -112,7 +112,7 @@ def test_recheck_cuts_instead_and_serves_the_same_output():
     checker.drain()
     assert all(stats.overshoot == 0 for stats in executor.iteration_stats)
     assert max(stats.forward_tokens for stats in executor.iteration_stats) <= 30
-    assert c.num_budget_deferrals == 0
+    assert c.counters.budget_deferrals == 0
     assert c.error is None and b.error is None
 
     alone = make_sim_executor(make_config(token_budget_policy="recheck", **EVICTED))

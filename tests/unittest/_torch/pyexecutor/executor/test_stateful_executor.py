@@ -101,7 +101,7 @@ class ExecutorMachine(RuleBasedStateMachine):
         for happened, what in (
             (self.checker.num_budget_deferrals, "budget deferrals"),
             (self.checker.num_capacity_deferrals, "capacity deferrals"),
-            (any(r.num_pauses for r in requests), "a request paused"),
+            (any(r.counters.pauses for r in requests), "a request paused"),
             (any(r.is_cancelled for r in requests), "a request cancelled"),
             (pool.num_evictions, "blocks evicted"),
             (pool.num_offloads, "blocks offloaded"),
@@ -204,6 +204,6 @@ def test_a_paused_request_that_no_longer_fits_a_forward_fails_instead_of_blockin
     checker.submit(first)
     checker.submit(paused)
     checker.drain()
-    assert paused.num_pauses == 1
+    assert paused.counters.pauses == 1
     assert "exceeds max_num_tokens" in checker.final[paused.request_id].error
     assert not checker.final[first.request_id].error

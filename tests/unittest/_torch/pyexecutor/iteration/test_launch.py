@@ -12,10 +12,13 @@ from tensorrt_llm._torch.pyexecutor.errors import InvalidRequestError
 from tensorrt_llm._torch.pyexecutor.executor.client import Response
 from tensorrt_llm._torch.pyexecutor.iteration.admission import Admission
 from tensorrt_llm._torch.pyexecutor.iteration.failures import Failures
-from tensorrt_llm._torch.pyexecutor.iteration.launch import advance, budget_bound, drop_in_flight_tokens
+from tensorrt_llm._torch.pyexecutor.iteration.launch import advance, budget_bound, drop_in_flight_tokens, record_prepared
 from tensorrt_llm._torch.pyexecutor.iteration.responses import Responses
 from tensorrt_llm._torch.pyexecutor.iteration.stats import IterationStats, StatsLog
-from tensorrt_llm._torch.pyexecutor.llm_request import IN_FLIGHT_TOKEN_ID, LlmRequestState
+from tensorrt_llm._torch.pyexecutor.kv_cache.values import ClaimRecord
+from tensorrt_llm._torch.pyexecutor.llm_request import IN_FLIGHT_TOKEN_ID, DeferReason, LlmRequestState, RequestCounters
+from tensorrt_llm._torch.pyexecutor.resource_manager import PreparedBatch
+from tensorrt_llm._torch.pyexecutor.scheduled_requests import Deferral
 from tensorrt_llm._torch.pyexecutor.sampling.synthetic_sampler import SyntheticSampler
 from tests.helpers.factories import make_batch, make_config, make_kv_cache_manager, make_request, make_resource_manager, run_alone
 
@@ -26,6 +29,27 @@ def _generating(kv, **kwargs):
     request = make_request(prompt_len=8, **kwargs)
     assert run_alone(kv, request, SyntheticSampler(1000))
     return request
+
+
+# ---- record_prepared: what prepare_resources decided, on the requests ----------------
+def test_deferrals_reuse_and_a_resumption_are_recorded_on_their_requests():
+    kv = make_kv_cache_manager()
+    budget, capacity, reusing, resumed = (make_request(prompt_len=12) for _ in range(4))
+    resumed.complete_context_chunk(8)
+    resumed.preempt()  # 8 positions had KV
+    prepared = PreparedBatch(
+        scheduled=make_batch([reusing, resumed]),
+        deferred=[Deferral(budget, DeferReason.BUDGET, cost=12), Deferral(capacity, DeferReason.CAPACITY)],
+        claims=[ClaimRecord(reusing, 8, 8, 12), ClaimRecord(resumed, 4, 4, 12, onboarded_tokens=4)],
+    )
+    assert record_prepared(prepared, iteration=5) is prepared
+    assert budget.py_budget_deferred and budget.counters == RequestCounters(
+        budget_deferrals=1, consecutive_budget_deferrals=1, max_consecutive_budget_deferrals=1)
+    assert capacity.counters == RequestCounters(capacity_deferrals=1) and not capacity.py_budget_deferred
+    assert reusing.prepopulated_prompt_len == reusing.context_current_position == 8
+    assert reusing.counters == RequestCounters()  # never preempted: nothing to count
+    assert resumed.counters == RequestCounters(pauses=1, preemptions=1, recomputed_tokens=4, onboarded_tokens=4,
+                                               resumed_iteration=5)
 
 
 # ---- advance: requests move past the forward ----------------------------------------

@@ -240,7 +240,7 @@ def test_beams_start_over_after_a_pause_or_a_failed_forward():
         requests, tokens_per_block=2, blocks=24, capacity_scheduler_policy=CapacitySchedulerPolicy.MAX_UTILIZATION,
         fault_injection=FaultInjectionConfig(forward_error_every=7), max_forward_retries=20,
     )
-    assert sum(r.num_pauses + r.num_forward_retries for r in requests) > 0, "nothing started over: the test tests nothing"
+    assert sum(r.counters.pauses + r.counters.forward_retries for r in requests) > 0, "nothing started over: the test tests nothing"
     for prompt, request in zip(PROMPTS, requests):
         assert_same_beams(final[request.request_id], reference_beam_search(prompt, 3, 6, {7}), f"prompt {prompt}")
 

@@ -237,7 +237,7 @@ def test_choose_victims_takes_strictly_lower_priority_lowest_first_and_respects_
     low = make_request(prompt_len=4, priority=0.1, arrival_time=1.0)
     lower = make_request(prompt_len=4, priority=0.0, arrival_time=2.0)
     resumed = make_request(prompt_len=4, priority=0.0, arrival_time=3.0)
-    resumed.resumed_iteration = 8
+    resumed.counters.resumed_iteration = 8
     credit = {r.request_id: 3 for r in (equal, low, lower, resumed)}.get
     pick = lambda shortfall, iteration=10: choose_victims(  # noqa: E731
         waiter, shortfall, [equal, low, lower, resumed], lambda r: credit(r.request_id), order,

@@ -62,14 +62,14 @@ def test_preempted_requests_generate_what_they_would_have_unpreempted(model, hos
         checker.submit(request)
     checker.drain()
     assert checker.num_preemptions > 0
-    preempted = [r for r in low if r.num_preemptions]
-    assert preempted and not any(r.num_preemptions for r in high)
+    preempted = [r for r in low if r.counters.preemptions]
+    assert preempted and not any(r.counters.preemptions for r in high)
     if host_blocks:
-        assert sum(r.num_onboarded_tokens for r in preempted) > 0
+        assert sum(r.counters.onboarded_tokens for r in preempted) > 0
         # only a partial last block (and positions an earlier preemption had not computed) are redone
-        assert all(r.num_recomputed_tokens < TPB * r.num_preemptions for r in preempted)
+        assert all(r.counters.recomputed_tokens < TPB * r.counters.preemptions for r in preempted)
     else:
-        assert sum(r.num_recomputed_tokens for r in preempted) > 0
+        assert sum(r.counters.recomputed_tokens for r in preempted) > 0
     for request in low + high:
         assert checker.tokens[request.request_id] == greedy_reference(model, list(request.input_token_ids),
                                                                       request.max_new_tokens), request

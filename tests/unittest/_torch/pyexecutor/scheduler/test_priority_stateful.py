@@ -91,7 +91,7 @@ class PriorityExecutorMachine(ExecutorMachine):
         super().teardown()
         if self.checker is not None and self.checker.num_preemptions:
             event(f"{self.policy}: a request preempted")
-            if any(r.num_onboarded_tokens for r in self.checker.submitted.values()):
+            if any(r.counters.onboarded_tokens for r in self.checker.submitted.values()):
                 event(f"{self.policy}: a preempted request onboarded its blocks")
 
 

@@ -332,7 +332,7 @@ def test_max_utilization_pauses_the_most_recently_started_request():
     while checker.executor.has_work:
         before = second.tokens.tolist()
         checker.step()
-        if second.num_pauses and paused_with is None:
+        if second.counters.pauses and paused_with is None:
             paused_with = before
             # Restarted as context, generated tokens kept as prompt to recompute.
             assert second.state is LlmRequestState.CONTEXT_INIT
@@ -341,8 +341,8 @@ def test_max_utilization_pauses_the_most_recently_started_request():
     checker.check_drained()
 
     assert paused_with is not None, "the pool was expected to run out"
-    assert first.num_pauses == 0
-    assert sum(s.num_paused_requests for s in checker.executor.iteration_stats) == second.num_pauses
+    assert first.counters.pauses == 0
+    assert sum(s.num_paused_requests for s in checker.executor.iteration_stats) == second.counters.pauses
     for request in (first, second):
         assert request.state is LlmRequestState.GENERATION_COMPLETE and request.error is None
         assert request.num_generated_tokens == 16
@@ -351,7 +351,7 @@ def test_max_utilization_pauses_the_most_recently_started_request():
     # Same tokens as a run that never pauses.
     alone, first_alone, second_alone = run_two_long_generations("MAX_UTILIZATION", num_blocks=64)
     alone.drain()
-    assert second_alone.num_pauses == 0
+    assert second_alone.counters.pauses == 0
     assert second.output_token_ids == second_alone.output_token_ids
     assert first.output_token_ids == first_alone.output_token_ids
 
@@ -359,7 +359,7 @@ def test_max_utilization_pauses_the_most_recently_started_request():
 def test_guaranteed_no_evict_never_pauses_it_waits():
     checker, first, second = run_two_long_generations("GUARANTEED_NO_EVICT", num_blocks=8)
     checker.drain()
-    assert first.num_pauses == second.num_pauses == 0
+    assert first.counters.pauses == second.counters.pauses == 0
     assert all(s.num_paused_requests == 0 for s in checker.executor.iteration_stats)
     assert second.first_token_time >= first.finish_time  # it only started once the first finished
 
