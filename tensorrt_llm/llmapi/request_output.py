@@ -15,7 +15,7 @@ from typing import AsyncIterator, Callable, Iterator, NamedTuple
 from tensorrt_llm._torch.pyexecutor.errors import ExecutorShutdown, RequestError
 from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequest
 from tensorrt_llm._torch.pyexecutor.sampling_config import TokenLogprob
-from tensorrt_llm._torch.pyexecutor.executor.client import Response
+from tensorrt_llm._torch.pyexecutor.response import Response
 from tensorrt_llm.llmapi.tokenizer import IncrementalDetokenizer, Tokenizer
 
 logger = logging.getLogger(__name__)

@@ -35,7 +35,8 @@ from tensorrt_llm._torch.models.modeling_llama import HeadShard, LlamaConfig
 from tensorrt_llm._torch.pyexecutor.config import ExecutorConfig
 from tensorrt_llm._torch.pyexecutor.kv_cache.values import KvCacheStats
 from tensorrt_llm._torch.pyexecutor.errors import ExecutorShutdown, InvalidRequestError
-from tensorrt_llm._torch.pyexecutor.executor.client import Health, IterationListener, Load, Response, ResponseCallback
+from tensorrt_llm._torch.pyexecutor.executor.client import Health, IterationListener, Load
+from tensorrt_llm._torch.pyexecutor.response import Response, ResponseCallback
 from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequest
 from tensorrt_llm._torch.pyexecutor.engine.torch_engine import TorchModelEngine
 from tensorrt_llm._torch.pyexecutor.py_executor_creator import create_kv_cache_manager

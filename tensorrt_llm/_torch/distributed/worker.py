@@ -26,7 +26,7 @@ from tensorrt_llm._torch.models.checkpoints import load_checkpoint
 from tensorrt_llm._torch.models.modeling_llama import LlamaConfig, LlamaForCausalLM
 from tensorrt_llm._torch.pyexecutor.config import ExecutorConfig
 from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequest
-from tensorrt_llm._torch.pyexecutor.executor.client import Response
+from tensorrt_llm._torch.pyexecutor.response import Response
 from tensorrt_llm._torch.pyexecutor.py_executor_creator import create_py_executor
 from tensorrt_llm.mapping import Mapping
 

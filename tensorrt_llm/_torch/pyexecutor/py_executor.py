@@ -46,7 +46,8 @@ from typing import Callable, Collection, Mapping, Sequence
 from tensorrt_llm._torch.pyexecutor.config import ExecutorConfig
 from tensorrt_llm._torch.pyexecutor.engine.interface import ModelEngine
 from tensorrt_llm._torch.pyexecutor.errors import TokenBudgetExceeded
-from tensorrt_llm._torch.pyexecutor.executor.client import Health, IterationListener, Load, Response, ResponseCallback
+from tensorrt_llm._torch.pyexecutor.executor.client import Health, IterationListener, Load
+from tensorrt_llm._torch.pyexecutor.response import Response, ResponseCallback
 from tensorrt_llm._torch.pyexecutor.executor.loop import Arrival, ExecutorLoop, StepCounts
 from tensorrt_llm._torch.pyexecutor.executor.validation import RequestLimits, validate_request
 from tensorrt_llm._torch.pyexecutor.iteration.admission import Admission

@@ -9,14 +9,20 @@ so far. The replay's ``sim`` engine and the executor-level tests use it. It impo
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from typing import Callable, Protocol
 
 from tensorrt_llm._torch.pyexecutor.engine.interface import ForwardOutput, ModelEngine
 from tensorrt_llm._torch.pyexecutor.engine.inputs import ForwardInputs
 from tensorrt_llm._torch.pyexecutor.kv_cache.manager import KVCacheManager
+from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequest
 
-if TYPE_CHECKING:  # the sampler is a torch-side Sampler; the engine only calls its rule
-    from tensorrt_llm._torch.pyexecutor.sampling.synthetic_sampler import SyntheticSampler
+
+class TokenRule(Protocol):
+    """The rule a synthetic sampler emits tokens by (``sampling.synthetic_sampler.SyntheticSampler``
+    is one): the engine only calls it, so it names no sampler (the sampling package sits above
+    the engine)."""
+
+    def next_token(self, request: LlmRequest, last_token: int, position: int) -> int: ...
 
 
 class VirtualClock:
@@ -61,7 +67,7 @@ class SimulatedModelEngine(ModelEngine):
         vocab_size: int = 32000,
         clock: VirtualClock | None = None,
         forward_time_s: Callable[[ForwardInputs], float] | None = None,
-        sampler: "SyntheticSampler | None" = None,
+        sampler: TokenRule | None = None,
         asynchronous: bool = False,
     ) -> None:
         super().__init__(max_num_tokens, kv_cache_manager, asynchronous=asynchronous)

@@ -12,36 +12,15 @@ executor's own thread (one rank) or its dispatcher thread (several): they must b
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Mapping, NamedTuple, Protocol, Sequence
+from typing import Callable, Mapping, Protocol, Sequence
 
 from tensorrt_llm._torch.pyexecutor.kv_cache.values import KvCacheStats
 from tensorrt_llm._torch.pyexecutor.config import ExecutorConfig
 from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequest
 from tensorrt_llm._torch.pyexecutor.iteration.stats import IterationStats
+from tensorrt_llm._torch.pyexecutor.response import ResponseCallback
 
 
-class Response(NamedTuple):
-    """What changed for one request: new tokens, and whether it is over (and how).
-
-    A tuple: one is built per request per iteration, and a frozen dataclass costs several
-    times as much to build.
-    """
-
-    request_id: int
-    new_token_ids: list[int]
-    finished: bool = False
-    error: str | None = None
-    cancelled: bool = False
-    # Beam search: the returned beams, best first (``beam_search.Hypothesis``), on the final
-    # response only; ``new_token_ids`` then holds the best one's tokens (nothing was sent before).
-    beams: tuple | None = None
-    # On the response that carries a request's first token (and on a beam search's one
-    # response): the prompt tokens whose KV came from the prefix cache (its
-    # ``prepopulated_prompt_len``, what the Prometheus prefix-hit counter adds up); None on the others.
-    cached_tokens: int | None = None
-
-
-ResponseCallback = Callable[[LlmRequest, Response], None]
 IterationListener = Callable[[IterationStats], None]
 
 

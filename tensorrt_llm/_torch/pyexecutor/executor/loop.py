@@ -29,7 +29,8 @@ from dataclasses import dataclass
 from typing import Collection, Protocol, Sequence
 
 from tensorrt_llm._torch.pyexecutor.errors import ExecutorLoopKilled, ExecutorShutdown
-from tensorrt_llm._torch.pyexecutor.executor.client import Health, ResponseCallback
+from tensorrt_llm._torch.pyexecutor.executor.client import Health
+from tensorrt_llm._torch.pyexecutor.response import ResponseCallback
 from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequest
 
 logger = logging.getLogger(__name__)

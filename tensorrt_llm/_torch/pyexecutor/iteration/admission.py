@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Callable, Collection, Iterable, Sequence
 
 from tensorrt_llm._torch.pyexecutor.config import DEFAULT_PRIORITY
 from tensorrt_llm._torch.pyexecutor.errors import InvalidRequestError
-from tensorrt_llm._torch.pyexecutor.executor.client import Response, ResponseCallback
+from tensorrt_llm._torch.pyexecutor.response import Response, ResponseCallback
 from tensorrt_llm._torch.pyexecutor.iteration.failures import Failures
 from tensorrt_llm._torch.pyexecutor.iteration.launch import drop_in_flight_tokens
 from tensorrt_llm._torch.pyexecutor.iteration.responses import Responses

@@ -25,7 +25,7 @@ import logging
 from typing import TYPE_CHECKING, Collection, Mapping
 
 from tensorrt_llm._torch.pyexecutor.errors import SamplingError
-from tensorrt_llm._torch.pyexecutor.executor.client import Response
+from tensorrt_llm._torch.pyexecutor.response import Response
 from tensorrt_llm._torch.pyexecutor.iteration.failures import Failures
 from tensorrt_llm._torch.pyexecutor.iteration.launch import InFlight
 from tensorrt_llm._torch.pyexecutor.iteration.records import Drafts

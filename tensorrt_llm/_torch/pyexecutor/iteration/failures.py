@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Collection, Iterable
 
 from tensorrt_llm._torch.pyexecutor.errors import InvalidRequestError
-from tensorrt_llm._torch.pyexecutor.executor.client import Response
+from tensorrt_llm._torch.pyexecutor.response import Response
 from tensorrt_llm._torch.pyexecutor.iteration.launch import drop_in_flight_tokens
 from tensorrt_llm._torch.pyexecutor.iteration.records import BatchFailure
 from tensorrt_llm._torch.pyexecutor.iteration.responses import Responses

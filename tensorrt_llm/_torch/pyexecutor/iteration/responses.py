@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Collection
 
-from tensorrt_llm._torch.pyexecutor.executor.client import Response, ResponseCallback
+from tensorrt_llm._torch.pyexecutor.response import Response, ResponseCallback
 from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequest
 
 

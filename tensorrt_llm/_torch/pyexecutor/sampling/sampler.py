@@ -20,7 +20,7 @@ from tensorrt_llm._torch.pyexecutor.sampling.logits_processors import (
     record_prompt_logprobs,
     token_logprob,
 )
-from tensorrt_llm._torch.pyexecutor.engine.torch_engine import ForwardOutput
+from tensorrt_llm._torch.pyexecutor.engine.interface import ForwardOutput
 from tensorrt_llm._torch.speculative.verification import accept_greedy
 
 

@@ -16,6 +16,10 @@ between packages::
     _torch.modules                their layers (attention calls the backends)
     _torch.attention_backend, mapping    building blocks
 
+Inside ``_torch.pyexecutor`` the same rule ranks its sub-packages and modules
+(:data:`PYEXECUTOR_LAYERS`): values < kv_cache < budget < scheduler < resource_manager < engine
+< sampling < iteration < executor < py_executor < the creator and the shims.
+
 A dependency points one way (STYLE.md): the KV manager answers questions, the budget
 policy decides, the executor and ``ResourceManager`` sequence them. The graph is read from
 the source with ``ast`` (nothing is imported), so a cycle hidden behind ``TYPE_CHECKING``
@@ -172,3 +176,63 @@ def test_the_wheel_ships_tensorrt_llm_only():
     shipped = setuptools.find_packages(str(ROOT), include=find["include"])
     assert "tensorrt_llm._torch.pyexecutor" in shipped
     assert {name.split(".")[0] for name in shipped} == {"tensorrt_llm"}
+
+
+# Inside the executor layer: its sub-packages and top-level modules, lowest first. An import
+# between two of them goes to a lower rank; the values at rank 0 may import one another (the
+# module-level cycle test above keeps them honest).
+PYEXECUTOR = "tensorrt_llm._torch.pyexecutor"
+PYEXECUTOR_LAYERS = {
+    # values: the request, its config pieces, the forward-pass cost, a batch, a response
+    **dict.fromkeys(("errors", "config", "beam_state", "sampling_config", "llm_request", "forward_cost",
+                     "scheduled_requests", "priority", "response"), 0),
+    "kv_cache": 1,          # answers questions about blocks; decides nothing
+    "budget": 2,            # the policies and the re-check: decisions as values
+    "scheduler": 3,         # capacity and micro-batch scheduling, preemption
+    "resource_manager": 4,  # prepare_resources: the re-check before any allocation
+    "engine": 5,            # forward inputs, the engines
+    "sampling": 6,          # samplers, drafter, guided decoding
+    "iteration": 7,         # the parts of one iteration
+    "executor": 8,          # loop, client interface, validation
+    "py_executor": 9,       # the iteration itself
+    **dict.fromkeys(("py_executor_creator", "kv_cache_manager", "model_engine", "sampler"), 10),  # wiring, shims
+}
+
+
+def pyexecutor_unit(module: str) -> str | None:
+    """The entry of :data:`PYEXECUTOR_LAYERS` that holds ``module`` (None for the package itself)."""
+    if not module.startswith(PYEXECUTOR + "."):
+        return None
+    unit = module[len(PYEXECUTOR) + 1 :].split(".")[0]
+    assert unit in PYEXECUTOR_LAYERS, f"{module}: add {unit!r} to PYEXECUTOR_LAYERS"
+    return unit
+
+
+def pyexecutor_violations(graph: dict[str, set[str]]) -> list[str]:
+    """Imports between two units of the executor layer that do not go down."""
+    found = []
+    for name, targets in sorted(graph.items()):
+        if (a := pyexecutor_unit(name)) is None:
+            continue
+        for target in sorted(targets):
+            b = pyexecutor_unit(target)
+            if b is None or b == a:
+                continue
+            if PYEXECUTOR_LAYERS[b] > PYEXECUTOR_LAYERS[a] or (PYEXECUTOR_LAYERS[b] == PYEXECUTOR_LAYERS[a] > 0):
+                found.append(f"{a} -> {b} ({name} -> {target})")
+    return found
+
+
+def test_the_executor_layer_rule_sees_an_upward_import():
+    graph = {f"{PYEXECUTOR}.engine.simulated": {f"{PYEXECUTOR}.sampling.synthetic_sampler"},
+             f"{PYEXECUTOR}.llm_request": {f"{PYEXECUTOR}.errors"}}
+    assert pyexecutor_violations(graph) == [
+        f"engine -> sampling ({PYEXECUTOR}.engine.simulated -> {PYEXECUTOR}.sampling.synthetic_sampler)"
+    ]
+
+
+def test_the_executor_layer_imports_downward_only():
+    modules = project_modules()
+    graph = {name: imports_of(name, path, modules) for name, path in modules.items()}
+    violations = pyexecutor_violations(graph)
+    assert not violations, "imports inside pyexecutor/ that do not go down:\n" + "\n".join(violations)

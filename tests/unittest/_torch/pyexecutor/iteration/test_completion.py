@@ -15,7 +15,7 @@ import pytest
 
 from tensorrt_llm._torch.pyexecutor.engine.interface import ForwardOutput
 from tensorrt_llm._torch.pyexecutor.errors import SamplingError
-from tensorrt_llm._torch.pyexecutor.executor.client import Response
+from tensorrt_llm._torch.pyexecutor.response import Response
 from tensorrt_llm._torch.pyexecutor.iteration.completion import CompletionHandler, count_drafts, sample
 from tensorrt_llm._torch.pyexecutor.iteration.failures import Failures
 from tensorrt_llm._torch.pyexecutor.iteration.launch import InFlight

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from tensorrt_llm._torch.pyexecutor.errors import InvalidRequestError, TokenBudgetExceeded
-from tensorrt_llm._torch.pyexecutor.executor.client import Response
+from tensorrt_llm._torch.pyexecutor.response import Response
 from tensorrt_llm._torch.pyexecutor.iteration.failures import Failures, restart_refusal, retry_or_fail
 from tensorrt_llm._torch.pyexecutor.iteration.records import BatchFailure
 from tensorrt_llm._torch.pyexecutor.iteration.responses import Responses

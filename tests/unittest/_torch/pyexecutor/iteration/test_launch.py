@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 
 from tensorrt_llm._torch.pyexecutor.errors import InvalidRequestError
-from tensorrt_llm._torch.pyexecutor.executor.client import Response
+from tensorrt_llm._torch.pyexecutor.response import Response
 from tensorrt_llm._torch.pyexecutor.iteration.admission import Admission
 from tensorrt_llm._torch.pyexecutor.iteration.failures import Failures
 from tensorrt_llm._torch.pyexecutor.iteration.launch import advance, budget_bound, drop_in_flight_tokens, record_prepared
