@@ -54,7 +54,7 @@ class SamplingParams:
     ``use_beam_search`` (``n`` of its beams returned). One request runs every beam (charged
     ``beam_width`` positions a step); ``length_penalty`` (default 0: none) and ``early_stopping``
     (0, 1 = default, 2 = "never") as upstream's; see ``beam_search``. Beam search ranks the model's
-    log-probabilities: temperature, top-k/top-p, penalties, ``min_tokens``, ``logprobs`` and
+    log-probabilities: temperature, top-k/top-p/min-p, penalties, ``min_tokens``, ``logprobs`` and
     ``guided_decoding`` do not combine with it (refused).
 
     Penalties, ``min_tokens`` and ``logprobs``: see ``SamplingConfig``. ``guided_decoding``:
@@ -65,6 +65,7 @@ class SamplingParams:
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
+    min_p: float = 0.0  # 0 = off; see SamplingConfig
     seed: int | None = None
     end_id: int | None = None  # default: the tokenizer's eos id
     stop_token_ids: Sequence[int] = ()  # added to the tokenizer's end-of-generation ids
@@ -117,6 +118,7 @@ class SamplingParams:
             raise ValueError("best_of with beam_width > 1: set use_beam_search (best_of is then the beam width)")
         unsupported = [name for name, on in (
             ("temperature", self.temperature > 0), ("top_k", self.top_k > 1), ("top_p", self.top_p < 1.0),
+            ("min_p", self.min_p > 0),
             ("presence_penalty", bool(self.presence_penalty)), ("frequency_penalty", bool(self.frequency_penalty)),
             ("repetition_penalty", self.repetition_penalty != 1.0), ("min_tokens", self.min_tokens > 0),
             ("logprobs", self.logprobs is not None), ("guided_decoding", self.guided_decoding is not None),
@@ -144,7 +146,7 @@ class SamplingParams:
         if logprobs is None and self.ranks_samples and not self.is_beam_search:
             logprobs = 0  # ranking reads each sampled token's log-probability
         return SamplingConfig(
-            temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
+            temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p,
             # sample 0 keeps the seed as given (SamplingConfig refuses one out of range); later ones wrap
             seed=self.seed if self.seed is None or index == 0 else (self.seed + index) % SEED_LIMIT,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,

@@ -91,8 +91,7 @@ class ResolvedModel:
 @dataclass(frozen=True, slots=True)
 class GenerationDefaults:
     """The sampling values a checkpoint's ``generation_config.json`` sets, applied (as vLLM
-    applies them) to what a request does not set; None: not set there. ``min_p`` is read but
-    the engine has no min-p sampling: it is logged at load and not applied."""
+    applies them) to what a request does not set; None: not set there."""
 
     temperature: float | None = None
     top_p: float | None = None
@@ -102,12 +101,12 @@ class GenerationDefaults:
     max_tokens: int | None = None  # max_new_tokens
 
     def sampling_kwargs(self) -> dict[str, Any]:
-        """``SamplingParams`` keywords for the values set (min_p left out: not supported)."""
+        """``SamplingParams`` keywords for the values set."""
         return {name: value for name in GENERATION_SAMPLING_KEYS.values() if (value := getattr(self, name)) is not None}
 
 
 #: generation_config.json keys -> the ``SamplingParams`` fields they set
-GENERATION_SAMPLING_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
+GENERATION_SAMPLING_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
                             "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
 
 
@@ -123,7 +122,7 @@ def read_generation_config(directory: Path) -> tuple[GenerationDefaults, tuple[i
         logger.warning("%s is not applied: %s", path, error)
         return GenerationDefaults(), None
     values: dict[str, Any] = {}
-    for key, name in (*GENERATION_SAMPLING_KEYS.items(), ("min_p", "min_p")):
+    for key, name in GENERATION_SAMPLING_KEYS.items():
         value = raw.get(key)
         if value is None:
             continue
@@ -132,8 +131,6 @@ def read_generation_config(directory: Path) -> tuple[GenerationDefaults, tuple[i
             logger.warning("%s: %s=%r is not a number; not applied", path, key, value)
             continue
         values[name] = int(value) if integer else float(value)
-    if "min_p" in values:
-        logger.warning("%s: min_p=%s is not applied (the engine has no min-p sampling)", path, values["min_p"])
     eos = raw.get("eos_token_id")
     eos_ids = None
     if eos is not None:

@@ -84,6 +84,8 @@ FIELDS: tuple[FieldRule, ...] = (
     FieldRule("temperature", _S, BOTH, "openai", "[0, 2]; below 1e-5 greedy", {"temperature": 0.5}),
     FieldRule("top_p", _S, BOTH, "openai", "(0, 1]", {"top_p": 0.9}),
     FieldRule("top_k", _S, BOTH, "vllm", "0 or -1: off", {"top_k": 5}),
+    FieldRule("min_p", _S, BOTH, "vllm", "[0, 1], 0: off; keeps tokens at least min_p times as likely as the likeliest",
+              {"min_p": 0.1, "temperature": 1.0}),
     FieldRule("seed", _S, BOTH, "openai", "[0, 2**64)", {"seed": 3, "temperature": 1.0}),
     FieldRule("n", _S, BOTH, "openai", "1..16 choices", {"n": 2}),
     FieldRule("presence_penalty", _S, BOTH, "openai", "[-2, 2], over the output", {"presence_penalty": 0.5}),

@@ -21,7 +21,7 @@ executor in a form it cannot serve (a bad request fails alone):
   vLLM's lax parsing does); ``16.5`` is refused naming the field. ``best_of > n`` cannot stream (the best samples are known at the end only),
   ``top_logprobs`` needs ``logprobs: true``, as OpenAI and vLLM refuse them. ``echo`` with
   ``logprobs`` reports the prompt tokens' log-probabilities too (the first one's is null).
-* Sampling fields beyond OpenAI's, as vLLM takes them: ``top_k``, ``repetition_penalty``,
+* Sampling fields beyond OpenAI's, as vLLM takes them: ``top_k``, ``min_p``, ``repetition_penalty``,
   ``min_tokens``, ``stop_token_ids``, ``ignore_eos``. Beam search, as upstream's ``trtllm-serve``
   takes it (both endpoints): ``use_beam_search`` (``best_of`` beams, default ``n``; the ``n``
   best returned, whole, at the end, also when streamed), ``length_penalty``, ``early_stopping``
@@ -164,6 +164,7 @@ class _SamplingRequest(_Request):
     # Extensions, as vLLM names them:
     ignore_eos: bool | None = False  # generate max_tokens whatever end-of-generation tokens come
     top_k: Int | None = Field(None, ge=-1, le=MAX_COUNT)  # 0 or -1 (vLLM's "off"): no top-k filter
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
     repetition_penalty: float | None = Field(None, gt=0.0, le=100.0)
     min_tokens: Int | None = Field(None, ge=0, le=MAX_COUNT)
     stop_token_ids: list[int] | None = None

@@ -316,6 +316,7 @@ class OpenAIServer:
                 if body.temperature is None else body.temperature,
                 top_k=defaults.get("top_k", 0) if body.top_k is None else body.top_k_value,
                 top_p=defaults.get("top_p", 1.0) if body.top_p is None else body.top_p,
+                min_p=defaults.get("min_p", 0.0) if body.min_p is None else body.min_p,
                 seed=body.seed,
                 ignore_eos=bool(body.ignore_eos),
                 stop_token_ids=tuple(body.stop_token_ids or ()),

@@ -54,6 +54,7 @@ class SamplingConfig:
     temperature: float = 0.0
     top_k: int = 0  # 0 = no top-k filter
     top_p: float = 1.0
+    min_p: float = 0.0  # 0 = off; keep tokens at least min_p times as likely as the likeliest
     seed: int | None = None  # None: the request id seeds the request's generator
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -72,6 +73,8 @@ class SamplingConfig:
             raise ValueError(f"top_k must be an integer >= 0, got {self.top_k!r}")
         if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
         if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < SEED_LIMIT):
             raise ValueError(f"seed must be an integer in [0, 2**64), got {self.seed!r}")
         for name in ("presence_penalty", "frequency_penalty"):

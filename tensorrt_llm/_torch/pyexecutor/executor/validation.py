@@ -126,9 +126,9 @@ def check_beam_search(request: LlmRequest) -> None:
     if request.max_draft_len or request.py_draft_tokens:
         # upstream refuses the combination too: a beam proposes no drafts, and a step is one token per beam
         raise InvalidRequestError(f"request {rid}: beam search with draft tokens (speculative decoding) is not supported")
-    if not config.is_greedy or config.top_p < 1.0 or config.top_k > 1:
+    if not config.is_greedy or config.top_p < 1.0 or config.top_k > 1 or config.min_p > 0.0:
         raise InvalidRequestError(
-            f"request {rid}: beam search ranks beams by the model's log-probabilities; temperature, top_k and top_p"
+            f"request {rid}: beam search ranks beams by the model's log-probabilities; temperature, top_k, top_p and min_p"
             " do not apply (leave them at their defaults)"
         )
     unsupported = [name for name, on in (

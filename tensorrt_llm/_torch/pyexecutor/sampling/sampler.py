@@ -180,7 +180,9 @@ class TorchSampler(Sampler):
 
     @staticmethod
     def _filtered_probs(logits: torch.Tensor, config: SamplingConfig) -> torch.Tensor:
-        """Float64 probabilities after temperature, top-k and top-p; finite for finite logits
+        """Float64 probabilities after temperature, top-k, min-p and top-p (vLLM's order: min-p
+        compares with the likeliest token after temperature, top-p takes the smallest prefix of
+        what is left, renormalised); finite for finite logits
         and any temperature > 0: the largest logit is subtracted *before* dividing, so the
         scaled logits are <= 0 with a 0 among them (a tiny temperature sends the others to
         -inf, never inf - inf = NaN), and the softmax always has mass to normalise."""
@@ -189,6 +191,9 @@ class TorchSampler(Sampler):
             kth = torch.topk(logits, min(config.top_k, logits.numel())).values[-1]
             logits = logits.masked_fill(logits < kth, float("-inf"))
         probs = torch.softmax(logits, dim=-1)
+        if config.min_p > 0.0:  # the likeliest token has probability probs.max() and always stays
+            probs = probs.masked_fill(probs < config.min_p * probs.max(), 0.0)
+            probs = probs / probs.sum()
         if config.top_p < 1.0:
             sorted_probs, order = torch.sort(probs, descending=True)
             # keep the smallest prefix whose mass reaches top_p (the first token always stays)

@@ -259,8 +259,9 @@ def test_speculative_decoding_leaves_beam_requests_alone():
     "request_options, config, problem",
     [
         (dict(max_draft_len=2), {}, "beam search with draft tokens"),
-        ({}, dict(temperature=0.8), "temperature, top_k and top_p do not apply"),
-        ({}, dict(top_p=0.5), "temperature, top_k and top_p do not apply"),
+        ({}, dict(temperature=0.8), "temperature, top_k, top_p and min_p do not apply"),
+        ({}, dict(top_p=0.5), "temperature, top_k, top_p and min_p do not apply"),
+        ({}, dict(min_p=0.1), "temperature, top_k, top_p and min_p do not apply"),
         ({}, dict(logprobs=1, repetition_penalty=1.2), "does not support logprobs, penalties"),
         ({}, dict(num_return_sequences=3), "num_return_sequences 3 exceeds the beam width 2"),
     ],
