@@ -13,9 +13,11 @@ from typing import Sequence
 
 import torch
 
+from tensorrt_llm._torch.attention_backend.kv_quant import KvScales
 from tensorrt_llm._torch.distributed.multi_rank_executor import MultiRankExecutor
 from tensorrt_llm._torch.distributed.torchrun import TorchrunEnv, TorchrunGroup, follow
 from tensorrt_llm._torch.distributed.worker import serve_config, serve_rank
+from tensorrt_llm._torch.models.checkpoints import KvCacheQuantization
 from tensorrt_llm._torch.models.modeling_llama import LlamaConfig
 from tensorrt_llm._torch.pyexecutor.config import DEFAULT_PRIORITY, ExecutorConfig, KvCacheConfig
 from tensorrt_llm._torch.pyexecutor.errors import RequestError
@@ -25,7 +27,13 @@ from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequest, check_priorit
 from tensorrt_llm._torch.pyexecutor.sampling_config import SEED_LIMIT, SamplingConfig
 from tensorrt_llm._torch.pyexecutor.py_executor_creator import create_py_executor
 from tensorrt_llm.llmapi.config_fields import build_nested
-from tensorrt_llm.llmapi.llm_utils import GenerationDefaults, describe_checkpoint, load_model, seeded_model
+from tensorrt_llm.llmapi.llm_utils import (
+    GenerationDefaults,
+    describe_checkpoint,
+    kv_scales_to_use,
+    load_model,
+    seeded_model,
+)
 from tensorrt_llm.llmapi.request_output import (  # noqa: F401 - CompletionOutput: re-exported (tensorrt_llm.llmapi)
     CompletionOutput,
     RequestOutput,
@@ -237,6 +245,9 @@ class LLM:
             self.model_id, self.model_config, self.tokenizer = rank_model.model_id, rank_model.config, rank_model.tokenizer
             self.generation_defaults = rank_model.generation_defaults
             self.config = _cap_max_seq_len(config, executor_options, self.model_config)
+            # what each rank's pool gets from its own read of the checkpoint (worker.build_rank_executor)
+            self.kv_scales = kv_scales_to_use(self.model_id, config.kv_cache_config.dtype, rank_model.kv_scales,
+                                              rank_model.kv_cache_quantization, model_dtype=_kv_dtype(self.model_config))
             try:
                 self._executor = MultiRankExecutor(
                     self.model_config, self.config, tensor_parallel_size=tensor_parallel_size,
@@ -257,7 +268,10 @@ class LLM:
             ceiling = _cap_max_seq_len(config, executor_options, self.model_config)
             if not given:  # the model's positions, then lowered to what the pool holds (below)
                 ceiling = dataclasses.replace(ceiling, max_seq_len=self.model_config.max_position_embeddings)
-            executor = create_py_executor(ceiling, model=loaded.model, fit_max_seq_len_to_pool=not given)
+            self.kv_scales = kv_scales_to_use(self.model_id, config.kv_cache_config.dtype, loaded.kv_scales,
+                                              loaded.kv_cache_quantization, model_dtype=_kv_dtype(self.model_config))
+            executor = create_py_executor(ceiling, model=loaded.model, fit_max_seq_len_to_pool=not given,
+                                          kv_scales=self.kv_scales)
             self._executor, self.config = executor, executor.config
             self._pool_blocks = executor.kv_cache_manager.num_blocks
             storage = executor.kv_cache_manager.storage
@@ -270,8 +284,8 @@ class LLM:
         self._executor.start()
 
     def describe(self) -> str:
-        """One line for a start-up log: the model, device, dtype, KV pool and ``max_seq_len``
-        (with the limit that set it)."""
+        """One line for a start-up log: the model, device, dtype, KV pool (an FP8 pool's scales: the
+        checkpoint's or 1.0) and ``max_seq_len`` (with the limit that set it)."""
         kv = self.config.kv_cache_config
         line = f"model {self.model_id} on {self.device} ({self.model_config.dtype})"
         blocks = self._pool_blocks
@@ -279,6 +293,8 @@ class LLM:
             tokens, per_token = blocks * kv.tokens_per_block, self.kv_bytes_per_token
             line += (f", KV pool {blocks} blocks x {kv.tokens_per_block} tokens = {tokens} tokens"
                      f" ({tokens * per_token / 2**30:.2f} GiB, {self._kv_stored}, {per_token / 1024:g} KiB/token)")
+        if kv.dtype == "fp8":
+            line += ", KV scales " + ("1.0" if self.kv_scales is None else f"from the checkpoint ({self.kv_scales.describe()})")
         return line + f", max_seq_len {self.config.max_seq_len} ({self.max_seq_len_source})"
 
     def default_sampling_params(self) -> SamplingParams:
@@ -479,6 +495,8 @@ class _RankModel:
     tokenizer: Tokenizer | None
     checkpoint: str | None
     generation_defaults: GenerationDefaults = GenerationDefaults()
+    kv_scales: KvScales | None = None  # the checkpoint's (each rank reads them again with its weights)
+    kv_cache_quantization: KvCacheQuantization | None = None
 
 
 def _rank_model(model, *, dtype: str | None, seed: int | None) -> _RankModel:
@@ -487,7 +505,12 @@ def _rank_model(model, *, dtype: str | None, seed: int | None) -> _RankModel:
         return _RankModel(seeded[0], seeded[1], None, None)
     checkpoint = describe_checkpoint(model, dtype=dtype, seed=seed)
     return _RankModel(checkpoint.model_id, checkpoint.config, checkpoint.tokenizer, os.fspath(checkpoint.path),
-                      checkpoint.generation_defaults)
+                      checkpoint.generation_defaults, checkpoint.kv_scales, checkpoint.kv_cache_quantization)
+
+
+def _kv_dtype(config: LlamaConfig) -> str:
+    """What an unquantized (``auto``) KV pool stores for ``config``, in words."""
+    return str(config.torch_dtype).removeprefix("torch.")
 
 
 _TORCHRUN_ATTENTION_DP = ("enable_attention_dp is not supported under torchrun yet: each rank's responses and"

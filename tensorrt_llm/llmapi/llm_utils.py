@@ -27,6 +27,12 @@ A Hugging Face directory's ``generation_config.json`` supplies the end-of-genera
 is allowed; else ``config.json``'s) and the default sampling values vLLM applies from it
 (:class:`GenerationDefaults`): the ones a request does not set.
 
+A Hugging Face checkpoint may carry an FP8 KV cache's per-layer K and V scales (with a
+``quantization_config`` that quantizes only the KV cache, or without one, as vLLM accepts them):
+they come back with the model (``LoadedModel.kv_scales``) and :func:`kv_scales_to_use` gives them
+to a pool of ``kv_cache_config.dtype: fp8``; under ``auto`` they are unused (logged at info), and
+the dtype is never switched for them.
+
 Without a ``dtype``: on a GPU, a Hugging Face checkpoint runs in its ``config.json`` dtype
 (``bfloat16`` if it names none) and everything else in ``bfloat16``; on the CPU, a checkpoint
 runs as ``float16-weights`` (the linear layers' weights in float16, everything else float32:
@@ -46,17 +52,20 @@ from typing import Any, Literal
 
 import torch
 
+from tensorrt_llm._torch.attention_backend.kv_quant import KvScales, kv_scales_for_pool
 from tensorrt_llm._torch.models.checkpoints import (
     PACKAGED_CHECKPOINTS,
     CheckpointError,
+    KvCacheQuantization,
     is_hf_checkpoint,
     llama_config_from_gguf,
+    load_hf_checkpoint,
     load_llama_from_gguf,
-    load_llama_from_hf,
     open_gguf,
     packaged_checkpoint_path,
     read_hf_config,
     read_json,
+    read_kv_scales,
 )
 from tensorrt_llm._torch.models.checkpoints.hf_config import HFConfig
 from tensorrt_llm._torch.models.modeling_llama import FLOAT16_WEIGHTS, MODEL_PRESETS, LlamaConfig, LlamaForCausalLM
@@ -67,8 +76,9 @@ logger = logging.getLogger(__name__)
 MODEL_NAMES = (*sorted(MODEL_PRESETS), *sorted(PACKAGED_CHECKPOINTS))
 GENERATION_CONFIG_FILE = "generation_config.json"
 #: What a hub id's snapshot needs (never the pickles or the original/ consolidated copies)
-HUB_FILES = ["config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json",
-             "tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json"]
+HUB_FILES = ["config.json", "generation_config.json", "hf_quant_config.json", "*.safetensors",
+             "model.safetensors.index.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
+             "special_tokens_map.json"]
 _HUB_ID = re.compile(r"^(?:[A-Za-z0-9][A-Za-z0-9_.\-]*/)?[A-Za-z0-9][A-Za-z0-9_.\-]*$")
 
 
@@ -152,6 +162,8 @@ class LoadedModel:
     tokenizer: Tokenizer | None  # None: the model takes token ids only
     from_seed: bool = False  # random weights drawn from the config's seed (any rank can redraw them)
     generation_defaults: GenerationDefaults = GenerationDefaults()
+    kv_scales: KvScales | None = None  # the FP8 KV cache's per-layer scales the checkpoint carries; None: none
+    kv_cache_quantization: KvCacheQuantization | None = None  # its quantization_config says its KV cache is FP8
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,6 +175,8 @@ class CheckpointModel:
     config: LlamaConfig
     tokenizer: Tokenizer | None
     generation_defaults: GenerationDefaults = GenerationDefaults()
+    kv_scales: KvScales | None = None  # as LoadedModel's (each rank reads them again with its weights)
+    kv_cache_quantization: KvCacheQuantization | None = None
 
 
 def default_checkpoint_dtype(device: torch.device | str = "cpu") -> str:
@@ -268,7 +282,8 @@ def describe_checkpoint(
     device: torch.device | str = "cpu",
 ) -> CheckpointModel:
     """The checkpoint ``model`` names: its sizes, tokenizer and generation defaults, read from its
-    metadata; the weights stay in the files. Raises as :func:`load_model`."""
+    metadata, and its KV scales (a few scalars read from the mapped files); the weights stay in
+    the files. Raises as :func:`load_model`."""
     if seed is not None:
         raise ValueError("seed chooses random weights; a checkpoint has its own")
     resolved = resolve_model(model)
@@ -277,7 +292,8 @@ def describe_checkpoint(
         config = dataclasses.replace(hf.config, dtype=dtype or default_dtype(device, hf.checkpoint_dtype))
         defaults, eos_ids = read_generation_config(resolved.path)
         tokenizer = _hf_tokenizer(resolved.path, hf, eos_ids)
-        return CheckpointModel(resolved.model_id, resolved.path, config, tokenizer, defaults)
+        return CheckpointModel(resolved.model_id, resolved.path, config, tokenizer, defaults,
+                               read_kv_scales(resolved.path, config.num_layers), hf.kv_cache_quantization)
     config = llama_config_from_gguf(open_gguf(resolved.path), dtype=dtype or default_dtype(device))
     return CheckpointModel(resolved.model_id, resolved.path, config, _gguf_tokenizer(resolved.path, config))
 
@@ -299,15 +315,38 @@ def load_model(
     described = describe_checkpoint(model, dtype=dtype, seed=seed, device=device)
     if described.config.packs_linear_weights and torch.device(device).type != "cpu":
         raise ValueError(f"dtype {FLOAT16_WEIGHTS!r} runs on the CPU only, not on {torch.device(device).type}")
+    kv_scales = None
     if is_hf_checkpoint(described.path):
         # streamed from the files straight onto the device: the host never holds the whole model
-        model_ = load_llama_from_hf(described.path, described.config, device=device)
+        loaded = load_hf_checkpoint(described.path, described.config, device=device)
+        model_, kv_scales = loaded.model, loaded.kv_scales
     else:
         model_ = load_llama_from_gguf(described.path, dtype=described.config.dtype)
         if torch.device(device).type != "cpu":
             model_.to(device)  # dequantised on the CPU, then moved (RoPE frequencies keep their dtype)
     return LoadedModel(described.model_id, model_, described.tokenizer,
-                       generation_defaults=described.generation_defaults)
+                       generation_defaults=described.generation_defaults, kv_scales=kv_scales,
+                       kv_cache_quantization=described.kv_cache_quantization)
+
+
+def kv_scales_to_use(model_id: str, kv_cache_dtype: str, scales: KvScales | None,
+                     quantization: KvCacheQuantization | None = None, *, model_dtype: str = "") -> KvScales | None:
+    """The scales a KV pool of ``kv_cache_dtype`` (``kv_cache_config.dtype``) gets from a checkpoint
+    that carries ``scales`` and says ``quantization``: the checkpoint's under ``fp8``, none under
+    ``auto`` (``kv_quant.kv_scales_for_pool``). Logs what does not meet: scales or an FP8
+    recommendation unused under ``auto`` (info, as vLLM does; the dtype stays as asked), an FP8
+    recommendation without scale tensors under ``fp8`` (a warning: 1.0 is used)."""
+    chosen = kv_scales_for_pool(kv_cache_dtype, scales)
+    if kv_cache_dtype == "auto" and (scales is not None or quantization is not None):
+        what = [f"per-layer FP8 KV scales ({scales.describe()})"] if scales is not None else []
+        what += [f"a quantization config for an {quantization.describe()}"] if quantization is not None else []
+        logger.info("model %s: the checkpoint carries %s, unused: kv_cache_config.dtype is auto, so the KV cache"
+                    " stores %s unquantized (set kv_cache_config.dtype: fp8 to use them)", model_id,
+                    " and ".join(what), model_dtype or "the model's dtype")
+    elif kv_cache_dtype == "fp8" and scales is None and quantization is not None:
+        logger.warning("model %s: %s, but the checkpoint has no K/V scale tensors; the FP8 KV cache uses 1.0",
+                       model_id, quantization.describe())
+    return chosen
 
 
 def _override(config: LlamaConfig, dtype: str | None, seed: int | None) -> LlamaConfig:

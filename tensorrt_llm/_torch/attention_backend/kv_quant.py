@@ -17,12 +17,15 @@ the stored values are widened before any arithmetic; moving blocks (copy, offloa
 their bytes (``kv_storage``).
 
 Scales from a checkpoint: :func:`kv_scales_from_checkpoint` reads the names vLLM, llm-compressor
-and ModelOpt write (a per-tensor scale per layer); a loader hands the result to
-``create_py_executor(..., kv_scales=...)``.
+and ModelOpt write (a per-tensor scale per layer; :func:`is_kv_scale_name`), the Hugging Face
+loader returns them beside the model, and :func:`kv_scales_for_pool` says which an executor's
+pool gets (the checkpoint's under ``fp8``; none under ``auto``, whose pool stores the model's
+dtype) for ``create_py_executor(..., kv_scales=...)``.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 from dataclasses import dataclass
@@ -30,9 +33,11 @@ from typing import Any, Mapping
 
 import torch
 
+logger = logging.getLogger(__name__)
+
 __all__ = [
-    "FP8", "FP8_MAX", "KV_CACHE_DTYPES", "KvScales", "dequantize", "is_quantized", "kv_cache_dtype",
-    "kv_scales_from_checkpoint", "quantize",
+    "FP8", "FP8_MAX", "KV_CACHE_DTYPES", "KvScales", "dequantize", "is_kv_scale_name", "is_quantized",
+    "kv_cache_dtype", "kv_scales_for_pool", "kv_scales_from_checkpoint", "quantize",
 ]
 
 KV_CACHE_DTYPES = ("auto", "fp8")
@@ -98,21 +103,40 @@ class KvScales:
         """(k_scale, v_scale) of ``layer``."""
         return self.k[layer], self.v[layer]
 
+    def describe(self) -> str:
+        """The scales' ranges in a few words, for a log line: ``k 0.0156..0.5, v 0.0312..0.25``."""
+        return ", ".join(f"{name} {min(s):.3g}" + (f"..{max(s):.3g}" if max(s) != min(s) else "")
+                         for name, s in (("k", self.k), ("v", self.v)))
+
+
+def kv_scales_for_pool(kv_cache_dtype_name: str, scales: KvScales | None) -> KvScales | None:
+    """The scales a pool of ``KvCacheConfig.dtype`` ``kv_cache_dtype_name`` is built with: a
+    checkpoint's ``scales`` under ``fp8``; None under ``auto``, whose pool stores the model's own
+    dtype, where a scale would mean nothing (vLLM ignores them there too). Never a dtype switch."""
+    kv_cache_dtype(kv_cache_dtype_name, torch.float32)  # a ValueError naming the field for anything else
+    return scales if kv_cache_dtype_name == "fp8" else None
+
 
 # Where a checkpoint keeps a layer's KV scales (one scalar each): vLLM / llm-compressor
-# ``self_attn.{k,v}_scale``; ModelOpt ``self_attn.{k,v}_proj.{k,v}_scale`` or
-# ``.output_scale``; older exports one ``self_attn.kv_scale`` for both.
+# ``self_attn.{k,v}_scale``; ModelOpt ``self_attn.k_proj.k_scale`` / ``v_proj.v_scale`` or
+# ``.output_scale`` (older compressed-tensors too); older exports one ``self_attn.kv_scale`` for both.
 _SCALE_NAME = re.compile(
-    r"^(?:model\.)?layers\.(\d+)\.self_attn\.(?:(k|v)_scale|(k|v)_proj\.(?:[kv]_scale|output_scale)|(kv)_scale)$"
+    r"^(?:model\.)?layers\.(\d+)\.self_attn\.(?:(k|v)_scale|(k|v)_proj\.(?:\3_scale|output_scale)|(kv)_scale)$"
 )
+
+
+def is_kv_scale_name(name: str) -> bool:
+    """Whether ``name`` is a checkpoint tensor :func:`kv_scales_from_checkpoint` reads (a layer's K or V scale)."""
+    return _SCALE_NAME.match(name) is not None
 
 
 def kv_scales_from_checkpoint(tensors: Mapping[str, Any], num_layers: int) -> KvScales | None:
     """The per-layer KV scales ``tensors`` (a checkpoint's name -> tensor or number) carries, or
-    None when it carries none. A layer without its own scale gets 1.0; a name for a layer past
-    ``num_layers`` or a scale that is not one positive finite number is a ValueError naming it."""
+    None when it carries none. A layer without its own scale gets 1.0 (logged as a warning that
+    names the layers); a name for a layer past ``num_layers``, a second scale for the same layer's
+    K or V, or a scale that is not one positive finite number is a ValueError naming the tensor."""
     k, v = [1.0] * num_layers, [1.0] * num_layers
-    found = False
+    given: dict[tuple[int, str], str] = {}  # (layer, "k" | "v") -> the tensor that gave it
     for name, value in tensors.items():
         match = _SCALE_NAME.match(name)
         if match is None:
@@ -129,9 +153,18 @@ def kv_scales_from_checkpoint(tensors: Mapping[str, Any], num_layers: int) -> Kv
         if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (0 < scale < math.inf):
             raise ValueError(f"checkpoint tensor {name!r}: a KV scale must be a finite number > 0, got {scale!r}")
         which = match.group(2) or match.group(3) or match.group(4)
-        if which in ("k", "kv"):
-            k[layer] = float(scale)
-        if which in ("v", "kv"):
-            v[layer] = float(scale)
-        found = True
-    return KvScales(tuple(k), tuple(v)) if found else None
+        for part, scales in (("k", k), ("v", v)):
+            if part in which:
+                if (other := given.get((layer, part))) is not None:
+                    raise ValueError(f"checkpoint tensors {other!r} and {name!r} both give layer {layer}'s "
+                                     f"{part.upper()} scale")
+                given[layer, part] = name
+                scales[layer] = float(scale)
+    if not given:
+        return None
+    missing = [f"{part.upper()} of layer {layer}" for layer in range(num_layers) for part in "kv"
+               if (layer, part) not in given]
+    if missing:
+        logger.warning("the checkpoint has no KV scale for %s%s: 1.0 there", ", ".join(missing[:8]),
+                       " ..." if len(missing) > 8 else "")
+    return KvScales(tuple(k), tuple(v))

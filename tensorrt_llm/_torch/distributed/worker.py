@@ -3,7 +3,8 @@
 Every rank builds its shard of the model (or, under attention DP, a replica): drawn from
 the config's seed, or, with ``checkpoint``, read from that Hugging Face directory (each rank
 reads only its slices of the safetensors) or GGUF file (each rank reads the whole file and
-keeps its slices). Then it builds its own executor and steps its
+keeps its slices). A checkpoint's KV scales (every layer's, read by every rank) go to the
+rank's pool under ``kv_cache_config.dtype: fp8``. Then it builds its own executor and steps its
 :class:`RankExecutor` until rank 0 stops the group. Rank 0 also talks to the ``LLM``
 process: it takes ``("submit", [RequestSpec, ...])`` (the requests of one ``enqueue_requests``), ``("cancel", id)`` and ``("stop", None)``
 messages between iterations and posts back every response, its iteration statistics, and
@@ -22,10 +23,12 @@ from dataclasses import dataclass
 from tensorrt_llm._torch.distributed.launcher import RankContext
 from tensorrt_llm._torch.distributed.rank_executor import RankExecutor
 from tensorrt_llm._torch.distributed.request_spec import RequestSpec
-from tensorrt_llm._torch.models.checkpoints import load_checkpoint
+from tensorrt_llm._torch.attention_backend.kv_quant import kv_scales_for_pool
+from tensorrt_llm._torch.models.checkpoints import LoadedCheckpoint, load_checkpoint
 from tensorrt_llm._torch.models.modeling_llama import LlamaConfig, LlamaForCausalLM
 from tensorrt_llm._torch.pyexecutor.config import ExecutorConfig
 from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequest
+from tensorrt_llm._torch.pyexecutor.py_executor import PyExecutor
 from tensorrt_llm._torch.pyexecutor.response import Response
 from tensorrt_llm._torch.pyexecutor.py_executor_creator import create_py_executor
 from tensorrt_llm.mapping import Mapping
@@ -49,17 +52,30 @@ def serve_config(model: LlamaConfig, executor: ExecutorConfig, *, enable_attenti
                        checkpoint=None if checkpoint is None else os.fspath(checkpoint))
 
 
-def build_rank_model(config: ServeConfig, mapping: Mapping) -> LlamaForCausalLM:
-    """This rank's shard: from the seed, or the checkpoint's full weights sliced on load."""
+def load_rank_checkpoint(config: ServeConfig, mapping: Mapping) -> LoadedCheckpoint:
+    """This rank's shard: from the seed, or the checkpoint's full weights sliced on load (with the
+    checkpoint's KV scales, if any)."""
     if config.checkpoint is None:
-        return LlamaForCausalLM(config.model, mapping)
+        return LoadedCheckpoint(LlamaForCausalLM(config.model, mapping))
     return load_checkpoint(config.checkpoint, config.model, mapping=mapping)
+
+
+def build_rank_model(config: ServeConfig, mapping: Mapping) -> LlamaForCausalLM:
+    """This rank's shard (:func:`load_rank_checkpoint`'s model)."""
+    return load_rank_checkpoint(config, mapping).model
+
+
+def build_rank_executor(config: ServeConfig, mapping: Mapping) -> PyExecutor:
+    """This rank's executor over its shard; an FP8 pool gets the checkpoint's KV scales."""
+    loaded = load_rank_checkpoint(config, mapping)
+    kv_scales = kv_scales_for_pool(config.executor.kv_cache_config.dtype, loaded.kv_scales)
+    return create_py_executor(config.executor, model=loaded.model, kv_scales=kv_scales)
 
 
 def serve_rank(ctx: RankContext, config: ServeConfig) -> int:
     """Rank job: serve until rank 0 is told to stop; returns the number of group iterations."""
     mapping = ctx.mapping(enable_attention_dp=config.enable_attention_dp)
-    executor = create_py_executor(config.executor, model=build_rank_model(config, mapping))
+    executor = build_rank_executor(config, mapping)
     rank_executor = RankExecutor(
         executor, ctx.comm, mapping, check_decisions=config.check_decisions, forward_responses=True
     )

@@ -7,7 +7,12 @@ Every key a checkpoint may carry has one entry in :data:`CONFIG_KEYS`, and so on
   generation defaults old versions of transformers wrote here; ``generation_config.json`` is
   read for those);
 * **must keep its default**: the engine implements only the default, so any other value is
-  refused (``hidden_act`` other than ``silu``, ``mlp_bias``, ``quantization_config``, ...).
+  refused (``hidden_act`` other than ``silu``, ``mlp_bias``, ``auto_map``, ...).
+
+``quantization_config`` is used when it quantizes only the KV cache (FP8 K/V scales beside
+unquantized weights, ``quant_config.py``) and refused, naming the key, when it quantizes weights
+or activations. What it says is ``HFConfig.kv_cache_quantization``, a value; ModelOpt's
+``hf_quant_config.json`` goes through the same rules (``hf_quant_config``).
 
 A key in none of these is logged as a warning that names it, then ignored, as transformers
 itself ignores it. Nothing else is ignored.
@@ -34,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from tensorrt_llm._torch.models.checkpoints.errors import CheckpointError
+from tensorrt_llm._torch.models.checkpoints.quant_config import KvCacheQuantization, kv_cache_quantization
 from tensorrt_llm._torch.models.modeling_llama import LlamaConfig
 from tensorrt_llm._torch.modules.rotary_embedding import ROPE_TYPES, RopeScaling
 
@@ -102,11 +108,12 @@ CONFIG_KEYS: dict[str, KeyRule] = {
     "use_sliding_window": _used("whether Qwen's layers may use sliding_window", "qwen2", "qwen3"),
     "max_window_layers": _used("Qwen's first layer that may slide (when layer_types is absent)", "qwen2", "qwen3"),
     "layer_types": _used("each layer's attention: full_attention or sliding_attention", "qwen2", "qwen3"),
+    "quantization_config": _used("KV cache quantization only (FP8 K/V scales, quant_config.py); quantized weights"
+                                 " or activations are refused"),
     # -- must keep their default
     "hidden_act": _default("silu", "the MLP's activation (SwiGLU)"),
     "mlp_bias": _default(False, "biases on the MLP's projections"),
     "partial_rotary_factor": _default(1.0, "RoPE on part of each head"),
-    "quantization_config": _default(None, "quantized weights"),
     "auto_map": _default(None, "custom modeling code shipped with the checkpoint"),
     "attention_chunk_size": _default(None, "chunked local attention"),
     "final_logit_softcapping": _default(None, "logit soft-capping"),
@@ -184,17 +191,27 @@ class HFConfig:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     notes: tuple[str, ...] = field(default=())  # limits the engine set (logged at load)
+    # the checkpoint quantizes its KV cache (FP8 scales beside unquantized weights); None: it does not say so
+    kv_cache_quantization: KvCacheQuantization | None = None
 
 
-def llama_config_from_hf(raw: Mapping[str, Any], *, dtype: str, source: str = "config.json") -> HFConfig:
+def llama_config_from_hf(raw: Mapping[str, Any], *, dtype: str, source: str = "config.json",
+                         hf_quant_config: Mapping[str, Any] | None = None,
+                         hf_quant_source: str = "hf_quant_config.json") -> HFConfig:
     """The engine's config for a Hugging Face ``config.json`` (parsed), in ``dtype``. Raises
     :class:`CheckpointError` naming the key for anything the engine does not implement; logs a
-    warning naming keys it does not know; logs the limits it sets (``notes``)."""
+    warning naming keys it does not know; logs the limits it sets (``notes``).
+    ``hf_quant_config``: ModelOpt's ``hf_quant_config.json`` beside it (parsed), if any; it and
+    ``quantization_config`` may quantize the KV cache only (``HFConfig.kv_cache_quantization``)."""
     if not isinstance(raw, Mapping):
         raise CheckpointError(f"{source}: not a JSON object")
     architecture = _architecture(raw, source)
     model_type = ARCHITECTURES[architecture]
     _check_keys(raw, model_type, source)
+    # both are checked (either may refuse); the config.json's answer first, as transformers reads it
+    inline = kv_cache_quantization(raw.get("quantization_config"), source=source, key="quantization_config")
+    beside = kv_cache_quantization(hf_quant_config, source=hf_quant_source)
+    kv_quantization = inline or beside
     defaults = ARCH_DEFAULTS[model_type]
 
     def get(key: str, *, required: bool = False) -> Any:
@@ -245,7 +262,7 @@ def llama_config_from_hf(raw: Mapping[str, Any], *, dtype: str, source: str = "c
     for note in notes:
         logger.warning("%s: %s", source, note)
     return HFConfig(architecture, config, _checkpoint_dtype(raw, source), _token_id(raw.get("bos_token_id"), "bos_token_id", source),
-                    _token_ids(raw.get("eos_token_id"), "eos_token_id", source), tuple(notes))
+                    _token_ids(raw.get("eos_token_id"), "eos_token_id", source), tuple(notes), kv_quantization)
 
 
 # --------------------------------------------------------------------------- keys
