@@ -344,8 +344,8 @@ def kv_scales_to_use(model_id: str, kv_cache_dtype: str, scales: KvScales | None
                     " stores %s unquantized (set kv_cache_config.dtype: fp8 to use them)", model_id,
                     " and ".join(what), model_dtype or "the model's dtype")
     elif kv_cache_dtype == "fp8" and scales is None and quantization is not None:
-        logger.warning("model %s: %s, but the checkpoint has no K/V scale tensors; the FP8 KV cache uses 1.0",
-                       model_id, quantization.describe())
+        logger.warning("model %s: the checkpoint's quantization config is for an %s, but it has no K/V scale"
+                       " tensors; the FP8 KV cache uses 1.0", model_id, quantization.describe())
     return chosen
 
 
