@@ -6,15 +6,20 @@ timed by wrapping the executor's own objects with the thread's CPU clock:
 
     schedule           SimpleScheduler.schedule_request (capacity + micro-batch; prefix matches)
     prepare            ResourceManager.prepare_resources (re-check + KV allocation)
+    record_prepared    what prepare decided, written on the requests (iteration.launch)
+    budget_bound       the scan for prompt tokens still to compute (iteration.launch)
     forward            ModelEngine.forward_async (the forward's inputs; the simulated forward)
-    sample, update     PyExecutor._sample and _update_requests (tokens, the stop rule, responses)
+    advance            the requests move past the forward (iteration.launch)
+    sample, update     iteration.completion's sample and update_requests (tokens, the stop rule, responses)
     commit             KVCacheManager.commit (update_resources before it had that name)
     free, record       PyExecutor._free_finished and _record (statistics)
     step               the whole PyExecutor.step
 
-A phase whose method a tree does not have is left out (older trees named and split them
-differently: an older ``_update_requests`` also sampled). ``benchmarks.host_path.ab --phases``
-runs this file in several trees, alternated.
+Each phase names where to find it in the trees it has lived in, newest first: a method of one
+of the executor's objects, or a function the executor's module calls by name (replaced in that
+module). A phase no name of which a tree has is left out (older trees named and split them
+differently: an older ``_update_requests`` also sampled, an older ``_prepare_resources`` also
+recorded and scanned). ``benchmarks.host_path.ab --phases`` runs this file in several trees, alternated.
 
     python -m benchmarks.host_path.phases [--active 256] [--iterations 300] [--json OUT.json]
 """
@@ -31,18 +36,32 @@ from typing import Callable
 from benchmarks.host_path import overhead
 from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequest
 
-# phase -> (object path from the executor, method names to try in order)
-PHASES: dict[str, tuple[str, tuple[str, ...]]] = {
-    "schedule": ("scheduler", ("schedule_request",)),
-    "prepare": ("resource_manager", ("prepare_resources",)),
-    "forward": ("model_engine", ("forward_async",)),
-    "sample": ("", ("_sample",)),
-    "update": ("", ("_update_requests",)),
-    "commit": ("kv_cache_manager", ("commit", "update_resources")),
-    "budget_bound": ("", ("_budget_bound",)),
-    "free": ("", ("_free_finished",)),
-    "record": ("", ("_record",)),
+# phase -> where it lives, newest tree first: (owner, name). The owner is an attribute path
+# from the executor ("" the executor itself), or MODULE: the executor's own module, whose
+# global the iteration calls by name.
+MODULE = "<module>"
+PHASES: dict[str, tuple[tuple[str, str], ...]] = {
+    "schedule": (("scheduler", "schedule_request"),),
+    "prepare": (("resource_manager", "prepare_resources"),),
+    "record_prepared": ((MODULE, "record_prepared"),),
+    "budget_bound": ((MODULE, "budget_bound"), ("", "_budget_bound")),
+    "forward": (("model_engine", "forward_async"),),
+    "advance": ((MODULE, "advance"), ("", "_advance")),
+    "sample": ((MODULE, "sample"), ("", "_sample")),
+    "update": (("completion", "update_requests"), ("", "_update_requests")),
+    "commit": (("kv_cache_manager", "commit"), ("kv_cache_manager", "update_resources")),
+    "free": (("", "_free_finished"),),
+    "record": (("", "_record"),),
 }
+
+
+def _owner(executor, path: str):
+    if path == MODULE:
+        return sys.modules[type(executor).__module__]
+    target = executor
+    for name in filter(None, path.split(".")):
+        target = getattr(target, name, None)
+    return target
 
 
 def _wrap(samples: list[float], fn: Callable) -> Callable:
@@ -67,10 +86,11 @@ def measure(num_active: int, iterations: int) -> dict[str, float]:
     while any(r.is_context_init_state for r in executor.active_requests) or not executor.active_requests:
         executor.step()
     samples: dict[str, list[float]] = {}
-    for phase, (owner, names) in PHASES.items():
-        target = getattr(executor, owner) if owner else executor
-        name = next((n for n in names if hasattr(target, n)), None)
-        if name is not None:
+    for phase, places in PHASES.items():
+        found = [(target, name) for target, name in ((_owner(executor, o), n) for o, n in places)
+                 if callable(getattr(target, name, None))]
+        if found:
+            target, name = found[0]
             samples[phase] = []
             setattr(target, name, _wrap(samples[phase], getattr(target, name)))
     # not set on the executor: its loop calls the executor's step again, inside this one
