@@ -247,7 +247,8 @@ class LLM:
             self.config = _cap_max_seq_len(config, executor_options, self.model_config)
             # what each rank's pool gets from its own read of the checkpoint (worker.build_rank_executor)
             self.kv_scales = kv_scales_to_use(self.model_id, config.kv_cache_config.dtype, rank_model.kv_scales,
-                                              rank_model.kv_cache_quantization, model_dtype=_kv_dtype(self.model_config))
+                                              rank_model.kv_cache_quantization,
+                                              model_dtype=_kv_dtype(self.model_config))
             try:
                 self._executor = MultiRankExecutor(
                     self.model_config, self.config, tensor_parallel_size=tensor_parallel_size,
@@ -294,7 +295,8 @@ class LLM:
             line += (f", KV pool {blocks} blocks x {kv.tokens_per_block} tokens = {tokens} tokens"
                      f" ({tokens * per_token / 2**30:.2f} GiB, {self._kv_stored}, {per_token / 1024:g} KiB/token)")
         if kv.dtype == "fp8":
-            line += ", KV scales " + ("1.0" if self.kv_scales is None else f"from the checkpoint ({self.kv_scales.describe()})")
+            scales = self.kv_scales
+            line += ", KV scales " + ("1.0" if scales is None else f"from the checkpoint ({scales.describe()})")
         return line + f", max_seq_len {self.config.max_seq_len} ({self.max_seq_len_source})"
 
     def default_sampling_params(self) -> SamplingParams:

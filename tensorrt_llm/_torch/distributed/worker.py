@@ -20,10 +20,10 @@ import os
 import queue
 from dataclasses import dataclass
 
+from tensorrt_llm._torch.attention_backend.kv_quant import kv_scales_for_pool
 from tensorrt_llm._torch.distributed.launcher import RankContext
 from tensorrt_llm._torch.distributed.rank_executor import RankExecutor
 from tensorrt_llm._torch.distributed.request_spec import RequestSpec
-from tensorrt_llm._torch.attention_backend.kv_quant import kv_scales_for_pool
 from tensorrt_llm._torch.models.checkpoints import LoadedCheckpoint, load_checkpoint
 from tensorrt_llm._torch.models.modeling_llama import LlamaConfig, LlamaForCausalLM
 from tensorrt_llm._torch.pyexecutor.config import ExecutorConfig

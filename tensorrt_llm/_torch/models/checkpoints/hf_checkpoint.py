@@ -39,7 +39,7 @@ from tensorrt_llm._torch.attention_backend.kv_quant import KvScales, is_kv_scale
 from tensorrt_llm._torch.models.checkpoints.errors import CheckpointError
 from tensorrt_llm._torch.models.checkpoints.hf_config import HFConfig, llama_config_from_hf
 from tensorrt_llm._torch.models.checkpoints.loaded import LoadedCheckpoint
-from tensorrt_llm._torch.models.checkpoints.safetensors_reader import SafetensorsCheckpoint
+from tensorrt_llm._torch.models.checkpoints.safetensors_reader import INDEX_FILE, SINGLE_FILE, SafetensorsCheckpoint
 from tensorrt_llm._torch.models.modeling_llama import LlamaConfig, LlamaForCausalLM
 from tensorrt_llm.mapping import Mapping
 
@@ -132,9 +132,13 @@ def _read_kv_scales(files: SafetensorsCheckpoint, num_layers: int) -> KvScales |
 
 
 def read_kv_scales(directory: str | Path, num_layers: int) -> KvScales | None:
-    """The KV scales a Hugging Face checkpoint carries (None: none), without loading anything
-    else: the safetensors headers are parsed and the scalars read from the mapped files."""
-    with SafetensorsCheckpoint.from_directory(Path(directory)) as files:
+    """The KV scales a Hugging Face checkpoint carries (None: none, or no safetensors at all: a
+    directory described for its sizes only), without loading anything else: the safetensors
+    headers are parsed and the scalars read from the mapped files."""
+    directory = Path(directory)
+    if not any((directory / name).is_file() for name in (SINGLE_FILE, INDEX_FILE)):
+        return None  # loading the weights says what is missing
+    with SafetensorsCheckpoint.from_directory(directory) as files:
         return _read_kv_scales(files, num_layers)
 
 

@@ -340,3 +340,14 @@ def test_a_weight_quantizing_checkpoint_is_refused_through_llm(base, tmp_path):
                                                                               "kv_cache_quant_algo": "FP8"}})
     with pytest.raises(CheckpointError, match=r"hf_quant_config.json: quantization.quant_algo='FP8' is not supported"):
         serve(modelopt)
+
+
+def test_describing_a_checkpoint_without_weights_reads_no_scales(base, tmp_path):
+    """A directory described for its sizes only (config.json, no safetensors) still describes."""
+    from tensorrt_llm.llmapi.llm_utils import describe_checkpoint
+
+    directory = tmp_path / "config-only"
+    directory.mkdir()
+    shutil.copy(base / "config.json", directory / "config.json")
+    described = describe_checkpoint(str(directory), dtype="float32")
+    assert described.kv_scales is None and described.config.num_layers == LAYERS
