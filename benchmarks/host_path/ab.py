@@ -3,8 +3,9 @@
 The machine this runs on is shared, so a number measured alone says little. This script
 checks each commit out into its own temporary ``git worktree``, then runs the same
 benchmark in every tree in turn, once per round, rotating the order each round so that no
-tree always goes first, and reports each tree's median over the rounds and its ratio to the
-first ``--against`` commit (the reference)::
+tree always goes first, and reports each tree's median over the rounds, its ratio to the
+first ``--against`` commit (the reference), and in how many rounds it was below the reference
+(the rounds are paired: a round's trees ran back to back)::
 
     python -m benchmarks.host_path.ab --against c7cec84,e787698 [--tree HEAD] \
         [--active 256,1024] [--iterations 200] [--runs 7] [--json OUT.json]
@@ -153,8 +154,9 @@ def run_replay(tree: Tree, replay_args: Sequence[str], keep: Path) -> dict:
 
 
 def summarize(trees: Sequence[Tree]) -> dict:
-    """Per metric: each tree's median, min, max and samples, and its median over the reference's
-    (a metric a tree lacks, such as a phase an older tree does not have, is left out for it)."""
+    """Per metric: each tree's median, min, max and samples, its median over the reference's,
+    and in how many rounds its sample was below the reference's of the same round (a metric a
+    tree lacks, such as a phase an older tree does not have, is left out for it)."""
     reference = trees[0]
     metrics = list(dict.fromkeys(m for tree in trees for m in tree.samples))
     table = {}
@@ -169,6 +171,8 @@ def summarize(trees: Sequence[Tree]) -> dict:
             table[metric][tree.label] = {
                 "median": round(median, 4), "min": min(values), "max": max(values),
                 "ratio_to_reference": round(median / statistics.median(ref), 3) if ref else None,
+                "rounds_below_reference": (sum(v < r for v, r in zip(values, ref))
+                                           if ref and tree is not reference else None),
                 "samples": values,
             }
     return table
@@ -229,14 +233,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             identical = {t.label: not [d for d in differences(ref, replays[t.label]) if " only in " not in d]
                          for t in trees[1:]}
 
-    print(f"{'metric':<28}" + "".join(f"{t.label:>24}" for t in trees))
+    def cell(row: dict | None) -> str:  # median (ratio, rounds below the reference)
+        if row is None:
+            return f"{'-':>26}"
+        if row["ratio_to_reference"] is None:
+            return f"{row['median']:>26.3f}"
+        below = row["rounds_below_reference"]
+        rounds = f" {below}/{len(row['samples'])}" if below is not None else ""
+        return f"{row['median']:>12.3f} ({row['ratio_to_reference']:.2f}x{rounds})".ljust(26)
+
+    print(f"{'metric':<28}" + "".join(f"{t.label:>26}" for t in trees)
+          + "   (median, ratio to the reference, rounds below it)")
     for metric, by_tree in table.items():
-        if not shown(metric):
-            continue
-        print(f"{metric:<28}" + "".join(
-            f"{by_tree[t.label]['median']:>15.3f} " + (f"({by_tree[t.label]['ratio_to_reference']:.2f}x)"
-                                                       if by_tree[t.label]['ratio_to_reference'] else "       ")
-            if t.label in by_tree else f"{'-':>24}" for t in trees))
+        if shown(metric):
+            print(f"{metric:<28}" + "".join(cell(by_tree.get(t.label)) for t in trees))
     if identical is not None:
         print("replay_diff against " + trees[0].label + ": "
               + ", ".join(f"{label} {'IDENTICAL' if same else 'DIFFERENT'}" for label, same in identical.items()))
