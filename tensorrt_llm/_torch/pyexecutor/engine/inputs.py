@@ -11,6 +11,7 @@ torch: the simulated engine and the replay run on it alone.
 
 from __future__ import annotations
 
+from itertools import accumulate
 from typing import TYPE_CHECKING, Mapping
 
 from tensorrt_llm._torch.pyexecutor.engine.logit_rows import (
@@ -36,6 +37,22 @@ __all__ = [
 ]
 
 PAD_TOKEN_ID = 0  # fills first-draft slots before the drafter has proposed anything
+
+
+def _special_step(request: LlmRequest) -> tuple[list[int], int, int]:
+    """A generation step other than one beam without drafts: ``(input tokens, drafts verified,
+    positions after the sampling row)``."""
+    newest = request.tokens[-1]
+    if request.is_first_draft:  # the drafts proposed so far, padded to max_draft_len
+        drafts = request.py_draft_tokens[: request.max_draft_len]
+        padding = [PAD_TOKEN_ID] * (request.max_draft_len - len(drafts))
+        return [newest, *drafts, *padding], len(drafts), request.max_draft_len
+    if request.py_draft_tokens:
+        return [newest, *request.py_draft_tokens], len(request.py_draft_tokens), len(request.py_draft_tokens)
+    # one position per beam: each beam's newest token (a request without beam state repeats its own);
+    # its sampling row is beam 0's, the first
+    state = request.py_beams
+    return (state.last_tokens() if state is not None else [newest] * request.beam_width), 0, request.beam_width - 1
 
 
 class ForwardInputs:
@@ -100,37 +117,32 @@ class ForwardInputs:
 
     def append_generation(self, requests: list[LlmRequest]) -> None:
         """The next step of each generation request: its newest token (one per beam), then
-        its draft tokens, or first-draft padding up to ``max_draft_len``."""
-        count = 0
-        for request in requests:
-            tokens = request.tokens
-            beams = request.beam_width
-            if request.is_first_draft:  # the drafts proposed so far, padded to max_draft_len
-                drafts = request.py_draft_tokens[: request.max_draft_len]
-                token_ids = [tokens[-1], *drafts] + [PAD_TOKEN_ID] * (request.max_draft_len - len(drafts))
-                self.num_drafts.append(len(drafts))
-                self._trailing.append(request.max_draft_len)
-            elif request.py_draft_tokens:
-                token_ids = [tokens[-1], *request.py_draft_tokens]
-                self.num_drafts.append(len(request.py_draft_tokens))
-                self._trailing.append(len(request.py_draft_tokens))
-            else:  # one position per beam: each beam's newest token (a request without beam state repeats its own)
-                state = request.py_beams
-                token_ids = state.last_tokens() if beams > 1 and state is not None else [tokens[-1]] * beams
-                self.num_drafts.append(0)
-                self._trailing.append(beams - 1)  # its sampling row is beam 0's, the first
-            if token_ids[0] == IN_FLIGHT_TOKEN_ID:  # its newest token is still being sampled (overlap)
-                self.in_flight.append((self.total_num_tokens + count, len(self._beams)))  # (flat, request index)
-            self._pieces.append((token_ids, 0, len(token_ids), ()))
-            self.num_new_tokens.append(len(token_ids))
-            self.num_cached_tokens.append(len(tokens) - 1)
-            self._beams.append(beams)
-            self._generation.append(True)
-            count += len(token_ids)
+        its draft tokens, or first-draft padding up to ``max_draft_len``.
+
+        Built column by column, as every request adds one entry to each column: the usual step
+        (one beam, no drafts) is its newest token alone; :func:`_special_step` lays out the others."""
+        n, first = len(requests), len(self.requests)
+        steps = [[request.tokens[-1]] for request in requests]  # each one's input tokens
+        drafts, trailing = [0] * n, [0] * n
+        for index, request in enumerate(requests):
+            if request.beam_width > 1 or request.is_first_draft or request.py_draft_tokens:
+                steps[index], drafts[index], trailing[index] = _special_step(request)
+        counts = list(map(len, steps))
+        in_flight = [index for index, token_ids in enumerate(steps) if token_ids[0] == IN_FLIGHT_TOKEN_ID]
+        if in_flight:  # their newest token is still being sampled (overlap): (flat index, request index)
+            flat = list(accumulate(counts, initial=self.total_num_tokens))
+            self.in_flight += [(flat[index], first + index) for index in in_flight]
+        self._pieces += [(token_ids, 0, count, ()) for token_ids, count in zip(steps, counts)]
+        self.num_new_tokens += counts
+        self.num_cached_tokens += [len(request.tokens) - 1 for request in requests]
+        self.num_drafts += drafts
+        self._trailing += trailing
+        self._beams += [request.beam_width for request in requests]
+        self._generation += [True] * n
         self.requests += requests
-        self.samples += [True] * len(requests)
-        self._tables += [None] * len(requests)
-        self.total_num_tokens += count
+        self.samples += [True] * n
+        self._tables += [None] * n
+        self.total_num_tokens += sum(counts)
         self._input_ids = self._position_ids = self._block_tables = self._beam_tables = None
 
     def append_chunk(self, request: LlmRequest, start: int, stop: int, extra: list[int], samples: bool) -> None:

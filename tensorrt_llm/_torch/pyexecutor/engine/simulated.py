@@ -85,9 +85,11 @@ class SimulatedModelEngine(ModelEngine):
         seconds = 0.0
         if self.clock is not None and self.forward_time_s is not None:
             seconds = self.forward_time_s(inputs)  # now: it reads the requests' state
-        samplers = [(i, r) for i, (r, s) in enumerate(zip(inputs.requests, inputs.samples)) if s]
-        picks = [(i, r) for i, r in samplers if self.can_pick(r)]
-        logits = {r.request_id: None for _, r in samplers}
+        requests, samples = inputs.requests, inputs.samples
+        logits = {r.request_id: None for r, s in zip(requests, samples) if s}
+        picks = []  # the requests the rule picks for, by index (an engine without a rule picks for none)
+        if self.picks_tokens:
+            picks = [(i, r) for i, (r, s) in enumerate(zip(requests, samples)) if s and self.can_pick(r)]
         drafts = inputs.verified_drafts() if any(inputs.num_drafts) else None
 
         def run() -> ForwardOutput:
