@@ -92,7 +92,7 @@ def kv_cache_quantization(raw: Any, *, source: str, key: str = "") -> KvCacheQua
         return _modelopt(raw, where)
     what = (f"quant_method {method!r} quantizes the weights" if method is not None
             else "it names no quant_method, so what it quantizes is unknown")
-    raise CheckpointError(f"{where.name() if key else where.source}={dict(raw)!r:.120} is not supported ({what});"
+    raise CheckpointError(f"{where.name()}={dict(raw)!r:.120} is not supported ({what});"
                           f" the engine runs unquantized weights. {_ACCEPTED}")
 
 
@@ -104,7 +104,8 @@ class _Where:
     key: str
 
     def name(self, *keys: str) -> str:
-        return f"{self.source}: " + ".".join(k for k in (self.key, *keys) if k)
+        path = ".".join(k for k in (self.key, *keys) if k)
+        return f"{self.source}: {path}" if path else self.source
 
 
 _ACCEPTED = ("Accepted: a quantization config that quantizes only the KV cache to FP8 (compressed-tensors"
