@@ -29,3 +29,26 @@ def smollm2_server():
     server = RunningServer(llm)
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer_checkpoint(tmp_path_factory):
+    """A Hugging Face checkpoint directory with SmolLM2's tokenizer files (written from the packaged
+    GGUF by ``tools.gguf_to_hf``) and a tiny random Llama of its vocabulary, written by transformers.
+
+    For tests where the text a model writes is scripted (``tests.helpers.scripted``) and the model
+    only has to be fast: the tokenizer, the chat template path, the server and the grammar are
+    SmolLM2's own, the forward costs a few milliseconds instead of SmolLM2's."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    from tools.gguf_to_hf import export
+
+    directory = export("smollm2-135m-instruct", tmp_path_factory.mktemp("smollm2-tokenizer-tiny"), tokenizer_only=True)
+    config = transformers.LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                                      tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+    config.architectures = ["LlamaForCausalLM"]
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(directory)
+    return directory

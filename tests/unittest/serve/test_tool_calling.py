@@ -1,11 +1,14 @@
 """Tool calling on /v1/chat/completions, driven with the openai client's own types, streamed and
 not: parsers (hermes, llama3_json) x tool_choice (auto, none, required, a named function).
 
-SmolLM2 serves with a tool template of each format (``chat_templates/``); a scripted logits
-processor (``scripted``) makes it write a known text, so what is tested is the server, not the
-choices of a 135M model. Where the grammar decides (required, named), the script is made to
-want something else: the answer must still be a call the schema allows. The last tests run
-SmolLM2 unscripted, and with its own template (which has no tool section).
+The server runs SmolLM2's tokenizer with a tool template of each format (``chat_templates/``)
+over a tiny random model of its vocabulary (``smollm2_tokenizer_checkpoint``: the text is
+scripted, so the model only has to be fast); a scripted logits processor (``scripted``) makes
+it write a known text, so what is tested is the server, not a model's choices. Where the grammar
+decides (required, named), the script is made to want something else: the answer must still be a
+call the schema allows. One test lets the model write what it likes (its random weights choose
+the tokens; the grammar still rules a required call), and the last runs SmolLM2 itself with its
+own template (which has no tool section).
 """
 
 from __future__ import annotations
@@ -40,8 +43,8 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
 @pytest.fixture(scope="module", params=["hermes", "llama3_json"])
-def tool_server(request):
-    llm = LLM("smollm2-135m-instruct", max_seq_len=1024, max_num_tokens=512,
+def tool_server(request, smollm2_tokenizer_checkpoint):
+    llm = LLM(str(smollm2_tokenizer_checkpoint), max_seq_len=1024, max_num_tokens=512,
               kv_cache_config=KvCacheConfig(tokens_per_block=16, num_blocks=128))
     sampler = install(llm)
     config = ServerConfig(tool_parser=request.param, chat_template=str(TEMPLATES / f"{request.param}_tools.jinja"))
@@ -162,15 +165,21 @@ def test_a_named_function_is_the_one_called(tool_server, stream):
 
 
 def test_streamed_and_whole_agree_unscripted(tool_server):
-    """SmolLM2 choosing for itself (greedy): whatever it writes, both answers are the same, and a
-    required call follows the schema."""
-    for choice in ("auto", "required"):
-        whole = ask(tool_server, stream=False, tool_choice=choice)
-        assert ask(tool_server, stream=True, tool_choice=choice) == whole
+    """The model choosing for itself (greedy): whatever it writes, both answers are the same, and a
+    required call follows the schema. Random weights may keep calling until ``max_tokens``: the
+    calls completed so far come back with finish reason ``length`` (an unfinished one as content,
+    as any malformed call); with ``parallel_tool_calls`` off the grammar ends the output after one
+    call."""
+    for choice, parallel in (("auto", True), ("required", True), ("required", False)):
+        whole = ask(tool_server, stream=False, tool_choice=choice, parallel_tool_calls=parallel)
+        assert ask(tool_server, stream=True, tool_choice=choice, parallel_tool_calls=parallel) == whole
         if choice == "required":
-            assert whole[1] and whole[2] == "tool_calls"
-            for call in whole[1]:
+            content, calls, finish = whole
+            assert calls and finish in ("tool_calls", "length") and (finish == "length" or not content), whole
+            for call in calls:
                 check_schema_call(*call)
+            if not parallel:
+                assert len(calls) == 1 and finish == "tool_calls", whole
 
 
 def test_tool_results_go_back_through_the_template(tool_server):
