@@ -52,3 +52,15 @@ def smollm2_tokenizer_checkpoint(tmp_path_factory):
     torch.manual_seed(0)
     transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(directory)
     return directory
+
+
+@pytest.fixture(scope="module")
+def tiny_chat_server(smollm2_tokenizer_checkpoint):
+    """SmolLM2's tokenizer and chat template over a tiny random model (``smollm2_tokenizer_checkpoint``):
+    the whole request path of a chat model, text in and out, at a few milliseconds a forward. For
+    tests of the protocol, not of what a model writes."""
+    llm = LLM(str(smollm2_tokenizer_checkpoint), max_seq_len=1024, max_num_tokens=512,
+              kv_cache_config=KvCacheConfig(tokens_per_block=16, num_blocks=128))
+    server = RunningServer(llm)
+    yield server
+    server.stop()

@@ -61,14 +61,15 @@ def _rows():
     return [(rule, endpoint) for rule in openai_fields.FIELDS for endpoint in sorted(rule.endpoints)]
 
 
-def test_walk_the_table_over_http(smollm2_server, caplog):
+def test_walk_the_table_over_http(tiny_chat_server, caplog):
     """Every row on every endpoint it names: served and ignored fields answered 200 (ignored ones
     logged at debug level, by name), refused ones 400 naming the field and 200 at their neutral
-    values; a name in no row 400 naming it."""
+    values; a name in no row 400 naming it. The server is a chat model's whole request path
+    (SmolLM2's tokenizer and template) over a tiny model: what is walked is the protocol."""
     caplog.set_level(logging.DEBUG, logger=openai_protocol.__name__)
-    with smollm2_server.http() as http:
+    with tiny_chat_server.http() as http:
         for rule, endpoint in _rows():
-            body = {**base_body(endpoint, smollm2_server.model), **rule.example_for(endpoint)}
+            body = {**base_body(endpoint, tiny_chat_server.model), **rule.example_for(endpoint)}
             caplog.clear()
             response = http.post(PATHS[endpoint], json=body)
             where = f"{endpoint} {rule.name}: {response.status_code} {response.text[:300]}"
@@ -76,7 +77,7 @@ def test_walk_the_table_over_http(smollm2_server, caplog):
                 assert response.status_code == 400, where
                 assert response.json()["error"]["param"] == rule.name and rule.note in response.text, where
                 for neutral in rule.neutral:
-                    ok = http.post(PATHS[endpoint], json={**base_body(endpoint, smollm2_server.model), rule.name: neutral})
+                    ok = http.post(PATHS[endpoint], json={**base_body(endpoint, tiny_chat_server.model), rule.name: neutral})
                     assert ok.status_code == 200, f"{where}; neutral {neutral!r}: {ok.text[:200]}"
                 continue
             assert response.status_code == 200, where
@@ -86,7 +87,7 @@ def test_walk_the_table_over_http(smollm2_server, caplog):
             assert logged == (rule.disposition is Disposition.IGNORED), where
         for endpoint in (COMPLETIONS, CHAT):
             for typo in ("max_token", "frobnicate", "temprature"):
-                response = http.post(PATHS[endpoint], json={**base_body(endpoint, smollm2_server.model), typo: 1})
+                response = http.post(PATHS[endpoint], json={**base_body(endpoint, tiny_chat_server.model), typo: 1})
                 assert response.status_code == 400 and response.json()["error"]["param"] == typo, response.text
                 assert "unrecognized request argument" in response.json()["error"]["message"]
 
