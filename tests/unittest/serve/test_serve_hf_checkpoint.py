@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import queue
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -19,24 +20,16 @@ import time
 import httpx
 import openai
 import pytest
-import torch
 
 pytestmark = pytest.mark.timeout(300)
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    transformers = pytest.importorskip("transformers")
-    from tools.gguf_to_hf import export
-
+def checkpoint(tmp_path_factory, smollm2_tokenizer_checkpoint):
+    """The shared tiny SmolLM2-tokenizer checkpoint, copied under a name of its own, with a
+    generation_config.json whose eos ids and temperature the server must apply."""
     directory = tmp_path_factory.mktemp("serve") / "tiny-chat-llama"
-    config = transformers.LlamaConfig(vocab_size=49152, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
-                                      tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
-    config.architectures = ["LlamaForCausalLM"]
-    torch.manual_seed(0)
-    transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(directory)
-    export("smollm2-135m-instruct", directory, tokenizer_only=True)
+    shutil.copytree(smollm2_tokenizer_checkpoint, directory)
     (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 0], "temperature": 0.7}))
     return directory
 
