@@ -21,6 +21,9 @@
 #   peer-bf16, peer-fp8   [.whl .carry/smollm2-tokenizer]   ~8 min   Llama-3.1-8B-shaped checkpoint, trtllm-serve, GuideLLM
 #                                                                    1024/128 and 1024/1024 at concurrency 1..128
 #   peer-engine           [.whl .carry/smollm2-tokenizer]   ~8 min   the same requests through LLM in-process (no HTTP)
+#   hf-checkpoints        [.whl]           [MODEL]          ~8 min   a random bf16 sharded checkpoint written by transformers on
+#                                                                    the machine (llama-3.1-8b, or qwen3-8b), served by
+#                                                                    trtllm-serve DIR: load time, GPU memory, the default scenario at 1x
 #   nccl                  (a 2-GPU host)                             not built: says so and stops
 set -uo pipefail
 PY=${PY:-python3}
@@ -141,6 +144,12 @@ case $phase in
         --tokenizer .carry/smollm2-tokenizer --shapes 1024/128,1024/1024 --concurrency "${1:-1,8,32,64,128}" \
         --seconds "${2:-15}" 2>&1 | tee "$out/engine_$kv.log" | tail -6
     done
+    pack
+    ;;
+  hf-checkpoints)
+    setup .whl; gpu
+    timeout 540 "$PY" -m benchmarks.gpu.hf_checkpoints --out "$out" --models "${1:-llama-3.1-8b}" 2>&1 \
+      | tee "$out/hf_checkpoints.log" | tail -20
     pack
     ;;
   nccl)

@@ -23,11 +23,11 @@ missing, too little disk or GPU memory), as it stops when a server does not come
 ``--dry-run`` runs the same steps on the CPU with both configs scaled down (checks the script
 where there is no GPU).
 
-On the H200 (fastapi, uvicorn and openai as wheels: ``benchmarks/gpu/h200_serving.sh setup``), one model per device
+On the H200 (fastapi, uvicorn and openai as wheels, carried in ``.whl``), one model per device
 call (each takes a few minutes)::
 
-    PYTHONPATH=$PWD:/tmp/site python3 -m benchmarks.gpu.hf_checkpoints --out OUT --models llama-3.1-8b
-    PYTHONPATH=$PWD:/tmp/site python3 -m benchmarks.gpu.hf_checkpoints --out OUT --models qwen3-8b
+    bash benchmarks/gpu/h200_runs.sh hf-checkpoints OUT llama-3.1-8b
+    bash benchmarks/gpu/h200_runs.sh hf-checkpoints OUT qwen3-8b
 """
 
 from __future__ import annotations
