@@ -65,7 +65,8 @@ _TOOL = {"type": "function", "function": {"name": "get_weather", "description": 
 
 FIELDS: tuple[FieldRule, ...] = (
     # ---- the request itself
-    FieldRule("model", _S, BOTH, "openai", "must name the served model (404 otherwise)"),
+    FieldRule("model", _S, BOTH, "openai",
+              "must name the served model (404 otherwise); left out: the served model (vLLM's rule)"),
     FieldRule("prompt", _S, frozenset({COMPLETIONS}), "openai", "one prompt: text or token ids (a batch of one is taken)"),
     FieldRule("messages", _S, frozenset({CHAT}), "openai",
               "roles system, developer, user, assistant (with tool_calls), tool; text content only"),
@@ -101,6 +102,9 @@ FIELDS: tuple[FieldRule, ...] = (
     FieldRule("priority", _S, BOTH, "trtllm",
               "[0, 1], 0.5 by default: who waits first under scheduler_config.waiting_queue_policy priority",
               {"priority": 0.9}),
+    FieldRule("chat_template_kwargs", _S, frozenset({CHAT}), "vllm",
+              "extra variables for the chat template (enable_thinking, ...), beside the messages",
+              {"chat_template_kwargs": {"enable_thinking": False}}),
     # ---- log-probabilities and echo
     FieldRule("logprobs", _S, BOTH, "openai", "completions: top-k count (0..20); chat: true / false", {"logprobs": 2},
               chat_example={"logprobs": True}),
@@ -146,7 +150,13 @@ FIELDS: tuple[FieldRule, ...] = (
               {"prediction": {"type": "content", "content": "x"}}),
     FieldRule("reasoning_effort", _I, frozenset({CHAT}), "openai",
               "no reasoning setting is rendered into the template here", {"reasoning_effort": "low"}),
+    FieldRule("spaces_between_special_tokens", _I, BOTH, "vllm",
+              "the tokenizers here are fast ones, whose decoding has no such choice",
+              {"spaces_between_special_tokens": False}),
     # ---- refused unless neutral
+    FieldRule("skip_special_tokens", _R, BOTH, "vllm",
+              "special tokens are always left out of the text (token_ids has every id)",
+              {"skip_special_tokens": False}, (None, True)),
     FieldRule("logit_bias", _R, BOTH, "openai", "no logit bias is applied", {"logit_bias": {"5": 1.0}}, (None, {})),
     FieldRule("suffix", _R, frozenset({COMPLETIONS}), "openai", "no text is inserted", {"suffix": "x"}, (None, "")),
     FieldRule("audio", _R, frozenset({CHAT}), "openai", "text output only", {"audio": {"voice": "alloy"}}, (None,)),

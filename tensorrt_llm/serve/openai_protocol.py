@@ -147,7 +147,7 @@ class ResponseFormat(_Request):
 class _SamplingRequest(_Request):
     """The fields completions and chat completions share."""
 
-    model: str
+    model: str | None = None  # None: the served model, as vLLM takes a request that names none
     max_tokens: Int | None = Field(None, ge=1, le=MAX_COUNT)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
@@ -176,6 +176,10 @@ class _SamplingRequest(_Request):
     # Upstream's request priority in [0, 1] (0.5 when absent): who waits first under
     # scheduler_config.waiting_queue_policy "priority"; accepted and ignored under "fcfs".
     priority: float | None = Field(None, ge=0.0, le=1.0)
+    # vLLM's detokenization switches: the text never holds special tokens here (true is taken,
+    # false refused: openai_fields), and the fast tokenizers have no spacing choice (ignored).
+    skip_special_tokens: bool | None = None
+    spaces_between_special_tokens: bool | None = None
 
     @model_validator(mode="after")
     def _samples(self):
@@ -317,6 +321,9 @@ class ChatMessage(_Request):
         return self
 
 
+#: Template variables and arguments of ``Tokenizer.apply_chat_template`` a request sets itself.
+RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "tools", "add_generation_prompt", "chat_template", "tokenize"})
+
 #: OpenAI's rule for a function's name.
 FUNCTION_NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"
 
@@ -351,6 +358,8 @@ class ChatCompletionRequest(_SamplingRequest):
     tools: list[ChatCompletionToolsParam] | None = Field(None, min_length=1)  # OpenAI refuses [] too
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # vLLM's: extra variables for the chat template (``{"enable_thinking": false}``)
+    chat_template_kwargs: dict[str, Any] | None = None
     # Accepted and ignored (openai_fields): they change nothing this server produces.
     store: bool | None = None
     metadata: dict[str, str] | None = None
@@ -375,6 +384,15 @@ class ChatCompletionRequest(_SamplingRequest):
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
         return self
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_variables(cls, kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
+        """What the request itself gives the template (the conversation, its tools) cannot be set twice."""
+        taken = sorted(set(kwargs or ()) & RESERVED_TEMPLATE_VARIABLES)
+        if taken:
+            raise ValueError(f"chat_template_kwargs cannot set {', '.join(taken)}: the request gives them")
+        return kwargs
 
     @field_validator("tools")
     @classmethod

@@ -34,7 +34,7 @@ import re
 import reprlib
 import time
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Callable
+from typing import AsyncIterator, Callable, Iterator
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -246,7 +246,7 @@ class OpenAIServer:
             return ChatCompletionStreamResponse(id=request_id, created=created, model=self.model_id, choices=[],
                                                 usage=usage)
 
-        if body.stream:
+        if body.stream:  # the role chunk: sent with the first token (see _stream)
             first = response([ChatCompletionStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
                               for i in range(body.n or 1)])
             return self._stream(generation, raw, [first], chunk, usage_chunk if body.include_usage else None,
@@ -261,8 +261,8 @@ class OpenAIServer:
                                       usage=self._usage(generation))
 
     # ------------------------------------------------------------------------------ request parts
-    def _check_model(self, model: str) -> None:
-        if model != self.model_id:
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_id:
             raise OpenAIError(404, f"the model {model!r} does not exist; this server serves {self.model_id!r}", "model")
 
     async def _encode_prompt(self, prompt: str | list[int], param: str = "prompt", *,
@@ -295,7 +295,7 @@ class OpenAIServer:
         tools = {} if plan.template_tools is None else {"tools": plan.template_tools}
         try:
             text = await asyncio.to_thread(self.tokenizer.apply_chat_template, messages, add_generation_prompt=True,
-                                           chat_template=self.chat_template, **tools)
+                                           chat_template=self.chat_template, **tools, **(body.chat_template_kwargs or {}))
         except ValueError as error:  # a conversation the template refuses (e.g. roles out of order)
             raise bad_request(str(error), "messages") from None
         # The template writes the special tokens it wants (a BOS included): encode none on top.
@@ -397,21 +397,34 @@ class OpenAIServer:
     def _stream(self, generation: Generation, raw: Request, preamble: list, chunk: Callable,
                 usage_chunk: Callable | None, *, continuous_usage: bool = False) -> StreamingResponse:
         """SSE events: ``preamble``, one ``chunk(delta)`` per delta (each with the usage so far
-        when ``continuous_usage``), the ``usage_chunk`` if asked for, ``[DONE]``."""
+        when ``continuous_usage``), the ``usage_chunk`` if asked for, ``[DONE]``.
 
-        def event(response) -> str:
+        The preamble (chat's role chunk) goes out with the first delta, not when the request is
+        accepted: benchmark clients (``vllm bench serve``) stamp the time to first token at the
+        first chunk that has choices, and vLLM and upstream send the role chunk with the first
+        token too. It carries no token: with ``continuous_usage`` its ``completion_tokens`` is 0."""
+
+        def event(response, usage: UsageInfo | None = None) -> str:
             if continuous_usage:
-                response.usage = self._usage(generation)
+                response.usage = usage or self._usage(generation)
             return _sse(response.model_dump_json())
+
+        def opening() -> Iterator[str]:
+            nothing_yet = UsageInfo.of(generation.prompt_tokens, 0, generation.cached_tokens)
+            for first in preamble:
+                yield event(first, nothing_yet)
+            preamble.clear()
 
         async def events() -> AsyncIterator[str]:
             watcher = asyncio.create_task(_abort_on_disconnect(raw, generation))
             try:
-                for first in preamble:
-                    yield event(first)
                 async for delta in generation.deltas():
+                    for text in opening():
+                        yield text
                     for response in _as_list(chunk(delta)):
                         yield event(response)
+                for text in opening():  # a stream with no delta still opens
+                    yield text
                 if usage_chunk is not None:
                     yield _sse(usage_chunk(self._usage(generation)).model_dump_json())
             except GenerationFailed as error:

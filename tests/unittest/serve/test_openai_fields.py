@@ -151,8 +151,9 @@ def test_cached_tokens_on_chat_with_continuous_usage(smollm2_server):
     with smollm2_server.http() as http:
         events = _events(http.post(PATHS[CHAT], json=body))
     # block reuse is off on this server: nothing is cached, and it says so once the first token is out
-    assert events[0]["usage"]["prompt_tokens_details"] is None  # the role chunk: before any token
-    assert all(e["usage"]["prompt_tokens_details"] == {"cached_tokens": 0} for e in events[1:])
+    # the role chunk goes out with the first token (when the hit is known), carrying none of them
+    assert events[0]["choices"][0]["delta"]["role"] == "assistant" and events[0]["usage"]["completion_tokens"] == 0
+    assert all(e["usage"]["prompt_tokens_details"] == {"cached_tokens": 0} for e in events)
 
 
 def test_max_tokens_and_max_completion_tokens_are_one_field(smollm2_server, caplog):
