@@ -454,3 +454,34 @@ def test_the_first_chat_chunk_comes_with_the_first_token(slow_chat_server):
         status, out = _send(slow_chat_server, case, http)
     assert status == 200, out
     assert out.ttft >= SLOW_S, out.ttft
+
+
+# ------------------------------------------------------------------------------ chat_template_kwargs reach the template
+THINKING_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if not enable_thinking | default(true) %}<think>\n\n</think>\n\n{% endif %}{% endif %}")
+
+
+def test_chat_template_kwargs_reach_the_template(smollm2_tokenizer_checkpoint, tmp_path):
+    """Qwen3-style ``{"enable_thinking": false}`` (sent through extra_body by benchmark users):
+    the template writes an empty think block, so the prompt grows by exactly those tokens."""
+    from tests.helpers.server_harness import RunningServer
+
+    from tensorrt_llm.serve.server_config import ServerConfig
+
+    template = tmp_path / "thinking.jinja"
+    template.write_text(THINKING_TEMPLATE)
+    llm = LLM(str(smollm2_tokenizer_checkpoint), max_seq_len=256, max_num_tokens=128,
+              kv_cache_config=KvCacheConfig(tokens_per_block=16, num_blocks=32))
+    server = RunningServer(llm, config=ServerConfig(chat_template=str(template)))
+    try:
+        body = {"model": server.model, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 1}
+        with server.http() as http:
+            plain = http.post("/v1/chat/completions", json=body).json()["usage"]["prompt_tokens"]
+            off = http.post("/v1/chat/completions", json={
+                **body, "chat_template_kwargs": {"enable_thinking": False}}).json()["usage"]["prompt_tokens"]
+        block = len(llm.tokenizer.encode("<think>\n\n</think>\n\n", add_special_tokens=False))
+        assert off == plain + block and block > 0
+    finally:
+        server.stop()
