@@ -12,7 +12,7 @@ torch: the simulated engine and the replay run on it alone.
 from __future__ import annotations
 
 from itertools import accumulate
-from typing import TYPE_CHECKING, Mapping
+from typing import TYPE_CHECKING, Mapping, Sequence
 
 from tensorrt_llm._torch.pyexecutor.engine.logit_rows import (
     BeamSpan,
@@ -83,8 +83,8 @@ class ForwardInputs:
 
     __slots__ = (
         "requests", "num_new_tokens", "num_cached_tokens", "samples", "total_num_tokens", "in_flight", "prompt_logits",
-        "num_drafts", "_trailing", "_pieces", "_beams", "_generation", "_tables", "_kv", "_input_ids", "_position_ids",
-        "_block_tables", "_beam_tables",
+        "num_drafts", "_trailing", "_sources", "_starts", "_stops", "_extras", "_beams", "_generation", "_tables",
+        "_kv", "_input_ids", "_position_ids", "_block_tables", "_beam_tables",
     )
 
     def __init__(self, kv_cache_manager: KVCacheManager | None = None) -> None:
@@ -97,7 +97,12 @@ class ForwardInputs:
         self.prompt_logits: set[int] = set()  # indices of context chunks whose every position gets logits
         self.num_drafts: list[int] = []
         self._trailing: list[int] = []  # positions after each request's sampling row: drafts, then padding
-        self._pieces: list[tuple[list[int], int, int, list[int]]] = []  # token source, start, stop, then extra
+        # Each request's input tokens, not copied yet: _sources[i][_starts[i]:_stops[i]], then _extras[i]
+        # (a generation step's own list, or a chunk's prompt in the request's tokens followed by its drafts).
+        self._sources: list[Sequence[int]] = []
+        self._starts: list[int] = []
+        self._stops: list[int] = []
+        self._extras: list[Sequence[int]] = []
         self._beams: list[int] = []
         self._generation: list[bool] = []  # a generation step (not a context chunk)
         self._tables: list[list[int] | None] = []  # None: the request's table in the KV manager
@@ -113,7 +118,7 @@ class ForwardInputs:
     ) -> None:
         """Consecutive positions from ``start``; with ``beams`` > 1 every beam is at ``start``.
         ``block_table`` None: the request's table in the KV manager, read on first use."""
-        self._add(request, (token_ids, 0, len(token_ids), ()), len(token_ids), start, block_table, samples, beams)
+        self._add(request, token_ids, 0, len(token_ids), (), start, block_table, samples, beams)
 
     def append_generation(self, requests: list[LlmRequest]) -> None:
         """The next step of each generation request: its newest token (one per beam), then
@@ -132,7 +137,10 @@ class ForwardInputs:
         if in_flight:  # their newest token is still being sampled (overlap): (flat index, request index)
             flat = list(accumulate(counts, initial=self.total_num_tokens))
             self.in_flight += [(flat[index], first + index) for index in in_flight]
-        self._pieces += [(token_ids, 0, count, ()) for token_ids, count in zip(steps, counts)]
+        self._sources += steps
+        self._starts += [0] * n
+        self._stops += counts
+        self._extras += [()] * n
         self.num_new_tokens += counts
         self.num_cached_tokens += [len(request.tokens) - 1 for request in requests]
         self.num_drafts += drafts
@@ -150,17 +158,21 @@ class ForwardInputs:
         A request that asks for prompt log-probabilities gets the logits of every position of it."""
         if request.sampling_config.prompt_logprobs is not None:
             self.prompt_logits.add(len(self.requests))
-        self._add(request, (request.tokens, start, stop, extra), stop - start + len(extra), start, None, samples, 1,
-                  len(extra))
+        self._add(request, request.tokens, start, stop, extra, start, None, samples, 1, len(extra))
 
-    def _add(self, request, piece, count, start, block_table, samples, beams, drafts=0) -> None:
+    def _add(self, request, source, start, stop, extra, position, block_table, samples, beams, drafts=0) -> None:
+        """One request's positions from ``position``: ``source[start:stop]``, then ``extra``."""
+        count = stop - start + len(extra)
         self.num_drafts.append(drafts if samples else 0)
         self._trailing.append(drafts)
         self.requests.append(request)
         self.num_new_tokens.append(count)
-        self.num_cached_tokens.append(start)
+        self.num_cached_tokens.append(position)
         self.samples.append(samples)
-        self._pieces.append(piece)
+        self._sources.append(source)
+        self._starts.append(start)
+        self._stops.append(stop)
+        self._extras.append(extra)
         self._beams.append(beams)
         self._generation.append(False)
         self._tables.append(block_table)
@@ -178,7 +190,7 @@ class ForwardInputs:
         for flat, index in self.in_flight:
             rid = self.requests[index].request_id
             token = picks.get(rid, 0)
-            self._pieces[index][0][0] = token  # the generation piece's own list
+            self._sources[index][0] = token  # the generation step's own list
             if self._input_ids is not None:
                 self._input_ids[flat] = token
             back = rejected.get(rid, 0)
@@ -192,8 +204,8 @@ class ForwardInputs:
         """The draft tokens each request verifies in this forward, as its inputs hold them (what
         ``accept_greedy`` compares the target's picks with: ``ForwardOutput.verified_drafts``)."""
         drafts = {}
-        for request, (source, start, stop, extra), count, samples in zip(
-            self.requests, self._pieces, self.num_drafts, self.samples
+        for request, source, start, extra, count, samples in zip(
+            self.requests, self._sources, self._starts, self._extras, self.num_drafts, self.samples
         ):
             if count and samples:
                 drafts[request.request_id] = list(extra[:count]) if extra else list(source[start + 1 : start + 1 + count])
@@ -208,8 +220,8 @@ class ForwardInputs:
     def sampling_input_id(self, index: int) -> int:
         """The input token at request ``index``'s sampling row (its last position before any
         draft or padding)."""
-        source, start, stop, extra = self._pieces[index]
-        if extra or self._trailing[index] == 0:
+        source, stop = self._sources[index], self._stops[index]
+        if self._extras[index] or self._trailing[index] == 0:
             return source[stop - 1]
         return source[stop - 1 - self._trailing[index]]
 
@@ -225,8 +237,8 @@ class ForwardInputs:
         (:func:`.logit_rows.logit_layout`): sampling rows first, then prompt, draft and beam rows."""
         prompt_chunks = {}
         for index in self.prompt_logits:
-            _, start, stop, _ = self._pieces[index]
-            prompt_chunks[index] = (start, stop - start)
+            start = self._starts[index]
+            prompt_chunks[index] = (start, self._stops[index] - start)
         return logit_layout(RowColumns(
             [request.request_id for request in self.requests], self.num_new_tokens, self.samples, self._trailing,
             self.num_drafts, self._beams, prompt_chunks,
@@ -236,7 +248,7 @@ class ForwardInputs:
     def input_ids(self) -> list[int]:
         if self._input_ids is None:
             ids: list[int] = []
-            for source, start, stop, extra in self._pieces:
+            for source, start, stop, extra in zip(self._sources, self._starts, self._stops, self._extras):
                 ids += source[start:stop]
                 ids += extra
             self._input_ids = ids
