@@ -102,7 +102,10 @@ class CompletionHandler:
             kept, finished = finish(request, tokens, len(sequence))
             if kept < len(tokens):
                 tokens = tokens[:kept]
-            sequence.extend(tokens)
+            if kept == 1:  # the usual delivery: array.append is half the cost of extend's iterator
+                sequence.append(tokens[0])
+            else:
+                sequence.extend(tokens)
             if finished or request.first_token_time is None:
                 self._deliver(request, tokens, finished, now)
                 continue
