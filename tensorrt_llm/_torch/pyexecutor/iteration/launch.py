@@ -39,7 +39,7 @@ n+1 cannot know:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from operator import attrgetter
 from typing import TYPE_CHECKING, Callable, Sequence
 
@@ -73,13 +73,21 @@ class InFlight:
     sampling: list[LlmRequest]  # the requests that sample in it, in batch order
     # each one's placeholders in its tokens (1, or 1 + the drafts it verifies), or None: appended at completion
     slots: list[int | None]
-    request_ids: frozenset[int]  # every request in the forward: their blocks stay held until it completes
     launch: Launch  # what the iteration decided and measured up to its launch
+    _request_ids: frozenset[int] | None = field(default=None, init=False, repr=False)
 
     @property
     def overlappable(self) -> bool:
         """Whether the next iteration can be scheduled before this one completes."""
         return None not in self.slots
+
+    @property
+    def request_ids(self) -> frozenset[int]:
+        """Every request in the forward: their blocks stay held until it completes. Made when first
+        asked: only a forward still in flight when the next iteration runs (overlap) is asked."""
+        if self._request_ids is None:
+            self._request_ids = frozenset(map(_request_id, self.batch.all_requests))
+        return self._request_ids
 
 
 def record_prepared(prepared: PreparedBatch, iteration: int) -> PreparedBatch:
@@ -141,7 +149,7 @@ def advance(
                     request.tokens.append(IN_FLIGHT_TOKEN_ID)
                 else:
                     request.tokens.extend(_IN_FLIGHT * width)
-    return InFlight(pending, batch, sampling, slots, frozenset(map(_request_id, batch.all_requests)), launch)
+    return InFlight(pending, batch, sampling, slots, launch)
 
 
 def drop_in_flight_tokens(request: LlmRequest) -> None:

@@ -132,8 +132,7 @@ def test_a_forward_feeds_no_request_that_is_over_or_starts_over(setup):
     done, dropped, live = setup.generating(), setup.generating(), setup.generating()
     done.state = LlmRequestState.GENERATION_COMPLETE  # finished while the forward ran
     batch = make_batch(generation=[done, dropped, live])
-    flight = InFlight(None, batch, [done, dropped, live], [None, None, None],
-                      frozenset(r.request_id for r in batch.all_requests), None)
+    flight = InFlight(None, batch, [done, dropped, live], [None, None, None], None)
     sampler = _Recording()
     got, sampled = sample(sampler, flight, ForwardOutput(logits={}), dropping={dropped.request_id})
     assert got == [(live, None)] and sampler.asked == [live.request_id] and len(sampled) == 1
