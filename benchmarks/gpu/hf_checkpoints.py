@@ -99,7 +99,7 @@ def preconditions(args, models: list[str]) -> list[str]:
 def config_of(name: str, dry_run: bool) -> dict:
     config = dict(MODELS[name])
     if dry_run:
-        config.update(DRY_RUN_SIZES, max_position_embeddings=min(config["max_position_embeddings"], 8192))
+        config.update(DRY_RUN_SIZES, max_position_embeddings=min(config["max_position_embeddings"], 16384))
     return config
 
 
