@@ -39,6 +39,17 @@ class Outcome:
     prompt_tokens: int | None = None
     generated: int = 0  # the server's own count: the token_ids its choices carried (choice 0)
     error: str | None = None
+    last: float | None = None  # when the latest piece of text arrived
+
+    def add_text(self, stamp: float, start: float, piece: str) -> None:
+        """A piece of text at ``stamp``: the first sets the TTFT, each later one an inter-token gap
+        (as every client here times them: by arrival of a chunk that carries text)."""
+        if self.ttft is None:
+            self.ttft = stamp - start
+        else:
+            self.itl.append(stamp - self.last)
+        self.last = stamp
+        self.text += piece
 
 
 # ------------------------------------------------------------------------------ transports
@@ -76,7 +87,7 @@ def _count(choice: dict) -> int:
 def read_vllm(response: httpx.Response, start: float, endpoint: str) -> Outcome:
     """vllm/benchmarks/lib/endpoint_request_func.py, async_request_openai_{completions,chat_completions}:
     TTFT at the first chunk with choices, ITL between such chunks, usage from the chunk without."""
-    out, last = Outcome(), start
+    out = Outcome()
     for stamp, message in _sse_messages(response):
         if message.startswith(":"):
             continue
@@ -88,12 +99,7 @@ def read_vllm(response: httpx.Response, start: float, endpoint: str) -> Outcome:
             out.error = json.dumps(data)
         if choices := data.get("choices"):
             piece = choices[0].get("text") if endpoint == "completions" else choices[0]["delta"].get("content")
-            if out.ttft is None:
-                out.ttft = stamp - start
-            else:
-                out.itl.append(stamp - last)
-            last = stamp
-            out.text += piece or ""
+            out.add_text(stamp, start, piece or "")
             out.generated += _count(choices[0])
         elif usage := data.get("usage"):
             out.completion_tokens = usage.get("completion_tokens")
@@ -105,7 +111,7 @@ def read_legacy_vllm(response: httpx.Response, start: float, endpoint: str) -> O
     """vLLM's benchmarks/backend_request_func.py before the move (and SGLang's bench_serving.py,
     adapted from it): one line at a time, ``data["choices"][0]`` indexed on every chunk, a token
     only when its text is non-empty."""
-    out, last = Outcome(), start
+    out = Outcome()
     for stamp, line in _timed_lines(response):
         line = line.strip()
         if not line:
@@ -121,12 +127,7 @@ def read_legacy_vllm(response: httpx.Response, start: float, endpoint: str) -> O
         piece = choice["text"] if endpoint == "completions" else choice["delta"].get("content", "")
         out.generated += _count(choice)
         if piece:
-            if out.ttft is None:
-                out.ttft = stamp - start
-            else:
-                out.itl.append(stamp - last)
-            last = stamp
-            out.text += piece
+            out.add_text(stamp, start, piece)
         out.completion_tokens = (data.get("usage") or {}).get("completion_tokens", out.completion_tokens)
     return out
 
@@ -135,7 +136,7 @@ def read_aiperf(response: httpx.Response, start: float, endpoint: str) -> Outcom
     """AIPerf src/aiperf/endpoints/openai_{chat,completions}.py: each SSE message parsed by its
     ``object`` (chat.completion.chunk / text_completion); a response with text is a token
     response (TTFT at the first, ITL between them); usage read from any response carrying it."""
-    out, last = Outcome(), start
+    out = Outcome()
     kinds = {"chat": ("chat.completion.chunk", "delta"), "completions": ("text_completion", None)}
     kind, key = kinds[endpoint]
     for stamp, message in _sse_messages(response):
@@ -153,12 +154,7 @@ def read_aiperf(response: httpx.Response, start: float, endpoint: str) -> Outcom
         out.generated += _count(choice)
         piece = choice.get("text") if key is None else (choice.get(key) or {}).get("content")
         if piece:
-            if out.ttft is None:
-                out.ttft = stamp - start
-            else:
-                out.itl.append(stamp - last)
-            last = stamp
-            out.text += piece
+            out.add_text(stamp, start, piece)
     return out
 
 
@@ -166,7 +162,7 @@ def read_genai_perf(response: httpx.Response, start: float, endpoint: str) -> Ou
     """GenAI-Perf genai_perf/profile_data_parser/llm_profile_data_parser.py: perf_analyzer
     records each response; the parser drops ``data:``, skips ``[DONE]``, requires ``object`` and
     reads ``choices[0]`` text or delta content."""
-    out, last = Outcome(), start
+    out = Outcome()
     for stamp, line in _timed_lines(response):
         text = line.decode().strip()
         if not text.startswith("data:"):
@@ -183,12 +179,7 @@ def read_genai_perf(response: httpx.Response, start: float, endpoint: str) -> Ou
         out.generated += _count(choice)
         piece = choice.get("text", "") if endpoint == "completions" else choice["delta"].get("content") or ""
         if piece:
-            if out.ttft is None:
-                out.ttft = stamp - start
-            else:
-                out.itl.append(stamp - last)
-            last = stamp
-            out.text += piece
+            out.add_text(stamp, start, piece)
     return out
 
 
@@ -196,7 +187,7 @@ def read_langchain(response: httpx.Response, start: float, endpoint: str) -> Out
     """langchain_openai/chat_models/base.py, ``_convert_chunk_to_generation_chunk``: a chunk
     without choices is usage only; else ``delta.content or ""``, ``finish_reason``, ``model``;
     usage metadata from ``prompt_tokens``/``completion_tokens``/``total_tokens``."""
-    out, last = Outcome(), start
+    out = Outcome()
     for stamp, message in _sse_messages(response):
         chunk = message.removeprefix("data: ")
         if chunk == "[DONE]":
@@ -217,12 +208,7 @@ def read_langchain(response: httpx.Response, start: float, endpoint: str) -> Out
         out.generated += _count(choice)
         piece = choice["delta"].get("content") or ""
         if piece:
-            if out.ttft is None:
-                out.ttft = stamp - start
-            else:
-                out.itl.append(stamp - last)
-            last = stamp
-            out.text += piece
+            out.add_text(stamp, start, piece)
     return out
 
 
