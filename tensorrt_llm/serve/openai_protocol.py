@@ -52,6 +52,7 @@ logger = logging.getLogger(__name__)
 MAX_STOP_STRINGS = 4  # OpenAI's limit
 MAX_COUNT = 2**31 - 1  # a token count beyond int32 is no count any model serves
 MAX_SAMPLES = 16  # n and best_of: each sample is an executor request of its own
+MAX_PROMPTS = MAX_SAMPLES  # completions' prompts a request: each prompt is executor requests of its own too
 MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit (vLLM's default max_logprobs is 20 too)
 
 
@@ -241,7 +242,9 @@ class _SamplingRequest(_Request):
 
 
 class CompletionRequest(_SamplingRequest):
-    """``prompt``: a string or a list of token ids (one prompt; a batch of prompts is refused)."""
+    """``prompt``: one prompt (a string or a list of token ids), or a batch of up to
+    ``MAX_PROMPTS`` (a list of strings, or a list of token-id lists; a batch of one is one
+    prompt). Each prompt of a batch is generated on its own, as OpenAI and vLLM serve it."""
 
     ENDPOINT: ClassVar[str] = COMPLETIONS
     prompt: Any
@@ -251,17 +254,32 @@ class CompletionRequest(_SamplingRequest):
 
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, prompt: Any) -> str | list[int]:
+    def _prompts(cls, prompt: Any) -> str | list[int] | list[str] | list[list[int]]:
+        """One prompt as itself; a batch as a list of at least two prompts of one kind. Whether
+        each is empty, too long or within the vocabulary is the server's check (400 ``prompt.<i>``)."""
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]  # a batch of one
-        if isinstance(prompt, str):
+        if isinstance(prompt, str) or (isinstance(prompt, list) and all(_is_token_id(t) for t in prompt)):
             return prompt
-        if isinstance(prompt, list):
-            if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-                return prompt
-            if all(isinstance(p, (str, list)) for p in prompt):
-                raise ValueError(f"a batch of {len(prompt)} prompts is not supported: send one prompt per request")
-        raise ValueError("prompt must be a string or a list of integer token ids")
+        if isinstance(prompt, list) and (all(isinstance(p, str) for p in prompt) or all(
+                isinstance(p, list) and all(_is_token_id(t) for t in p) for p in prompt)):
+            if len(prompt) > MAX_PROMPTS:
+                raise ValueError(f"a batch of {len(prompt)} prompts is too large: at most {MAX_PROMPTS} a request")
+            return prompt
+        raise ValueError("prompt must be a string, a list of integer token ids, a list of strings or a list of"
+                         " token-id lists")
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts, in order (one for a single prompt)."""
+        prompt = self.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            return prompt
+        return [prompt]
+
+
+def _is_token_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _text(content: Any) -> str:

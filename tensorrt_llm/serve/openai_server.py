@@ -47,6 +47,7 @@ from tensorrt_llm._torch.pyexecutor.errors import ExecutorShutdown
 from tensorrt_llm.llmapi import LLM, GuidedDecodingParams, SamplingParams
 from tensorrt_llm.serve.errors import OpenAIError, bad_request, error_body
 from tensorrt_llm.serve.generation import Delta, Generation, GenerationFailed
+from tensorrt_llm.serve.generation_group import GenerationGroup
 from tensorrt_llm.serve.logprobs import LogprobFormatter
 from tensorrt_llm.serve.metrics import ServerMetrics
 from tensorrt_llm.serve.middleware import RequestGuard
@@ -169,23 +170,29 @@ class OpenAIServer:
 
     async def completions(self, body: CompletionRequest, raw: Request):
         self._check_model(body.model)
-        prompt_ids = await self._encode_prompt(body.prompt)
-        echo = ""
+        prompts = body.prompts
+        params = [_prompt_param(i, len(prompts)) for i in range(len(prompts))]
+        prompts_ids = [await self._encode_prompt(prompt, param) for prompt, param in zip(prompts, params)]
+        echoes = [""] * len(prompts)
         if body.echo:  # the prompt's text leads each choice's text, as OpenAI echoes it
-            echo = body.prompt if isinstance(body.prompt, str) else (
-                self.tokenizer.decode(prompt_ids) if self.tokenizer is not None else "")
-        generation = await self._submit(body, prompt_ids, body.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS)
+            echoes = [prompt if isinstance(prompt, str) else (self.tokenizer.decode(ids) if self.tokenizer is not None
+                                                                 else "") for prompt, ids in zip(prompts, prompts_ids)]
+        generation = await self._fan_out(body, prompts_ids, body.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS)
         request_id, created = completion_id(), int(time.time())
         offsets: dict[int, int] = {}  # choice -> characters of its text sent so far (logprobs' text_offset)
+        per_prompt = generation.generations if isinstance(generation, GenerationGroup) else [generation]
+        choices_per_prompt = body.n or 1  # choice i * n + j: prompt i's sample j
 
         def choice_of(index: int, token_ids: list[int], text: str, finish_reason: str | None,
                       logprobs: list | None) -> CompletionChoice:
             prompt = None
-            if index not in offsets:  # the choice's first chunk: the echo leads it
-                text = echo + text
+            if index not in offsets:  # the choice's first chunk: its prompt's echo leads it
+                i = index // choices_per_prompt
+                text = echoes[i] + text
                 offsets[index] = 0
                 if body.echo and body.logprobs is not None:
-                    prompt = (prompt_ids, generation.handle.output.prompt_logprobs or [None] * len(prompt_ids))
+                    prompt_ids, output = prompts_ids[i], per_prompt[i].handle.output
+                    prompt = (prompt_ids, output.prompt_logprobs or [None] * len(prompt_ids))
             formatted = None
             if body.logprobs is not None:
                 formatted, offsets[index] = self.logprobs.completion(logprobs or [], offsets[index], prompt)
@@ -304,6 +311,49 @@ class OpenAIServer:
     async def _submit(self, body: CompletionRequest | ChatCompletionRequest, prompt_ids: list[int],
                       max_tokens: int, *, guided: GuidedDecodingParams | None = None) -> Generation:
         """``guided``: the grammar tools require (else ``response_format``'s, if any)."""
+        params = await self._sampling_params(body, max_tokens, guided)
+        self._admit()  # no await from here to the enqueue: the queue bound holds exactly
+        return self._enqueue(body, params, prompt_ids)
+
+    async def _fan_out(self, body: CompletionRequest, prompts_ids: list[list[int]],
+                       max_tokens: int) -> Generation | GenerationGroup:
+        """One generation per prompt: a single prompt's as :meth:`_submit` makes it; a batch's as
+        a :class:`GenerationGroup`. A batch is checked whole (:meth:`_check_prompts`) and admitted
+        whole before any prompt is queued; should the executor still refuse one, those already
+        queued are cancelled and the request fails, naming the prompt."""
+        if len(prompts_ids) == 1:
+            return await self._submit(body, prompts_ids[0], max_tokens)
+        self._check_prompts(prompts_ids, max_tokens)
+        params = await self._sampling_params(body, max_tokens)
+        self._admit()  # no await from here to the last enqueue: the batch is admitted whole
+        generations: list[Generation] = []
+        try:
+            for i, prompt_ids in enumerate(prompts_ids):
+                generations.append(self._enqueue(body, params, prompt_ids, param=_prompt_param(i, len(prompts_ids))))
+        except OpenAIError:
+            for generation in generations:
+                generation.abort()
+            raise
+        return GenerationGroup(generations, choices_per_prompt=params.n)
+
+    def _check_prompts(self, prompts_ids: list[list[int]], max_tokens: int) -> None:
+        """400 naming ``prompt.<i>`` for the first prompt of a batch the executor could never
+        serve (a token outside the vocabulary, no room for ``max_tokens`` in ``max_seq_len``),
+        so that a bad prompt fails the request before any of it is queued. The executor checks
+        each again (and more: KV blocks, chunking) when it is queued."""
+        vocab_size, max_seq_len = self.llm.model_config.vocab_size, self.llm.config.max_seq_len
+        for i, prompt_ids in enumerate(prompts_ids):
+            param = _prompt_param(i, len(prompts_ids))
+            bad = next((t for t in prompt_ids if not 0 <= t < vocab_size), None)
+            if bad is not None:
+                raise bad_request(f"{param}: token id {bad} is outside the vocabulary [0, {vocab_size})", param)
+            if len(prompt_ids) + max_tokens > max_seq_len:
+                raise bad_request(f"{param}: prompt length {len(prompt_ids)} + max_tokens {max_tokens} exceeds"
+                                  f" max_seq_len {max_seq_len}", param)
+
+    async def _sampling_params(self, body: CompletionRequest | ChatCompletionRequest, max_tokens: int,
+                               guided: GuidedDecodingParams | None = None) -> SamplingParams:
+        """The request's sampling parameters, its grammar compiled (400 naming the field)."""
         if body.stop_strings and self.tokenizer is None:
             raise bad_request(f"stop sequences need a tokenizer and model {self.model_id!r} has none", "stop")
         # A field the request leaves unset takes the checkpoint's generation_config.json value (as
@@ -342,7 +392,12 @@ class OpenAIServer:
                 await asyncio.to_thread(self.llm.compile_grammar, params.guided_decoding)
             except ValueError as error:
                 raise bad_request(str(error).replace("guided_decoding", param), param) from None
-        self._admit()  # no await from here to the enqueue: the queue bound holds exactly
+        return params
+
+    def _enqueue(self, body: CompletionRequest | ChatCompletionRequest, params: SamplingParams,
+                 prompt_ids: list[int], *, param: str | None = None) -> Generation:
+        """Queue one prompt (admitted by the caller). ``param``: what the executor's refusal
+        names (a batch's ``prompt.<i>``)."""
         priority = DEFAULT_PRIORITY if body.priority is None else body.priority
         metrics = self.metrics.request(priority)
         try:
@@ -350,7 +405,8 @@ class OpenAIServer:
         except ExecutorShutdown as error:
             raise self._reject("unhealthy", f"the server cannot take requests: {error}", RETRY_AFTER_UNHEALTHY_S) from None
         except ValueError as error:  # InvalidRequestError included: the executor could never serve it
-            raise bad_request(_REQUEST_PREFIX.sub("", str(error))) from None
+            message = _REQUEST_PREFIX.sub("", str(error))
+            raise bad_request(message if param is None else f"{param}: {message}", param) from None
         return Generation(handle, has_text=self.tokenizer is not None, stop_strings=body.stop_strings,
                           metrics=metrics, ranked=params.ranks_samples)
 
@@ -372,11 +428,11 @@ class OpenAIServer:
         return OpenAIError(503, message, headers={"Retry-After": str(retry_after_s)})
 
     @staticmethod
-    def _usage(generation: Generation) -> UsageInfo:
+    def _usage(generation: Generation | GenerationGroup) -> UsageInfo:
         """Usage so far: cumulative while streaming, whole at the end."""
         return UsageInfo.of(generation.prompt_tokens, generation.completion_tokens, generation.cached_tokens)
 
-    async def _collect(self, generation: Generation, raw: Request) -> list[_Collected]:
+    async def _collect(self, generation: Generation | GenerationGroup, raw: Request) -> list[_Collected]:
         """Every choice, whole, in index order."""
         choices: dict[int, _Collected] = {}
         watcher = asyncio.create_task(_abort_on_disconnect(raw, generation))
@@ -394,7 +450,7 @@ class OpenAIServer:
             watcher.cancel()
         return [choices[index] for index in sorted(choices)]
 
-    def _stream(self, generation: Generation, raw: Request, preamble: list, chunk: Callable,
+    def _stream(self, generation: Generation | GenerationGroup, raw: Request, preamble: list, chunk: Callable,
                 usage_chunk: Callable | None, *, continuous_usage: bool = False) -> StreamingResponse:
         """SSE events: ``preamble``, one ``chunk(delta)`` per delta (each with the usage so far
         when ``continuous_usage``), the ``usage_chunk`` if asked for, ``[DONE]``.
@@ -430,7 +486,7 @@ class OpenAIServer:
             except GenerationFailed as error:
                 yield _sse(json.dumps(error_body(error.status, error.message)))
             except Exception as error:  # noqa: BLE001 - a bug: the stream still ends, with the error
-                logger.exception("request %d: the stream failed", generation.handle.request_id)
+                logger.exception("request %s: the stream failed", _request_ids(generation))
                 generation.abort()
                 yield _sse(json.dumps(error_body(500, f"internal error: {type(error).__name__}: {error}")))
             finally:
@@ -506,6 +562,19 @@ def _as_list(chunks) -> list:
     return chunks if isinstance(chunks, list) else [chunks]
 
 
+def _prompt_param(index: int, count: int) -> str:
+    """What an error about a completions request's prompt ``index`` names: ``prompt`` for a
+    single prompt, ``prompt.<index>`` in a batch (as pydantic names a list's items)."""
+    return "prompt" if count == 1 else f"prompt.{index}"
+
+
+def _request_ids(generation: Generation | GenerationGroup) -> str:
+    """The executor request id(s) a log line names."""
+    if isinstance(generation, GenerationGroup):
+        return ", ".join(str(i) for i in generation.request_ids)
+    return str(generation.handle.request_id)
+
+
 def _log_refusal(request: Request, status: int, message: str) -> None:
     logger.info("refused %s %s: %d %.300s", request.method, request.url.path, status, message)
 
@@ -514,14 +583,14 @@ def _sse(data: str) -> str:
     return f"data: {data}\n\n"
 
 
-async def _abort_on_disconnect(raw: Request, generation: Generation) -> None:
-    """Cancel the request when the client goes away (the body has been read: only
-    ``http.disconnect`` can arrive now)."""
+async def _abort_on_disconnect(raw: Request, generation: Generation | GenerationGroup) -> None:
+    """Cancel the request (every prompt's generation of a batch) when the client goes away (the
+    body has been read: only ``http.disconnect`` can arrive now)."""
     while True:
         message = await raw.receive()
         if message["type"] == "http.disconnect":
             if not generation.finished:
-                logger.info("client disconnected: cancelling request %d", generation.handle.request_id)
+                logger.info("client disconnected: cancelling request %s", _request_ids(generation))
             generation.abort()
             return
 
