@@ -67,7 +67,9 @@ FIELDS: tuple[FieldRule, ...] = (
     # ---- the request itself
     FieldRule("model", _S, BOTH, "openai",
               "must name the served model (404 otherwise); left out: the served model (vLLM's rule)"),
-    FieldRule("prompt", _S, frozenset({COMPLETIONS}), "openai", "one prompt: text or token ids (a batch of one is taken)"),
+    FieldRule("prompt", _S, frozenset({COMPLETIONS}), "openai",
+              "text or token ids, or a batch of up to 16 (a list of texts or of token-id lists): choice i * n + j"
+              " is prompt i's sample j; a bad prompt is a 400 naming prompt.<i>"),
     FieldRule("messages", _S, frozenset({CHAT}), "openai",
               "roles system, developer, user, assistant (with tool_calls), tool; text content only"),
     # ---- length

@@ -392,7 +392,8 @@ def test_openai_sdk(tiny_chat_server):
     ("chat", {"messages": [{"role": "user", "content": [  # SGLang's image rows: no image input here
         {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}, {"type": "text", "text": "?"}]}]},
      400, "messages.0.content"),
-    ("completions", {"prompt": [PROMPT, PROMPT]}, 400, "prompt"),  # GenAI-Perf --batch-size-text 2
+    ("completions", {"prompt": [PROMPT] * 17}, 400, "prompt"),  # GenAI-Perf --batch-size-text 17: over the cap
+    ("completions", {"prompt": [PROMPT, ""]}, 400, "prompt.1"),  # a batch with an empty prompt
     ("completions", {"max_token": 4}, 400, "max_token"),
     ("completions", {"ignore_eos": "yes"}, 400, "ignore_eos"),
 ])

@@ -97,14 +97,15 @@ def test_echo_logprobs_stop_and_best_of_per_prompt(tiny_chat_server):
         assert choice["text"] == single["choices"][0]["text"]
         assert choice["text"].startswith(TEXTS[choice["index"]])
         assert choice["logprobs"] == single["choices"][0]["logprobs"]
-    # A stop string cuts each prompt's text where its own text meets it.
-    stop = alone[1]["choices"][0]["text"][len(TEXTS[1]):][:2].strip() or None
-    if stop:
-        body = _post(tiny_chat_server, {"prompt": TEXTS[:2], "stop": [stop], **GREEDY}).json()
-        for choice, text in zip(body["choices"], TEXTS[:2]):
-            single = _alone(tiny_chat_server, text, stop=[stop])["choices"][0]
-            assert (choice["text"], choice["finish_reason"]) == (single["text"], single["finish_reason"])
-        assert body["choices"][1]["finish_reason"] == "stop" and stop not in body["choices"][1]["text"]
+    # A stop string cuts each prompt's text where its own text meets it (one met by prompt 1's text).
+    generated = _alone(tiny_chat_server, TEXTS[1])["choices"][0]["text"]
+    assert len(generated) >= 3, generated
+    stop = generated[1:3]
+    body = _post(tiny_chat_server, {"prompt": TEXTS[:2], "stop": [stop], **GREEDY}).json()
+    for choice, text in zip(body["choices"], TEXTS[:2]):
+        single = _alone(tiny_chat_server, text, stop=[stop])["choices"][0]
+        assert (choice["text"], choice["finish_reason"]) == (single["text"], single["finish_reason"])
+    assert body["choices"][1]["finish_reason"] == "stop" and body["choices"][1]["text"] == generated[:1]
     # best_of > n: each prompt's best sample, whole
     body = _post(tiny_chat_server, {"prompt": TEXTS[:2], "best_of": 2, "n": 1, **GREEDY}).json()
     assert [c["index"] for c in body["choices"]] == [0, 1]

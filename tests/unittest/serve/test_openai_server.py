@@ -126,7 +126,7 @@ BIG = 16 * 1024 * 1024
         ({"prompt": [1, 2, 512]}, 400, "token id 512 is outside the vocabulary [0, 512)", None),
         ({"prompt": [1, -4]}, 400, "token id -4 is outside the vocabulary", None),
         ({"prompt": [1, 2.5]}, 400, "list of integer token ids", "prompt"),
-        ({"prompt": [[1, 2], [3, 4]]}, 400, "a batch of 2 prompts is not supported", "prompt"),
+        ({"prompt": [[1, 2], [3, 512]]}, 400, "prompt.1: token id 512 is outside the vocabulary", "prompt.1"),
         ({"prompt": "hello"}, 400, "has no tokenizer", "prompt"),
         ({"prompt": PROMPT, "stop": ["x"]}, 400, "stop sequences need a tokenizer", "stop"),
         ({"prompt": PROMPT, "logprobs": 21}, 400, "less than or equal to 20", "logprobs"),
