@@ -315,17 +315,15 @@ def load_model(
     described = describe_checkpoint(model, dtype=dtype, seed=seed, device=device)
     if described.config.packs_linear_weights and torch.device(device).type != "cpu":
         raise ValueError(f"dtype {FLOAT16_WEIGHTS!r} runs on the CPU only, not on {torch.device(device).type}")
-    kv_scales = None
     if is_hf_checkpoint(described.path):
         # streamed from the files straight onto the device: the host never holds the whole model
-        loaded = load_hf_checkpoint(described.path, described.config, device=device)
-        model_, kv_scales = loaded.model, loaded.kv_scales
+        model_ = load_hf_checkpoint(described.path, described.config, device=device).model
     else:
         model_ = load_llama_from_gguf(described.path, dtype=described.config.dtype)
         if torch.device(device).type != "cpu":
             model_.to(device)  # dequantised on the CPU, then moved (RoPE frequencies keep their dtype)
     return LoadedModel(described.model_id, model_, described.tokenizer,
-                       generation_defaults=described.generation_defaults, kv_scales=kv_scales,
+                       generation_defaults=described.generation_defaults, kv_scales=described.kv_scales,
                        kv_cache_quantization=described.kv_cache_quantization)
 
 
