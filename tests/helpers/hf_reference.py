@@ -81,6 +81,18 @@ def randomize_(model: torch.nn.Module, seed: int) -> None:
                 param.copy_(noise * param.shape[1] ** -0.5)
 
 
+def randomize_fan_in_(model: torch.nn.Module, seed: int) -> None:
+    """Float64 weights of a small model that stays well conditioned over many layers and tokens:
+    norms ``1 + 0.1 * noise``, other vectors (biases) ``0.1 * noise``, every matrix, embeddings
+    included, ``noise / sqrt(fan-in)``. One generator, parameters in ``named_parameters`` order."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            noise = torch.randn(param.shape, generator=gen, dtype=torch.float64)
+            scale = 0.1 if param.dim() == 1 else param.shape[1] ** -0.5
+            param.copy_((1.0 if "norm" in name else 0.0) + scale * noise)
+
+
 def write_checkpoint(case: Case, directory: Path, *, seed: int = 0, dtype: torch.dtype = torch.float64) -> Path:
     """``case``'s model with random weights, saved by transformers (``save_pretrained``, sharded)."""
     model = transformers.AutoModelForCausalLM.from_config(case.config(), dtype=dtype)

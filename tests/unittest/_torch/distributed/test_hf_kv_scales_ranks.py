@@ -38,16 +38,13 @@ def kv_config(dtype: str) -> KvCacheConfig:
 def checkpoints(tmp_path_factory):
     """The same tiny Llama twice: plain, and with llm-compressor's KV scales and quantization_config."""
     transformers = pytest.importorskip("transformers")
+    from tests.helpers.hf_reference import randomize_fan_in_
+
     config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
     config.architectures = ["LlamaForCausalLM"]
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float64)
-    gen = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            noise = torch.randn(param.shape, generator=gen, dtype=torch.float64)
-            scale = 0.1 if param.dim() == 1 else param.shape[1] ** -0.5
-            param.copy_((1.0 if "norm" in name else 0.0) + scale * noise)
+    randomize_fan_in_(model, seed=7)
     root = tmp_path_factory.mktemp("tp-kv-scales")
     plain, scaled = root / "plain", root / "scaled"
     model.save_pretrained(plain)

@@ -27,16 +27,13 @@ PROMPTS = [[(7 * i + 3 * j) % 128 for j in range(10 + 9 * i)] for i in range(4)]
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     transformers = pytest.importorskip("transformers")
+    from tests.helpers.hf_reference import randomize_fan_in_
+
     config = transformers.Qwen2Config(vocab_size=128, hidden_size=64, intermediate_size=256, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
     config.architectures = ["Qwen2ForCausalLM"]  # q/k/v biases: sliced with their rows
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float64)
-    gen = torch.Generator().manual_seed(5)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            noise = torch.randn(param.shape, generator=gen, dtype=torch.float64)
-            scale = 0.1 if param.dim() == 1 else param.shape[1] ** -0.5
-            param.copy_((1.0 if "norm" in name else 0.0) + scale * noise)
+    randomize_fan_in_(model, seed=5)
     directory = tmp_path_factory.mktemp("tp") / "tiny-qwen2"
     model.save_pretrained(directory, max_shard_size="50KB")
     return directory
