@@ -139,7 +139,7 @@ def run(args: argparse.Namespace) -> dict:
     engine = build_engine(args, max(batches))
     shape_m = model_shape(engine.model.config)
     weight_bytes = shape_m.forward_weight_bytes()
-    kv_bytes_token = engine.kv_cache_manager.storage.k_cache.element_size() * 2 * shape_m.num_layers * shape_m.num_kv_heads * shape_m.head_dim
+    kv_bytes_token = engine.kv_cache_manager.storage.k_cache[0].element_size() * 2 * shape_m.num_layers * shape_m.num_kv_heads * shape_m.head_dim
     allocator = BlockAllocator(engine.kv_cache_manager.num_blocks)
     result = {"config": vars(args), "ceilings": ceilings, "weight_bytes": weight_bytes,
               "kv_bytes_per_token": kv_bytes_token, "device": torch.cuda.get_device_name(), "rows": []}
