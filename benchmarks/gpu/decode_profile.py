@@ -196,7 +196,7 @@ def main(argv=None) -> int:
     result = run(args)
     result["wall_s"] = time.time() - t0
     suffix = "" if args.kv_cache_dtype == "auto" else f"_{args.kv_cache_dtype}"
-    (args.out / f"decode_profile{suffix}.json").write_text(json.dumps(result, indent=1))
+    (args.out / f"decode_profile{suffix}.json").write_text(json.dumps(result, indent=1, default=str))
     print(summary(result))
     return 0
 
