@@ -42,7 +42,6 @@ from tensorrt_llm._torch.pyexecutor.kv_cache.events import (
 )
 from tensorrt_llm._torch.pyexecutor.sampling.synthetic_sampler import SyntheticSampler
 
-pytestmark = pytest.mark.property
 
 
 def with_events(setting: Setting, policy: str, buffer: int, offload_ahead: int):
