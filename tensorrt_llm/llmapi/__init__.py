@@ -9,6 +9,7 @@
 ``scheduler_config``           ``SchedulerConfig``
 ``speculative_config``         ``NGramDecodingConfig``       ``SpeculativeConfig``
 ``fault_injection``            ``FaultInjectionConfig``
+``kv_events_config``           ``KVEventsConfig`` (vLLM's)
 ``capacity_scheduler_policy``  ``CapacitySchedulerPolicy``
 ``context_chunking_policy``    ``ContextChunkingPolicy``
 ``token_budget_policy``        ``TokenBudgetPolicyName``
@@ -46,6 +47,7 @@ _NAMES = {
     "WaitingQueuePolicy": (_CONFIG, "WaitingQueuePolicy"),
     "TokenBudgetPolicyName": (_CONFIG, "TokenBudgetPolicyName"),
     "ExecutorConfig": (_CONFIG, "ExecutorConfig"),
+    "KVEventsConfig": ("tensorrt_llm.llmapi.llm_args", "KVEventsConfig"),  # vLLM's name: upstream has none
     "TorchLlmArgs": ("tensorrt_llm.llmapi.llm_args", "LlmArgs"),  # upstream's name for the PyTorch backend's args
     "LlmArgs": ("tensorrt_llm.llmapi.llm_args", "LlmArgs"),
 }

@@ -26,7 +26,7 @@ from benchmarks.replay.settings import SET_BY_THE_REPLAY, ReplaySettings
 from tensorrt_llm._torch.pyexecutor.config import CudaGraphConfig, ExecutorConfig, FaultInjectionConfig, TokenBudgetPolicyName
 from tensorrt_llm.commands import serve
 from tensorrt_llm.llmapi.config_fields import FieldSpec, deep_merge, from_mapping, overrides_from_args, to_mapping, walk
-from tensorrt_llm.llmapi.llm_args import LlmArgs
+from tensorrt_llm.llmapi.llm_args import KVEventsConfig, LlmArgs
 from tensorrt_llm.serve.llm_options import LlmOptionsError, llm_options, load_llm_options, read_llm_options
 from tensorrt_llm.serve.server_config import ServerConfig
 
@@ -50,7 +50,8 @@ SURFACES = {
 }
 
 # A value for string fields whose values are constrained (the others take any non-empty string).
-_STRINGS = {"dtype": "float16", "device": "cpu", "host": "0.0.0.0", "path": "trace.jsonl", "cost_model": "model.json"}
+_STRINGS = {"dtype": "float16", "device": "cpu", "host": "0.0.0.0", "path": "trace.jsonl", "cost_model": "model.json",
+            "endpoint": "tcp://127.0.0.1:5600", "replay_endpoint": "tcp://*:5601"}
 # Settings a field's value is valid only beside (a dataclass's own checks across fields).
 _PRIORITY = {"scheduler_config": {"waiting_queue_policy": "priority"}}  # preemption is among priorities
 _BESIDE = {(ReplaySettings, "device"): {"engine": "torch"},
@@ -187,6 +188,7 @@ def test_the_walk_reaches_every_field_of_every_dataclass():
     LlmArgs's own keys (inlined), and each has its flag."""
     hints = typing.get_type_hints(ExecutorConfig)
     expected = {f.name for f in dataclasses.fields(LlmArgs) if f.name != "executor"}
+    expected |= {f"kv_events_config.{inner.name}" for inner in dataclasses.fields(KVEventsConfig)}  # the LLM's own nested one
     for field in dataclasses.fields(ExecutorConfig):
         expected.add(field.name)
         nested = [k for k in typing.get_args(hints[field.name]) or (hints[field.name],) if dataclasses.is_dataclass(k)]
@@ -386,8 +388,8 @@ def test_every_config_argument_takes_the_dict_form_the_yaml_uses(one_torch_threa
     given["speculative_config"] = {"decoding_type": "NGram", "max_draft_len": 2, "max_matching_ngram_size": 2}
     given["kv_cache_config"] |= {"tokens_per_block": 16, "num_blocks": 64}
     with LLM("tiny-random", max_seq_len=128, **given) as llm:
-        for keyword, kind in nested.items():
-            built = getattr(llm.config, keyword)
+        for keyword, kind in nested.items():  # an executor's config, or the LLM's own (kv_events_config)
+            built = getattr(llm.config, keyword) if hasattr(llm.config, keyword) else getattr(llm, keyword)
             assert isinstance(built, kind), keyword
         assert llm.config.speculative_config == NGramDecodingConfig(max_draft_len=2, max_matching_ngram_size=2)
         assert llm.config.kv_cache_config.tokens_per_block == 16
