@@ -4,12 +4,13 @@ submitted request gives back lives in ``request_output``."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import os
 import threading
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import AsyncIterator, Mapping, Sequence
 
 import torch
 
@@ -34,6 +35,7 @@ from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequest, check_priorit
 from tensorrt_llm._torch.pyexecutor.sampling_config import SEED_LIMIT, SamplingConfig
 from tensorrt_llm._torch.pyexecutor.py_executor_creator import create_py_executor
 from tensorrt_llm.llmapi.config_fields import build_nested, from_mapping
+from tensorrt_llm.llmapi.kv_cache_events import event_dict
 from tensorrt_llm.llmapi.llm_utils import (
     GenerationDefaults,
     describe_checkpoint,
@@ -396,6 +398,33 @@ class LLM:
 
     def health(self) -> Health:
         return self._executor.health()
+
+    def get_kv_cache_events(self, timeout: float | None = 2) -> list[dict]:
+        """The KV cache events since the last call, as upstream's dicts (``{"event_id", "data":
+        {"type": "created" | "stored" | "removed" | "updated", ...}}``: ``llmapi/kv_cache_events.py``),
+        oldest first; with none waiting, waits up to ``timeout`` seconds for one. Needs
+        ``kv_cache_config.event_buffer_max_size > 0`` (``KVCacheEventsDisabled`` otherwise).
+        Several ranks: rank 0's pool under tensor parallelism (it decides as every rank does);
+        every rank's under attention DP, each dict with its ``attention_dp_rank``."""
+        window = self.config.max_seq_len
+        return [event_dict(record, window_size=window) for record in self._executor.get_kv_cache_events(timeout)]
+
+    async def get_kv_cache_events_async(self, timeout: float | None = 2) -> AsyncIterator[dict]:
+        """:meth:`get_kv_cache_events` as an async iterator (``async for event in ...``): the
+        events as they come, until none comes for ``timeout`` seconds. The waiting happens on a
+        worker thread: the event loop is never blocked."""
+        while True:
+            events = await asyncio.to_thread(self.get_kv_cache_events, timeout)
+            if not events:
+                return
+            for event in events:
+                yield event
+
+    def reset_prefix_cache(self) -> bool:
+        """Empty the prefix cache (both tiers) between two iterations: True when done (a KV
+        cache event reader sees it cleared); False, changing nothing, while a request holds
+        cached blocks. One rank only."""
+        return self._executor.reset_prefix_cache()
 
     @property
     def executor(self) -> ExecutorClient:

@@ -15,6 +15,11 @@ group's (every rank's would count each iteration N times); under attention DP ea
 are its own batch's, and all of them count (counters sum over ranks). They are kept in a
 ring of ``iter_stats_max_iterations`` entries per rank (default ``DEFAULT_MAX_STATS``);
 the failed-batch and overshoot totals of :meth:`health` are running counts, not the ring's.
+
+KV cache events (``kv_cache_config.event_buffer_max_size``): the ranks post their pools' events
+after each step and they wait here, in a buffer of that size, for :meth:`get_kv_cache_events`.
+Under TP rank 0's pool speaks for all (every rank decides the same; the others emit none);
+under attention DP every rank's pool is its own, and each record names its rank.
 """
 
 from __future__ import annotations
@@ -33,8 +38,9 @@ from tensorrt_llm._torch.distributed.torchrun import TorchrunGroup
 from tensorrt_llm._torch.distributed.worker import serve_config, serve_rank
 from tensorrt_llm._torch.models.modeling_llama import HeadShard, LlamaConfig
 from tensorrt_llm._torch.pyexecutor.config import ExecutorConfig
+from tensorrt_llm._torch.pyexecutor.kv_cache.events import KVCacheEventBuffer, KVEventCounts, KVEventRecord
 from tensorrt_llm._torch.pyexecutor.kv_cache.values import KvCacheStats
-from tensorrt_llm._torch.pyexecutor.errors import ExecutorShutdown, InvalidRequestError
+from tensorrt_llm._torch.pyexecutor.errors import ExecutorShutdown, InvalidRequestError, KVCacheEventsDisabled
 from tensorrt_llm._torch.pyexecutor.executor.client import Health, IterationListener, Load
 from tensorrt_llm._torch.pyexecutor.response import Response, ResponseCallback
 from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequest
@@ -82,6 +88,8 @@ class MultiRankExecutor:
             rank: collections.deque(maxlen=ring) for rank in range(tensor_parallel_size)
         }
         self._loads: dict[int, Load] = {}
+        events = config.kv_cache_config.event_buffer_max_size
+        self._kv_events = KVCacheEventBuffer(events) if events else None
         self._listeners: list[IterationListener] = []
         self._iterations = 0  # group iterations rank 0 reported
         self._failed_batches = 0
@@ -156,6 +164,19 @@ class MultiRankExecutor:
     def faults_injected(self) -> Mapping[str, int]:
         """None here: fault injection runs inside the rank processes."""
         return {}
+
+    def get_kv_cache_events(self, timeout: float | None) -> list[KVEventRecord]:
+        """The events the ranks posted since the last call (see the module docstring)."""
+        if self._kv_events is None:
+            raise KVCacheEventsDisabled("KV cache events are off: set kv_cache_config.event_buffer_max_size > 0")
+        return self._kv_events.take(timeout)
+
+    def kv_cache_event_counts(self) -> KVEventCounts | None:
+        return self._kv_events.counts() if self._kv_events is not None else None
+
+    def reset_prefix_cache(self) -> bool:
+        """Refused: the ranks would have to reset at the same iteration (not built)."""
+        raise NotImplementedError("reset_prefix_cache runs with one rank only (tensor_parallel_size=1)")
 
     def load(self) -> Load:
         """The group's load as the ranks last reported it, plus what rank 0 has not taken yet:
@@ -252,6 +273,11 @@ class MultiRankExecutor:
                 self._loads[rank] = body
         elif kind == "response":
             self._respond(body)
+        elif kind == "kv_events" and self._kv_events is not None:
+            records: list[KVEventRecord] = body
+            if self.mapping.enable_attention_dp:  # each rank's pool is its own: say whose
+                records = [record._replace(rank=rank) for record in records]
+            self._kv_events.forward(records)
 
     def _record(self, rank: int, stats: IterationStats) -> None:
         with self._lock:

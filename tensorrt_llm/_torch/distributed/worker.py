@@ -7,15 +7,17 @@ keeps its slices). A checkpoint's KV scales (every layer's, read by every rank) 
 rank's pool under ``kv_cache_config.dtype: fp8``. Then it builds its own executor and steps its
 :class:`RankExecutor` until rank 0 stops the group. Rank 0 also talks to the ``LLM``
 process: it takes ``("submit", [RequestSpec, ...])`` (the requests of one ``enqueue_requests``), ``("cancel", id)`` and ``("stop", None)``
-messages between iterations and posts back every response, its iteration statistics, and
-its load (running and waiting requests, KV usage) whenever that changed; under attention DP
-every rank posts its statistics and load. While no rank has work, rank 0 waits for a
+messages between iterations and posts back every response, its iteration statistics, its
+load (running and waiting requests, KV usage) whenever that changed, and its pool's KV cache
+events after each step (when on); under attention DP every rank posts its statistics, load and
+events. While no rank has work, rank 0 waits for a
 message for up to ``heartbeat_s`` before it steps again, so idle ranks sit in a collective
 that returns well within the collective timeout.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import queue
 from dataclasses import dataclass
@@ -75,11 +77,16 @@ def build_rank_executor(config: ServeConfig, mapping: Mapping) -> PyExecutor:
 def serve_rank(ctx: RankContext, config: ServeConfig) -> int:
     """Rank job: serve until rank 0 is told to stop; returns the number of group iterations."""
     mapping = ctx.mapping(enable_attention_dp=config.enable_attention_dp)
+    posts_stats = ctx.rank == 0 or config.enable_attention_dp  # under TP every rank's are rank 0's
+    if not posts_stats and config.executor.kv_cache_config.event_buffer_max_size:
+        # under TP rank 0's pool's events are every rank's: the others' would go unread
+        kv = dataclasses.replace(config.executor.kv_cache_config, event_buffer_max_size=0)
+        config = dataclasses.replace(config, executor=dataclasses.replace(config.executor, kv_cache_config=kv))
     executor = build_rank_executor(config, mapping)
+    events = executor.kv_cache_manager.events
     rank_executor = RankExecutor(
         executor, ctx.comm, mapping, check_decisions=config.check_decisions, forward_responses=True
     )
-    posts_stats = ctx.rank == 0 or config.enable_attention_dp  # under TP every rank's are rank 0's
     if posts_stats:  # when they are made: under overlap an iteration completes in the next step
         executor.add_iteration_listener(lambda stats: ctx.post(("stats", stats)))
     idle, load = True, None
@@ -87,6 +94,8 @@ def serve_rank(ctx: RankContext, config: ServeConfig) -> int:
         if ctx.rank == 0:
             _take_messages(ctx, rank_executor, wait_s=config.heartbeat_s if idle else 0.0)
         step = rank_executor.step()
+        if events is not None and (records := events.take()):
+            ctx.post(("kv_events", records))
         if step.stopped:
             break
         if posts_stats and (now := executor.load()) != load:

@@ -82,6 +82,12 @@ class KvCacheConfig:
     a bf16 pool's bytes per token, so a pool sized by memory (``free_gpu_memory_fraction``, or the
     CPU's default cap) holds twice the tokens; ``max_tokens`` / ``num_blocks`` stay token counts.
     Attention dequantizes what it reads (``attention_backend/kv_quant.py``).
+
+    ``event_buffer_max_size`` (upstream's key; 0, the default, turns events off at no cost):
+    the pool tells what its reuse index does (blocks stored, removed, moved between tiers, all
+    cleared) into a buffer of this many events, read by ``LLM.get_kv_cache_events`` or the ZMQ
+    publisher (``kv_events_config``); unread events beyond it are dropped, oldest first, and
+    counted (``kv_cache/events.py``, ``docs/scale-out.md``).
     """
 
     tokens_per_block: int = 32  # tokens per KV block, the unit of allocation and of prefix reuse
@@ -94,6 +100,8 @@ class KvCacheConfig:
     offload_ahead_blocks: int = 0  # with a host tier: primary blocks kept free by offloading after each launch
     # what the pool stores: auto (the model's dtype) or fp8 (float8_e4m3fn, half bf16's bytes)
     dtype: str = field(default="auto", metadata={"choices": KV_CACHE_DTYPES})
+    # KV cache events kept for a reader (LLM.get_kv_cache_events, the ZMQ publisher); 0: events off
+    event_buffer_max_size: int = 0
 
     def __post_init__(self) -> None:
         _positive("KvCacheConfig.tokens_per_block", self.tokens_per_block)
@@ -113,6 +121,7 @@ class KvCacheConfig:
             raise ValueError(f"KvCacheConfig.host_cache_size must be >= 0 bytes, got {self.host_cache_size!r}")
         # Whether there is a host tier to offload to is checked where it is sized, by the KV manager.
         _non_negative_int("KvCacheConfig.offload_ahead_blocks", self.offload_ahead_blocks)
+        _non_negative_int("KvCacheConfig.event_buffer_max_size", self.event_buffer_max_size)
 
     @property
     def is_sized(self) -> bool:

@@ -67,3 +67,7 @@ class ExecutorLoopKilled(BaseException):
 
     A ``BaseException`` so that the loop's per-batch ``except Exception`` does not absorb it.
     """
+
+
+class KVCacheEventsDisabled(RuntimeError):
+    """KV cache events were asked for and nothing emits or reads them here."""

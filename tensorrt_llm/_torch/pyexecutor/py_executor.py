@@ -45,7 +45,7 @@ from typing import Callable, Collection, Mapping, Sequence
 
 from tensorrt_llm._torch.pyexecutor.config import ExecutorConfig
 from tensorrt_llm._torch.pyexecutor.engine.interface import ModelEngine
-from tensorrt_llm._torch.pyexecutor.errors import TokenBudgetExceeded
+from tensorrt_llm._torch.pyexecutor.errors import KVCacheEventsDisabled, TokenBudgetExceeded
 from tensorrt_llm._torch.pyexecutor.executor.client import Health, IterationListener, Load
 from tensorrt_llm._torch.pyexecutor.response import Response, ResponseCallback
 from tensorrt_llm._torch.pyexecutor.executor.loop import Arrival, ExecutorLoop, StepCounts
@@ -57,6 +57,7 @@ from tensorrt_llm._torch.pyexecutor.iteration.launch import InFlight, advance, b
 from tensorrt_llm._torch.pyexecutor.iteration.records import NO_DRAFTS, BatchFailure, Completion, Drafts, Iteration, Launch, make_stats
 from tensorrt_llm._torch.pyexecutor.iteration.responses import Responses
 from tensorrt_llm._torch.pyexecutor.iteration.stats import IterationStats, StatsLog
+from tensorrt_llm._torch.pyexecutor.kv_cache.events import KVEventCounts, KVEventRecord
 from tensorrt_llm._torch.pyexecutor.kv_cache.manager import KVCacheManager
 from tensorrt_llm._torch.pyexecutor.llm_request import IN_FLIGHT_TOKEN_ID, LlmRequest, LlmRequestState
 from tensorrt_llm._torch.pyexecutor.priority import priority_class
@@ -226,6 +227,24 @@ class PyExecutor:
 
     def faults_injected(self) -> Mapping[str, int]:
         return dict(self.model_engine.faults_injected)
+
+    def get_kv_cache_events(self, timeout: float | None) -> list[KVEventRecord]:
+        """The pool's events since the last call (``ExecutorClient.get_kv_cache_events``); any thread."""
+        events = self.kv_cache_manager.events
+        if events is None:
+            raise KVCacheEventsDisabled("KV cache events are off: set kv_cache_config.event_buffer_max_size > 0")
+        return events.take(timeout)
+
+    def kv_cache_event_counts(self) -> KVEventCounts | None:
+        events = self.kv_cache_manager.events
+        return events.counts() if events is not None else None
+
+    def reset_prefix_cache(self) -> bool:
+        """Empty the reuse index between two iterations, on the loop's thread (now, when no
+        thread runs the loop); False while a request, or a forward in flight, holds cached blocks."""
+        if self.loop.running:
+            return self.loop.call_between_steps(self.kv_cache_manager.reset_prefix_cache).result()
+        return self.kv_cache_manager.reset_prefix_cache()
 
     def load(self) -> Load:
         """Requests holding blocks, requests waiting for them (queued included), the pool; any thread."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Mapping, Protocol, Sequence
 
+from tensorrt_llm._torch.pyexecutor.kv_cache.events import KVEventCounts, KVEventRecord
 from tensorrt_llm._torch.pyexecutor.kv_cache.values import KvCacheStats
 from tensorrt_llm._torch.pyexecutor.config import ExecutorConfig
 from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequest
@@ -105,3 +106,17 @@ class ExecutorClient(Protocol):
     def faults_injected(self) -> Mapping[str, int]:
         """Faults injected so far by kind (chaos testing); empty when injection is off or
         happens in other processes (several ranks)."""
+
+    def get_kv_cache_events(self, timeout: float | None) -> list[KVEventRecord]:
+        """The KV cache events emitted since the last call, oldest first, waiting up to
+        ``timeout`` seconds for one when none is waiting; ``KVCacheEventsDisabled`` when
+        ``kv_cache_config.event_buffer_max_size`` is 0. Several ranks: rank 0's pool's under
+        tensor parallelism (every rank decides the same), every rank's under attention DP
+        (each record names its rank)."""
+
+    def kv_cache_event_counts(self) -> KVEventCounts | None:
+        """Events emitted and dropped unread so far; None when events are off."""
+
+    def reset_prefix_cache(self) -> bool:
+        """Empty the reuse index between two iterations (``KVCacheManager.reset_prefix_cache``);
+        False while a request holds cached blocks."""

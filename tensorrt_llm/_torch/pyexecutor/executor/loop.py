@@ -25,8 +25,9 @@ import logging
 import threading
 import time
 from collections import deque
+from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Collection, Protocol, Sequence
+from typing import Callable, Collection, Protocol, Sequence, TypeVar
 
 from tensorrt_llm._torch.pyexecutor.errors import ExecutorLoopKilled, ExecutorShutdown
 from tensorrt_llm._torch.pyexecutor.executor.client import Health
@@ -36,6 +37,7 @@ from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequest
 logger = logging.getLogger(__name__)
 
 Arrival = tuple[LlmRequest, "ResponseCallback | None"]
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +82,7 @@ class ExecutorLoop:
         self.name = name
         self._queue: deque[Arrival] = deque()
         self._cancelled: set[int] = set()
+        self._calls: deque[tuple[Callable[[], object], Future]] = deque()  # run between two steps
         self._wakeup = threading.Condition()
         self._thread: threading.Thread | None = None
         self._shutdown = False
@@ -107,9 +110,27 @@ class ExecutorLoop:
             self._cancelled.add(request_id)
             self._wakeup.notify()
 
+    def call_between_steps(self, call: Callable[[], T]) -> "Future[T]":
+        """Run ``call`` on the loop's thread before its next step (the state it reads is the
+        stepper's, which only that thread touches); its result, or what it raised, in the
+        future. Raises ExecutorShutdown once the loop is shut down or dead."""
+        future: Future[T] = Future()
+        with self._wakeup:
+            if self._shutdown or self._error is not None:
+                raise ExecutorShutdown(f"the executor loop died: {self._error}" if self._error
+                                       else "the executor is shut down")
+            self._calls.append((call, future))
+            self._wakeup.notify()
+        return future
+
     @property
     def has_work(self) -> bool:
-        return bool(self._queue or self._cancelled or self.stepper.busy)
+        return bool(self._queue or self._cancelled or self._calls or self.stepper.busy)
+
+    @property
+    def running(self) -> bool:
+        """Whether the loop's own thread is stepping (:meth:`start`), not a caller by hand."""
+        return self._thread is not None and self._thread.is_alive()
 
     @property
     def num_queued(self) -> int:
@@ -158,6 +179,10 @@ class ExecutorLoop:
             self._wakeup.notify()
         if self._thread is not None:
             self._thread.join()
+        with self._wakeup:
+            calls, self._calls = list(self._calls), deque()
+        for _, future in calls:
+            future.set_exception(ExecutorShutdown("the executor shut down before the call ran"))
         self.stepper.close()
         self.stepper.fail_all(ExecutorShutdown("the executor shut down before the request finished"), self._take()[0])
 
@@ -169,7 +194,16 @@ class ExecutorLoop:
 
     # ---- the loop's thread -----------------------------------------------------------
     def step(self):
-        """Hand the stepper what arrived and run one iteration (the thread calls this too)."""
+        """Run the calls waiting, hand the stepper what arrived and run one iteration (the
+        thread calls this too)."""
+        while self._calls:
+            with self._wakeup:
+                call, future = self._calls.popleft()
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(call())
+                except Exception as error:  # the caller gets it; the loop goes on
+                    future.set_exception(error)
         arrivals, cancelled = self._take()
         return self.stepper.step(arrivals, cancelled)
 
@@ -210,4 +244,7 @@ class ExecutorLoop:
             self._error = f"{type(error).__name__}: {error}"
             queued = list(self._queue)
             self._queue.clear()
+            calls, self._calls = list(self._calls), deque()
+        for _, future in calls:
+            future.set_exception(ExecutorShutdown(f"the executor loop died: {self._error}"))
         self.stepper.fail_all(ExecutorShutdown(f"the executor loop died: {self._error}"), queued)

@@ -1,5 +1,6 @@
 """The paged KV cache's bookkeeping, one idea per module, lowest first:
 
+    events           KV cache events (stored, removed, moved, cleared), their hash and bounded buffer
     block            KVBlock: one block's slots, reference count and tree links
     lru              LRU deques with lazy removal (both tiers)
     prefix_tree      block keys, lookup, the commit of computed chains

@@ -5,6 +5,7 @@ A block object plays three parts, each read by the module that owns it::
     slots        block_id (primary, or None)  host_id (host tier, or None)     BlockPool, HostTier
     references   ref_count: the sequences and claims that hold it              BlockPool
     tree         tokens, hash, parent, children, by_first, serial              PrefixTree
+                 event_hash: the chained identity hash events carry (events on)  PrefixTree
     LRU          lru_entries, host_lru_entries (entries in the LRU deques)      BlockPool, HostTier
 
 A block is in the prefix tree exactly when ``tokens`` is set; it may then live in primary memory,
@@ -38,7 +39,7 @@ class KVBlock:
 
     __slots__ = (
         "block_id", "host_id", "ref_count", "tokens", "hash", "parent", "children", "by_first", "serial",
-        "lru_entries", "host_lru_entries",
+        "event_hash", "lru_entries", "host_lru_entries",
     )
 
     def __init__(self, block_id: int | None, ref_count: int = 0) -> None:
@@ -56,6 +57,9 @@ class KVBlock:
         # the tree, never pay for an index at commit or drop.
         self.by_first: dict[bytes, list[KVBlock]] | None = None
         self.serial = 0  # commit order among the tree's blocks (orders a by_first index built late)
+        # the chained identity hash KV cache events name this node by (events.chain_hash); set at
+        # commit only when events are on (the root's stays events.ROOT_HASH)
+        self.event_hash = 0
         # entries of this block in the pool's primary / host LRU deques (the last one may be live)
         self.lru_entries = 0
         self.host_lru_entries = 0

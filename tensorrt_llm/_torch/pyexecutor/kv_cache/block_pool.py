@@ -13,6 +13,10 @@ It is vLLM's block pool, a free queue and a hash map: the map is the prefix tree
 :mod:`.prefix_tree`), the host slots behind the pool are :attr:`host` (:mod:`.host_tier`), and
 the LRU deques drop stale entries lazily (:mod:`.lru`).
 
+With an event buffer (``KvCacheConfig.event_buffer_max_size``) the pool and its tree say what
+the reuse index did, where they decide it (:mod:`.events`): stored at commit, removed when a
+node leaves the tree, moved when it changes tier, all cleared by :meth:`reset_prefix_cache`.
+
 Block objects are built once and reused: a slot gets its object the first time it is handed out
 and keeps one on the free list from then on, so an allocation only sets a reference count. A tree
 block is its content's identity: offloaded, it keeps its object and the slot it leaves takes a
@@ -28,6 +32,15 @@ from collections import deque
 from typing import Iterable
 
 from tensorrt_llm._torch.pyexecutor.kv_cache.block import TOKEN_BYTES, BlockStorage, BlockTokens, KVBlock
+from tensorrt_llm._torch.pyexecutor.kv_cache.events import (
+    AllBlocksCleared,
+    BlockMoved,
+    BlocksRemoved,
+    CacheLevel,
+    KVCacheEventBuffer,
+    PoolCreated,
+    StoredBlock,
+)
 from tensorrt_llm._torch.pyexecutor.kv_cache.host_tier import HostTier
 from tensorrt_llm._torch.pyexecutor.kv_cache.lru import SLACK, compact, live_blocks
 from tensorrt_llm._torch.pyexecutor.kv_cache.prefix_tree import PrefixTree, common_prefix_tokens, unindex
@@ -43,13 +56,25 @@ class BlockPool:
     (callers check ``available`` first: free + evictable) and the caller defers.
     """
 
-    def __init__(self, num_blocks: int, num_host_blocks: int = 0, *, storage: BlockStorage | None = None) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        num_host_blocks: int = 0,
+        *,
+        storage: BlockStorage | None = None,
+        events: KVCacheEventBuffer | None = None,
+    ) -> None:
+        """``events``: where the reuse index's changes are told (None: off); it gets
+        ``PoolCreated`` first."""
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
         self.num_host_blocks = num_host_blocks
         self.storage = storage
-        self.tree = PrefixTree(merge=self._merge, release=self._release_node)
+        self.events = events
+        if events is not None:
+            events.emit(PoolCreated((num_blocks, num_host_blocks)))
+        self.tree = PrefixTree(merge=self._merge, release=self._release_node, events=events)
         self.host = HostTier(num_host_blocks)
         # Free primary slots, handed out in this order: the never-used slots, lowest first
         # (``num_blocks - _unused`` is the next; they get their objects then), then the
@@ -128,6 +153,8 @@ class BlockPool:
         """``duplicate`` (fresh, held once) was computed with ``node``'s content: ``node`` takes
         over its reference; the duplicate's slot is freed, or becomes a host-only node's slot."""
         if node.block_id is None:  # host-only: the fresh primary copy becomes its primary slot
+            if self.events is not None:
+                self._moved(node, CacheLevel.HOST, CacheLevel.GPU)
             if node.ref_count == 0:  # it leaves the host LRU: its entry goes stale
                 self.host.num_cached -= 1
             self.host.free.append(node.host_id)
@@ -202,6 +229,8 @@ class BlockPool:
         if not taken:
             return False
         slot = taken[0]  # its own object becomes a spare: the block keeps its object
+        if self.events is not None:  # after the allocation's own evictions, which come first
+            self._moved(block, CacheLevel.HOST, CacheLevel.GPU)
         block.block_id, slot.block_id, slot.ref_count = slot.block_id, None, 0
         self._spare.append(slot)
         if self.storage is not None:
@@ -227,7 +256,7 @@ class BlockPool:
         Every block a long replay allocates passes through here, usually pushing one host block
         out of the tree: counts are kept in locals (written back around the rare calls that
         change them) and the usual host drop, a leaf, is inlined (``PrefixTree.unlink``)."""
-        free, host = self._free, self.host
+        free, host, events = self._free, self.host, self.events
         free_host = host.free
         num_free -= self._unused  # never-used slots count as free (none is left when anything is cached)
         host_tier, storage = self.num_host_blocks > 0, self.storage
@@ -266,6 +295,8 @@ class BlockPool:
                     num_cached, num_host_cached = self._num_cached, host.num_cached + 1
                     host_id = free_host.popleft()
                 else:  # PrefixTree.unlink inlined
+                    if events is not None:
+                        events.emit(BlocksRemoved((dropped.event_hash,), CacheLevel.HOST))
                     parent = dropped.parent
                     children, block_hash = parent.children, dropped.hash
                     bucket = children[block_hash]
@@ -279,6 +310,8 @@ class BlockPool:
                     dropped.host_id = dropped.tokens = dropped.parent = dropped.children = dropped.by_first = None
                     self._spare.append(dropped)  # out of the tree, no slot: its object is reused
             victim.host_id = host_id
+            if events is not None:
+                self._moved(victim, CacheLevel.GPU, CacheLevel.HOST)
             if storage is not None:
                 storage.offload(victim.block_id, host_id)
             self._slot_freed(victim.block_id)  # the victim keeps its object, as the host copy
@@ -308,6 +341,34 @@ class BlockPool:
         else:
             self._spare.append(node)
 
+    def _moved(self, block: KVBlock, source: CacheLevel, destination: CacheLevel) -> None:
+        """Tell the buffer that tree node ``block`` changes tier."""
+        parent = block.parent
+        self.events.emit(BlockMoved(
+            StoredBlock(block.event_hash, block.tokens), None if parent is self.tree.root else parent.event_hash,
+            len(block.tokens) // TOKEN_BYTES, source, destination,
+        ))
+
+    # ---- reset ----------------------------------------------------------------------
+    def reset_prefix_cache(self) -> bool:
+        """Drop every block of the reuse index, both tiers, and tell ``AllBlocksCleared``; True
+        when done. False, changing nothing, while any tree block is referenced (a running
+        request or a claim holds it: its KV is in use and stays matchable), as vLLM's reset
+        refuses while blocks are in use."""
+        root = self.tree.root
+        if any(child.ref_count for child in root.iter_children()):  # a held node's ancestors are held too
+            return False
+        removed = _descendants_first(root) if self.events is not None else ()
+        for child in list(root.iter_children()):
+            if child.block_id is not None:  # it leaves its LRU list: its entry goes stale
+                self._num_cached -= 1
+            else:
+                self.host.num_cached -= 1
+            self.tree.drop(child, tell=False)
+        if self.events is not None:
+            self.events.emit(AllBlocksCleared(removed))
+        return True
+
     # ---- integrity ------------------------------------------------------------------
     def lru_blocks(self) -> list[KVBlock]:
         """The cached primary blocks, oldest first (for checks; O(entries)); the host's: ``host.lru_blocks()``."""
@@ -331,3 +392,13 @@ class BlockPool:
         )
         assert all(b.ref_count == 0 and b.in_tree for b in lru), "a cached block is referenced"
         self.host.check(held.values())
+
+
+def _descendants_first(root: KVBlock) -> tuple[int, ...]:
+    """The event hashes of every node below ``root``, each after its descendants."""
+    order, stack = [], list(root.iter_children())
+    while stack:
+        node = stack.pop()
+        order.append(node.event_hash)
+        stack.extend(node.iter_children())
+    return tuple(reversed(order))

@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 from tensorrt_llm._torch.pyexecutor.config import KvCacheConfig
 from tensorrt_llm._torch.pyexecutor.kv_cache.block import BlockTokens
 from tensorrt_llm._torch.pyexecutor.kv_cache.block_pool import BlockPool
+from tensorrt_llm._torch.pyexecutor.kv_cache.events import KVCacheEventBuffer
 from tensorrt_llm._torch.pyexecutor.kv_cache.prefix_reuse import PrefixIndex, PrefixReuse
 from tensorrt_llm._torch.pyexecutor.kv_cache.prefix_tree import content_hashes, pack_tokens
 from tensorrt_llm._torch.pyexecutor.kv_cache.sequence_blocks import (
@@ -84,6 +85,9 @@ class KVCacheManager:
     (``None``) is :func:`~.prefix_tree.content_hashes`, computed for a whole prompt at once and
     the same in every process, which tensor-parallel ranks rely on to take identical decisions
     (Python's ``hash`` of bytes is salted per process: do not pass it where ranks must agree).
+
+    ``events`` (the pool's, :mod:`.events`): a buffer of ``config.event_buffer_max_size``
+    events, made here when that is above 0; None when events are off.
     """
 
     def __init__(
@@ -107,7 +111,8 @@ class KVCacheManager:
         self.enable_partial_reuse = config.enable_block_reuse and config.enable_partial_reuse
         self.storage = storage
         self.block_hash = block_hash
-        self.pool = BlockPool(num_blocks, num_host_blocks, storage=storage)
+        self.events = KVCacheEventBuffer(config.event_buffer_max_size) if config.event_buffer_max_size else None
+        self.pool = BlockPool(num_blocks, num_host_blocks, storage=storage, events=self.events)
         self.sequences = SequenceBlocks(self.pool, self.tokens_per_block)
         self.prefix = PrefixReuse(self.pool, self.tokens_per_block, enabled=self.enable_block_reuse,
                                   partial=self.enable_partial_reuse, block_hash=block_hash,
@@ -266,6 +271,11 @@ class KVCacheManager:
         if moved and self.storage is not None:
             self.storage.flush()
         return moved
+
+    def reset_prefix_cache(self) -> bool:
+        """Empty the reuse index, both tiers (``BlockPool.reset_prefix_cache``); False, changing
+        nothing, while a started request or a claim holds a cached block."""
+        return self.pool.reset_prefix_cache()
 
     def check_integrity(self) -> None:
         """The leak oracle: free + cached + held partition the pool; no request holds a foreign

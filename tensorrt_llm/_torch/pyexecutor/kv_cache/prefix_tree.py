@@ -19,7 +19,9 @@ is the prefix those tokens continue::
   and the pool's ``merge`` moves the reference onto it.
 
 The tree owns links only: the pool owns slots, reference counts and LRU order, and drops a
-node with its subtree (:meth:`unlink`) when eviction reaches it. Holding a block means holding
+node with its subtree (:meth:`unlink`) when eviction reaches it. With an event buffer
+(:mod:`.events`) the tree says what joined it (``BlocksStored``, at commit) and what left it
+(``BlocksRemoved``, at :meth:`drop`), naming each node by its chained ``event_hash``. Holding a block means holding
 its ancestors, so ``ref_count(parent) >= ref_count(child)`` and a node never leaves the tree
 before its descendants.
 """
@@ -33,6 +35,14 @@ from typing import Callable, Sequence
 import numpy as np
 
 from tensorrt_llm._torch.pyexecutor.kv_cache.block import TOKEN_BYTES, BlockTokens, KVBlock
+from tensorrt_llm._torch.pyexecutor.kv_cache.events import (
+    BlocksRemoved,
+    BlocksStored,
+    CacheLevel,
+    KVCacheEventBuffer,
+    StoredBlock,
+    chain_hash,
+)
 from tensorrt_llm._torch.pyexecutor.llm_request import TOKEN_TYPECODE
 
 BlockKey = tuple[int, BlockTokens]  # (hash, packed tokens) of one full block
@@ -137,16 +147,21 @@ class PrefixTree:
     ``merge(node, duplicate)`` when a committed block's content is already a node's (the node
     takes over the duplicate's reference), ``release(node, descendant)`` for each node
     :meth:`drop` takes out of the tree. ``serial`` is the :attr:`~.block.KVBlock.serial` of the
-    last block committed (0: none yet).
+    last block committed (0: none yet). ``events``: where stored and removed blocks are told
+    (None: events off, nothing computed for them).
     """
 
-    __slots__ = ("root", "serial", "_merge", "_release")
+    __slots__ = ("root", "serial", "events", "_merge", "_release")
 
     def __init__(
-        self, merge: Callable[[KVBlock, KVBlock], None], release: Callable[[KVBlock, bool], None]
+        self,
+        merge: Callable[[KVBlock, KVBlock], None],
+        release: Callable[[KVBlock, bool], None],
+        events: KVCacheEventBuffer | None = None,
     ) -> None:
         self.root = KVBlock(None)
         self.serial = 0
+        self.events = events
         self._merge = merge
         self._release = release
 
@@ -208,6 +223,8 @@ class PrefixTree:
         """
         parent = blocks[start - 1] if start else self.root
         serial = self.serial
+        events = self.events
+        run: list[KVBlock] = []  # events on: the new nodes since the last existing one, a chain
         for index, (block_hash, tokens) in enumerate(keys, start):
             children = parent.children
             existing = None
@@ -230,11 +247,28 @@ class PrefixTree:
                     bucket.append(block)
                 if parent.by_first is not None:  # indexed (see KVBlock.by_first)
                     parent.by_first.setdefault(tokens[:TOKEN_BYTES], []).append(block)
+                if events is not None:
+                    block.event_hash = chain_hash(parent.event_hash, tokens)
+                    run.append(block)
                 parent = block
                 continue
+            if run:  # the chain stored so far comes first: the merge may move ``existing`` (an event)
+                self._stored(run)
+                run = []
             self._merge(existing, block)
             blocks[index] = parent = existing
         self.serial = serial
+        if run:
+            self._stored(run)
+
+    def _stored(self, run: list[KVBlock]) -> None:
+        """Tell the buffer that ``run``, a chain of new primary nodes, joined the tree."""
+        parent = run[0].parent
+        self.events.emit(BlocksStored(
+            None if parent is self.root else parent.event_hash,
+            tuple(StoredBlock(block.event_hash, block.tokens) for block in run),
+            len(run[0].tokens) // TOKEN_BYTES,
+        ))
 
     @staticmethod
     def unlink(block: KVBlock) -> None:
@@ -248,18 +282,23 @@ class PrefixTree:
         if parent.by_first is not None:
             unindex(parent.by_first, block)
 
-    def drop(self, block: KVBlock) -> None:
+    def drop(self, block: KVBlock, *, tell: bool = True) -> None:
         """Take unreferenced ``block`` (already out of its LRU list) and its subtree out of the
         tree, blank, and hand each node to ``release``: ``block`` first, then its descendants
-        (each subtree's nodes after their parent)."""
+        (each subtree's nodes after their parent). With events on (and ``tell``), the nodes
+        removed are told, descendants first, one event per run of nodes in the same tier."""
         if block.ref_count:
             raise AssertionError(f"evicting referenced {block!r}")
         self.unlink(block)
         release = self._release
+        events = self.events if tell else None
         if not block.children:  # a leaf, the usual victim: LRU order takes leaves before their prefix
+            if events is not None:
+                events.emit(BlocksRemoved((block.event_hash,), tier(block)))
             block.tokens = block.parent = block.children = block.by_first = None
             release(block, False)
             return
+        removed: list[tuple[int, CacheLevel]] = []
         stack = [block]
         while stack:
             node = stack.pop()
@@ -267,5 +306,27 @@ class PrefixTree:
                 raise AssertionError(f"evicting referenced {node!r}: a child is held without its parent")
             if node.children:
                 stack.extend(node.iter_children())
+            if events is not None:
+                removed.append((node.event_hash, tier(node)))  # before release frees its slots
             node.tokens = node.parent = node.children = node.by_first = None
             release(node, node is not block)
+        if events is not None:
+            self._removed(removed)
+
+    def _removed(self, nodes: list[tuple[int, CacheLevel]]) -> None:
+        """Tell the buffer that ``nodes`` (hash and tier, ancestors first) left the tree:
+        descendants first, one event per run of nodes in the same tier."""
+        run: list[int] = []
+        level = None
+        for event_hash, node_level in reversed(nodes):
+            if node_level is not level and run:
+                self.events.emit(BlocksRemoved(tuple(run), level))
+                run = []
+            level = node_level
+            run.append(event_hash)
+        self.events.emit(BlocksRemoved(tuple(run), level))
+
+
+def tier(block: KVBlock) -> CacheLevel:
+    """The tier a tree block lives in now."""
+    return CacheLevel.HOST if block.block_id is None else CacheLevel.GPU

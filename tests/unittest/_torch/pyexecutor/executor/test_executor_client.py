@@ -15,7 +15,8 @@ MEMBERS = sorted(n for n, v in vars(ExecutorClient).items() if not n.startswith(
 def test_the_interface_is_what_the_server_and_llm_use():
     assert MEMBERS == [
         "add_iteration_listener", "cancel_request", "enqueue_request", "enqueue_requests", "faults_injected",
-        "health", "iteration_stats", "iteration_stats_by_rank", "load", "shutdown", "start", "validate",
+        "get_kv_cache_events", "health", "iteration_stats", "iteration_stats_by_rank", "kv_cache_event_counts",
+        "load", "reset_prefix_cache", "shutdown", "start", "validate",
     ]
 
 

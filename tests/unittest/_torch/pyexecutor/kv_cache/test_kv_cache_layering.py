@@ -10,7 +10,7 @@ import tensorrt_llm._torch.pyexecutor.kv_cache as kv_cache
 
 PACKAGE = "tensorrt_llm._torch.pyexecutor"
 FORBIDDEN = ("engine", "sampling", "budget", "scheduler", "executor", "iteration")
-ORDER = ["block", "lru", "prefix_tree", "host_tier", "values", "block_pool", "beam_tables", "sequence_blocks",
+ORDER = ["events", "block", "lru", "prefix_tree", "host_tier", "values", "block_pool", "beam_tables", "sequence_blocks",
          "prefix_reuse", "copy_batch", "storage", "manager"]  # the manager names the storage's type only
 
 
