@@ -3,14 +3,16 @@ events answers what each replica's own blocks answer, and the rule keeps load wi
 
 from __future__ import annotations
 
-import itertools
 import random
+from array import array
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tensorrt_llm.serve.ray_serve.prefix_index import EventError, PrefixIndex, block_key, request_keys
+from tensorrt_llm._torch.pyexecutor.kv_cache.events import ROOT_HASH, chain_hash
+from tensorrt_llm.llmapi import LLM, KvCacheConfig, SamplingParams
+from tensorrt_llm.serve.ray_serve.prefix_index import EventError, PrefixIndex, request_keys
 from tensorrt_llm.serve.ray_serve.routing import LoadBound, prefix_aware_choice, round_robin_choice
 
 TPB = 4  # tokens per block
@@ -18,10 +20,8 @@ TPB = 4  # tokens per block
 
 class FakePool:
     """One replica's reusable blocks as an engine's prefix tree holds them (parent before child;
-    a block leaves with its subtree), emitting upstream's event dicts. Engine hashes are a counter:
-    the index must not depend on them."""
-
-    _hashes = itertools.count(1000)
+    a block leaves with its subtree), emitting upstream's event dicts with the engine's chained
+    block hashes."""
 
     def __init__(self) -> None:
         self.blocks: dict[int, tuple[int | None, tuple[int, ...]]] = {}  # engine hash -> (parent hash, tokens)
@@ -36,7 +36,7 @@ class FakePool:
             if found is None:
                 if not new:
                     first_parent = parent
-                found = next(self._hashes)
+                found = chain_hash(ROOT_HASH if parent is None else parent, array("I", tokens).tobytes())
                 self.blocks[found] = (parent, tokens)
                 ids = list(tokens) if found % 2 else [{"type": "unique_token", "token_id": t, "token_extra_id": 0}
                                                       for t in tokens]  # both token forms an event may carry
@@ -55,8 +55,9 @@ class FakePool:
         self._emit({"type": "removed", "block_hashes": list(reversed(doomed))})
 
     def clear(self) -> None:
+        """A reset of the prefix cache: one removal of every block (as ``LLM`` reports it)."""
+        self._emit({"type": "removed", "block_hashes": sorted(self.blocks)})
         self.blocks.clear()
-        self._emit({"type": "all_cleared"})
 
     def cached_prefix(self, prompt: list[int]) -> int:
         """Leading full blocks of ``prompt`` this pool holds (what the engine would reuse)."""
@@ -79,7 +80,7 @@ def test_a_stored_chain_matches_block_by_block_and_a_removal_cuts_it():
     pool.store(prompt)
     index.apply("r1", pool.events)
     keys = request_keys(prompt, TPB)
-    assert len(keys) == 3 and keys[0] == block_key(prompt[:4])
+    assert len(keys) == 3
     assert index.match(keys) == {"r1": 3}
     assert index.match(request_keys(prompt[:8] + [99, 98, 97, 96], TPB)) == {"r1": 2}
     assert index.match(keys, ["r1", "r2"]) == {"r1": 3, "r2": 0}
@@ -97,6 +98,13 @@ def test_equal_blocks_under_different_parents_are_different_nodes():
     assert index.match(request_keys([9, 9, 9, 9, 5, 6, 7, 8], TPB)) == {"r1": 0}
 
 
+def test_a_new_pool_holds_nothing():
+    index, pool = PrefixIndex(), FakePool()
+    pool.store(list(range(1, 9)))
+    index.apply("r", pool.events + [{"event_id": 9, "data": {"type": "created", "num_blocks_per_cache_level": [8, 0]}}])
+    assert index.match(request_keys(list(range(1, 9)), TPB)) == {"r": 0}
+
+
 def test_a_reset_and_forget_drop_everything_a_replica_held():
     index, a, b = PrefixIndex(), FakePool(), FakePool()
     for pool in (a, b):
@@ -112,6 +120,19 @@ def test_a_reset_and_forget_drop_everything_a_replica_held():
     assert index.match(keys) == {"a": 0}
     assert index.num_blocks("b") == 0
     index.check_integrity()
+
+
+def test_the_keys_a_router_computes_are_the_hashes_the_engine_emits():
+    """A real executor (the simulated engine: the pool and its events are real) serves a prompt;
+    the index fed its events matches the prompt's full blocks, computed from the ids alone."""
+    with LLM("tiny-random", simulated_engine={"step_s": 0.0, "context_token_s": 0.0},
+             kv_cache_config=KvCacheConfig(tokens_per_block=TPB, num_blocks=64, event_buffer_max_size=256)) as llm:
+        prompt = list(range(1, 20))  # four full blocks and three tokens
+        llm.generate(prompt, SamplingParams(max_tokens=2))
+        index = PrefixIndex()
+        index.apply("r", llm.get_kv_cache_events(timeout=1))
+        assert index.match(request_keys(prompt, TPB)) == {"r": 4}
+        assert index.match(request_keys(prompt[:8] + [7, 7, 7, 7], TPB)) == {"r": 2}
 
 
 def test_a_malformed_event_is_refused_by_name():
