@@ -70,7 +70,7 @@ from tensorrt_llm.serve.openai_protocol import (
     chat_completion_id,
     completion_id,
 )
-from tensorrt_llm.serve.prompts import PromptRenderer
+from tensorrt_llm.serve.prompts import PromptRenderer, read_chat_template
 from tensorrt_llm.serve.server_config import ServerConfig
 from tensorrt_llm.serve.tool_calling import (
     ToolDeltas,
@@ -118,7 +118,7 @@ class OpenAIServer:
         if self.sampling_defaults:
             logger.info("sampling defaults from the checkpoint's generation_config.json: %s", self.sampling_defaults)
         self.tool_parser = get_tool_parser(config.tool_parser) if config.tool_parser else None
-        self.chat_template = _read_template(config.chat_template) if config.chat_template else (
+        self.chat_template = read_chat_template(config.chat_template) if config.chat_template else (
             llm.tokenizer.chat_template if llm.tokenizer is not None else None)
         self.prompts = PromptRenderer(self.model_id, self.tokenizer, self.chat_template)
         self.fastapi = app = FastAPI(title="trtllm-serve", version=self.version, lifespan=self._lifespan)
@@ -510,15 +510,6 @@ def _guided_decoding(response_format: ResponseFormat | None) -> GuidedDecodingPa
         return GuidedDecodingParams(json_object=True)
     schema = response_format.json_schema.schema_
     return GuidedDecodingParams(json=schema if schema is not None else {})
-
-
-def _read_template(path: str) -> str:
-    """A ``--chat_template`` file's text; ValueError naming the file when it cannot be read."""
-    try:
-        with open(path, encoding="utf-8") as file:
-            return file.read()
-    except OSError as error:
-        raise ValueError(f"chat_template {path}: cannot read it: {error.strerror or error}") from None
 
 
 def _as_list(chunks) -> list:

@@ -57,3 +57,12 @@ class PromptRenderer:
             raise bad_request(str(error), "messages") from None
         # The template writes the special tokens it wants (a BOS included): encode none on top.
         return await self.encode(text, "messages", add_special_tokens=False)
+
+
+def read_chat_template(path: str) -> str:
+    """A ``--chat_template`` file's text; ValueError naming the file when it cannot be read."""
+    try:
+        with open(path, encoding="utf-8") as file:
+            return file.read()
+    except OSError as error:
+        raise ValueError(f"chat_template {path}: cannot read it: {error.strerror or error}") from None

@@ -131,6 +131,10 @@ class PrefixIndex:
                 matched[replica] = depth
         return matched
 
+    def held(self, replica: str) -> frozenset[int]:
+        """The block hashes ``replica`` holds, as its events said."""
+        return frozenset(self._blocks.get(replica, ()))
+
     def num_blocks(self, replica: str) -> int:
         """Blocks ``replica`` holds, as its events said."""
         return len(self._blocks.get(replica, ()))
