@@ -2,7 +2,7 @@
 
 They run inside the handle that sends requests to the replicas (the ingress's), one instance per
 handle. Each reads the request's prompt ids from the :class:`RoutedRequest` the ingress passes,
-and counts its own requests in flight per replica (``on_request_routed`` /
+and counts its own requests in flight per replica (``on_send_request`` /
 ``on_request_completed``): with several ingress replicas each bounds its own share. The
 decisions are ``routing``'s functions; power of two choices is Ray Serve's own router (the
 default, ``PowerOfTwoChoicesRequestRouter``).
@@ -53,7 +53,10 @@ class _CountingRouter(RequestRouter):
         self.in_flight: Counter[str] = Counter()
         self.decisions: Counter[str] = Counter()  # reason -> routing decisions (a request may take several tries)
 
-    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
+    def on_send_request(self, replica_id: ReplicaID) -> None:
+        # Ray Serve calls this for every request it sends (on_request_routed only under its
+        # rejection protocol), and on_request_completed once for each, rejected ones included.
+        super().on_send_request(replica_id)
         self.in_flight[replica_name(replica_id)] += 1
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
