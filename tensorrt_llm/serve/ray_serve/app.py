@@ -33,11 +33,10 @@ from ray.serve.config import RequestRouterConfig
 from tensorrt_llm._torch.pyexecutor.config import KvCacheConfig
 from tensorrt_llm.commands.serve import DEFAULT_MODEL
 from tensorrt_llm.llmapi.config_fields import deep_merge, from_mapping
-from tensorrt_llm.llmapi.llm_utils import describe_checkpoint, seeded_model
 from tensorrt_llm.serve.llm_options import llm_options, read_llm_options
-from tensorrt_llm.serve.prompts import PromptRenderer, read_chat_template
 from tensorrt_llm.serve.ray_serve.config import RayServeConfig
 from tensorrt_llm.serve.ray_serve.deployments import LLMReplica, OpenAIIngress
+from tensorrt_llm.serve.ray_serve.prompt_ids import prompt_renderer
 from tensorrt_llm.serve.ray_serve.routers import PrefixAwareRequestRouter, RoundRobinRequestRouter
 from tensorrt_llm.serve.server_config import ServerConfig
 
@@ -70,19 +69,6 @@ def build_app(args: Mapping[str, Any] | None = None, /, **kwargs: Any) -> serve.
         ray_actor_options={"num_cpus": settings.ingress_num_cpus}, max_ongoing_requests=INGRESS_MAX_ONGOING_REQUESTS,
     )
     return ingress.bind(replicas, prompt_renderer(model, server, llm_kwargs.get("dtype")), server, settings)
-
-
-def prompt_renderer(model: str, server: ServerConfig, dtype: str | None = None) -> PromptRenderer:
-    """The prompt renderer of the replicas' ``OpenAIServer``, from the model's metadata only (its
-    tokenizer and chat template; no weights): what the ingress tokenizes with for routing."""
-    seeded = seeded_model(model)
-    if seeded is not None:
-        return PromptRenderer(seeded[0], None, None)
-    checkpoint = describe_checkpoint(model, dtype=dtype)
-    tokenizer = checkpoint.tokenizer
-    template = read_chat_template(server.chat_template) if server.chat_template else (
-        tokenizer.chat_template if tokenizer is not None else None)
-    return PromptRenderer(checkpoint.model_id, tokenizer, template)
 
 
 def _router(settings: RayServeConfig, tokens_per_block: int) -> dict:

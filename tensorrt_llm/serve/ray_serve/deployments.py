@@ -12,7 +12,8 @@
   its KV cache events, health and Prometheus text to the registry. ``check_health`` is
   ``/health``'s verdict: Ray Serve replaces a replica whose executor died or stalled.
 * :class:`OpenAIIngress`: reads the request, renders its prompt ids with the model's tokenizer
-  and chat template (the server's own code, so the router sees the ids the replica queues),
+  and chat template (``prompt_ids``: the server's own code, so the router sees the ids the
+  replica queues),
   and relays the chosen replica's answer. A replica that dies mid-request ends the request
   cleanly: a 503 error body when no answer has started, else (a stream) a last
   ``data: {"error": ...}`` event and ``data: [DONE]``. ``/health`` and ``/prometheus/metrics``
@@ -39,22 +40,19 @@ from ray import serve
 from starlette.requests import ClientDisconnect, Request
 
 from tensorrt_llm.serve.errors import OpenAIError, error_body
-from tensorrt_llm.serve.openai_protocol import ChatCompletionRequest, CompletionRequest
 from tensorrt_llm.serve.prompts import PromptRenderer
 from tensorrt_llm.serve.ray_serve.config import RayServeConfig
 from tensorrt_llm.serve.ray_serve.metrics_merge import merge_expositions
 from tensorrt_llm.serve.ray_serve.prefix_index import PrefixIndex
+from tensorrt_llm.serve.ray_serve.prompt_ids import RoutingPrompts
 from tensorrt_llm.serve.ray_serve.registry import NAMESPACE, ReplicaRegistry, registry_name
 from tensorrt_llm.serve.ray_serve.routers import replica_name
 from tensorrt_llm.serve.ray_serve.wire import REPLICA_HEADER, ResponseHead, RoutedRequest
 from tensorrt_llm.serve.server_config import ServerConfig
-from tensorrt_llm.serve.tool_calling import plan_tools
-from tensorrt_llm.serve.tool_parsers import get_tool_parser
 
 logger = logging.getLogger(__name__)
 
 RETRY_AFTER_REPLICA_FAILED_S = 1  # Ray Serve replaces the replica; the others take new requests now
-GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 _APP_STOP_GRACE_S = 5.0  # a request's app task gets this long to finish after its client left
 
 
@@ -238,9 +236,8 @@ class OpenAIIngress:
     def __init__(self, replicas, prompts: PromptRenderer, server_config: ServerConfig,
                  settings: RayServeConfig) -> None:
         self.replicas = replicas.options(stream=True)
-        self.prompts = prompts
+        self.prompts = RoutingPrompts(prompts, server_config)
         self.server_config = server_config
-        self.tool_parser = get_tool_parser(server_config.tool_parser) if server_config.tool_parser else None
         app_name = serve.get_replica_context().app_name
         # created here, owned by this replica: Ray Serve's shutdown (or this replica's death) ends it
         self.registry = RegistryActor.options(name=registry_name(app_name), namespace=NAMESPACE,
@@ -260,7 +257,7 @@ class OpenAIIngress:
             return Response(status_code=499)
         client = request.scope.get("client")
         routed = RoutedRequest(request.method, path, request.scope.get("query_string", b""), list(request.headers.raw),
-                               body, tuple(client) if client else None, await self._prompt_ids(path, body))
+                               body, tuple(client) if client else None, await self.prompts.prompt_ids(path, body))
         stream = self.replicas.handle_http.remote(routed)
         try:
             head = await stream.__anext__()
@@ -272,21 +269,6 @@ class OpenAIIngress:
         response.status_code = head.status
         response.raw_headers = list(head.headers)
         return response
-
-    async def _prompt_ids(self, path: str, body: bytes) -> list[int] | None:
-        """The request's prompt as the replica will queue it (a batch of prompts: the first), for
-        the router; None when it is no generation request or cannot be rendered (the replica
-        answers it with the error)."""
-        if path not in GENERATION_PATHS:
-            return None
-        try:
-            if path == "/v1/completions":
-                completion = CompletionRequest.model_validate_json(body)
-                return await self.prompts.encode(completion.prompts[0])
-            chat = ChatCompletionRequest.model_validate_json(body)
-            return await self.prompts.render_chat(chat, plan_tools(chat, self.tool_parser, self.prompts.chat_template))
-        except (ValueError, OpenAIError):  # pydantic's ValidationError is a ValueError
-            return None
 
     async def _health(self) -> JSONResponse:
         """200 while at least one replica reports healthy; each live replica's ``/health`` body."""
