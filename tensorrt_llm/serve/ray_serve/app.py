@@ -31,7 +31,6 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 
 from tensorrt_llm._torch.pyexecutor.config import KvCacheConfig
-from tensorrt_llm.commands.serve import DEFAULT_MODEL
 from tensorrt_llm.llmapi.config_fields import deep_merge, from_mapping
 from tensorrt_llm.serve.llm_options import llm_options, read_llm_options
 from tensorrt_llm.serve.ray_serve.config import RayServeConfig
@@ -40,6 +39,7 @@ from tensorrt_llm.serve.ray_serve.prompt_ids import prompt_renderer
 from tensorrt_llm.serve.ray_serve.routers import PrefixAwareRequestRouter, RoundRobinRequestRouter
 from tensorrt_llm.serve.server_config import ServerConfig
 
+DEFAULT_MODEL = "smollm2-135m-instruct"  # trtllm-serve's (commands sit above serve: not imported)
 #: Events the prefix-aware router's replicas buffer between two pushes (one push every few ms).
 EVENT_BUFFER_SIZE = 8192
 INGRESS_MAX_ONGOING_REQUESTS = 10_000  # the ingress only relays: Ray Serve's default of 5 would queue
