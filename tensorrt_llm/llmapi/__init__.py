@@ -10,6 +10,7 @@
 ``speculative_config``         ``NGramDecodingConfig``       ``SpeculativeConfig``
 ``fault_injection``            ``FaultInjectionConfig``
 ``simulated_engine``           ``SimulatedEngineConfig``
+``kv_events_config``           ``KVEventsConfig`` (vLLM's)
 ``capacity_scheduler_policy``  ``CapacitySchedulerPolicy``
 ``context_chunking_policy``    ``ContextChunkingPolicy``
 ``token_budget_policy``        ``TokenBudgetPolicyName``
@@ -48,6 +49,7 @@ _NAMES = {
     "WaitingQueuePolicy": (_CONFIG, "WaitingQueuePolicy"),
     "TokenBudgetPolicyName": (_CONFIG, "TokenBudgetPolicyName"),
     "ExecutorConfig": (_CONFIG, "ExecutorConfig"),
+    "KVEventsConfig": ("tensorrt_llm.llmapi.llm_args", "KVEventsConfig"),  # vLLM's name: upstream has none
     "TorchLlmArgs": ("tensorrt_llm.llmapi.llm_args", "LlmArgs"),  # upstream's name for the PyTorch backend's args
     "LlmArgs": ("tensorrt_llm.llmapi.llm_args", "LlmArgs"),
 }

@@ -28,7 +28,7 @@ from tensorrt_llm._torch.pyexecutor.engine.simulated import (
     SleepingClock,
 )
 from tensorrt_llm._torch.pyexecutor.sampling.synthetic_sampler import SyntheticSampler
-from tensorrt_llm._torch.pyexecutor.errors import RequestError
+from tensorrt_llm._torch.pyexecutor.errors import KVCacheEventsDisabled, RequestError
 from tensorrt_llm._torch.pyexecutor.executor.client import ExecutorClient, Health
 from tensorrt_llm._torch.pyexecutor.sampling.guided_decoder import GrammarCompiler, GuidedDecodingParams
 from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequest, check_priority
@@ -36,6 +36,7 @@ from tensorrt_llm._torch.pyexecutor.sampling_config import SEED_LIMIT, SamplingC
 from tensorrt_llm._torch.pyexecutor.py_executor_creator import create_py_executor
 from tensorrt_llm.llmapi.config_fields import build_nested, from_mapping
 from tensorrt_llm.llmapi.kv_cache_events import event_dict
+from tensorrt_llm.llmapi.llm_args import KVEventsConfig
 from tensorrt_llm.llmapi.llm_utils import (
     GenerationDefaults,
     describe_checkpoint,
@@ -238,9 +239,11 @@ class LLM:
         enable_attention_dp: bool = False,
         check_decisions: bool = False,
         simulated_engine: SimulatedEngineConfig | Mapping | None = None,
+        kv_events_config: KVEventsConfig | dict | None = None,
         **executor_options,
     ) -> None:
-        config = _executor_config(executor_options)
+        self.kv_events_config = _kv_events_config(kv_events_config)
+        config = _with_event_buffer(_executor_config(executor_options), self.kv_events_config)
         if isinstance(tensor_parallel_size, bool) or not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be a positive integer, got {tensor_parallel_size!r}")
         if simulated_engine is not None:
@@ -303,6 +306,16 @@ class LLM:
         logger.info("%s", self.describe())
         self._grammar_compiler: GrammarCompiler | None = None  # built on the first guided request
         self._grammar_lock = threading.Lock()
+        self.kv_event_publisher = None  # a ZmqEventPublisher when kv_events_config publishes
+        if self.kv_events_config is not None and self.kv_events_config.publishes:
+            from tensorrt_llm.llmapi.kv_event_publisher import ZmqEventPublisher  # pyzmq, only when asked for
+
+            try:
+                self.kv_event_publisher = ZmqEventPublisher(self._executor.get_kv_cache_events, self.kv_events_config)
+            except Exception as error:  # an address in use: nothing may stay running
+                self._executor.shutdown()
+                raise ValueError(f"kv_events_config: cannot publish on {self.kv_events_config.endpoint}"
+                                 f" / {self.kv_events_config.replay_endpoint}: {error}") from None
         self._executor.start()
 
     def _build_simulated(self, model, config: ExecutorConfig, options: dict,
@@ -406,6 +419,10 @@ class LLM:
         ``kv_cache_config.event_buffer_max_size > 0`` (``KVCacheEventsDisabled`` otherwise).
         Several ranks: rank 0's pool under tensor parallelism (it decides as every rank does);
         every rank's under attention DP, each dict with its ``attention_dp_rank``."""
+        if self.kv_event_publisher is not None:
+            raise KVCacheEventsDisabled(
+                f"this LLM's KV cache events go to its ZMQ publisher ({self.kv_events_config.endpoint}), their one"
+                " reader: subscribe there, or set kv_events_config.publisher: null to read them here")
         window = self.config.max_seq_len
         return [event_dict(record, window_size=window) for record in self._executor.get_kv_cache_events(timeout)]
 
@@ -437,7 +454,10 @@ class LLM:
         return self._executor.iteration_stats
 
     def shutdown(self) -> None:
+        """Stop the executor, then the KV event publisher (it sends what the pool emitted last)."""
         self._executor.shutdown()
+        if self.kv_event_publisher is not None:
+            self.kv_event_publisher.shutdown()
 
     def __enter__(self) -> "LLM":
         return self
@@ -607,6 +627,24 @@ def _executor_config(executor_options: dict) -> ExecutorConfig:
     return ExecutorConfig(**build_nested(ExecutorConfig, executor_options))
 
 
+def _kv_events_config(given: KVEventsConfig | dict | None) -> KVEventsConfig | None:
+    """``kv_events_config`` as given: its object, the mapping the YAML holds, or None."""
+    if given is None or isinstance(given, KVEventsConfig):
+        return given
+    from tensorrt_llm.llmapi.config_fields import from_mapping
+
+    return from_mapping(KVEventsConfig, given, path="kv_events_config")
+
+
+def _with_event_buffer(config: ExecutorConfig, events: KVEventsConfig | None) -> ExecutorConfig:
+    """With KV cache events enabled and ``kv_cache_config.event_buffer_max_size`` 0, a buffer of
+    ``max_queue_size`` events (vLLM's queue for its publisher)."""
+    kv = config.kv_cache_config
+    if events is None or not events.enable_kv_cache_events or kv.event_buffer_max_size:
+        return config
+    return dataclasses.replace(config, kv_cache_config=dataclasses.replace(kv, event_buffer_max_size=events.max_queue_size))
+
+
 def _torchrun_group(config: ExecutorConfig, enable_attention_dp: bool) -> TorchrunGroup | None:
     """Rank 0's group when this process was started by ``torchrun`` (``env://``), else None
     (the ranks are spawned here)."""
@@ -628,6 +666,7 @@ def follow_rank0(
     tensor_parallel_size: int | None = None,
     enable_attention_dp: bool = False,
     check_decisions: bool = False,
+    kv_events_config: KVEventsConfig | dict | None = None,
     **executor_options,
 ) -> int:
     """A ``torchrun`` rank other than 0: build this rank's shard and executor from the same
@@ -642,7 +681,8 @@ def follow_rank0(
         raise ValueError(_TORCHRUN_ATTENTION_DP)
     if resolve_device(device, ranks=launch.world_size).type != "cpu":
         raise ValueError("ranks run on the CPU only (gloo)")
-    config = _executor_config(executor_options)
+    # rank 0's process publishes the events (under TP its pool speaks for all): only the buffer matters here
+    config = _with_event_buffer(_executor_config(executor_options), _kv_events_config(kv_events_config))
     rank_model = _rank_model(model, dtype=dtype, seed=seed)
     config = _cap_max_seq_len(config, executor_options, rank_model.config)
     job = serve_config(rank_model.config, config, check_decisions=check_decisions, checkpoint=rank_model.checkpoint)

@@ -28,6 +28,62 @@ DERIVED_DEFAULTS = {
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 
 
+#: ``KVEventsConfig.publisher`` values (vLLM's): ``null`` keeps the events for ``LLM.get_kv_cache_events``.
+KV_EVENT_PUBLISHERS = ("null", "zmq")
+
+
+@dataclass(frozen=True, slots=True)
+class KVEventsConfig:
+    """KV cache events published for a router, in vLLM's wire format (vLLM's ``kv_events_config``
+    and field names; ``llmapi/kv_event_publisher.py``, ``docs/scale-out.md``).
+
+    With ``enable_kv_cache_events`` and ``publisher: zmq``, a thread of its own sends every
+    batch of the pool's events on a ZMQ PUB socket at ``endpoint`` (bound when the address has
+    a ``*``, ``::``, or is ``ipc://`` / ``inproc://``; connected otherwise), as multipart
+    ``[topic, 8-byte big-endian sequence number, msgpack(KVEventBatch)]``, and keeps the last
+    ``buffer_steps`` batches for a ROUTER socket at ``replay_endpoint`` that resends them from a
+    sequence number a subscriber asks for. The pool's buffer (``kv_cache_config.
+    event_buffer_max_size``, or ``max_queue_size`` when that is 0) feeds the thread, which
+    then is its only reader: ``LLM.get_kv_cache_events`` is refused. ``publisher: null`` keeps
+    the events for ``LLM.get_kv_cache_events`` instead.
+    """
+
+    enable_kv_cache_events: bool = False  # the pool emits KV cache events (stored, removed, cleared)
+    # zmq: publish them on endpoint; null: keep them for LLM.get_kv_cache_events (default: zmq when enabled)
+    publisher: str | None = field(default=None, metadata={"choices": KV_EVENT_PUBLISHERS})
+    endpoint: str = "tcp://*:5557"  # the ZMQ PUB socket's address (bound with * or ::, else connected)
+    replay_endpoint: str | None = None  # a ROUTER socket resending kept batches from a sequence number; None: none
+    buffer_steps: int = 10_000  # batches kept for replay
+    hwm: int = 100_000  # the PUB socket's high-water mark: messages queued per subscriber before ZMQ drops
+    # events waiting for the publisher when kv_cache_config.event_buffer_max_size is 0
+    max_queue_size: int = 100_000
+    topic: str = ""  # the topic frame of every message (subscribers filter on it)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.enable_kv_cache_events, bool):
+            raise ValueError(f"kv_events_config.enable_kv_cache_events must be a bool, got {self.enable_kv_cache_events!r}")
+        if self.publisher is None:
+            object.__setattr__(self, "publisher", "zmq" if self.enable_kv_cache_events else "null")
+        if self.publisher not in KV_EVENT_PUBLISHERS:
+            raise ValueError(f"kv_events_config.publisher must be one of {', '.join(map(repr, KV_EVENT_PUBLISHERS))},"
+                             f" got {self.publisher!r}")
+        if not isinstance(self.endpoint, str) or "://" not in self.endpoint:
+            raise ValueError(f"kv_events_config.endpoint must be a ZMQ address such as 'tcp://*:5557', got {self.endpoint!r}")
+        if self.replay_endpoint is not None and (not isinstance(self.replay_endpoint, str) or "://" not in self.replay_endpoint):
+            raise ValueError(f"kv_events_config.replay_endpoint must be a ZMQ address or None, got {self.replay_endpoint!r}")
+        for name in ("buffer_steps", "hwm", "max_queue_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"kv_events_config.{name} must be a positive integer, got {value!r}")
+        if not isinstance(self.topic, str):
+            raise ValueError(f"kv_events_config.topic must be a string, got {self.topic!r}")
+
+    @property
+    def publishes(self) -> bool:
+        """Whether a ZMQ publisher runs (enabled, publisher zmq)."""
+        return self.enable_kv_cache_events and self.publisher == "zmq"
+
+
 @dataclass(frozen=True, slots=True)
 class LlmArgs:
     """Every ``LLM(...)`` keyword, validated at construction (``LLM`` resolves the device)."""
@@ -45,6 +101,8 @@ class LlmArgs:
     # no model runs: the simulated engine (bookkeeping KV cache, synthetic tokens), each forward
     # sleeping what this cost model says; the model's config and tokenizer are still read. None: off
     simulated_engine: SimulatedEngineConfig | None = None
+    # KV cache events for a router, in vLLM's wire format on a ZMQ socket; None: none published
+    kv_events_config: KVEventsConfig | None = None
     executor: ExecutorConfig = nested(ExecutorConfig, inline=True)
 
     def __post_init__(self) -> None:

@@ -14,7 +14,12 @@ Three sources, each pushed or pulled once:
   bytes per GPU (``trtllm_gpu_memory_{allocated,reserved}_bytes{device}``): a soak tells a leak
   (allocated grows) from the caching allocator keeping what a peak used (reserved grows);
 - admission, on the event loop: requests refused with 503 before they were queued
-  (``trtllm_requests_rejected_total{reason}``: ``unhealthy``, ``queue_full``).
+  (``trtllm_requests_rejected_total{reason}``: ``unhealthy``, ``queue_full``);
+- KV cache events (``kv_cache_config.event_buffer_max_size``, or ``kv_events_config``), read at
+  scrape time from the event buffer's running totals: ``trtllm_kv_cache_events_total`` emitted,
+  ``trtllm_kv_cache_events_dropped_total`` dropped unread because nobody read them in time (the
+  buffer full: a publisher or a caller of ``get_kv_cache_events`` that fell behind). Absent
+  while events are off.
 
 prometheus-client objects are thread-safe, so the two writers need no lock of their own.
 
@@ -155,6 +160,7 @@ class ServerMetrics:
         registry.register(_GpuMemoryCollector())
         if executor.faults_injected():  # on, in this process (several ranks: in theirs)
             registry.register(_FaultCollector(executor))
+        registry.register(_KvEventCollector(executor))
         executor.add_iteration_listener(self.on_iteration)
 
     def on_iteration(self, stats: IterationStats) -> None:
@@ -267,6 +273,22 @@ class _FaultCollector(Collector):
         for kind in FAULT_KINDS:
             family.add_metric([kind], injected[kind])
         yield family
+
+
+class _KvEventCollector(Collector):
+    """KV cache events emitted and dropped (the buffer's running totals); nothing while events are off."""
+
+    def __init__(self, executor: ExecutorClient) -> None:
+        self._executor = executor
+
+    def collect(self):
+        counts = self._executor.kv_cache_event_counts()
+        if counts is None:
+            return
+        yield CounterMetricFamily("trtllm_kv_cache_events", "KV cache events emitted by the block pool (stored,"
+                                  " removed, moved between tiers, all cleared)", value=counts.emitted)
+        yield CounterMetricFamily("trtllm_kv_cache_events_dropped", "KV cache events dropped unread: the event"
+                                  " buffer was full (its reader fell behind)", value=counts.dropped)
 
 
 class _GpuMemoryCollector(Collector):

@@ -50,7 +50,8 @@ SURFACES = {
 }
 
 # A value for string fields whose values are constrained (the others take any non-empty string).
-_STRINGS = {"dtype": "float16", "device": "cpu", "host": "0.0.0.0", "path": "trace.jsonl", "cost_model": "model.json"}
+_STRINGS = {"dtype": "float16", "device": "cpu", "host": "0.0.0.0", "path": "trace.jsonl", "cost_model": "model.json",
+            "endpoint": "tcp://127.0.0.1:5600", "replay_endpoint": "tcp://*:5601"}
 # Settings a field's value is valid only beside (a dataclass's own checks across fields).
 _PRIORITY = {"scheduler_config": {"waiting_queue_policy": "priority"}}  # preemption is among priorities
 _BESIDE = {(ReplaySettings, "device"): {"engine": "torch"},
@@ -390,8 +391,8 @@ def test_every_config_argument_takes_the_dict_form_the_yaml_uses(one_torch_threa
     given["speculative_config"] = {"decoding_type": "NGram", "max_draft_len": 2, "max_matching_ngram_size": 2}
     given["kv_cache_config"] |= {"tokens_per_block": 16, "num_blocks": 64}
     with LLM("tiny-random", max_seq_len=128, **given) as llm:
-        for keyword, kind in nested.items():
-            built = getattr(llm.config, keyword)
+        for keyword, kind in nested.items():  # an executor's config, or the LLM's own (kv_events_config)
+            built = getattr(llm.config, keyword) if hasattr(llm.config, keyword) else getattr(llm, keyword)
             assert isinstance(built, kind), keyword
         assert llm.config.speculative_config == NGramDecodingConfig(max_draft_len=2, max_matching_ngram_size=2)
         assert llm.config.kv_cache_config.tokens_per_block == 16

@@ -60,6 +60,9 @@ __all__ = [
 ROOT_HASH = 0
 _TOKEN_BYTES = 4  # the tree packs token ids as native unsigned 32-bit ints
 _LITTLE_ENDIAN = array("I", [1]).tobytes()[0] == 1
+_blake2b = hashlib.blake2b
+_now = time.time
+_tuple_new = tuple.__new__  # a NamedTuple without its Python-level __new__: one call less per event
 
 
 class CacheLevel(enum.IntEnum):
@@ -156,9 +159,7 @@ def chain_hash(parent_hash: int, tokens: bytes) -> int:
         swapped = array("I", tokens)
         swapped.byteswap()
         tokens = swapped.tobytes()
-    digest = hashlib.blake2b(parent_hash.to_bytes(8, "little"), digest_size=8)
-    digest.update(tokens)
-    return int.from_bytes(digest.digest(), "little")
+    return int.from_bytes(_blake2b(parent_hash.to_bytes(8, "little") + tokens, digest_size=8).digest(), "little")
 
 
 def block_hashes(token_ids: Sequence[int], tokens_per_block: int) -> list[int]:
@@ -193,45 +194,57 @@ class KVCacheEventBuffer:
         self.max_size = max_size
         self.rank = rank
         self._events: deque[KVEventRecord] = deque()
-        self._ready = threading.Condition(threading.Lock())
+        # A plain lock for the writer (one C-level acquire per event); the condition over it is
+        # notified only while a reader waits on it (a Python-level notify costs microseconds).
+        self._lock = threading.Lock()
+        self._ready = threading.Condition(self._lock)
+        self._waiting = 0
         self._next_id = 0
         self._emitted = 0
         self._dropped = 0
 
     def emit(self, event: KVCacheEvent) -> None:
         """Append ``event`` with the next number (executor thread)."""
-        with self._ready:
-            record = KVEventRecord(self._next_id, event, time.time(), self.rank)
+        with self._lock:
+            events = self._events
+            if len(events) >= self.max_size:
+                events.popleft()
+                self._dropped += 1
+            events.append(_tuple_new(KVEventRecord, (self._next_id, event, _now(), self.rank)))  # KVEventRecord(...)
             self._next_id += 1
-            self._append(record)
+            self._emitted += 1
+            if self._waiting:
+                self._ready.notify()
 
     def forward(self, records: Iterable[KVEventRecord]) -> None:
         """Append records another buffer numbered (a rank's, relayed), as they are."""
-        with self._ready:
+        with self._lock:
+            events = self._events
             for record in records:
-                self._append(record)
-
-    def _append(self, record: KVEventRecord) -> None:  # the lock is held
-        events = self._events
-        if len(events) >= self.max_size:
-            events.popleft()
-            self._dropped += 1
-        events.append(record)
-        self._emitted += 1
-        self._ready.notify()
+                if len(events) >= self.max_size:
+                    events.popleft()
+                    self._dropped += 1
+                events.append(record)
+                self._emitted += 1
+            if self._waiting:
+                self._ready.notify()
 
     def take(self, timeout: float | None = 0.0, max_events: int | None = None) -> list[KVEventRecord]:
         """The events waiting (at most ``max_events``), oldest first; with none waiting, wait up
         to ``timeout`` seconds for one (None: as long as it takes; 0: not at all)."""
-        with self._ready:
+        with self._lock:
             events = self._events
             if not events and timeout != 0:
-                self._ready.wait_for(lambda: bool(self._events), timeout)
+                self._waiting += 1
+                try:
+                    self._ready.wait_for(lambda: bool(self._events), timeout)
+                finally:
+                    self._waiting -= 1
             count = len(events) if max_events is None else min(max_events, len(events))
             return [events.popleft() for _ in range(count)]
 
     def counts(self) -> KVEventCounts:
-        with self._ready:
+        with self._lock:
             return KVEventCounts(self._emitted, self._dropped)
 
     def __len__(self) -> int:
