@@ -195,8 +195,10 @@ class _Reporter(threading.Thread):
             except Exception as error:  # noqa: BLE001 - a lost registry or a shut-down LLM: try again
                 if self._stop.is_set():
                     return
-                logger.warning("replica %s: reporting failed (%s: %s); retrying", self.replica.name,
-                               type(error).__name__, error)
+                # the registry dies with its ingress replica (replaced, or the application shutting down)
+                level = logging.INFO if isinstance(error, ray.exceptions.RayActorError) else logging.WARNING
+                logger.log(level, "replica %s: reporting failed (%s); retrying", self.replica.name,
+                           type(error).__name__)
                 self._registry = None
                 self._stop.wait(self.period_s)
 
@@ -286,7 +288,11 @@ class OpenAIIngress:
 
     async def _metrics(self) -> Response:
         """Every live replica's Prometheus metrics, each sample labelled ``replica``."""
-        reports = await self.registry.reports.remote()
+        try:
+            reports = await self.registry.reports.remote()
+        except Exception as error:  # noqa: BLE001
+            return JSONResponse(error_body(503, f"the registry is unavailable: {type(error).__name__}"),
+                                status_code=503)
         text = merge_expositions({name: report.metrics for name, report in reports.items()})
         return Response(text, media_type=prometheus_client.CONTENT_TYPE_LATEST)
 
