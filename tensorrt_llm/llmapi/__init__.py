@@ -9,6 +9,7 @@
 ``scheduler_config``           ``SchedulerConfig``
 ``speculative_config``         ``NGramDecodingConfig``       ``SpeculativeConfig``
 ``fault_injection``            ``FaultInjectionConfig``
+``simulated_engine``           ``SimulatedEngineConfig``
 ``kv_events_config``           ``KVEventsConfig`` (vLLM's)
 ``capacity_scheduler_policy``  ``CapacitySchedulerPolicy``
 ``context_chunking_policy``    ``ContextChunkingPolicy``
@@ -36,6 +37,7 @@ _NAMES = {
     "RequestError": ("tensorrt_llm._torch.pyexecutor.errors", "RequestError"),
     "GuidedDecodingParams": ("tensorrt_llm._torch.pyexecutor.sampling.guided_decoder", "GuidedDecodingParams"),
     "KvCacheConfig": (_CONFIG, "KvCacheConfig"),
+    "SimulatedEngineConfig": ("tensorrt_llm._torch.pyexecutor.engine.simulated", "SimulatedEngineConfig"),
     "CudaGraphConfig": (_CONFIG, "CudaGraphConfig"),
     "SchedulerConfig": (_CONFIG, "SchedulerConfig"),
     "NGramDecodingConfig": (_CONFIG, "SpeculativeConfig"),  # upstream's name for the n-gram drafter's config

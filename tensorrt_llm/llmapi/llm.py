@@ -10,7 +10,7 @@ import logging
 import os
 import threading
 from dataclasses import dataclass
-from typing import AsyncIterator, Sequence
+from typing import AsyncIterator, Mapping, Sequence
 
 import torch
 
@@ -21,13 +21,20 @@ from tensorrt_llm._torch.distributed.worker import serve_config, serve_rank
 from tensorrt_llm._torch.models.checkpoints import KvCacheQuantization
 from tensorrt_llm._torch.models.modeling_llama import LlamaConfig
 from tensorrt_llm._torch.pyexecutor.config import DEFAULT_PRIORITY, ExecutorConfig, KvCacheConfig
+from tensorrt_llm._torch.pyexecutor.engine.simulated import (
+    LinearForwardTime,
+    SimulatedEngineConfig,
+    SimulatedModelEngine,
+    SleepingClock,
+)
+from tensorrt_llm._torch.pyexecutor.sampling.synthetic_sampler import SyntheticSampler
 from tensorrt_llm._torch.pyexecutor.errors import KVCacheEventsDisabled, RequestError
 from tensorrt_llm._torch.pyexecutor.executor.client import ExecutorClient, Health
 from tensorrt_llm._torch.pyexecutor.sampling.guided_decoder import GrammarCompiler, GuidedDecodingParams
 from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequest, check_priority
 from tensorrt_llm._torch.pyexecutor.sampling_config import SEED_LIMIT, SamplingConfig
 from tensorrt_llm._torch.pyexecutor.py_executor_creator import create_py_executor
-from tensorrt_llm.llmapi.config_fields import build_nested
+from tensorrt_llm.llmapi.config_fields import build_nested, from_mapping
 from tensorrt_llm.llmapi.kv_cache_events import event_dict
 from tensorrt_llm.llmapi.llm_args import KVEventsConfig
 from tensorrt_llm.llmapi.llm_utils import (
@@ -210,6 +217,11 @@ class LLM:
     same arguments (``trtllm-serve`` does both). ``check_decisions``: the ranks compare a digest of
     their decisions before every forward.
 
+    ``simulated_engine`` (a ``SimulatedEngineConfig`` or its mapping) runs no model: the model's
+    config, tokenizer and generation defaults are read (no weights), the KV manager keeps books
+    only, tokens come from ``SyntheticSampler`` and each forward sleeps what the config's cost
+    formula says (replicas behind real HTTP at a device's latencies, on a small CPU machine).
+
     ``device="auto"`` (the default) serves on the GPU when torch sees one and on the CPU otherwise.
     ``max_seq_len`` defaults to the model's ``max_position_embeddings``, lowered to what the KV
     pool holds for one sequence (as upstream derives it from the checkpoint and the pool);
@@ -226,6 +238,7 @@ class LLM:
         tensor_parallel_size: int = 1,
         enable_attention_dp: bool = False,
         check_decisions: bool = False,
+        simulated_engine: SimulatedEngineConfig | Mapping | None = None,
         kv_events_config: KVEventsConfig | dict | None = None,
         **executor_options,
     ) -> None:
@@ -233,6 +246,10 @@ class LLM:
         config = _with_event_buffer(_executor_config(executor_options), self.kv_events_config)
         if isinstance(tensor_parallel_size, bool) or not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be a positive integer, got {tensor_parallel_size!r}")
+        if simulated_engine is not None:
+            if tensor_parallel_size > 1:
+                raise ValueError("simulated_engine runs on one rank (tensor_parallel_size=1)")
+            device = "cpu" if device == "auto" else device  # no model runs: nothing for a GPU to do
         device = resolve_device(device, ranks=tensor_parallel_size)
         if dtype is None and device.type == "cuda" and seeded_model(model) is not None:
             dtype = "bfloat16"  # DESIGN.md §7; a checkpoint runs in its own dtype there (llm_utils.default_dtype)
@@ -264,6 +281,8 @@ class LLM:
             except ValueError as error:  # an unshardable model: say which, before any rank starts
                 raise ValueError(f"model {self.model_id!r} cannot run on {tensor_parallel_size} ranks: {error}") from None
             self.max_seq_len_source = _max_seq_len_source(self.config, executor_options, self.model_config, None)
+        elif simulated_engine is not None:
+            self._build_simulated(model, config, executor_options, simulated_engine, dtype=dtype, seed=seed)
         else:
             loaded = load_model(model, dtype=dtype, seed=seed, device=device)
             self.model_id = loaded.model_id  # the served name: the preset's, or the .gguf file's stem
@@ -298,6 +317,36 @@ class LLM:
                 raise ValueError(f"kv_events_config: cannot publish on {self.kv_events_config.endpoint}"
                                  f" / {self.kv_events_config.replay_endpoint}: {error}") from None
         self._executor.start()
+
+    def _build_simulated(self, model, config: ExecutorConfig, options: dict,
+                         simulated: SimulatedEngineConfig | Mapping, *, dtype: str | None, seed: int | None) -> None:
+        """The simulated engine (``simulated_engine``): the model's config, tokenizer and generation
+        defaults are read (a preset's, or a checkpoint's metadata: no weights are loaded); forwards
+        sleep what ``simulated`` says the batch costs; tokens are ``SyntheticSampler``'s."""
+        if isinstance(simulated, Mapping):
+            simulated = from_mapping(SimulatedEngineConfig, simulated, path="simulated_engine")
+        if self.device.type != "cpu":
+            raise ValueError(f"simulated_engine runs no model: give device 'cpu' or 'auto', not {str(self.device)!r}")
+        described = _rank_model(model, dtype=dtype, seed=seed)
+        self.model_id, self.model_config, self.tokenizer = described.model_id, described.config, described.tokenizer
+        self.generation_defaults, self.kv_scales = described.generation_defaults, None
+        self.kv_bytes_per_token, self._kv_stored = self.model_config.kv_bytes_per_token, "none (simulated)"
+        config = _cap_max_seq_len(config, options, self.model_config)
+        if "max_seq_len" not in options:
+            config = dataclasses.replace(config, max_seq_len=self.model_config.max_position_embeddings)
+        timer, vocab_size = LinearForwardTime(simulated), self.model_config.vocab_size
+
+        def engine(kv):
+            return SimulatedModelEngine(config.max_num_tokens, kv, vocab_size=vocab_size, clock=SleepingClock(),
+                                        forward_time_s=timer)
+
+        executor = create_py_executor(config, engine_factory=engine, sampler=SyntheticSampler(vocab_size),
+                                      kv_bytes_per_token=self.kv_bytes_per_token,
+                                      fit_max_seq_len_to_pool="max_seq_len" not in options)
+        self._executor, self.config = executor, executor.config
+        self._pool_blocks = executor.kv_cache_manager.num_blocks
+        pool_tokens = self._pool_blocks * self.config.kv_cache_config.tokens_per_block
+        self.max_seq_len_source = _max_seq_len_source(self.config, options, self.model_config, pool_tokens)
 
     def describe(self) -> str:
         """One line for a start-up log: the model, device, dtype, KV pool (an FP8 pool's scales: the

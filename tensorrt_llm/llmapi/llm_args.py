@@ -12,6 +12,7 @@ import re
 from dataclasses import dataclass, field
 
 from tensorrt_llm._torch.pyexecutor.config import ExecutorConfig
+from tensorrt_llm._torch.pyexecutor.engine.simulated import SimulatedEngineConfig
 from tensorrt_llm.llmapi.config_fields import nested
 
 DEVICES = ("auto", "cuda", "cpu")
@@ -97,6 +98,9 @@ class LlmArgs:
     # with several ranks: before each forward the ranks compare a digest of their decisions (the
     # batch, chunks, re-check); a divergence fails the group naming what differs (one exchange a step)
     check_decisions: bool = False
+    # no model runs: the simulated engine (bookkeeping KV cache, synthetic tokens), each forward
+    # sleeping what this cost model says; the model's config and tokenizer are still read. None: off
+    simulated_engine: SimulatedEngineConfig | None = None
     # KV cache events for a router, in vLLM's wire format on a ZMQ socket; None: none published
     kv_events_config: KVEventsConfig | None = None
     executor: ExecutorConfig = nested(ExecutorConfig, inline=True)

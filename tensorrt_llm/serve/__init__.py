@@ -6,6 +6,7 @@ response models, ``openai_fields`` the table of what is done with each request f
 stop strings, timing), ``metrics`` the Prometheus registry, ``middleware`` the API key and
 body guards, ``http_server`` uvicorn's HTTP protocol with the edge limits (``uvicorn_config``),
 ``server_config`` the front's settings, ``llm_options`` the ``--extra_llm_api_options`` YAML,
-``errors`` the error format. Import ``OpenAIServer`` from ``tensorrt_llm.serve.openai_server``: this package does
+``errors`` the error format, ``prompts`` a request's prompt as token ids, ``ray_serve`` N
+replicas under Ray Serve with a prefix-aware router (the ``[ray]`` extra). Import ``OpenAIServer`` from ``tensorrt_llm.serve.openai_server``: this package does
 not import it, so that checking the options file needs neither torch nor the model.
 """

@@ -70,14 +70,13 @@ from tensorrt_llm.serve.openai_protocol import (
     chat_completion_id,
     completion_id,
 )
+from tensorrt_llm.serve.prompts import PromptRenderer, read_chat_template
 from tensorrt_llm.serve.server_config import ServerConfig
 from tensorrt_llm.serve.tool_calling import (
     ToolDeltas,
-    ToolPlan,
     finish_reason,
     message_of,
     plan_tools,
-    template_messages,
 )
 from tensorrt_llm.serve.tool_parsers import get_tool_parser
 
@@ -119,8 +118,9 @@ class OpenAIServer:
         if self.sampling_defaults:
             logger.info("sampling defaults from the checkpoint's generation_config.json: %s", self.sampling_defaults)
         self.tool_parser = get_tool_parser(config.tool_parser) if config.tool_parser else None
-        self.chat_template = _read_template(config.chat_template) if config.chat_template else (
+        self.chat_template = read_chat_template(config.chat_template) if config.chat_template else (
             llm.tokenizer.chat_template if llm.tokenizer is not None else None)
+        self.prompts = PromptRenderer(self.model_id, self.tokenizer, self.chat_template)
         self.fastapi = app = FastAPI(title="trtllm-serve", version=self.version, lifespan=self._lifespan)
         app.add_exception_handler(OpenAIError, self._on_openai_error)
         app.add_exception_handler(RequestValidationError, self._on_validation_error)
@@ -172,7 +172,7 @@ class OpenAIServer:
         self._check_model(body.model)
         prompts = body.prompts
         params = [_prompt_param(i, len(prompts)) for i in range(len(prompts))]
-        prompts_ids = [await self._encode_prompt(prompt, param) for prompt, param in zip(prompts, params)]
+        prompts_ids = [await self.prompts.encode(prompt, param) for prompt, param in zip(prompts, params)]
         echoes = [""] * len(prompts)
         if body.echo:  # the prompt's text leads each choice's text, as OpenAI echoes it
             echoes = [prompt if isinstance(prompt, str) else (self.tokenizer.decode(ids) if self.tokenizer is not None
@@ -219,7 +219,7 @@ class OpenAIServer:
     async def chat_completions(self, body: ChatCompletionRequest, raw: Request):
         self._check_model(body.model)
         plan = plan_tools(body, self.tool_parser, self.chat_template)
-        prompt_ids = await self._render_chat(body, plan)
+        prompt_ids = await self.prompts.render_chat(body, plan)
         max_tokens = body.max_new_tokens or max(1, self.llm.config.max_seq_len - len(prompt_ids))
         generation = await self._submit(body, prompt_ids, max_tokens, guided=plan.grammar)
         request_id, created = chat_completion_id(), int(time.time())
@@ -271,42 +271,6 @@ class OpenAIServer:
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_id:
             raise OpenAIError(404, f"the model {model!r} does not exist; this server serves {self.model_id!r}", "model")
-
-    async def _encode_prompt(self, prompt: str | list[int], param: str = "prompt", *,
-                             add_special_tokens: bool = True) -> list[int]:
-        if isinstance(prompt, list):
-            if not prompt:
-                raise bad_request("the prompt is empty", param)
-            return prompt  # range-checked against the vocabulary by the executor's validation
-        if self.tokenizer is None:
-            raise bad_request(f"model {self.model_id!r} has no tokenizer: send the prompt as a list of token ids",
-                              param)
-        if not prompt:
-            raise bad_request("the prompt is empty", param)
-        try:
-            # long texts take a while: off the event loop
-            token_ids = await asyncio.to_thread(self.tokenizer.encode, prompt, add_special_tokens)
-        except ValueError as error:  # text the tokenizer cannot take (the edge refuses what it knows of)
-            raise bad_request(f"{param}: {error}", param) from None
-        if not token_ids:
-            raise bad_request("the prompt encodes to no tokens", param)
-        return token_ids
-
-    async def _render_chat(self, body: ChatCompletionRequest, plan: ToolPlan) -> list[int]:
-        """The conversation through the chat template (the server's ``--chat_template``, else the
-        model's), tools included, as token ids."""
-        if self.tokenizer is None or not self.chat_template:
-            raise bad_request(f"model {self.model_id!r} has no chat template: use /v1/completions"
-                              + (" with token ids" if self.tokenizer is None else ""), "messages")
-        messages = template_messages(body.messages)
-        tools = {} if plan.template_tools is None else {"tools": plan.template_tools}
-        try:
-            text = await asyncio.to_thread(self.tokenizer.apply_chat_template, messages, add_generation_prompt=True,
-                                           chat_template=self.chat_template, **tools, **(body.chat_template_kwargs or {}))
-        except ValueError as error:  # a conversation the template refuses (e.g. roles out of order)
-            raise bad_request(str(error), "messages") from None
-        # The template writes the special tokens it wants (a BOS included): encode none on top.
-        return await self._encode_prompt(text, "messages", add_special_tokens=False)
 
     async def _submit(self, body: CompletionRequest | ChatCompletionRequest, prompt_ids: list[int],
                       max_tokens: int, *, guided: GuidedDecodingParams | None = None) -> Generation:
@@ -546,15 +510,6 @@ def _guided_decoding(response_format: ResponseFormat | None) -> GuidedDecodingPa
         return GuidedDecodingParams(json_object=True)
     schema = response_format.json_schema.schema_
     return GuidedDecodingParams(json=schema if schema is not None else {})
-
-
-def _read_template(path: str) -> str:
-    """A ``--chat_template`` file's text; ValueError naming the file when it cannot be read."""
-    try:
-        with open(path, encoding="utf-8") as file:
-            return file.read()
-    except OSError as error:
-        raise ValueError(f"chat_template {path}: cannot read it: {error.strerror or error}") from None
 
 
 def _as_list(chunks) -> list:
