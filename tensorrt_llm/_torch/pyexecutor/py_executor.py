@@ -185,8 +185,8 @@ class PyExecutor:
             self._complete_in_flight()
             self._free_finished()
             return None
-        if self.drafter is not None:  # the tokens of every forward it drafts from have arrived (can_pick)
-            self.drafter.prepare_draft_tokens(self.active_requests)
+        if self.drafter is not None:  # drafts from known tokens; a request in flight gets the engine's (drafter)
+            self.drafter.prepare_draft_tokens(self.active_requests, engine_proposes=self.model_engine.proposes_drafts)
         scheduled = self._schedule()
         launch, launched = self._launch(scheduled)
         previous, self._in_flight = self._in_flight, launched
