@@ -553,7 +553,8 @@ class CudaForward:
             payload = torch.where(torch.isfinite(logits).all(dim=-1), tokens, torch.full_like(tokens, -1))
         if proposed is not None:  # and the drafts proposed on the device, then their counts
             payload = torch.cat((payload, proposed.drafts.reshape(-1), proposed.counts))
-        self._tokens_host = torch.empty(payload.shape, dtype=payload.dtype, pin_memory=payload.numel() > 0)
+        # pinned for a non-blocking copy from the GPU (a forward on the CPU, in tests, has nothing to pin)
+        self._tokens_host = torch.empty(payload.shape, dtype=payload.dtype, pin_memory=payload.is_cuda and payload.numel() > 0)
         if payload.numel():
             self._tokens_host.copy_(payload, non_blocking=True)
         self._event = _record_event()
