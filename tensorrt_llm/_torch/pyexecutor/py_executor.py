@@ -8,7 +8,7 @@ the submission queue, cancellations, health and the loop's death are
 upstream's, as a chain of values::
 
     arrivals + cancelled (from the loop) ─► admitted (or failed alone); cancelled ended   (admission)
-        ─► drafter.prepare_draft_tokens(active) (speculative decoding)
+        ─► drafter.prepare_draft_tokens(active) (speculative decoding; in flight: the engine's slots)
         ─► scheduler.schedule_request(active) ─► ScheduledRequests
         ─► pause what the capacity stage preempts
         ─► resource_manager.prepare_resources(scheduled) ─► PreparedBatch

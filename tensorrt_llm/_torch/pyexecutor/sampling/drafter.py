@@ -3,7 +3,8 @@
 Speculative decoding in one iteration (``ExecutorConfig.speculative_config``)::
 
     drafter.prepare_draft_tokens(active)   each speculative generation request gets up to
-                                            max_draft_len drafts (n-gram lookup in its tokens)
+                                            max_draft_len drafts (n-gram lookup in its tokens;
+                                            in flight: slots the engine fills at launch)
     schedule / re-check / allocate          charged forward_cost: 1 + drafts
                                             (a first-draft step: 1 + max_draft_len)
     forward                                 the target's greedy pick at the newest token and
