@@ -38,33 +38,39 @@ def propose_ngram_batch(
     tokens (then anything), at most ``room[s]`` drafts each. Returns ``(drafts, counts)``:
     (S, max_draft_len) int64 with -1 past each row's count, and (S,) int64.
 
-    For each suffix size n, longest first: a window of n tokens starting at ``i`` matches when it
-    equals the row's last n tokens and ends before the row's last token (``i <= length - n - 1``);
-    the row takes the latest such ``i`` of the largest n with any, and proposes the tokens from
-    ``i + n``, up to its length::
+    The reference tries suffix sizes n from the largest down and takes the latest window equal to
+    the row's last n tokens that ends before its last token. The same in one pass: for every
+    position e, ``run[e]`` counts how many tokens up to e equal the row's last tokens, backwards
+    (capped at N = ``max_matching_ngram_size``); a window of n tokens ending at e matches iff
+    ``run[e] >= n``. The largest run among positions ``e <= length - 2`` is the n the reference
+    finds, its latest position the window it takes, and the drafts start right after it::
 
-        row  1 2 3 7 8 9 1 2 3 . .     length 9, n = 3: the suffix "1 2 3" matches at i = 0
-                   └ drafts from i + n = 3: 7 8 9
+        row    1 2 3 7 8 9 1 2 3      length 9, last tokens (backwards) 3 2 1
+        run    0 0 3 0 0 0 0 0 .      e = 2 ends "1 2 3": n = 3, drafts from e + 1 = 3: 7 8 9
+
+    A fixed number of kernels (about 4N + 20) whatever the lengths, and nothing read back.
     """
     num_rows, width = history.shape
     device = history.device
+    n_max = max_matching_ngram_size
     lengths = lengths.to(torch.int64)
-    found = torch.zeros(num_rows, dtype=torch.bool, device=device)
-    start = torch.zeros(num_rows, dtype=torch.int64, device=device)
-    for n in range(min(max_matching_ngram_size, width - 1), 0, -1):
-        starts = width - n  # windows that end before the buffer's last column
-        offsets = torch.arange(n, device=device)
-        suffix = history.gather(1, (lengths[:, None] - n + offsets).clamp(min=0))  # (S, n)
-        windows = history.unfold(1, n, 1)[:, :starts]  # (S, starts, n), a view
-        match = (windows == suffix[:, None, :]).all(dim=2)  # (S, starts)
-        candidate = torch.arange(starts, device=device)
-        match &= candidate[None, :] <= (lengths - n - 1)[:, None]  # before the suffix itself
-        latest = torch.where(match, candidate[None, :], -1).amax(dim=1)  # (S,)
-        take = ~found & (latest >= 0)
-        start = torch.where(take, latest + n, start)
-        found |= take
+    # padding before the row (-1, never a token) so that position e - j exists for every j < N
+    padded = torch.nn.functional.pad(history, (n_max, 0), value=-1)  # (S, N + L)
+    back = torch.arange(n_max, device=device)  # j: the row's j-th token from the end
+    last = padded.gather(1, n_max + lengths[:, None] - 1 - back)  # (S, N)
+    last = last.masked_fill(back[None, :] >= lengths[:, None], -2)  # past the row's start: matches nothing
+    run = torch.zeros((num_rows, width), dtype=torch.int64, device=device)
+    matching = torch.ones((num_rows, width), dtype=torch.bool, device=device)
+    for j in range(n_max):
+        matching &= padded[:, n_max - j : n_max - j + width] == last[:, j : j + 1]  # token e - j is the j-th from the end
+        run += matching
+    position = torch.arange(width, device=device)
+    run = torch.where(position[None, :] <= lengths[:, None] - 2, run, 0)  # windows end before the last token
+    best = run.amax(dim=1)  # (S,) the longest matching suffix, 0: none
+    end = torch.where((run == best[:, None]) & (best[:, None] > 0), position[None, :], -1).amax(dim=1)  # (S,)
+    start = end + 1
     columns = start[:, None] + torch.arange(max_draft_len, device=device)  # (S, K)
-    valid = found[:, None] & (columns < lengths[:, None]) & (columns - start[:, None] < room[:, None])
+    valid = (end[:, None] >= 0) & (columns < lengths[:, None]) & (columns - start[:, None] < room[:, None])
     drafts = history.gather(1, columns.clamp(max=width - 1))
     drafts = torch.where(valid, drafts, -1)
     return drafts, valid.sum(dim=1)

@@ -125,6 +125,11 @@ class CudaGraphRunner:
         self._pool = None
         self.num_replays = 0
 
+    @property
+    def captured_sizes(self) -> list[int]:
+        """The batch sizes whose graph is captured, ascending."""
+        return sorted(self._graphs)
+
     # ---- which forwards a graph serves ---------------------------------------------------
     def graph_size(self, num_new_tokens: Sequence[int], num_cached_tokens: Sequence[int]) -> int | None:
         """The captured size that serves this forward, or None when it must run eagerly."""

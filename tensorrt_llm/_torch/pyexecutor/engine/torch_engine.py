@@ -449,30 +449,33 @@ class CudaTorchModelEngine(TorchModelEngine):
         flat rows of every draft slot, the token for each: a draft, or PAD past its count)."""
         entries = inputs.engine_drafts
         requests = [inputs.requests[e.index] for e in entries]
-        known = np.asarray([e.known for e in entries], dtype=np.int64)
         histories = self._histories
         if histories is None:
             raise RuntimeError("a step has draft slots for the engine to fill, but the engine has no draft_proposer")
-        placement = histories.place([r.request_id for r in requests], [r.tokens for r in requests], known)
-        histories.upload(placement, self._to_device)
-        history_rows = self._to_device(placement.rows)
-        known_device = self._to_device(known)
-        width = 1
+        # per entry, in one upload: its history row, its tokens the host knows, its run's row in the
+        # previous launch's table (the table's last row, empty: nothing of it was in flight), its slots
+        columns = np.empty((4, len(entries)), dtype=np.int64)
+        columns[1] = [e.known for e in entries]
+        columns[3] = [e.slots for e in entries]
+        placement = histories.place([r.request_id for r in requests], [r.tokens for r in requests], columns[1])
+        columns[0] = placement.rows
         if picks is not None:
             in_flight = {i for _, i in inputs.in_flight}
-            empty = len(picks.tokens)  # the table's empty row: nothing of this request was in flight
-            sources = np.asarray([picks.index.get(r.request_id, empty) if e.index in in_flight else empty
-                                  for e, r in zip(entries, requests)], dtype=np.int64)
+            empty = len(picks.tokens)
+            columns[2] = [picks.index.get(r.request_id, empty) if e.index in in_flight else empty
+                          for e, r in zip(entries, requests)]
+        histories.upload(placement, self._to_device)
+        rows_device, known, sources, room = self._to_device(columns)
+        width = 1
+        if picks is not None:
             table, run_lengths = picks.runs()
             width = table.shape[1]
-            chosen = self._to_device(sources)
-            lengths = histories.append(history_rows, known_device, table.index_select(0, chosen),
-                                       run_lengths.index_select(0, chosen))
+            lengths = histories.append(rows_device, known, table.index_select(0, sources),
+                                       run_lengths.index_select(0, sources))
         else:
-            lengths = known_device
-        room = np.asarray([e.slots for e in entries], dtype=np.int64)
-        drafts, counts = self.draft_proposer.propose_batch(
-            histories.gather(history_rows, min(int(known.max()) + width, histories.width)), lengths, self._to_device(room))
+            lengths = known
+        longest = min(int(columns[1].max()) + width, histories.width)  # what any row's history can reach
+        drafts, counts = self.draft_proposer.propose_batch(histories.gather(rows_device, longest), lengths, room)
         # every slot's place in ``drafts``: entry e's slot j is e * max_draft_len + j
         per_entry = drafts.shape[1]
         flat_rows = np.concatenate([np.arange(e.first_row, e.first_row + e.slots) for e in entries]).astype(np.int64)

@@ -114,9 +114,10 @@ def test_drafts_on_the_gpu_give_the_tokens_of_plain_decoding(overlap: bool) -> N
 
 
 def test_verification_steps_replay_decode_graphs_and_stay_under_overlap() -> None:
-    """With drafts, generation-only steps replay the decode graphs (each draft position a decode
-    row), forwards are launched on drafts still in flight (the overlap scheduler stays on), and
-    the outputs are plain decoding's."""
+    """With drafts, every decode graph size is captured, generation-only steps replay them (each
+    draft position a decode row), forwards are launched on drafts still in flight (the overlap
+    scheduler stays on, the engine drafting them on the device), and the outputs are plain
+    decoding's."""
     from tensorrt_llm._torch.pyexecutor.llm_request import num_in_flight_tokens
 
     rng = random.Random(5)
@@ -128,6 +129,10 @@ def test_verification_steps_replay_decode_graphs_and_stay_under_overlap() -> Non
     drafter = _HalfRightDrafter({tuple(p): out for p, out in zip(prompts, plain)})
     executor = create_py_executor(config, model=model, drafter=drafter)
     assert executor.overlap
+    runner = executor.model_engine.graph_runner
+    # every size up to 8 requests x (1 + 4) rows, captured at warm-up (a collection inside a capture
+    # once failed the size-24 one: cuda_graph_runner.garbage_collection_paused)
+    assert runner.captured_sizes == runner.batch_sizes and runner.batch_sizes[-1] == 40
     requests = [make_request(p, max_new_tokens=16) for p in prompts]
     for request in requests:
         executor.enqueue_request(request)
