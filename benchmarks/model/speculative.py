@@ -205,13 +205,9 @@ def main(argv: list[str] | None = None) -> dict:
                 llm.shutdown()
             del llms
             _release_device_memory()
+        _write(report, args.json)  # after each mode: a run cut short by a timeout keeps what it measured
     _summarise(report, modes)
-    if args.json:
-        for cases in report["results"].values():
-            for result in cases.values():
-                result.pop("outputs", None)
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
+    _write(report, args.json)
     if report["exact_dtype"] and any(r["identical_requests"] < 1 for cases in report["results"].values()
                                      for r in cases.values()):
         raise SystemExit("greedy outputs with speculation differ from those without in an exact dtype (MISMATCH above)")
@@ -266,6 +262,16 @@ def _summarise(report: dict, modes: list[str]) -> None:
                   f" x{off['speedup_output_tokens_per_s']:.2f}")
         summary[key] = line
     report["summary"] = summary
+
+
+def _write(report: dict, path: str | None) -> None:
+    """The report as JSON (the outputs compared across modes left out)."""
+    if not path:
+        return
+    results = {key: {mode: {k: v for k, v in r.items() if k != "outputs"} for mode, r in cases.items()}
+               for key, cases in report["results"].items()}
+    with open(path, "w") as f:
+        json.dump({**report, "results": results}, f, indent=2)
 
 
 def _release_device_memory() -> None:
