@@ -12,10 +12,12 @@
 #   cuda-tests            []                                ~5 min   the CUDA tests (FP8, drafts, graphs, beams, attention)
 #   stage-smollm2         [.carry/smollm2-a.part]           ~10 s    half of SmolLM2's GGUF to /tmp/stage (the working tree
 #                                                                    travels in at most 64 MiB; the file is 94 MiB)
-#   speculative           [.carry/gguf .carry/smollm2-b.part] ~6 min right after stage-smollm2 (the machine keeps /tmp for
-#                                                                    30 s): benchmarks.model.speculative, SmolLM2, repetitive,
-#                                                                    batch 1/4/8 with overlap (the defaults), then 1/8 without;
-#                                                                    64 requests of the default scenario with max_concurrency 16
+#   speculative           [.carry/gguf .carry/smollm2-b.part] ~7 min right after stage-smollm2 (the machine keeps /tmp for
+#                                                                    30 s): benchmarks.model.speculative, SmolLM2 bf16, overlap on
+#                                                                    (the default) and off side by side: repetitive at batch 1/4/8;
+#                                                                    64 requests of the default scenario (max_concurrency 16,
+#                                                                    threshold 0.3); then float32, overlap on: outputs must equal
+#                                                                    plain decoding's (MISMATCH lines and exit 1 otherwise)
 #   fp8-decode            []                                ~4 min   decode 64 x 8k and 256 x 2k, bf16 vs FP8 pools, roofline
 #   fp8-replay            []       [REQUESTS]               ~6 min   the default scenario, same pool bytes in bf16 and FP8
 #   peer-bf16, peer-fp8   [.whl .carry/smollm2-tokenizer]   ~8 min   Llama-3.1-8B-shaped checkpoint, trtllm-serve, GuideLLM
@@ -102,19 +104,20 @@ case $phase in
     [ -f .carry/smollm2-b.part ] || { echo "carry .carry/smollm2-b.part"; exit 2; }
     cat /tmp/stage/smollm2-a.part .carry/smollm2-b.part > /tmp/stage/smollm2.gguf
     model=/tmp/stage/smollm2.gguf
-    for b in 1 4 8; do
-      timeout 200 "$PY" -m benchmarks.model.speculative --model "$model" --device cuda --dtype bfloat16 --workloads repetitive \
-        --batch $b --max-tokens 256 --repeats 3 --json "$out/speculative_b$b.json" 2>&1 | grep -v "^INFO" | tee -a "$out/speculative.log"
-    done
-    for b in 1 8; do
-      timeout 120 "$PY" -m benchmarks.model.speculative --model "$model" --device cuda --dtype bfloat16 --workloads repetitive \
-        --batch $b --max-tokens 256 --repeats 3 --disable-overlap-scheduler --json "$out/speculative_b${b}_no_overlap.json" \
-        2>&1 | grep -v "^INFO" | tee -a "$out/speculative.log"
-    done
+    spec=(-m benchmarks.model.speculative --model "$model" --device cuda --overlap on,off --repeats 3)
+    # drafts against plain decoding, each with the overlap scheduler on and off (a pair of LLMs per mode)
+    timeout 230 "$PY" "${spec[@]}" --dtype bfloat16 --workloads repetitive --batch 1,4,8 --max-tokens 256 \
+      --json "$out/speculative_repetitive.json" 2>&1 | grep -v "^INFO" | tee -a "$out/speculative.log"
     # where drafts do not pay (64 requests at once): max_concurrency and the threshold turn them off
-    timeout 150 "$PY" -m benchmarks.model.speculative --model "$model" --device cuda --dtype bfloat16 --workloads default \
-      --num-requests 64 --max-prompt-len 2048 --max-num-tokens 8192 --max-tokens 128 --repeats 3 --max-concurrency 16 \
-      --acceptance-rate-threshold 0.3 --json "$out/speculative_default_64.json" 2>&1 | grep -v "^INFO" | tee -a "$out/speculative.log"
+    timeout 180 "$PY" "${spec[@]}" --dtype bfloat16 --workloads default --num-requests 64 --max-prompt-len 2048 \
+      --max-num-tokens 8192 --max-tokens 128 --max-concurrency 16 --acceptance-rate-threshold 0.3 \
+      --json "$out/speculative_default_64.json" 2>&1 | grep -v "^INFO" | tee -a "$out/speculative.log"
+    # float32: the same workloads with greedy outputs required equal (a verification step's GEMMs then
+    # round like a decode step's up to float32's precision, far below SmolLM2's argmax margins)
+    timeout 120 "$PY" "${spec[@]}" --overlap on --repeats 1 --dtype float32 --workloads repetitive,default --batch 8 \
+      --num-requests 64 --max-prompt-len 2048 --max-num-tokens 8192 --max-tokens 128 --max-concurrency 16 \
+      --acceptance-rate-threshold 0.3 --json "$out/speculative_float32.json" 2>&1 | grep -v "^INFO" \
+      | tee -a "$out/speculative.log"
     pack
     ;;
   fp8-decode)

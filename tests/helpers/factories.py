@@ -130,23 +130,30 @@ def make_scheduler(config: ExecutorConfig, kv: KVCacheManager) -> SimpleSchedule
     return _make_scheduler(config, kv, make_policy(config))
 
 
-def make_sim_executor(config: ExecutorConfig | None = None, *, overlap: bool = False, **config_overrides) -> PyExecutor:
+def make_sim_executor(
+    config: ExecutorConfig | None = None, *, overlap: bool = False, drafter=None, **config_overrides
+) -> PyExecutor:
     """An executor whose engine is simulated (bookkeeping KV, synthetic tokens), everything else real.
 
     ``overlap``: the overlap scheduler over an engine that completes asynchronously (a forward
     runs when its result is first asked for, after the next one was scheduled and prepared) and
-    picks the synthetic sampler's tokens itself, as a model on a device does."""
+    picks the synthetic sampler's tokens itself, as a model on a device does. ``drafter``:
+    speculative decoding's (default: the config's); the engine drafts steps built in flight with
+    its ``proposer``."""
     config = config or make_config(**config_overrides)
     if overlap:
         config = dataclasses.replace(config, disable_overlap_scheduler=False)
     sampler = SyntheticSampler(VOCAB)
+    proposer = drafter.proposer if drafter is not None else None
 
     def engine(kv):
         if overlap:
-            return SimulatedModelEngine(config.max_num_tokens, kv, vocab_size=VOCAB, sampler=sampler, asynchronous=True)
-        return SimulatedModelEngine(config.max_num_tokens, kv, vocab_size=VOCAB)
+            return SimulatedModelEngine(config.max_num_tokens, kv, vocab_size=VOCAB, sampler=sampler, asynchronous=True,
+                                        draft_proposer=proposer)
+        return SimulatedModelEngine(config.max_num_tokens, kv, vocab_size=VOCAB, draft_proposer=proposer)
 
-    executor = create_py_executor(config, engine_factory=engine, sampler=sampler, kv_bytes_per_token=KV_BYTES_PER_TOKEN)
+    executor = create_py_executor(config, engine_factory=engine, sampler=sampler, kv_bytes_per_token=KV_BYTES_PER_TOKEN,
+                                  drafter=drafter)
     assert executor.overlap == overlap
     return executor
 

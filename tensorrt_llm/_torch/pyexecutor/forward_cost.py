@@ -16,6 +16,10 @@ plain generation                       ``beam_width``
 generation with draft tokens           ``1 + num_draft_tokens``
 first-draft generation                 ``1 + max_draft_len``
 =====================================  ==============================================
+
+Under the overlap scheduler a speculative request whose previous forward is in flight has draft
+*slots* (``IN_FLIGHT_TOKEN_ID`` entries of ``py_draft_tokens``) that the engine fills at launch:
+they are draft tokens here, so such a step costs ``1 + slots`` whatever the engine finds.
 """
 
 from __future__ import annotations

@@ -80,7 +80,9 @@ from tensorrt_llm._torch.pyexecutor.sampling_config import (  # re-exported: the
     TokenLogprob,
 )
 
-IN_FLIGHT_TOKEN_ID = -1  # in ``tokens``: a token a forward in flight is sampling (overlap)
+# In ``tokens``: a token a forward in flight is sampling (overlap). In ``py_draft_tokens``: a draft
+# slot the engine fills when the forward is launched, from the tokens the forward before it produced.
+IN_FLIGHT_TOKEN_ID = -1
 
 # ``LlmRequest.tokens``: packed signed 64-bit ids. A prompt of tens of thousands of tokens is
 # then one buffer, not a list of int objects: it is copied, range-checked and cut into the KV
@@ -206,8 +208,9 @@ class LlmRequest:
     end_id: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     sampling_config: SamplingConfig = field(default_factory=SamplingConfig)
-    # Speculative decoding: drafts proposed for the next step; a first-draft request
-    # (the first generation step of a speculative request) always runs 1 + max_draft_len positions.
+    # Speculative decoding: drafts proposed for the next step (IN_FLIGHT_TOKEN_ID slots: the engine
+    # proposes them at launch); a first-draft request (the first generation step of a speculative
+    # request) always runs 1 + max_draft_len positions.
     py_draft_tokens: list[int] = field(default_factory=list)
     max_draft_len: int = 0
     is_first_draft: bool = False

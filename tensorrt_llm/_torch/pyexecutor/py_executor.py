@@ -8,7 +8,7 @@ the submission queue, cancellations, health and the loop's death are
 upstream's, as a chain of values::
 
     arrivals + cancelled (from the loop) ─► admitted (or failed alone); cancelled ended   (admission)
-        ─► drafter.prepare_draft_tokens(active) (speculative decoding)
+        ─► drafter.prepare_draft_tokens(active) (speculative decoding; in flight: the engine's slots)
         ─► scheduler.schedule_request(active) ─► ScheduledRequests
         ─► pause what the capacity stage preempts
         ─► resource_manager.prepare_resources(scheduled) ─► PreparedBatch
@@ -186,8 +186,8 @@ class PyExecutor:
             self._complete_in_flight()
             self._free_finished()
             return None
-        if self.drafter is not None:  # the tokens of every forward it drafts from have arrived (can_pick)
-            self.drafter.prepare_draft_tokens(self.active_requests)
+        if self.drafter is not None:  # drafts from known tokens; a request in flight gets the engine's (drafter)
+            self.drafter.prepare_draft_tokens(self.active_requests, engine_proposes=self.model_engine.proposes_drafts)
         scheduled = self._schedule()
         launch, launched = self._launch(scheduled)
         previous, self._in_flight = self._in_flight, launched

@@ -130,7 +130,8 @@ def create_py_executor(
     is only known after the weights are loaded). The executor's ``config`` has the result.
 
     ``drafter``: speculative decoding's drafter; default: ``config.speculative_config``'s (none
-    when it is None). ``kv_scales``: an FP8 cache's per-layer scales from the checkpoint
+    when it is None). A torch engine drafts with its ``proposer`` the requests whose previous
+    forward is in flight (overlap); an engine from ``engine_factory`` is given its own, or none. ``kv_scales``: an FP8 cache's per-layer scales from the checkpoint
     (``attention_backend.kv_scales_from_checkpoint``); None: 1.0."""
     if (model is None) == (engine_factory is None):
         raise ValueError("give exactly one of model (torch engine) or engine_factory")
@@ -140,6 +141,8 @@ def create_py_executor(
     if fit_max_seq_len_to_pool:
         pool_tokens = kv.num_blocks * config.kv_cache_config.tokens_per_block
         config = dataclasses.replace(config, max_seq_len=min(config.max_seq_len, pool_tokens))
+    if drafter is None and config.speculative_config is not None:
+        drafter = drafter_for(config.speculative_config, config.max_seq_len)
     if model is not None:
         engine: ModelEngine = TorchModelEngine(
             model,
@@ -149,6 +152,7 @@ def create_py_executor(
             max_batch_size=config.max_batch_size,
             max_seq_len=config.max_seq_len,
             max_draft_len=config.speculative_config.max_draft_len if config.speculative_config else 0,
+            draft_proposer=drafter.proposer if drafter is not None else None,
         )
         engine.warmup()
         sampler = sampler or TorchSampler()
@@ -159,8 +163,6 @@ def create_py_executor(
     if config.fault_injection is not None and config.fault_injection.enabled:
         engine = FaultInjectingEngine(engine, config.fault_injection)
     scheduler = make_scheduler(config, kv, token_budget)
-    if drafter is None and config.speculative_config is not None:
-        drafter = drafter_for(config.speculative_config, config.max_seq_len)
     return PyExecutor(
         config=config,
         drafter=drafter,

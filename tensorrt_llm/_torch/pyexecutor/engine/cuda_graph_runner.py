@@ -22,12 +22,24 @@ The attention plan's split count depends on ``B`` only, so the graph is valid fo
 Graphs are captured by :meth:`CudaGraphRunner.capture_all` (the engine's warm-up) or the first
 time a size is needed, each after a warm-up run on a side stream (Triton compiles, cuBLAS
 chooses its kernels); all graphs share one memory pool.
+
+No Python garbage is collected while a graph is being captured (:func:`garbage_collection_paused`).
+torch stopped collecting before a capture (2.9), and a collection that fires inside one finalises
+whatever unreachable CUDA objects it finds: another executor's graphs (``cudaGraphExecDestroy``),
+a Triton kernel's module, a CUDA event. Those calls are not permitted while a stream captures, and
+the capture fails at its end with ``cudaErrorStreamCaptureInvalidated`` ("operation not permitted
+when stream is capturing"). Which capture a collection lands in depends on what the process
+allocated before, not on the graph: on the H200 it was the size-24 verification graph of a test
+that had built and dropped four executors before it.
 """
 
 from __future__ import annotations
 
 import bisect
+import contextlib
+import gc
 import logging
+from typing import Iterator
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -41,6 +53,22 @@ from tensorrt_llm._torch.pyexecutor.kv_cache.storage import KVCacheStorage
 from tensorrt_llm._torch.speculative.device_verification import move_back_
 
 logger = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def garbage_collection_paused() -> Iterator[None]:
+    """Collect the garbage now, then collect none until the block ends (a graph capture: module
+    docstring); the collector's state before is restored. Inside another such block (captures in
+    a row) it does nothing: nothing was collected since."""
+    was_enabled = gc.isenabled()
+    if was_enabled:
+        gc.collect()  # unreachable graphs and kernels are finalised here, before the capture begins
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +124,11 @@ class CudaGraphRunner:
         self._graphs: dict[int, _DecodeGraph] = {}
         self._pool = None
         self.num_replays = 0
+
+    @property
+    def captured_sizes(self) -> list[int]:
+        """The batch sizes whose graph is captured, ascending."""
+        return sorted(self._graphs)
 
     # ---- which forwards a graph serves ---------------------------------------------------
     def graph_size(self, num_new_tokens: Sequence[int], num_cached_tokens: Sequence[int]) -> int | None:
@@ -159,9 +192,10 @@ class CudaGraphRunner:
     # ---- capture ---------------------------------------------------------------------------
     def capture_all(self) -> None:
         """Capture every size now (largest first, so smaller graphs reuse its pool memory)."""
-        for size in reversed(self.batch_sizes):
-            if size not in self._graphs:
-                self._capture(size)
+        with garbage_collection_paused():  # one collection for all of them
+            for size in reversed(self.batch_sizes):
+                if size not in self._graphs:
+                    self._capture(size)
 
     def _forward(self, g: _DecodeGraph) -> tuple[torch.Tensor, torch.Tensor]:
         hidden = self.model.forward_with_plan(
@@ -191,7 +225,7 @@ class CudaGraphRunner:
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
+            with garbage_collection_paused(), torch.cuda.graph(graph, pool=self._pool):
                 g.logits, g.tokens = self._forward(g)
         g.graph = graph
         self._graphs[size] = g

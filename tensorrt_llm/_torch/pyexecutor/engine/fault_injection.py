@@ -63,6 +63,10 @@ class FaultInjectingEngine:
     def completes_asynchronously(self) -> bool:
         return self.engine.completes_asynchronously
 
+    @property
+    def proposes_drafts(self) -> bool:
+        return self.engine.proposes_drafts
+
     def can_pick(self, request) -> bool:
         return self.engine.can_pick(request)
 

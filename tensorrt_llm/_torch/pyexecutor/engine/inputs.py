@@ -12,7 +12,7 @@ torch: the simulated engine and the replay run on it alone.
 from __future__ import annotations
 
 from itertools import accumulate
-from typing import TYPE_CHECKING, Mapping, Sequence
+from typing import TYPE_CHECKING, Callable, Mapping, NamedTuple, Sequence
 
 from tensorrt_llm._torch.pyexecutor.engine.logit_rows import (
     BeamSpan,
@@ -24,19 +24,33 @@ from tensorrt_llm._torch.pyexecutor.engine.logit_rows import (
 )
 from tensorrt_llm._torch.pyexecutor.errors import TokenBudgetExceeded
 from tensorrt_llm._torch.pyexecutor.forward_cost import forward_cost
-from tensorrt_llm._torch.pyexecutor.llm_request import IN_FLIGHT_TOKEN_ID, LlmRequest
+from tensorrt_llm._torch.pyexecutor.llm_request import IN_FLIGHT_TOKEN_ID, LlmRequest, num_in_flight_tokens
 from tensorrt_llm._torch.pyexecutor.scheduled_requests import ScheduledRequests
 
 if TYPE_CHECKING:
     from tensorrt_llm._torch.pyexecutor.kv_cache.manager import KVCacheManager
 
 __all__ = [
-    "PAD_TOKEN_ID", "ForwardInputs", "TpInputs", "prepare_tp_inputs",
+    "PAD_TOKEN_ID", "EngineDrafts", "ForwardInputs", "TpInputs", "prepare_tp_inputs",
     # the logit-row layout's names, importable here as before they had a module of their own
     "BeamSpan", "DraftSpan", "LogitRows", "draft_targets",
 ]
 
 PAD_TOKEN_ID = 0  # fills first-draft slots before the drafter has proposed anything
+
+#: How an engine proposes the drafts of requests built in flight, on the host: each request's known
+#: tokens (a sequence of ints) and the most drafts it may get -> each one's drafts.
+HostProposal = Callable[[list[Sequence[int]], list[int]], list[list[int]]]
+
+
+class EngineDrafts(NamedTuple):
+    """A generation step whose drafts the engine proposes when the forward is launched (its
+    ``py_draft_tokens`` are ``IN_FLIGHT_TOKEN_ID`` slots: ``Drafter``)."""
+
+    index: int  # the request's index in the forward
+    first_row: int  # flat row of its first draft slot
+    slots: int  # its draft slots: it gets at most as many drafts
+    known: int  # its tokens known on the host when the forward was built (placeholders excluded)
 
 
 def _special_step(request: LlmRequest) -> tuple[list[int], int, int]:
@@ -68,8 +82,10 @@ class ForwardInputs:
     ``in_flight``: ``(flat index, request index)`` of each generation input whose token a
     forward in flight is still sampling (overlap); :meth:`resolve` fills them in. A speculative
     request in flight is built as if that forward accepts every draft it verifies (its tokens end
-    with one placeholder per verified draft and one for the token after them); :meth:`resolve`
-    moves its positions back by the drafts the forward rejected.
+    with one placeholder per draft slot and one for the token after them: ``in_flight_slots``
+    counts the slots); :meth:`resolve` moves its positions back by the slots that forward did not
+    fill with accepted drafts. ``engine_drafts``: the steps whose drafts the engine proposes at
+    launch (:class:`EngineDrafts`), from the tokens the forward before produced.
 
     ``num_drafts``: per request, the draft tokens this forward verifies. A request's positions
     end with its drafts and then first-draft padding; its *sampling row* is its last position
@@ -83,7 +99,7 @@ class ForwardInputs:
 
     __slots__ = (
         "requests", "num_new_tokens", "num_cached_tokens", "samples", "total_num_tokens", "in_flight", "prompt_logits",
-        "num_drafts", "_trailing", "_sources", "_starts", "_stops", "_extras", "_beams", "_generation", "_tables",
+        "num_drafts", "in_flight_slots", "engine_drafts", "_proposed", "_trailing", "_sources", "_starts", "_stops", "_extras", "_beams", "_generation", "_tables",
         "_kv", "_input_ids", "_position_ids", "_block_tables", "_beam_tables",
     )
 
@@ -94,8 +110,11 @@ class ForwardInputs:
         self.samples: list[bool] = []
         self.total_num_tokens = 0
         self.in_flight: list[tuple[int, int]] = []
+        self.in_flight_slots: dict[int, int] = {}  # request index -> draft slots of its forward in flight (if any)
+        self.engine_drafts: list[EngineDrafts] = []
+        self._proposed: dict[int, list[int]] = {}  # request index -> the drafts the engine proposed (resolve)
         self.prompt_logits: set[int] = set()  # indices of context chunks whose every position gets logits
-        self.num_drafts: list[int] = []
+        self.num_drafts: list[int] = []  # per request: the draft rows it verifies (engine drafts: its slots)
         self._trailing: list[int] = []  # positions after each request's sampling row: drafts, then padding
         # Each request's input tokens, not copied yet: _sources[i][_starts[i]:_stops[i]], then _extras[i]
         # (a generation step's own list, or a chunk's prompt in the request's tokens followed by its drafts).
@@ -129,14 +148,25 @@ class ForwardInputs:
         n, first = len(requests), len(self.requests)
         steps = [[request.tokens[-1]] for request in requests]  # each one's input tokens
         drafts, trailing = [0] * n, [0] * n
+        engine = []  # steps whose draft slots the engine fills at launch
         for index, request in enumerate(requests):
             if request.beam_width > 1 or request.is_first_draft or request.py_draft_tokens:
                 steps[index], drafts[index], trailing[index] = _special_step(request)
+                if drafts[index] and steps[index][1] == IN_FLIGHT_TOKEN_ID:
+                    engine.append(index)
         counts = list(map(len, steps))
         in_flight = [index for index, token_ids in enumerate(steps) if token_ids[0] == IN_FLIGHT_TOKEN_ID]
+        flat = list(accumulate(counts, initial=self.total_num_tokens)) if in_flight or engine else None
         if in_flight:  # their newest token is still being sampled (overlap): (flat index, request index)
-            flat = list(accumulate(counts, initial=self.total_num_tokens))
             self.in_flight += [(flat[index], first + index) for index in in_flight]
+            for index in in_flight:
+                tokens = requests[index].tokens
+                if len(tokens) > 1 and tokens[-2] == IN_FLIGHT_TOKEN_ID:  # its forward in flight has draft slots
+                    self.in_flight_slots[first + index] = num_in_flight_tokens(tokens) - 1
+        for index in engine:
+            tokens = requests[index].tokens
+            known = len(tokens) - num_in_flight_tokens(tokens)
+            self.engine_drafts.append(EngineDrafts(first + index, flat[index] + 1, drafts[index], known))
         self._sources += steps
         self._starts += [0] * n
         self._stops += counts
@@ -179,35 +209,70 @@ class ForwardInputs:
         self.total_num_tokens += count
         self._input_ids = self._position_ids = self._block_tables = self._beam_tables = None
 
-    def resolve(self, picks: Mapping[int, int], rejected: Mapping[int, int] | None = None) -> None:
-        """Fill each in-flight input with the token the engine picked for its request in the
-        previous forward (``picks``: request id to token; for a request that verified drafts, the
-        token after its accepted ones). ``rejected``: the drafts the previous forward rejected, per
-        speculative request; its positions here move back by as many (its tokens were laid out as
-        if every draft had been accepted). A request with no pick (its previous forward failed)
-        gets token 0: it has failed already, and this forward's output for it is dropped."""
-        rejected = rejected or {}
+    def resolve(
+        self, tokens: Mapping[int, int], runs: Mapping[int, Sequence[int]] | None = None,
+        propose: HostProposal | None = None,
+    ) -> None:
+        """Fill in what this forward could not know when it was built, on the host: each in-flight
+        input takes the token the engine picked for its request in the previous forward
+        (``tokens``: request id to token; for a request that verified drafts, the token after its
+        accepted ones), and each engine-drafted step its drafts (``propose``, from the tokens the
+        request produced; none without it).
+
+        ``runs``: per request that verified drafts in the previous forward, what that forward gave
+        it (its accepted drafts, then that token). It was laid out as if every draft slot were
+        filled, so this request's positions move back by the slots its run left empty. A request
+        with no pick (its previous forward failed) gets token 0: it has failed already, and this
+        forward's output for it is dropped."""
+        runs = runs or {}
+        produced: dict[int, Sequence[int]] = {}  # request index -> the tokens the previous forward gave it
         for flat, index in self.in_flight:
             rid = self.requests[index].request_id
-            token = picks.get(rid, 0)
+            token = tokens.get(rid)
+            run = runs.get(rid) or (() if token is None else (token,))
+            produced[index] = run
+            token = run[-1] if run else 0
             self._sources[index][0] = token  # the generation step's own list
             if self._input_ids is not None:
                 self._input_ids[flat] = token
-            back = rejected.get(rid, 0)
+            back = self.in_flight_slots.get(index, 0) + 1 - len(run) if run else 0
             if back:
                 self.num_cached_tokens[index] -= back
                 if self._position_ids is not None:  # built already (materialize): move its rows back
                     for row in range(flat, flat + self.num_new_tokens[index]):
                         self._position_ids[row] -= back
+        if self.engine_drafts:
+            self._propose(produced, propose)
+
+    def _propose(self, produced: Mapping[int, Sequence[int]], propose: HostProposal | None) -> None:
+        """Each engine-drafted step's drafts, from its request's known tokens and what the previous
+        forward ``produced`` for it, written into its slots (``PAD_TOKEN_ID`` in the slots left over)."""
+        histories = [[*self.requests[e.index].tokens[: e.known], *produced.get(e.index, ())] for e in self.engine_drafts]
+        proposals = propose(histories, [e.slots for e in self.engine_drafts]) if propose is not None else None
+        for i, entry in enumerate(self.engine_drafts):
+            drafts = list(proposals[i][: entry.slots]) if proposals is not None else []
+            self._proposed[entry.index] = drafts
+            filled = drafts + [PAD_TOKEN_ID] * (entry.slots - len(drafts))
+            self._sources[entry.index][1 : 1 + entry.slots] = filled
+            if self._input_ids is not None:
+                self._input_ids[entry.first_row : entry.first_row + entry.slots] = filled
 
     def verified_drafts(self) -> dict[int, list[int]]:
         """The draft tokens each request verifies in this forward, as its inputs hold them (what
-        ``accept_greedy`` compares the target's picks with: ``ForwardOutput.verified_drafts``)."""
+        ``accept_greedy`` compares the target's picks with: ``ForwardOutput.verified_drafts``). An
+        engine-drafted step's are there once :meth:`resolve` proposed them (a device engine's come
+        back with the forward's tokens instead)."""
         drafts = {}
-        for request, source, start, extra, count, samples in zip(
+        engine = {e.index for e in self.engine_drafts}
+        for index, (request, source, start, extra, count, samples) in enumerate(zip(
             self.requests, self._sources, self._starts, self._extras, self.num_drafts, self.samples
-        ):
-            if count and samples:
+        )):
+            if not count or not samples:
+                continue
+            if index in engine:
+                if index in self._proposed:
+                    drafts[request.request_id] = list(self._proposed[index])
+            else:
                 drafts[request.request_id] = list(extra[:count]) if extra else list(source[start + 1 : start + 1 + count])
         return drafts
 

@@ -20,23 +20,30 @@ and the engine puts in that slot the token it picked for the request in the prev
 will return).
 
 A speculative request in flight is laid out as if its forward accepted every draft it verifies
-(one placeholder per draft, one for the token after them) and the next forward is built on that.
-The engine, which accepts drafts as the sampler will (``accept_greedy``), then puts the token
-after the accepted drafts in its first input and moves its positions back by the drafts that
-were rejected (:class:`Picks`): on a GPU on the device, here on the host
-(``ForwardInputs.resolve``). Nothing here imports torch: the simulated engine runs on it alone.
+(one placeholder per draft slot, one for the token after them) and the next forward is built on
+that. The engine, which accepts drafts as the sampler will (``accept_greedy``), then puts the
+token after the accepted drafts in its first input and moves its positions back by the slots
+that were not accepted (:class:`Picks`). The next forward's own drafts are slots too (the host
+cannot draft from tokens it does not have): an engine given a ``draft_proposer`` fills them when
+the forward is launched, from the tokens the previous forward produced, and hands the drafts it
+verified back with its output (``ForwardOutput.verified_drafts``). All of it on a GPU on the
+device (``torch_engine``), here on the host (``ForwardInputs.resolve``). Nothing here imports
+torch: the simulated engine runs on it alone.
 """
 
 from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, NamedTuple, Protocol
+from typing import Any, Callable, Mapping, NamedTuple, Protocol, Sequence
+
+import numpy as np
 
 from tensorrt_llm._torch.pyexecutor.engine.inputs import ForwardInputs, prepare_tp_inputs
 from tensorrt_llm._torch.pyexecutor.kv_cache.manager import KVCacheManager
 from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequest
 from tensorrt_llm._torch.pyexecutor.scheduled_requests import ScheduledRequests
+from tensorrt_llm._torch.speculative.proposer import DraftProposer
 from tensorrt_llm._torch.speculative.verification import accept_greedy
 
 
@@ -66,17 +73,18 @@ class ForwardOutput:
     beam_logits: dict[int, Any] | None = None
     # Requests that verified drafts: the drafts, as the forward's inputs held them (what
     # ``accept_greedy`` compares ``draft_targets`` with: under overlap the request's own
-    # ``py_draft_tokens`` are the next step's already). None: no drafts ran.
+    # ``py_draft_tokens`` are the next step's already, or slots the engine filled). None: no drafts ran.
     verified_drafts: dict[int, list[int]] | None = None
 
 
 class Picks(NamedTuple):
     """What the next forward takes from a forward in flight, per request that sampled in it: the
     token the engine picked (for a request that verified drafts, the token after the drafts it
-    accepts) and, per request that verified drafts, how many of them it rejected."""
+    accepts) and, per request that verified drafts, its whole run (the accepted drafts, then
+    that token): the next forward drafts from it and moves back by the slots it left empty."""
 
     tokens: Mapping[int, int]
-    rejected: Mapping[int, int]
+    runs: Mapping[int, Sequence[int]]
 
 
 NO_PICKS = Picks({}, {})
@@ -91,17 +99,18 @@ def picks_of(output: ForwardOutput) -> Picks:
     if not drafts:
         return Picks(tokens, {})
     tokens = dict(tokens)
-    rejected = {}
+    runs = {}
     targets = output.draft_targets or {}
     for rid, verified in drafts.items():
         picks = targets.get(rid)
         if picks is None:
-            rejected[rid] = len(verified)
+            if rid in tokens:
+                runs[rid] = (tokens[rid],)
             continue
         run = accept_greedy(verified, picks)
         tokens[rid] = run[-1]
-        rejected[rid] = len(verified) + 1 - len(run)
-    return Picks(tokens, rejected)
+        runs[rid] = run
+    return Picks(tokens, runs)
 
 
 class PendingForward(Protocol):
@@ -188,11 +197,23 @@ class ModelEngine(abc.ABC):
     #: speculative request in flight and move the next forward back over rejected drafts (:class:`Picks`)
     accepts_drafts: bool = False
 
-    def __init__(self, max_num_tokens: int, kv_cache_manager: KVCacheManager, *, asynchronous: bool = False) -> None:
+    def __init__(
+        self, max_num_tokens: int, kv_cache_manager: KVCacheManager, *, asynchronous: bool = False,
+        draft_proposer: DraftProposer | None = None,
+    ) -> None:
+        """``draft_proposer``: what the engine fills draft slots with (the ``Drafter``'s
+        ``proposer``; module docstring); None: it fills none (those steps verify no drafts)."""
         self.max_num_tokens = max_num_tokens
         self.kv_cache_manager = kv_cache_manager
         self.asynchronous = asynchronous
+        self.draft_proposer = draft_proposer
         self._previous: PendingForward | None = None  # the last forward launched on the host
+
+    @property
+    def proposes_drafts(self) -> bool:
+        """Whether the engine fills the draft slots of a request whose previous forward is in
+        flight (the drafter gives such requests slots only then)."""
+        return self.accepts_drafts and self.draft_proposer is not None
 
     @property
     @abc.abstractmethod
@@ -247,9 +268,9 @@ class ModelEngine(abc.ABC):
         run = self._host_forward(inputs)
 
         def complete() -> ForwardOutput:
-            if inputs.in_flight:
-                tokens, rejected = previous.picks() if previous is not None else NO_PICKS
-                inputs.resolve(tokens, rejected)
+            if inputs.in_flight or inputs.engine_drafts:
+                tokens, runs = previous.picks() if previous is not None and inputs.in_flight else NO_PICKS
+                inputs.resolve(tokens, runs, self._propose_on_host if self.draft_proposer is not None else None)
             output = run()
             output.num_tokens = inputs.total_num_tokens
             return output
@@ -257,6 +278,12 @@ class ModelEngine(abc.ABC):
         pending: PendingForward = DeferredForward(complete, previous) if self.asynchronous else ReadyForward(complete())
         self._previous = pending
         return pending
+
+    def _propose_on_host(self, histories: list[Sequence[int]], rooms: list[int]) -> list[list[int]]:
+        """The drafts of steps built in flight, from their requests' tokens (``ForwardInputs.resolve``):
+        the proposer's host form, one sequence at a time."""
+        proposer = self.draft_proposer
+        return [proposer.propose(np.asarray(history, dtype=np.int64), room) for history, room in zip(histories, rooms)]
 
     def _host_forward(self, inputs: ForwardInputs) -> Callable[[], ForwardOutput]:
         """Take what running ``inputs`` later needs now (state moves on after launch)."""

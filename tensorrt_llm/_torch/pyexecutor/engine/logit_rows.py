@@ -112,9 +112,21 @@ def logit_layout(columns: RowColumns) -> LogitRows:
     return LogitRows(rows, request_ids, prompt_spans, drafts, beams)
 
 
-def draft_targets(picks: list[int], spans: list[DraftSpan]) -> dict[int, list[int]] | None:
+def draft_targets(
+    picks: list[int], spans: list[DraftSpan], verified: Mapping[int, Sequence[int]] | None = None
+) -> dict[int, list[int]] | None:
     """Each verifying request's greedy picks (``picks``: one per row of :attr:`LogitRows.rows`, in
-    order), at its sampling row, then after each draft (``ForwardOutput.draft_targets``). None: no drafts."""
+    order), at its sampling row, then after each draft (``ForwardOutput.draft_targets``). None: no drafts.
+
+    ``verified``: the drafts each request verified, where they may be fewer than its draft rows
+    (an engine that proposes drafts at launch fills a step's slots with as many as it finds):
+    its picks then stop after its last draft."""
     if not spans:
         return None
-    return {rid: [picks[index], *picks[first : first + count]] for rid, index, first, count in spans}
+    targets = {rid: [picks[index], *picks[first : first + count]] for rid, index, first, count in spans}
+    if verified is not None:
+        for rid, picks_after in targets.items():
+            drafts = verified.get(rid)
+            if drafts is not None and len(drafts) + 1 < len(picks_after):
+                del picks_after[len(drafts) + 1 :]
+    return targets

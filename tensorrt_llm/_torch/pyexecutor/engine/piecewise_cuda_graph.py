@@ -41,6 +41,7 @@ import torch
 
 from tensorrt_llm._torch.attention_backend.backend import AttentionPlan
 from tensorrt_llm._torch.models.modeling_llama import LlamaForCausalLM
+from tensorrt_llm._torch.pyexecutor.engine.cuda_graph_runner import garbage_collection_paused
 
 __all__ = ["PiecewiseGraphRunner"]
 
@@ -136,9 +137,10 @@ class PiecewiseGraphRunner:
 
     def capture_all(self) -> None:
         """Capture every size now (largest first, so smaller ones reuse its pool memory)."""
-        for size in reversed(self.num_tokens):
-            if size not in self._pieces:
-                self._capture(size)
+        with garbage_collection_paused():  # one collection for all of them
+            for size in reversed(self.num_tokens):
+                if size not in self._pieces:
+                    self._capture(size)
 
     def _capture(self, size: int) -> _Pieces:
         config, attn = self.model.config, self.model.model.layers[0].self_attn
@@ -164,11 +166,12 @@ class PiecewiseGraphRunner:
                 torch.cuda.current_stream(device).wait_stream(side)
                 if self._pool is None:
                     self._pool = torch.cuda.graph_pool_handle()
-                for i in pieces:
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=self._pool):
-                        self._piece(p, i)
-                    p.graphs.append(graph)
+                with garbage_collection_paused():  # no finaliser may run inside a capture (cuda_graph_runner)
+                    for i in pieces:
+                        graph = torch.cuda.CUDAGraph()
+                        with torch.cuda.graph(graph, pool=self._pool):
+                            self._piece(p, i)
+                        p.graphs.append(graph)
             logger.info("captured %d piecewise CUDA graphs for mixed forwards of up to %d tokens", len(p.graphs), size)
         self._pieces[size] = p
         return p

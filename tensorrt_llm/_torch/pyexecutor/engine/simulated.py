@@ -23,6 +23,7 @@ from tensorrt_llm._torch.pyexecutor.engine.interface import ForwardOutput, Model
 from tensorrt_llm._torch.pyexecutor.engine.inputs import ForwardInputs
 from tensorrt_llm._torch.pyexecutor.kv_cache.manager import KVCacheManager
 from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequest
+from tensorrt_llm._torch.speculative.proposer import DraftProposer
 
 
 class TokenRule(Protocol):
@@ -124,6 +125,8 @@ class SimulatedModelEngine(ModelEngine):
     The forward's time is taken at launch, from the inputs as they were then. Drafts are all
     rejected, as the synthetic sampler rejects them: a speculative request's pick is the rule's
     token after its newest one, and the next forward moves back over every draft (``Picks``).
+    With ``draft_proposer`` it fills the draft slots of steps built in flight on the host, as the
+    torch engines do (``ForwardInputs.resolve``).
     """
 
     max_beam_width = 8
@@ -140,8 +143,9 @@ class SimulatedModelEngine(ModelEngine):
         forward_time_s: Callable[[ForwardInputs], float] | None = None,
         sampler: TokenRule | None = None,
         asynchronous: bool = False,
+        draft_proposer: DraftProposer | None = None,
     ) -> None:
-        super().__init__(max_num_tokens, kv_cache_manager, asynchronous=asynchronous)
+        super().__init__(max_num_tokens, kv_cache_manager, asynchronous=asynchronous, draft_proposer=draft_proposer)
         self._vocab_size = vocab_size
         self.clock = clock
         self.forward_time_s = forward_time_s
@@ -161,11 +165,12 @@ class SimulatedModelEngine(ModelEngine):
         picks = []  # the requests the rule picks for, by index (an engine without a rule picks for none)
         if self.picks_tokens:
             picks = [(i, r) for i, (r, s) in enumerate(zip(requests, samples)) if s and self.can_pick(r)]
-        drafts = inputs.verified_drafts() if any(inputs.num_drafts) else None
+        any_drafts = any(inputs.num_drafts)
 
         def run() -> ForwardOutput:
             if seconds:
                 self.clock.advance(seconds)
+            drafts = inputs.verified_drafts() if any_drafts else None  # engine drafts: proposed by now
             if self.sampler is None:
                 return ForwardOutput(logits=logits, verified_drafts=drafts)
             rule = self.sampler.next_token

@@ -43,7 +43,9 @@ from tensorrt_llm._torch.pyexecutor.engine.interface import (
 from tensorrt_llm._torch.pyexecutor.engine.inputs import PAD_TOKEN_ID, ForwardInputs, TpInputs
 from tensorrt_llm._torch.pyexecutor.engine.logit_rows import BeamSpan, DraftSpan, PromptSpan, draft_targets
 from tensorrt_llm._torch.pyexecutor.kv_cache.manager import KVCacheManager
+from tensorrt_llm._torch.speculative.device_drafting import TokenHistories
 from tensorrt_llm._torch.speculative.device_verification import accept_on_device, move_back_
+from tensorrt_llm._torch.speculative.proposer import DraftProposer
 
 # Upstream's names, where an engineer looks for them.
 __all__ = [
@@ -54,13 +56,43 @@ __all__ = [
 
 class _DevicePicks(NamedTuple):
     """A launch's picks on the device, for the next launch's in-flight inputs: ``tokens[index[rid]]``
-    is request ``rid``'s (for one that verified drafts, the token after its accepted ones), and
-    ``rejected[speculative[rid]]`` how many drafts it rejected (``rejected`` None: no drafts ran)."""
+    is request ``rid``'s (for one that verified drafts, the token after its accepted ones). For a
+    request that verified drafts (``speculative[rid]`` = s), ``targets[s]`` are the picks at its
+    sampling row and after each draft and ``accepted[s]`` the drafts it accepted: its run is
+    ``targets[s, :accepted[s] + 1]`` (``targets`` None: no drafts ran)."""
 
     index: dict[int, int]
-    tokens: torch.Tensor
+    tokens: torch.Tensor  # (M,)
     speculative: dict[int, int]
-    rejected: torch.Tensor | None
+    targets: torch.Tensor | None  # (S, W)
+    accepted: torch.Tensor | None  # (S,)
+
+    def runs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """What the launch gave each request, as one table: (M + 1, W) tokens and (M + 1,) lengths;
+        row ``index[rid]`` is request ``rid``'s (one token, or a run), row M is empty (a request
+        with nothing in flight)."""
+        tokens, targets = self.tokens, self.targets
+        device = tokens.device
+        num_plain = len(tokens) - (0 if targets is None else len(targets))
+        width = 1 if targets is None else targets.shape[1]
+        plain = tokens[:num_plain, None]  # (sampling, 1)
+        if width > 1:
+            plain = torch.nn.functional.pad(plain, (0, width - 1))
+        parts = [plain] if targets is None else [plain, targets]
+        table = torch.cat([*parts, torch.zeros((1, width), dtype=tokens.dtype, device=device)])
+        lengths = [torch.ones(num_plain, dtype=torch.int64, device=device)]
+        if targets is not None:
+            lengths.append(self.accepted.to(torch.int64) + 1)
+        lengths.append(torch.zeros(1, dtype=torch.int64, device=device))
+        return table, torch.cat(lengths)
+
+
+class _Proposed(NamedTuple):
+    """The drafts a launch proposed on the device for its engine-drafted steps (``device_drafting``)."""
+
+    position: dict[int, int]  # request id -> its row below
+    drafts: torch.Tensor  # (E, max_draft_len) int64, -1 past each count
+    counts: torch.Tensor  # (E,) int64
 
 
 class _Moves(NamedTuple):
@@ -125,10 +157,14 @@ class TorchModelEngine(ModelEngine):
         max_batch_size: int = 0,
         max_seq_len: int | None = None,
         max_draft_len: int = 0,
+        draft_proposer: DraftProposer | None = None,
     ) -> None:
         """``max_draft_len``: speculative decoding's; a verification step runs ``1 + max_draft_len``
-        decode rows per request, so the decode graphs are sized for ``max_batch_size`` times that."""
-        super().__init__(max_num_tokens, kv_cache_manager)
+        decode rows per request, so the decode graphs are sized for ``max_batch_size`` times that.
+        ``draft_proposer``: what the engine fills the draft slots of steps built in flight with
+        (``ModelEngine``)."""
+        super().__init__(max_num_tokens, kv_cache_manager, draft_proposer=draft_proposer)
+        self.max_draft_len = max_draft_len
         storage = kv_cache_manager.storage
         if storage is None:
             raise ValueError("TorchModelEngine needs a KV cache manager with tensor storage")
@@ -187,6 +223,17 @@ class CpuTorchModelEngine(TorchModelEngine):
     def launch(self, inputs: ForwardInputs) -> PendingForward:
         return ReadyForward(self._run(inputs))
 
+    def _propose_on_host(self, histories: list[list[int]], rooms: list[int]) -> list[list[int]]:
+        """The drafts of steps built in flight, at resolve time: the proposer's batch form (the one
+        the CUDA engine runs on the device) on CPU tensors of the requests' real tokens."""
+        lengths = np.fromiter(map(len, histories), dtype=np.int64, count=len(histories))
+        history = np.zeros((len(histories), max(int(lengths.max(initial=0)), 1)), dtype=np.int64)
+        for row, tokens in zip(history, histories):
+            row[: len(tokens)] = tokens
+        drafts, counts = self.draft_proposer.propose_batch(torch.from_numpy(history), torch.from_numpy(lengths),
+                                                           torch.tensor(rooms, dtype=torch.int64))
+        return [row[:count] for row, count in zip(drafts.tolist(), counts.tolist())]
+
     @torch.inference_mode()
     def _run(self, inputs: ForwardInputs) -> ForwardOutput:
         storage = self.kv_cache_manager.storage
@@ -201,10 +248,11 @@ class CpuTorchModelEngine(TorchModelEngine):
         logits = self.model.compute_logits(hidden[rows]) if rows else hidden.new_empty((0, self.vocab_size))
         picked = logits if drafts else logits[: len(sampling)]  # prompt and beam rows need no pick; draft rows do
         picks = picked.argmax(dim=-1).tolist() if len(picked) else []  # (rows,)
+        verified = inputs.verified_drafts() if drafts else None  # engine drafts: proposed at resolve
         return ForwardOutput(logits=dict(zip(sampling, logits)), greedy_tokens=dict(zip(sampling, picks)),
-                             prompt_logits=_prompt_logits(logits, spans), draft_targets=draft_targets(picks, drafts),
-                             beam_logits=_beam_logits(logits, beams),
-                             verified_drafts=inputs.verified_drafts() if drafts else None)
+                             prompt_logits=_prompt_logits(logits, spans),
+                             draft_targets=draft_targets(picks, drafts, verified),
+                             beam_logits=_beam_logits(logits, beams), verified_drafts=verified)
 
 
 class CudaTorchModelEngine(TorchModelEngine):
@@ -225,6 +273,11 @@ class CudaTorchModelEngine(TorchModelEngine):
         """The pinned staging buffers, and the graph runners (decode, piecewise) when ``cuda_graph_config`` allows."""
         # The previous launch's picks on the device (the next launch's in-flight inputs take them).
         self._device_picks: _DevicePicks | None = None
+        # Each drafting request's tokens on the device, for the drafts of steps built in flight.
+        self._histories: TokenHistories | None = None
+        if self.draft_proposer is not None:
+            longest = max_seq_len or self.model.config.max_position_embeddings
+            self._histories = TokenHistories(self.device, longest + self.max_draft_len + 2)
         # Every host array a launch ships goes through these pinned buffers (one per launch, in turn).
         self._staging = PinnedStaging(self.device)
         kv = self.kv_cache_manager
@@ -275,6 +328,8 @@ class CudaTorchModelEngine(TorchModelEngine):
         slots = [flat for flat, _ in inputs.in_flight]
         if slots:
             ids[slots] = 0  # the previous launch's picks are written over them on the device
+        for entry in inputs.engine_drafts:
+            ids[entry.first_row : entry.first_row + entry.slots] = 0  # the drafts proposed below, on the device
         positions = np.asarray(inputs.position_ids, dtype=np.int64)
         self._check(ids, positions)  # positions as built (a speculative request's may only move back)
         rows, sampling, spans, drafts, beams = inputs.logit_layout()  # prompt, draft, beam rows after the sampling rows
@@ -286,7 +341,9 @@ class CudaTorchModelEngine(TorchModelEngine):
         storage = self.kv_cache_manager.storage
         start = None
         with self._staging.step():
-            fill, moves = self._in_flight_inputs(inputs, slots, new) if slots else (None, None)
+            fill, moves, proposed = (None, None, None)
+            if slots or inputs.engine_drafts:
+                fill, moves, proposed = self._in_flight_inputs(inputs, new)
             if size is not None:
                 # A decode batch (verification rows included): every row of it, in order.
                 step = self.graph_runner.prepare(size, ids, cached, tables)
@@ -303,54 +360,129 @@ class CudaTorchModelEngine(TorchModelEngine):
                 if self.time_forwards:
                     start = _record_event()
                 logits, tokens = self._forward_eager(plan, ids, positions, rows, fill, moves)
-            self._device_picks = self._picks(inputs, sampling, drafts, tokens)
-        verified = inputs.verified_drafts() if drafts else None
+            self._device_picks = self._picks(inputs, sampling, drafts, tokens, proposed)
+        verified = inputs.verified_drafts() if drafts else None  # the host's drafts; the engine's come back with the picks
         return CudaForward(sampling, logits, tokens, start, prompt_logits=_prompt_logits(logits, spans), drafts=drafts,
-                           beams=beams, verified_drafts=verified)
+                           beams=beams, verified_drafts=verified, proposed=proposed)
 
-    def _picks(self, inputs: ForwardInputs, sampling: list[int], drafts: list[DraftSpan], tokens: torch.Tensor) -> _DevicePicks:
+    def _picks(self, inputs: ForwardInputs, sampling: list[int], drafts: list[DraftSpan], tokens: torch.Tensor,
+               proposed: _Proposed | None) -> _DevicePicks:
         """What the next launch takes from this one, on the device: each sampling request's pick
-        and, for each request that verifies drafts, the token after its accepted drafts and how
-        many it rejected (``speculative.device_verification``). Nothing is read back."""
+        and, for each request that verifies drafts, the picks at its target rows and how many
+        drafts it accepts (``speculative.device_verification``); the drafts are the host's or, for
+        an engine-drafted step, those ``proposed`` on the device. Nothing is read back."""
         index = dict(zip(sampling, range(len(sampling))))
         if not drafts:
-            return _DevicePicks(index, tokens, {}, None)
-        verified = inputs.verified_drafts()
+            return _DevicePicks(index, tokens, {}, None, None)
+        verified = inputs.verified_drafts()  # the host's drafts (engine-drafted steps are not there)
         width = 1 + max(count for *_, count in drafts)
         target_rows = np.empty((len(drafts), width), dtype=np.int64)
         draft_tokens = np.full((len(drafts), width - 1), -1, dtype=np.int64)
-        counts = np.empty(len(drafts), dtype=np.int64)
+        engine: list[tuple[int, int]] = []  # (its place here, its row in proposed)
         for s, (rid, row, first, count) in enumerate(drafts):
             target_rows[s, 0] = row
             target_rows[s, 1 : 1 + count] = range(first, first + count)
             target_rows[s, 1 + count :] = first + count - 1
-            draft_tokens[s, :count] = verified[rid]
-            counts[s] = count
-        bonus, rejected = accept_on_device(tokens, self._to_device(target_rows), self._to_device(draft_tokens),
-                                           self._to_device(counts))
-        speculative = {rid: len(sampling) + s for s, (rid, *_) in enumerate(drafts)}
+            if rid in verified:
+                draft_tokens[s, :count] = verified[rid]
+            else:
+                engine.append((s, proposed.position[rid]))
+        drafts_device = self._to_device(draft_tokens)
+        if engine:
+            places, rows_proposed = (np.asarray(column, dtype=np.int64) for column in zip(*engine))
+            chosen = proposed.drafts.index_select(0, self._to_device(rows_proposed))[:, : width - 1]
+            drafts_device.index_copy_(0, self._to_device(places), chosen)
+        targets, accepted = accept_on_device(tokens, self._to_device(target_rows), drafts_device)
+        bonus = targets.gather(1, accepted[:, None]).squeeze(1)  # (S,) the token after the accepted drafts
+        speculative = {rid: s for s, (rid, *_) in enumerate(drafts)}
         picks = torch.cat((tokens[: len(sampling)], bonus))  # (sampling + S,): a request's pick at its index
-        return _DevicePicks(index | speculative, picks, {rid: s for s, (rid, *_) in enumerate(drafts)}, rejected)
+        index |= {rid: len(sampling) + s for rid, s in speculative.items()}
+        return _DevicePicks(index, picks, speculative, targets, accepted)
 
-    def _in_flight_inputs(self, inputs: ForwardInputs, slots: list[int], new: list[int]):
-        """On the device, for this launch's in-flight inputs (overlap): ``(flat slots, their tokens)``,
-        each the previous launch's pick for its request (for one that verified drafts, the token
-        after its accepted ones); and the moves of requests whose previous forward verified drafts
-        (``(rows, decode sequences, positions back)``; None: none), since this forward was built as
-        if every draft had been accepted (``speculative.device_verification``)."""
+    def _in_flight_inputs(self, inputs: ForwardInputs, new: list[int]):
+        """On the device, what this launch could not know when it was built (overlap):
+
+        * ``fill``: ``(flat rows, tokens)`` written over its inputs: each in-flight input takes the
+          previous launch's pick for its request (for one that verified drafts, the token after its
+          accepted ones), and each engine-drafted step's slots the drafts proposed here (PAD where
+          fewer were found);
+        * ``moves``: the rows of requests whose previous forward verified drafts, to move back by
+          the slots it did not accept (``(rows, decode sequences, positions back)``; None: none),
+          since this forward was built as if every draft slot had been accepted;
+        * ``proposed``: the drafts proposed for the engine-drafted steps (:class:`_Proposed`; None:
+          none), from each request's real tokens: those the host has, then what the previous
+          launch gave it (``speculative.device_drafting``)."""
         picks = self._device_picks
-        if picks is None:
+        if inputs.in_flight and picks is None:
             raise RuntimeError("a forward has in-flight inputs but no forward was launched before it")
-        sources = [picks.index[inputs.requests[i].request_id] for _, i in inputs.in_flight]
-        tokens = picks.tokens.index_select(0, self._to_device(np.asarray(sources, dtype=np.int64)))
-        fill = (self._to_device(np.asarray(slots, dtype=np.int64)), tokens)
-        moved = [(flat, inputs.num_new_tokens[i], picks.speculative[inputs.requests[i].request_id])
-                 for flat, i in inputs.in_flight if inputs.requests[i].request_id in picks.speculative]
-        if not moved:
-            return fill, None
-        rows, sequences, decode_index, owners = rows_to_move(moved, new)
-        back = picks.rejected.index_select(0, self._to_device(owners))
-        return fill, _Moves(self._to_device(rows), self._to_device(sequences), self._to_device(decode_index), back)
+        requests = inputs.requests
+        rows: list[np.ndarray] = []
+        values: list[torch.Tensor] = []
+        moves = None
+        if inputs.in_flight:
+            rows.append(np.fromiter((flat for flat, _ in inputs.in_flight), dtype=np.int64, count=len(inputs.in_flight)))
+            sources = [picks.index[requests[i].request_id] for _, i in inputs.in_flight]
+            values.append(picks.tokens.index_select(0, self._to_device(np.asarray(sources, dtype=np.int64))))
+            moved = [(flat, inputs.num_new_tokens[i], picks.speculative[requests[i].request_id])
+                     for flat, i in inputs.in_flight if requests[i].request_id in picks.speculative]
+            if moved:
+                slot_counts = [inputs.in_flight_slots.get(i, 0) for flat, i in inputs.in_flight
+                               if requests[i].request_id in picks.speculative]
+                move_rows, sequences, decode_index, owners = rows_to_move(moved, new)
+                row_slots = np.repeat(np.asarray(slot_counts, dtype=np.int64), [count for _, count, _ in moved])
+                back = self._to_device(row_slots) - picks.accepted.index_select(0, self._to_device(owners))
+                moves = _Moves(self._to_device(move_rows), self._to_device(sequences), self._to_device(decode_index), back)
+        proposed = None
+        if inputs.engine_drafts:
+            proposed, draft_rows, draft_values = self._propose_in_flight(inputs, picks)
+            rows.append(draft_rows)
+            values.append(draft_values)
+        fill = None
+        if rows:
+            fill = (self._to_device(np.concatenate(rows)), torch.cat(values) if len(values) > 1 else values[0])
+        return fill, moves, proposed
+
+    def _propose_in_flight(self, inputs: ForwardInputs, picks: _DevicePicks | None):
+        """The drafts of this launch's engine-drafted steps, on the device: each request's row of
+        :class:`TokenHistories` brought up to the tokens the host knows, the previous launch's
+        run for it appended, then the proposer over those rows. Returns (:class:`_Proposed`, the
+        flat rows of every draft slot, the token for each: a draft, or PAD past its count)."""
+        entries = inputs.engine_drafts
+        requests = [inputs.requests[e.index] for e in entries]
+        histories = self._histories
+        if histories is None:
+            raise RuntimeError("a step has draft slots for the engine to fill, but the engine has no draft_proposer")
+        # per entry, in one upload: its history row, its tokens the host knows, its run's row in the
+        # previous launch's table (the table's last row, empty: nothing of it was in flight), its slots
+        columns = np.empty((4, len(entries)), dtype=np.int64)
+        columns[1] = [e.known for e in entries]
+        columns[3] = [e.slots for e in entries]
+        placement = histories.place([r.request_id for r in requests], [r.tokens for r in requests], columns[1])
+        columns[0] = placement.rows
+        if picks is not None:
+            in_flight = {i for _, i in inputs.in_flight}
+            empty = len(picks.tokens)
+            columns[2] = [picks.index.get(r.request_id, empty) if e.index in in_flight else empty
+                          for e, r in zip(entries, requests)]
+        histories.upload(placement, self._to_device)
+        rows_device, known, sources, room = self._to_device(columns)
+        width = 1
+        if picks is not None:
+            table, run_lengths = picks.runs()
+            width = table.shape[1]
+            lengths = histories.append(rows_device, known, table.index_select(0, sources),
+                                       run_lengths.index_select(0, sources))
+        else:
+            lengths = known
+        longest = min(int(columns[1].max()) + width, histories.width)  # what any row's history can reach
+        drafts, counts = self.draft_proposer.propose_batch(histories.gather(rows_device, longest), lengths, room)
+        # every slot's place in ``drafts``: entry e's slot j is e * max_draft_len + j
+        per_entry = drafts.shape[1]
+        flat_rows = np.concatenate([np.arange(e.first_row, e.first_row + e.slots) for e in entries]).astype(np.int64)
+        taken = np.concatenate([e_index * per_entry + np.arange(e.slots) for e_index, e in enumerate(entries)])
+        values = drafts.reshape(-1).index_select(0, self._to_device(taken.astype(np.int64))).clamp(min=PAD_TOKEN_ID)
+        position = {r.request_id: e_index for e_index, r in enumerate(requests)}
+        return _Proposed(position, drafts, counts), flat_rows, values
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         """A host array on the device, through the launch's pinned buffer (inside ``_staging.step()``)."""
@@ -393,20 +525,24 @@ class CudaForward:
     """
 
     __slots__ = ("_output", "_event", "_start", "_tokens_host", "_request_ids", "_drafts", "_logits", "num_tokens",
-                 "_prompt_logits", "_beams", "_verified")
+                 "_prompt_logits", "_beams", "_verified", "_proposed")
 
     def __init__(
         self, request_ids: list[int], logits: torch.Tensor, tokens: torch.Tensor, start: torch.cuda.Event | None = None,
         *, prompt_logits: dict[int, tuple[int, torch.Tensor]] | None = None, drafts: list[DraftSpan] = (),
         beams: list[BeamSpan] = (), verified_drafts: dict[int, list[int]] | None = None,
+        proposed: _Proposed | None = None,
     ) -> None:
         """Enqueue the copy of ``tokens`` (device) to pinned host memory and an event after it;
         ``start``: an event recorded before the forward's first kernel (timing). ``logits`` and
         ``tokens`` may hold more rows than ``request_ids`` (prompt rows, ``prompt_logits`` views
         them; draft rows, ``drafts``; beam rows, ``beams``, as ``ForwardInputs.logit_layout`` lays them
-        out); only the first ``len(request_ids)`` are the requests' picks."""
+        out); only the first ``len(request_ids)`` are the requests' picks. ``verified_drafts``: the
+        host's drafts; ``proposed``: those the engine proposed on the device, copied back with the
+        tokens (the same copy)."""
         self._prompt_logits = prompt_logits
         self._verified = verified_drafts
+        self._proposed = None if proposed is None else (proposed.position, proposed.drafts.shape[1])
         self._output: ForwardOutput | None = None
         self.num_tokens = 0  # positions in the forward
         self._start = start
@@ -414,11 +550,16 @@ class CudaForward:
         self._drafts = drafts
         self._beams = beams  # beam rows: the sampler reads their logits (on the device) itself
         self._logits = logits
-        self._tokens_host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=tokens.numel() > 0)
+        payload = tokens
         if tokens.numel():
             # one copy carries the picks and the finiteness check: -1 for a row with NaN or inf
-            checked = torch.where(torch.isfinite(logits).all(dim=-1), tokens, torch.full_like(tokens, -1))
-            self._tokens_host.copy_(checked, non_blocking=True)
+            payload = torch.where(torch.isfinite(logits).all(dim=-1), tokens, torch.full_like(tokens, -1))
+        if proposed is not None:  # and the drafts proposed on the device, then their counts
+            payload = torch.cat((payload, proposed.drafts.reshape(-1), proposed.counts))
+        # pinned for a non-blocking copy from the GPU (a forward on the CPU, in tests, has nothing to pin)
+        self._tokens_host = torch.empty(payload.shape, dtype=payload.dtype, pin_memory=payload.is_cuda and payload.numel() > 0)
+        if payload.numel():
+            self._tokens_host.copy_(payload, non_blocking=True)
         self._event = _record_event()
 
     def picks(self) -> Picks:
@@ -448,7 +589,16 @@ class CudaForward:
         if self._output is None:
             self._event.synchronize()
             tokens = self._tokens_host.tolist()  # -1: a row that is not finite (see launch)
-            targets = draft_targets(tokens, self._drafts)
+            verified = self._verified
+            if self._proposed is not None:  # the engine's drafts follow the picks
+                position, width = self._proposed
+                num_picks = len(tokens) - len(position) * (width + 1)
+                proposals, counts = tokens[num_picks : num_picks + len(position) * width], tokens[-len(position) :]
+                verified = dict(verified or {})
+                for rid, e in position.items():
+                    verified[rid] = proposals[e * width : e * width + counts[e]]
+                tokens = tokens[:num_picks]
+            targets = draft_targets(tokens, self._drafts, verified)
             nonfinite = {rid for rid, token in zip(self._request_ids, tokens) if token < 0}
             if targets:  # a draft row that is not finite fails its request too
                 nonfinite |= {rid for rid, picks in targets.items() if min(picks) < 0}
@@ -459,7 +609,7 @@ class CudaForward:
                 prompt_logits=self._prompt_logits,
                 draft_targets=targets,
                 beam_logits=_beam_logits(self._logits, self._beams),
-                verified_drafts=self._verified,
+                verified_drafts=verified,
             )
         return self._output
 

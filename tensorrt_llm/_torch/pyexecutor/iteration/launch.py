@@ -26,9 +26,10 @@ n+1 cannot know:
   ``ModelEngine.can_pick``) gets no placeholder, and the forward it samples in is completed
   before the next iteration is scheduled (that iteration runs without overlap);
 * a speculative request stays under overlap where the engine accepts drafts itself: forward n
-  verifying ``k`` drafts leaves ``k + 1`` placeholders (as if it accepted them all), the drafter
-  proposes n+1's drafts after them, and n+1 is built on them; the engine moves n+1 back over the
-  drafts n rejected (positions on the device, the KV written there is overwritten later), and
+  verifying ``k`` draft slots leaves ``k + 1`` placeholders (as if it accepted them all), n+1 is
+  built on them with draft slots of its own that the engine fills at launch from the tokens n
+  produced (the drafter never drafts from unverified drafts); the engine moves n+1 back over the
+  slots n did not accept (positions on the device, the KV written there is overwritten later), and
   completing n replaces the placeholders with the run it accepted, which pulls n+1's placeholders
   back the same way; blocks that held only rejected positions go back to the pool at the commit;
 * a capacity pause (``MAX_UTILIZATION``) of a request in flight waits for its forward: the

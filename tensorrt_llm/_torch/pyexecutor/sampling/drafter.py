@@ -3,7 +3,8 @@
 Speculative decoding in one iteration (``ExecutorConfig.speculative_config``)::
 
     drafter.prepare_draft_tokens(active)   each speculative generation request gets up to
-                                            max_draft_len drafts (n-gram lookup in its tokens)
+                                            max_draft_len drafts (n-gram lookup in its tokens;
+                                            in flight: slots the engine fills at launch)
     schedule / re-check / allocate          charged forward_cost: 1 + drafts
                                             (a first-draft step: 1 + max_draft_len)
     forward                                 the target's greedy pick at the newest token and
@@ -22,12 +23,15 @@ exactly as without speculation. Greedy verification makes the outputs equal to t
 drafts, token for token: only the number of forwards changes.
 
 Under the overlap scheduler the drafter runs while the request's previous forward is in flight:
-its tokens end with placeholders for what that forward will accept (one per draft it verifies,
-then one for the token after them), laid out as if every draft were accepted. The next drafts
-continue that layout: :meth:`Drafter.propose` guesses the tokens after ``request.tokens``
-placeholders included (the n-gram drafter looks them up in the known tokens followed by the
-drafts in flight, and skips its guess of the in-flight token). If the forward rejects some, the
-engine moves the next forward back over them; the drafts may then be wrong, never the output.
+its tokens end with placeholders for what that forward will produce (one per draft it verifies,
+then one for the token after them). Drafts proposed from them would continue drafts nobody has
+checked yet, and after one wrong one every later draft is wrong too. So a request in flight gets
+no drafts from the host: where the engine drafts itself (``engine_proposes``: it was given the
+drafter's :attr:`Drafter.proposer`) it gets ``room`` draft *slots*, placeholders that the engine
+fills when the forward is launched, from the tokens the previous forward really produced
+(``speculative.device_drafting``); the forward is charged and laid out with them (``1 + room``
+positions), and the drafts it verified come back with its tokens. Elsewhere it runs this step
+without drafts. Drafts are only ever proposed from tokens the model produced.
 
 Speculation that does not pay stops (``SpeculativeConfig``): above ``max_concurrency``
 generation requests an iteration gets no drafts, and once the acceptance over the last
@@ -46,8 +50,9 @@ from typing import Iterable
 import numpy as np
 
 from tensorrt_llm._torch.pyexecutor.config import DecodingType, SpeculativeConfig
-from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequest, LlmRequestState, num_in_flight_tokens
-from tensorrt_llm._torch.speculative.ngram import propose_ngram_drafts
+from tensorrt_llm._torch.pyexecutor.llm_request import IN_FLIGHT_TOKEN_ID, LlmRequest, LlmRequestState
+from tensorrt_llm._torch.speculative.ngram import NGramProposer
+from tensorrt_llm._torch.speculative.proposer import DraftProposer
 
 _CONTEXT_INIT = LlmRequestState.CONTEXT_INIT
 
@@ -55,10 +60,15 @@ logger = logging.getLogger(__name__)
 
 
 class Drafter(abc.ABC):
-    """Decides which requests speculate and proposes their drafts; :meth:`propose` is the guess.
+    """Decides which requests speculate and proposes their drafts; :meth:`propose` is the guess
+    on the host, :attr:`proposer` (None: none) the same guess for an engine that drafts requests
+    whose previous forward is in flight.
 
     Any proposal is safe: verification keeps only what the target model would have generated.
     """
+
+    #: what an engine drafts with while a request's previous forward is in flight (module docstring)
+    proposer: DraftProposer | None = None
 
     def __init__(self, config: SpeculativeConfig, max_seq_len: int) -> None:
         self.config = config
@@ -116,17 +126,18 @@ class Drafter(abc.ABC):
         request.is_first_draft = False
         request.py_draft_tokens = []
 
-    def prepare_draft_tokens(self, requests: Iterable[LlmRequest]) -> None:
-        """Propose each speculative request's drafts for its next step, from its tokens as they
-        are now (placeholders of a forward in flight included: module docstring).
+    def prepare_draft_tokens(self, requests: Iterable[LlmRequest], *, engine_proposes: bool = False) -> None:
+        """Decide each speculative request's drafts for its next step.
 
         A request in its prompt gets none (its chunks are the scheduler's to size), and no
         request gets more drafts than the tokens it may still generate after the one its next
-        step yields anyway: a draft past ``max_total_len`` could only be thrown away. Above
-        ``max_concurrency`` generation requests none gets drafts (a first draft due now still runs
-        padded to ``1 + max_draft_len``: only the executor clears it, once it ran); the requests
-        stay speculative, so they still run without overlap. Once speculation is off, every
-        request is withdrawn.
+        step yields anyway (``room``): a draft past ``max_total_len`` could only be thrown away.
+        A request whose tokens are all known gets :meth:`propose`'s drafts. One whose previous
+        forward is in flight gets ``room`` slots for the engine to fill where ``engine_proposes``
+        (the engine drafts with :attr:`proposer`), else none (module docstring). Above
+        ``max_concurrency`` generation requests none gets drafts (a first draft due now still
+        runs padded to ``1 + max_draft_len``: only the executor clears it, once it ran); the
+        requests stay speculative. Once speculation is off, every request is withdrawn.
         """
         requests = list(requests)
         speculative = [request for request in requests if request.max_draft_len]
@@ -137,38 +148,34 @@ class Drafter(abc.ABC):
         limit = self.config.max_concurrency
         skip_drafts_this_iteration = limit is not None and sum(r.state is not _CONTEXT_INIT for r in requests) > limit
         for request in speculative:
-            if request.state is _CONTEXT_INIT:
-                request.py_draft_tokens = []
+            if request.state is _CONTEXT_INIT or skip_drafts_this_iteration:
+                request.py_draft_tokens = []  # a first draft due now still runs padded, as it is charged
                 continue
-            if skip_drafts_this_iteration:  # a first draft due now still runs padded, as it is charged
-                request.py_draft_tokens = []
-                continue
-            room = min(request.max_draft_len, request.max_total_len - len(request.tokens) - 1)
+            tokens = request.tokens
+            room = min(request.max_draft_len, request.max_total_len - len(tokens) - 1)
             if room < 1:
                 request.py_draft_tokens = []
-                continue
-            request.py_draft_tokens = self.propose(request, room)[:room]
+            elif tokens[-1] == IN_FLIGHT_TOKEN_ID:  # its previous forward is in flight
+                request.py_draft_tokens = [IN_FLIGHT_TOKEN_ID] * room if engine_proposes else []
+            else:
+                request.py_draft_tokens = self.propose(request, room)[:room]
 
     @abc.abstractmethod
     def propose(self, request: LlmRequest, max_drafts: int) -> list[int]:
-        """Up to ``max_drafts`` guesses of the tokens that follow ``request.tokens`` (which may end
-        with placeholders of a forward in flight: they stand for its drafts, then the token after
-        them, still ``request.py_draft_tokens`` and unknown)."""
+        """Up to ``max_drafts`` guesses of the tokens that follow ``request.tokens`` (all known:
+        no forward of the request is in flight)."""
 
 
 class NGramDrafter(Drafter):
     """Prompt lookup (``DecodingType.NGRAM``): see ``speculative.ngram``."""
 
+    def __init__(self, config: SpeculativeConfig, max_seq_len: int) -> None:
+        super().__init__(config, max_seq_len)
+        self.proposer = NGramProposer(config.max_draft_len, config.max_matching_ngram_size)
+
     def propose(self, request: LlmRequest, max_drafts: int) -> list[int]:
         tokens = np.frombuffer(request.tokens, dtype=np.int64)  # a view: gone before the tokens grow
-        pending = num_in_flight_tokens(request.tokens)
-        if not pending:
-            return propose_ngram_drafts(tokens, max_drafts, self.config.max_matching_ngram_size)
-        # In flight: the known tokens, then the drafts the forward verifies (assumed accepted); the
-        # lookup's first token guesses the one that forward picks after them, which is not a draft.
-        context = np.concatenate((tokens[: len(tokens) - pending], np.asarray(request.py_draft_tokens[: pending - 1],
-                                                                               dtype=np.int64)))
-        return propose_ngram_drafts(context, max_drafts + 1, self.config.max_matching_ngram_size)[1:]
+        return self.proposer.propose(tokens, max_drafts)
 
 
 def drafter_for(config: SpeculativeConfig, max_seq_len: int) -> Drafter:

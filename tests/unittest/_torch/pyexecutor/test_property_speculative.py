@@ -52,21 +52,53 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 class ReferenceDrafter(Drafter):
     """Proposes the true greedy continuation, except at positions where ``(position * 7 +
     salt) % period == phase`` (a wrong token there; ``salt``: the request's submission index):
-    every acceptance length happens."""
+    every acceptance length happens. Its :attr:`proposer` does the same from a token history
+    alone (an engine drafting a step built in flight), keyed by the prompt the history starts
+    with (salt: the prompt's length), so that under overlap too every acceptance length happens."""
 
     def __init__(self, config: SpeculativeConfig, period: int, phase: int) -> None:
         super().__init__(config, MAX_SEQ_LEN)
         self.period, self.phase = period, phase
         self.continuations: dict[int, tuple[int, tuple[int, ...]]] = {}  # request id -> (salt, prompt + reference)
+        self.proposer = _ReferenceProposer(self, config.max_draft_len)
 
     def propose(self, request: LlmRequest, max_drafts: int) -> list[int]:
         salt, full = self.continuations[request.request_id]
-        start = len(request.tokens)
+        return self.drafts(full, len(request.tokens), max_drafts, salt)
+
+    def drafts(self, full: tuple[int, ...], start: int, max_drafts: int, salt: int) -> list[int]:
         drafts = list(full[start : start + max_drafts])
         for i in range(len(drafts)):
             if ((start + i) * 7 + salt) % self.period == self.phase:
                 drafts[i] = (drafts[i] + 1) % MODEL.vocab_size
         return drafts
+
+
+class _ReferenceProposer:
+    """``ReferenceDrafter``'s guesses as a ``DraftProposer`` (on the CPU engine, at resolve time)."""
+
+    def __init__(self, drafter: ReferenceDrafter, max_draft_len: int) -> None:
+        self.drafter, self.max_draft_len = drafter, max_draft_len
+
+    def propose(self, tokens, max_drafts: int) -> list[int]:
+        history = tuple(int(t) for t in tokens)
+        # the reference whose prompt starts the history and which the history still follows (else any)
+        fulls = sorted((full for _, full in self.drafter.continuations.values()), key=len, reverse=True)
+        matching = [full for full in fulls if full[: len(history)] == history[: len(full)]]
+        if not matching:
+            return []
+        full = matching[0]
+        return self.drafter.drafts(full, len(history), min(max_drafts, self.max_draft_len), len(full) % 5)
+
+    def propose_batch(self, history, lengths, room):
+        import torch
+
+        proposals = [self.propose(row[:length], limit)
+                     for row, length, limit in zip(history.tolist(), lengths.tolist(), room.tolist())]
+        drafts = torch.full((len(proposals), self.max_draft_len), -1, dtype=torch.int64)
+        for row, proposal in zip(drafts, proposals):
+            row[: len(proposal)] = torch.tensor(proposal, dtype=torch.int64)
+        return drafts, torch.tensor([len(p) for p in proposals], dtype=torch.int64)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -251,11 +283,26 @@ def test_greedy_outputs_with_drafts_equal_greedy_decoding_under_every_policy(wor
 
 
 class _SyntheticDrafter(Drafter):
-    """Drafts the synthetic sampler's own continuation (which it rejects anyway: it keeps one
-    token a step), or garbage, by the request's parity: the scheduling is the same either way."""
+    """Drafts garbage from a request's length (the synthetic sampler rejects every draft anyway:
+    it keeps one token a step); its proposer does the same from a history, for the engine."""
+
+    def __init__(self, config: SpeculativeConfig, max_seq_len: int) -> None:
+        super().__init__(config, max_seq_len)
+        self.proposer = _SyntheticProposer(config.max_draft_len)
 
     def propose(self, request: LlmRequest, max_drafts: int) -> list[int]:
-        return [1 + (request.request_id * 31 + len(request.tokens) + i) % 997 for i in range(max_drafts)]
+        return self.proposer.propose(request.tokens, max_drafts)
+
+
+class _SyntheticProposer:
+    def __init__(self, max_draft_len: int) -> None:
+        self.max_draft_len = max_draft_len
+
+    def propose(self, tokens, max_drafts: int) -> list[int]:
+        return [1 + (len(tokens) * 31 + int(tokens[0]) + i) % 997 for i in range(min(max_drafts, self.max_draft_len))]
+
+    def propose_batch(self, history, lengths, room):  # the simulated engine proposes on the host
+        raise AssertionError("a host engine drafts one sequence at a time")
 
 
 @settings(max_examples=examples(1 / 10, 12))
@@ -283,9 +330,8 @@ def test_overlap_with_drafts_on_the_simulated_engine_gives_the_plain_tokens(
     def serve(speculative: bool, overlap: bool) -> dict[int, list[int]]:
         spec = SpeculativeConfig(max_draft_len=max_draft_len, max_concurrency=max_concurrency)
         run = dataclasses.replace(config, speculative_config=spec if speculative else None)
-        executor = make_sim_executor(run, overlap=overlap)
-        if speculative:
-            executor.drafter = _SyntheticDrafter(spec, run.max_seq_len)
+        drafter = _SyntheticDrafter(spec, run.max_seq_len) if speculative else None
+        executor = make_sim_executor(run, overlap=overlap, drafter=drafter)
         checker = ExecutorChecker(executor)
         _watch_drafts_in_flight(checker)
         for i, (prompt_len, max_new) in enumerate(specs):

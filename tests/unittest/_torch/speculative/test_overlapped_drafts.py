@@ -22,6 +22,7 @@ from tensorrt_llm._torch.pyexecutor.engine.inputs import PAD_TOKEN_ID, ForwardIn
 from tensorrt_llm._torch.pyexecutor.llm_request import IN_FLIGHT_TOKEN_ID, LlmRequestState
 from tensorrt_llm._torch.pyexecutor.engine.torch_engine import rows_to_move
 from tensorrt_llm._torch.speculative.device_verification import accept_on_device, move_back_
+from tensorrt_llm._torch.speculative.ngram import propose_ngram_drafts
 from tensorrt_llm._torch.speculative.verification import accept_greedy
 
 
@@ -73,20 +74,55 @@ def test_resolve_fills_the_in_flight_token_and_moves_a_speculative_request_back(
     inputs.append_generation([request, plain])
     assert inputs.in_flight == [(0, 0), (3, 1)]
     assert inputs.position_ids == [10, 11, 12, 4]
-    inputs.resolve({request.request_id: 99, plain.request_id: 77}, {request.request_id: 2})
+    assert inputs.in_flight_slots == {0: 3}
+    # the forward in flight accepted one draft (31), then picked 99: its run is two of the four tokens
+    inputs.resolve({request.request_id: 99, plain.request_id: 77}, {request.request_id: [31, 99]})
     assert inputs.input_ids == [99, 31, 32, 77]
     assert inputs.position_ids == [8, 9, 10, 4]
     assert inputs.num_cached_tokens == [8, 4]
 
 
 def test_picks_of_a_host_forward_accept_greedily():
-    output = ForwardOutput(logits={}, greedy_tokens={1: 5, 2: 9, 3: 4},
+    output = ForwardOutput(logits={}, greedy_tokens={1: 5, 2: 9, 3: 4, 4: 6},
                            draft_targets={1: [5, 6, 7, 8], 3: [4, 1]}, verified_drafts={1: [5, 6, 0], 3: [2], 4: [3, 3]})
     picks = picks_of(output)
-    assert picks.tokens[1] == 7 and picks.rejected[1] == 1  # accepted 5, 6; the target after them
-    assert picks.tokens[2] == 9 and 2 not in picks.rejected
-    assert picks.tokens[3] == 4 and picks.rejected[3] == 1
-    assert picks.rejected[4] == 2  # an engine without a model: every draft rejected
+    assert picks.tokens[1] == 7 and picks.runs[1] == [5, 6, 7]  # accepted 5, 6; the target after them
+    assert picks.tokens[2] == 9 and 2 not in picks.runs
+    assert picks.tokens[3] == 4 and picks.runs[3] == [4]
+    assert picks.runs[4] == (6,)  # an engine without a model: every draft rejected, its own pick
+
+
+def test_resolve_proposes_the_engine_drafts_from_the_tokens_the_previous_forward_produced():
+    """A step with three draft slots, built while the forward before it verifies two drafts (its
+    tokens end with three placeholders): resolve hands the proposal the request's known tokens
+    followed by that forward's run, never the drafts it was verifying."""
+    request = _generation(2, [], [IN_FLIGHT_TOKEN_ID] * 3)
+    del request.tokens[:]
+    request.tokens.extend([1, 2, 3, 4, 5, 6, 7, 1, IN_FLIGHT_TOKEN_ID, IN_FLIGHT_TOKEN_ID, IN_FLIGHT_TOKEN_ID])
+    inputs = ForwardInputs()
+    inputs.append_generation([request])
+    assert [tuple(e) for e in inputs.engine_drafts] == [(0, 1, 3, 8)]
+    seen = []
+
+    def propose(histories, rooms):
+        seen.append((histories, rooms))
+        return [propose_ngram_drafts(np.asarray(h), room, 2) for h, room in zip(histories, rooms)]
+
+    # the forward in flight verified drafts [9, 9] (wrong): it accepted none and picked 2
+    inputs.resolve({request.request_id: 2}, {request.request_id: [2]}, propose)
+    assert seen == [([[1, 2, 3, 4, 5, 6, 7, 1, 2]], [3])]
+    assert inputs.input_ids == [2, 3, 4, 5]  # the run's last token, then the drafts after "1 2"
+    assert inputs.position_ids == [8, 9, 10, 11]  # moved back over the two slots not accepted
+    assert inputs.verified_drafts() == {request.request_id: [3, 4, 5]}
+
+
+def test_resolve_pads_the_slots_a_proposal_leaves_empty():
+    request = _generation(3, [7], [IN_FLIGHT_TOKEN_ID] * 2)
+    inputs = ForwardInputs()
+    inputs.append_generation([request])
+    inputs.resolve({}, {}, lambda histories, rooms: [[] for _ in histories])
+    assert inputs.input_ids[1:] == [PAD_TOKEN_ID, PAD_TOKEN_ID]
+    assert inputs.verified_drafts() == {request.request_id: []}
 
 
 @settings(max_examples=60, deadline=None)
@@ -109,11 +145,11 @@ def test_device_acceptance_is_accept_greedy(cases):
     for s, ((first, count), drafts) in enumerate(zip(rows, drafts_all)):
         target_rows[s] = [s, *range(first, first + count), *[first + count - 1 if count else s] * (width - 1 - count)]
         draft_tokens[s, :count] = drafts
-    bonus, rejected = accept_on_device(torch.tensor(tokens), torch.from_numpy(target_rows),
-                                       torch.from_numpy(draft_tokens), torch.tensor([len(d) for d in drafts_all]))
-    for s, (drafts, targets) in enumerate(zip(drafts_all, targets_all)):
-        run = accept_greedy(drafts, targets)
-        assert int(bonus[s]) == run[-1] and int(rejected[s]) == len(drafts) + 1 - len(run)
+    targets, accepted = accept_on_device(torch.tensor(tokens), torch.from_numpy(target_rows),
+                                         torch.from_numpy(draft_tokens))
+    for s, (drafts, want) in enumerate(zip(drafts_all, targets_all)):
+        run = accept_greedy(drafts, want)
+        assert targets[s, : int(accepted[s]) + 1].tolist() == run
 
 
 @pytest.mark.parametrize("rejected", [(0, 0), (2, 1), (3, 0), (1, 3)])
@@ -145,20 +181,25 @@ def test_moving_a_forward_back_equals_building_it_where_the_drafts_stopped(rejec
     assert torch.equal(plan.decode.seq_lens, truth.decode.seq_lens)
 
 
-def test_the_n_gram_drafter_continues_after_the_drafts_in_flight():
-    """In flight: the known tokens, then the drafts the forward verifies (assumed accepted), then
-    the unknown token after them; the next drafts are the lookup's continuation after that."""
+def test_a_request_in_flight_gets_draft_slots_never_drafts_from_unverified_tokens():
+    """In flight, the host knows the request's tokens only up to the forward in flight: it gives
+    it slots for the engine to fill (an engine with a proposer), or no drafts; with all its tokens
+    known, the n-gram drafter proposes as usual."""
     from tensorrt_llm._torch.pyexecutor.config import SpeculativeConfig
     from tensorrt_llm._torch.pyexecutor.sampling.drafter import NGramDrafter
 
     drafter = NGramDrafter(SpeculativeConfig(max_draft_len=3, max_matching_ngram_size=2), 4096)
     request = _generation(2, [], [])
+    request.max_draft_len = 3
     del request.tokens[:]
     request.tokens.extend([1, 2, 3, 4, 5, 6, 7, 1, 2])
-    assert drafter.propose(request, 3) == [3, 4, 5]
-    request.py_draft_tokens = [3, 4]
-    request.tokens.extend([IN_FLIGHT_TOKEN_ID] * 3)  # 3, 4 and the token after them in flight
-    assert drafter.propose(request, 3) == [6, 7, 1]  # after 1 2 3 4 (5): 6 7 1
+    drafter.prepare_draft_tokens([request])
+    assert request.py_draft_tokens == [3, 4, 5]
+    request.tokens.extend([IN_FLIGHT_TOKEN_ID] * 4)  # 3, 4, 5 and the token after them in flight
+    drafter.prepare_draft_tokens([request], engine_proposes=True)
+    assert request.py_draft_tokens == [IN_FLIGHT_TOKEN_ID] * 3
+    drafter.prepare_draft_tokens([request], engine_proposes=False)
+    assert request.py_draft_tokens == []
 
 
 def test_the_decode_graphs_hold_a_full_batch_of_verification_rows():
