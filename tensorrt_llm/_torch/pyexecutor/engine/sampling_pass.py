@@ -115,7 +115,8 @@ def process_logits(logits: torch.Tensor, columns: SamplingColumns, to_device: To
             repetition = values[0, :, None]
             picked = torch.where(seen, torch.where(picked > 0, picked / repetition, picked * repetition), picked)
         if (penalties.values[1:] != 0.0).any():
-            picked = picked - counts * values[1, :, None] - (counts > 0).to(counts.dtype) * values[2, :, None]
+            # the host reference's arithmetic, operation for operation (logits_processors.apply_penalties)
+            picked = picked - (counts * values[1, :, None] + (counts > 0).to(counts.dtype) * values[2, :, None])
         logits.index_copy_(0, rows, picked)
     if columns.forbidden is not None:
         rows, ids = columns.forbidden
