@@ -139,6 +139,7 @@ class CudaGraphRunner:
         self._sampling_graphs: dict[tuple[int, PassPlan], tuple[torch.cuda.CUDAGraph, PassResult]] = {}
         self._pool = None
         self.num_replays = 0
+        self.num_sampling_replays = 0
 
     # ---- which forwards a graph serves ---------------------------------------------------
     def graph_size(self, num_new_tokens: Sequence[int], num_cached_tokens: Sequence[int]) -> int | None:
@@ -230,6 +231,7 @@ class CudaGraphRunner:
             process_logits(inputs.processed, columns, staging.to_device, g.longs[0])
         captured = self._sampling_graphs.get((step.size, plan)) or self._capture_sampling(step.size, plan)
         captured[0].replay()
+        self.num_sampling_replays += 1
         return captured[1]
 
     # ---- capture ---------------------------------------------------------------------------

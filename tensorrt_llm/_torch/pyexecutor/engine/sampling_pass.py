@@ -98,25 +98,22 @@ def process_logits(logits: torch.Tensor, columns: SamplingColumns, to_device: To
     if penalties is not None:
         rows = to_device(penalties.rows)
         values = to_device(penalties.values).to(logits.dtype)  # (3, P): repetition, frequency, presence
-        counts = logits.new_zeros((len(penalties.rows), vocab))  # (P, vocab): each output id, counted
-        index, ids = penalties.output
-        if len(ids):
-            counts.index_put_((to_device(index), to_device(ids)), counts.new_ones(()), accumulate=True)
-        index, slots = penalties.in_flight
+        index, ids = (to_device(a) for a in penalties.output)  # (row in P, id) per generated token
+        flight, slots = penalties.in_flight
         if len(slots):  # the ids a forward in flight was still sampling, as this forward's inputs hold them
-            counts.index_put_((to_device(index), input_ids.index_select(0, to_device(slots))), counts.new_ones(()),
-                              accumulate=True)
+            index = torch.cat((index, to_device(flight)))
+            ids = torch.cat((ids, input_ids.index_select(0, to_device(slots))))
         picked = logits.index_select(0, rows)  # (P, vocab)
-        if (penalties.values[0] != 1.0).any():
-            seen = counts > 0
-            index, ids = penalties.prompt
-            if len(ids):
-                seen.index_put_((to_device(index), to_device(ids)), seen.new_ones(()))
-            repetition = values[0, :, None]
-            picked = torch.where(seen, torch.where(picked > 0, picked / repetition, picked * repetition), picked)
+        if (penalties.values[0] != 1.0).any():  # repetition: on each id seen, once (repeats write the same value)
+            seen_index, seen_ids = (torch.cat((a, to_device(b))) for a, b in zip((index, ids), penalties.prompt))
+            seen = picked[seen_index, seen_ids]
+            repetition = values[0].index_select(0, seen_index)
+            picked.index_put_((seen_index, seen_ids), torch.where(seen > 0, seen / repetition, seen * repetition))
         if (penalties.values[1:] != 0.0).any():
+            counts = torch.zeros_like(picked)  # (P, vocab): each generated id, counted
+            counts.index_put_((index, ids), counts.new_ones(()), accumulate=True)
             # the host reference's arithmetic, operation for operation (logits_processors.apply_penalties)
-            picked = picked - (counts * values[1, :, None] + (counts > 0).to(counts.dtype) * values[2, :, None])
+            picked.sub_(counts * values[1, :, None] + (counts > 0).to(counts.dtype) * values[2, :, None])
         logits.index_copy_(0, rows, picked)
     if columns.forbidden is not None:
         rows, ids = columns.forbidden
@@ -169,16 +166,20 @@ def _draw(rows: torch.Tensor, columns: DeviceColumns, plan: PassPlan, block: int
     scaled = weights[:, :vocab]
     torch.sub(rows, rows.amax(dim=-1, keepdim=True), out=scaled)
     scaled.div_(columns.temperature[:, None])
+    kept = None
     if plan.top_k:
         kth = scaled.topk(plan.top_k, dim=-1).values  # (n, cap), largest first
         index = (columns.top_k.clamp(1, plan.top_k) - 1)[:, None]
         threshold = kth.gather(1, index).masked_fill_((columns.top_k == 0)[:, None], float("-inf"))
-        scaled.masked_fill_(scaled < threshold, float("-inf"))
-    scaled.exp_()  # the weights: 1 for the likeliest id, 0 for what the filters dropped
+        kept = scaled >= threshold  # (n, vocab); ties with the k-th stay
+    scaled.exp_()  # the weights: 1 for the likeliest id
+    # Filters multiply by their mask: on the CPU that is several times cheaper than masked_fill.
+    if kept is not None:
+        scaled.mul_(kept)
     if width > vocab:
         weights[:, vocab:].zero_()
     if plan.min_p:
-        scaled.masked_fill_(scaled < columns.min_p[:, None], 0.0)
+        scaled.mul_(scaled >= columns.min_p[:, None])
     if plan.top_p_rows:
         _top_p_(scaled, columns.top_p_rows, columns.top_p)
     return race(weights.view(n, width // block, block), columns.block_keys, columns.token_keys).clamp_(max=vocab - 1)
@@ -189,7 +190,7 @@ def _top_p_(weights: torch.Tensor, rows: torch.Tensor, top_p: torch.Tensor) -> N
     prefix of the sorted weights whose mass reaches ``top_p`` of the row's total."""
     picked = weights.index_select(0, rows)  # (P, vocab)
     floor = nucleus_floor(picked, top_p.index_select(0, rows))
-    weights.index_copy_(0, rows, picked.masked_fill_(picked < floor, 0.0))
+    weights.index_copy_(0, rows, picked.mul_(picked >= floor))
 
 
 def nucleus_floor(weights: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -197,19 +198,27 @@ def nucleus_floor(weights: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     when the mass before it reaches ``top_p`` of the total (so the likeliest always stays).
 
     On a GPU the whole row is sorted (a graph cannot branch on the data). On the CPU the
-    largest 1024 are tried first, then four times as many, until the kept prefix lies inside
-    them (a flat distribution ends at a full sort); both take the total as one sum of the row,
-    so they decide alike."""
+    largest 64 are tried first, then eight times as many, until every row's kept prefix lies
+    inside them (a peaked distribution stops at once; a flat one ends at a full sort, numpy's:
+    torch's CPU sort is several times slower). Both take the total as one sum of the row and the
+    prefix masses as a cumulative sum of the same sorted values, so they decide alike."""
     total = weights.sum(dim=-1, keepdim=True)  # (P, 1)
     target = top_p[:, None] * total
     vocab = weights.shape[1]
-    count = vocab if weights.is_cuda else min(vocab, 1024)
-    while True:
-        ranked = weights.topk(count, dim=-1).values if count < vocab else weights.sort(dim=-1, descending=True).values
-        mass = ranked.cumsum(dim=-1)  # (P, count)
-        if count == vocab or bool((mass[:, -1:] >= target).all()):  # every row's nucleus is inside
-            break
-        count = min(vocab, 4 * count)
+    if weights.is_cuda:
+        ranked = weights.sort(dim=-1, descending=True).values
+    else:
+        count = 64
+        while count < vocab:
+            ranked = weights.topk(count, dim=-1).values
+            mass = ranked.cumsum(dim=-1)  # (P, count)
+            if bool((mass[:, -1:] >= target).all()):  # every row's nucleus is inside
+                break
+            count *= 8
+        else:
+            ranked = torch.from_numpy(np.ascontiguousarray(np.sort(weights.numpy(), axis=-1)[:, ::-1]))
+    if ranked.shape[1] == vocab:
+        mass = ranked.cumsum(dim=-1)  # (P, vocab)
     kept = ((mass - ranked) < target).sum(dim=-1, keepdim=True)  # >= 1
     return ranked.gather(1, kept - 1)
 
