@@ -8,7 +8,7 @@ A graph replays fixed addresses and shapes, so each batch size gets static buffe
     seq_lens                (B,) int32      positions attended (cached + 1)
     tables                  (B, W) int32    block tables; W covers the longest sequence allowed
     rows                    (B,) int64      0..B-1, constant
-    -> logits (B, vocab), tokens (B,) int64 (greedy pick, on the device)
+    -> logits (B, vocab), tokens (B,) int64 (the argmax, on the device: a plain greedy step's picks)
 
 When the step's rows need the sampling pass (``engine.sampling_pass``: a row that draws,
 penalties, a grammar mask, logprobs), a second graph replays after it, captured per batch size and

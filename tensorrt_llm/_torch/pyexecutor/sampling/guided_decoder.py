@@ -8,9 +8,10 @@ Life of a guided request::
 
     GuidedDecodingParams --compile (at submission; a bad schema is refused there)--> Grammar
     Grammar.matcher() --> GrammarMatcher (one per sample; the sampler owns it)
-        each step:  fill_mask(logits) -- -inf on every token the grammar forbids
-                    sample from the masked logits
-                    accept(token)      -- the matcher advances (a token it refuses fails the request)
+        each step:  bitmask()      -- at launch: the ids the grammar allows next, 32 a word
+                    the engine's sampling pass sets every other id's logit to -inf and draws
+                    accept(token)  -- when the token is back: the matcher advances (a token it
+                                      refuses fails the request)
 
 The vocabulary the matcher reasons about is the project's own tokenizer's: each id's bytes
 (byte-level BPE tokens decoded to raw bytes, control tokens marked special), handed to
