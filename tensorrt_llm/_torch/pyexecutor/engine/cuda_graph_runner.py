@@ -210,7 +210,7 @@ class CudaGraphRunner:
         Called inside the staging's ``step()``."""
         g = self._graphs[step.size]
         vocab = g.logits.shape[1]
-        plan = columns.plan.bucketed(vocab)
+        plan = columns.plan.bucketed(vocab, step.size)
         inputs = self._sampling_inputs.get(step.size)
         if inputs is None:
             inputs = self._sampling_inputs[step.size] = _SamplingInputs(

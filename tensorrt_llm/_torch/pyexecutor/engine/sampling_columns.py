@@ -78,12 +78,15 @@ class PassPlan(NamedTuple):
     min_p: bool  # some drawing row has min-p > 0
     logprobs: int  # the most alternatives a row asks for; -1: no row asks for logprobs
     processed: bool  # penalties, min_tokens or a grammar mask on some row
+    # every top-p row has a top-k too: its nucleus lies among its top_k largest (no full sort)
+    top_p_within_top_k: bool = False
 
-    def bucketed(self, vocab_size: int) -> "PassPlan":
-        """The plan a CUDA graph is captured for: counts rounded up to powers of two (at least
-        16 for top-k), logprobs to :data:`MAX_TOP_LOGPROBS`; a row's answer does not depend on it."""
+    def bucketed(self, vocab_size: int, num_rows: int) -> "PassPlan":
+        """The plan a CUDA graph of ``num_rows`` rows is captured for: counts rounded up to powers
+        of two (at least 16 for top-k; at most the vocabulary, the rows), logprobs to
+        :data:`MAX_TOP_LOGPROBS`; a row's answer does not depend on it."""
         top_k = min(max(16, _pow2(self.top_k)), vocab_size) if self.top_k else 0
-        top_p = _pow2(self.top_p_rows) if self.top_p_rows else 0
+        top_p = min(_pow2(self.top_p_rows), num_rows) if self.top_p_rows else 0
         logprobs = MAX_TOP_LOGPROBS if self.logprobs > 0 else self.logprobs
         return self._replace(top_k=top_k, top_p_rows=top_p, logprobs=logprobs)
 
@@ -217,6 +220,7 @@ def sampling_columns(
         min_p=bool((floats[2][drawing] > 0).any()),
         logprobs=int(longs[4].max()),
         processed=penalties is not None or forbidden is not None or masks is not None,
+        top_p_within_top_k=bool(len(top_p_rows)) and bool((longs[1][top_p_rows] > 0).all()),
     )
     return SamplingColumns(plan, floats, longs, top_p_rows, penalties, forbidden, masks, errors)
 

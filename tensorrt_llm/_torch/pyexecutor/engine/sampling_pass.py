@@ -181,23 +181,26 @@ def _draw(rows: torch.Tensor, columns: DeviceColumns, plan: PassPlan, block: int
     if plan.min_p:
         scaled.mul_(scaled >= columns.min_p[:, None])
     if plan.top_p_rows:
-        _top_p_(scaled, columns.top_p_rows, columns.top_p)
+        _top_p_(scaled, columns.top_p_rows, columns.top_p, plan.top_k if plan.top_p_within_top_k else None)
     return race(weights.view(n, width // block, block), columns.block_keys, columns.token_keys).clamp_(max=vocab - 1)
 
 
-def _top_p_(weights: torch.Tensor, rows: torch.Tensor, top_p: torch.Tensor) -> None:
+def _top_p_(weights: torch.Tensor, rows: torch.Tensor, top_p: torch.Tensor, candidates: int | None) -> None:
     """Zero, on ``rows`` of ``weights`` ``(n, vocab)``, every weight below the nucleus: the smallest
     prefix of the sorted weights whose mass reaches ``top_p`` of the row's total."""
     picked = weights.index_select(0, rows)  # (P, vocab)
-    floor = nucleus_floor(picked, top_p.index_select(0, rows))
+    floor = nucleus_floor(picked, top_p.index_select(0, rows), candidates)
     weights.index_copy_(0, rows, picked.mul_(picked >= floor))
 
 
-def nucleus_floor(weights: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+def nucleus_floor(weights: torch.Tensor, top_p: torch.Tensor, candidates: int | None = None) -> torch.Tensor:
     """``(P, 1)``: per row, the smallest weight the top-p filter keeps. A sorted id is dropped
     when the mass before it reaches ``top_p`` of the total (so the likeliest always stays).
 
-    On a GPU the whole row is sorted (a graph cannot branch on the data). On the CPU the
+    ``candidates``: every row holds at most that many non-zero weights but for ties with its
+    smallest one (a top-k ran before): its largest ``candidates`` are sorted, and the rest, if
+    any, tie with the last of them, which the floor then keeps. Otherwise, on a GPU the whole row
+    is sorted (a graph cannot branch on the data); on the CPU the
     largest 64 are tried first, then eight times as many, until every row's kept prefix lies
     inside them (a peaked distribution stops at once; a flat one ends at a full sort, numpy's:
     torch's CPU sort is several times slower). Both take the total as one sum of the row and the
@@ -205,7 +208,10 @@ def nucleus_floor(weights: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     total = weights.sum(dim=-1, keepdim=True)  # (P, 1)
     target = top_p[:, None] * total
     vocab = weights.shape[1]
-    if weights.is_cuda:
+    if candidates is not None and candidates < vocab:
+        ranked = weights.topk(candidates, dim=-1).values
+        mass = ranked.cumsum(dim=-1)  # (P, candidates)
+    elif weights.is_cuda:
         ranked = weights.sort(dim=-1, descending=True).values
     else:
         count = 64

@@ -258,6 +258,12 @@ def test_the_nucleus_floor_is_the_full_sorts_answer(scale):
     total = weights.sum(dim=-1, keepdim=True)
     kept = ((ranked.cumsum(dim=-1) - ranked) < top_p[:, None] * total).sum(dim=-1, keepdim=True)
     assert torch.equal(floor, ranked.gather(1, kept - 1))
+    # after a top-k (here: 30 non-zero weights, then 6 more tied with the 30th), its largest suffice
+    weights[:, 30:] = 0.0
+    weights[:, 30:36] = weights[:, 29:30]
+    full = nucleus_floor(weights, top_p)
+    assert torch.equal(nucleus_floor(weights, top_p, candidates=32), full)
+    assert torch.equal(nucleus_floor(weights, top_p, candidates=64), full)
 
 
 def test_a_decode_graphs_layout_gives_the_eager_answer():
@@ -273,7 +279,8 @@ def test_a_decode_graphs_layout_gives_the_eager_answer():
     eager_tokens, eager = device_pick(flat[rows], columns, torch.from_numpy, None)
 
     laid = columns.at_rows(rows, size)
-    plan = laid.plan.bucketed(vocab)
+    plan = laid.plan.bucketed(vocab, size)
+    assert laid.plan._replace(top_p_rows=7).bucketed(vocab, size).top_p_rows == size  # never past the graph's rows
     floats, longs, top_p_rows = sampling_inputs_of(laid, plan)
     assert len(top_p_rows) == plan.top_p_rows == 2
     processed = flat.clone()
@@ -308,6 +315,6 @@ def test_the_columns_hold_what_each_row_asks_for():
     assert columns.longs[:, 0].tolist() == [1, 0, 0, 0, -1]
     assert columns.top_p_rows.tolist() == [1]
     assert columns.plan == PassPlan(sample=True, greedy=True, top_k=40, top_p_rows=1, min_p=True, logprobs=4,
-                                    processed=False)
+                                    processed=False, top_p_within_top_k=True)
     unseeded = request_at([1], SamplingConfig(temperature=1.0))  # seeded by its request id
     assert sampling_columns([unseeded], 100).longs[2:4, 0].tolist() == list(row_keys(unseeded.request_id, 0))
