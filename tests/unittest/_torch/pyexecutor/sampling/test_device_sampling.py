@@ -259,8 +259,9 @@ def test_the_nucleus_floor_is_the_full_sorts_answer(scale):
     kept = ((ranked.cumsum(dim=-1) - ranked) < top_p[:, None] * total).sum(dim=-1, keepdim=True)
     assert torch.equal(floor, ranked.gather(1, kept - 1))
     # after a top-k (here: 30 non-zero weights, then 6 more tied with the 30th), its largest suffice
-    weights[:, 30:] = 0.0
-    weights[:, 30:36] = weights[:, 29:30]
+    weights = weights.sort(dim=-1, descending=True).values.flip(-1)  # any order: here the largest last
+    weights[:, :-30] = 0.0
+    weights[:, -36:-30] = weights[:, -30:-29]  # six more tied with the smallest kept
     full = nucleus_floor(weights, top_p)
     assert torch.equal(nucleus_floor(weights, top_p, candidates=32), full)
     assert torch.equal(nucleus_floor(weights, top_p, candidates=64), full)
