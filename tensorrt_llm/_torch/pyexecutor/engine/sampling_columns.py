@@ -61,8 +61,14 @@ def mix32(x):
 def row_keys(seed: int, position: int) -> tuple[int, int]:
     """The (block, token) stream keys of the row that draws output token ``position`` of a
     request seeded with ``seed`` (in [0, 2**64))."""
-    key = mix32((seed & MASK32) ^ 0x3C6EF372)
-    key = mix32(key ^ (seed >> 32))
+    return split_row_keys(seed & MASK32, seed >> 32, position)
+
+
+def split_row_keys(seed_low, seed_high, position):
+    """:func:`row_keys` from the seed's two 32-bit halves: Python ints, or int64 arrays (one entry
+    a row, the same bits)."""
+    key = mix32(seed_low ^ 0x3C6EF372)
+    key = mix32(key ^ seed_high)
     key = mix32(key ^ (position & MASK32))
     return mix32(key ^ BLOCK_STREAM), mix32(key ^ TOKEN_STREAM)
 
@@ -160,9 +166,9 @@ def sampling_columns(
     still sampling (overlap); called only when some row is penalized. ``token_masks``: request id -> the grammar's
     bitmask for its next token (``sampling.guided_decoder``), for every guided request. A beam
     search's row is left greedy: the host's beam step reads its logits."""
-    special = [i for i, r in enumerate(requests)
-               if not r.sampling_config.plain_greedy or r.guided_grammar is not None]
-    special = [i for i in special if requests[i].beam_width == 1]
+    configs = [request.sampling_config for request in requests]
+    special = [i for i, (r, c) in enumerate(zip(requests, configs))
+               if (not c.plain_greedy or r.guided_grammar is not None) and r.beam_width == 1]
     if not special:
         return None
     n = len(requests)
@@ -177,9 +183,11 @@ def sampling_columns(
     forbidden_ids: list[int] = []
     masked: list[int] = []
     words: list[np.ndarray] = []
+    drawing: list[int] = []  # rows that draw, and what their keys and filters are made of
+    draws: list[tuple] = []  # (temperature, top_p, min_p, top_k, seed low, seed high, position)
     for i in special:
         request = requests[i]
-        config = request.sampling_config
+        config = configs[i]
         generated = len(request.tokens) - request.orig_prompt_len  # placeholders count: their tokens will exist
         if config.logprobs is not None:
             longs[4, i] = config.logprobs
@@ -202,22 +210,29 @@ def sampling_columns(
         if not 0 <= seed < SEED_LIMIT:  # SamplingConfig refuses it: only a bug gets one here
             errors[request.request_id] = f"request {request.request_id}: OverflowError: seed {seed} is not in [0, 2**64)"
             continue
-        longs[0, i] = 0
-        longs[1, i] = config.top_k if config.top_k < vocab_size else 0
-        longs[2, i], longs[3, i] = row_keys(seed, generated)
-        floats[:, i] = (config.temperature, config.top_p, config.min_p)
-    drawing = longs[0] == 0
-    top_p_rows = np.flatnonzero(drawing & (floats[1] < 1.0))
+        drawing.append(i)
+        draws.append((config.temperature, config.top_p, config.min_p, config.top_k if config.top_k < vocab_size else 0,
+                      seed & MASK32, seed >> 32, generated))
+    if drawing:  # one numpy pass over the drawing rows: a Python loop of hashes cost microseconds a row
+        rows = np.asarray(drawing, dtype=np.int64)
+        values = np.asarray(draws, dtype=np.float64)[:, :3]  # temperature, top_p, min_p
+        ints = np.asarray([d[3:] for d in draws], dtype=np.int64)  # top_k, seed halves, position
+        floats[:, rows] = values.T
+        longs[0, rows] = 0
+        longs[1, rows] = ints[:, 0]
+        longs[2, rows], longs[3, rows] = split_row_keys(ints[:, 1], ints[:, 2], ints[:, 3])
+    drawing_mask = longs[0] == 0
+    top_p_rows = np.flatnonzero(drawing_mask & (floats[1] < 1.0))
     penalties = _penalty_columns(requests, penalized, vocab_size, in_flight() if in_flight else {}) if penalized else None
     forbidden = (np.asarray(forbidden_rows, dtype=np.int64), np.asarray(forbidden_ids, dtype=np.int64)) \
         if forbidden_rows else None
     masks = (np.asarray(masked, dtype=np.int64), np.stack(words).astype(np.int32, copy=False)) if masked else None
     plan = PassPlan(
-        sample=bool(drawing.any()),
-        greedy=not bool(drawing.all()),
+        sample=bool(drawing),
+        greedy=not bool(drawing_mask.all()),
         top_k=int(longs[1].max()),
         top_p_rows=len(top_p_rows),
-        min_p=bool((floats[2][drawing] > 0).any()),
+        min_p=bool((floats[2][drawing_mask] > 0).any()),
         logprobs=int(longs[4].max()),
         processed=penalties is not None or forbidden is not None or masks is not None,
         top_p_within_top_k=bool(len(top_p_rows)) and bool((longs[1][top_p_rows] > 0).all()),
