@@ -18,7 +18,9 @@ this process's CPU time over it (the goal's measure: on a shared machine the wal
 time other processes hold the cores; run with ``--threads 1`` so that the two agree on an idle
 one), on CUDA the device time (CUDA events, first kernel to the copy back, the goal's measure).
 Medians over ``--repeats``. Goals: sampled within 1.1x of greedy on the CPU at batch 16, within
-1.05x on the GPU (Llama-3.1-8B shape).
+1.05x on the GPU (Llama-3.1-8B shape). On the CPU each variant's pick is also timed alone (its
+columns, then the pass or the argmax, on random logits of the step's shape): a step's ratio moves
+by a few percent from round to round on a shared machine, the pick alone much less.
 
     PYTHONPATH=. python -m benchmarks.model.sampling_speed [--device cpu|cuda] [--model NAME]
         [--batches 16] [--context 256] [--variants greedy,sampled,...] [--repeats 15] [--threads 1]
@@ -43,7 +45,7 @@ from benchmarks.gpu.common import BlockAllocator, fill_random, synthetic_inputs
 from benchmarks.replay.cost_model import ForwardShape
 from tensorrt_llm._torch.models.modeling_llama import MODEL_PRESETS, LlamaForCausalLM
 from tensorrt_llm._torch.pyexecutor.config import CudaGraphConfig, ExecutorConfig, KvCacheConfig
-from tensorrt_llm._torch.pyexecutor.engine.torch_engine import TorchModelEngine
+from tensorrt_llm._torch.pyexecutor.engine.torch_engine import TorchModelEngine, device_pick
 from tensorrt_llm._torch.pyexecutor.py_executor_creator import create_kv_cache_manager
 from tensorrt_llm._torch.pyexecutor.sampling_config import SamplingConfig
 from tensorrt_llm.llmapi.llm_utils import load_model
@@ -127,7 +129,31 @@ def measure(engine: TorchModelEngine, batch: int, variants: list[str], args: arg
                 entry[f"{kind}_min_ms"] = min(values)
                 entry[f"{kind}_ratio"] = entry[f"{kind}_ms"] / statistics.median(times["greedy"][kind])
         row["variants"][name] = entry
+    if engine.device.type == "cpu":  # the pass alone, on logits of the step's shape: its share of a step
+        greedy_cpu = row["variants"]["greedy"]["cpu_ms"]
+        for name in variants:
+            set_variant(inputs, name)
+            pass_cpu = pass_alone(engine, inputs, batch, args.repeats)
+            row["variants"][name]["pass_cpu_ms"] = pass_cpu
+            row["variants"][name]["pass_share_of_greedy_step"] = pass_cpu / greedy_cpu
     return row
+
+
+def pass_alone(engine: TorchModelEngine, inputs, batch: int, repeats: int) -> float:
+    """This process's CPU ms of the pick alone (the pass's columns, then the pass or the argmax)
+    on random logits of the model's dtype, median of ``repeats``."""
+    logits = torch.randn(batch, engine.vocab_size, generator=torch.Generator().manual_seed(0)) * 4
+    logits = logits.to(engine.model.config.torch_dtype)
+    times = []
+    for _ in range(repeats):
+        cpu = time.process_time()
+        columns = inputs.sampling_columns(engine.vocab_size)
+        if columns is None:
+            logits.argmax(dim=-1)
+        else:
+            device_pick(logits, columns, torch.from_numpy, None)
+        times.append((time.process_time() - cpu) * 1e3)
+    return statistics.median(times)
 
 
 def main(argv=None) -> int:
@@ -163,6 +189,7 @@ def main(argv=None) -> int:
             rows.append(row)
             kinds = ("device", "wall") if cuda else ("cpu", "wall")
             parts = [f"{name} " + ", ".join(f"{k} {e[k + '_ms']:.2f} ms {e[k + '_ratio']:.3f}x" for k in kinds)
+                     + (f", pick alone {e['pass_cpu_ms']:.2f} ms" if "pass_cpu_ms" in e else "")
                      for name, e in row["variants"].items()]
             print(f"batch {batch:4d}: " + "; ".join(parts), flush=True)
     goal = GOALS[args.device]

@@ -86,6 +86,7 @@ class PassPlan(NamedTuple):
     processed: bool  # penalties, min_tokens or a grammar mask on some row
     # every top-p row has a top-k too: its nucleus lies among its top_k largest (no full sort)
     top_p_within_top_k: bool = False
+    top_p_all: bool = False  # every row is a top-p row (no gather of them)
 
     def bucketed(self, vocab_size: int, num_rows: int) -> "PassPlan":
         """The plan a CUDA graph of ``num_rows`` rows is captured for: counts rounded up to powers
@@ -145,8 +146,9 @@ class SamplingColumns(NamedTuple):
             penalties = penalties._replace(rows=rows[penalties.rows])
         forbidden = None if self.forbidden is None else (rows[self.forbidden[0]], self.forbidden[1])
         masks = None if self.masks is None else (rows[self.masks[0]], self.masks[1])
-        return self._replace(floats=floats, longs=longs, top_p_rows=rows[self.top_p_rows], penalties=penalties,
-                             forbidden=forbidden, masks=masks)
+        every = self.plan.top_p_all and size == len(rows) and bool((rows == np.arange(size)).all())
+        return self._replace(plan=self.plan._replace(top_p_all=every), floats=floats, longs=longs,
+                             top_p_rows=rows[self.top_p_rows], penalties=penalties, forbidden=forbidden, masks=masks)
 
 
 _FLOAT_DEFAULTS = np.array([[1.0], [1.0], [0.0]])  # temperature, top_p, min_p of a greedy row
@@ -236,6 +238,7 @@ def sampling_columns(
         logprobs=int(longs[4].max()),
         processed=penalties is not None or forbidden is not None or masks is not None,
         top_p_within_top_k=bool(len(top_p_rows)) and bool((longs[1][top_p_rows] > 0).all()),
+        top_p_all=len(top_p_rows) == n,
     )
     return SamplingColumns(plan, floats, longs, top_p_rows, penalties, forbidden, masks, errors)
 

@@ -96,25 +96,29 @@ def process_logits(logits: torch.Tensor, columns: SamplingColumns, to_device: To
     vocab = logits.shape[1]
     penalties = columns.penalties
     if penalties is not None:
-        rows = to_device(penalties.rows)
+        # Sparse: every (row, id) a penalty touches is gathered, changed and written back; the
+        # arithmetic is the host reference's, element for element (logits_processors.apply_penalties),
+        # and an id listed twice is written twice with the same value.
+        rows = to_device(penalties.rows)  # (P,) logit rows
         values = to_device(penalties.values).to(logits.dtype)  # (3, P): repetition, frequency, presence
         index, ids = (to_device(a) for a in penalties.output)  # (row in P, id) per generated token
         flight, slots = penalties.in_flight
         if len(slots):  # the ids a forward in flight was still sampling, as this forward's inputs hold them
             index = torch.cat((index, to_device(flight)))
             ids = torch.cat((ids, input_ids.index_select(0, to_device(slots))))
-        picked = logits.index_select(0, rows)  # (P, vocab)
-        if (penalties.values[0] != 1.0).any():  # repetition: on each id seen, once (repeats write the same value)
+        if (penalties.values[0] != 1.0).any():  # repetition: every id of the prompt or the output, once
             seen_index, seen_ids = (torch.cat((a, to_device(b))) for a, b in zip((index, ids), penalties.prompt))
-            seen = picked[seen_index, seen_ids]
+            at = (rows.index_select(0, seen_index), seen_ids)
+            seen = logits[at]
             repetition = values[0].index_select(0, seen_index)
-            picked.index_put_((seen_index, seen_ids), torch.where(seen > 0, seen / repetition, seen * repetition))
-        if (penalties.values[1:] != 0.0).any():
-            counts = torch.zeros_like(picked)  # (P, vocab): each generated id, counted
+            logits.index_put_(at, torch.where(seen > 0, seen / repetition, seen * repetition))
+        if (penalties.values[1:] != 0.0).any():  # frequency and presence: every id of the output
+            counts = logits.new_zeros((len(penalties.rows), vocab))  # (P, vocab), touched where the ids are
             counts.index_put_((index, ids), counts.new_ones(()), accumulate=True)
-            # the host reference's arithmetic, operation for operation (logits_processors.apply_penalties)
-            picked.sub_(counts * values[1, :, None] + (counts > 0).to(counts.dtype) * values[2, :, None])
-        logits.index_copy_(0, rows, picked)
+            count = counts[index, ids]
+            at = (rows.index_select(0, index), ids)
+            logits.index_put_(at, logits[at] - (count * values[1].index_select(0, index)
+                                                 + (count > 0).to(count.dtype) * values[2].index_select(0, index)))
     if columns.forbidden is not None:
         rows, ids = columns.forbidden
         logits.index_put_((to_device(rows), to_device(ids)), logits.new_full((), float("-inf")))
@@ -181,13 +185,17 @@ def _draw(rows: torch.Tensor, columns: DeviceColumns, plan: PassPlan, block: int
     if plan.min_p:
         scaled.mul_(scaled >= columns.min_p[:, None])
     if plan.top_p_rows:
-        _top_p_(scaled, columns.top_p_rows, columns.top_p, plan.top_k if plan.top_p_within_top_k else None)
+        _top_p_(scaled, None if plan.top_p_all else columns.top_p_rows, columns.top_p,
+                plan.top_k if plan.top_p_within_top_k else None)
     return race(weights.view(n, width // block, block), columns.block_keys, columns.token_keys).clamp_(max=vocab - 1)
 
 
-def _top_p_(weights: torch.Tensor, rows: torch.Tensor, top_p: torch.Tensor, candidates: int | None) -> None:
-    """Zero, on ``rows`` of ``weights`` ``(n, vocab)``, every weight below the nucleus: the smallest
-    prefix of the sorted weights whose mass reaches ``top_p`` of the row's total."""
+def _top_p_(weights: torch.Tensor, rows: torch.Tensor | None, top_p: torch.Tensor, candidates: int | None) -> None:
+    """Zero, on ``rows`` of ``weights`` ``(n, vocab)`` (None: every row), every weight below the
+    nucleus: the smallest prefix of the sorted weights whose mass reaches ``top_p`` of the row's total."""
+    if rows is None:
+        weights.mul_(weights >= nucleus_floor(weights, top_p, candidates))
+        return
     picked = weights.index_select(0, rows)  # (P, vocab)
     floor = nucleus_floor(picked, top_p.index_select(0, rows), candidates)
     weights.index_copy_(0, rows, picked.mul_(picked >= floor))

@@ -316,6 +316,6 @@ def test_the_columns_hold_what_each_row_asks_for():
     assert columns.longs[:, 0].tolist() == [1, 0, 0, 0, -1]
     assert columns.top_p_rows.tolist() == [1]
     assert columns.plan == PassPlan(sample=True, greedy=True, top_k=40, top_p_rows=1, min_p=True, logprobs=4,
-                                    processed=False, top_p_within_top_k=True)
+                                    processed=False, top_p_within_top_k=True, top_p_all=False)
     unseeded = request_at([1], SamplingConfig(temperature=1.0))  # seeded by its request id
     assert sampling_columns([unseeded], 100).longs[2:4, 0].tolist() == list(row_keys(unseeded.request_id, 0))
