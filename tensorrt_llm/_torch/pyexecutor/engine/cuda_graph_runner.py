@@ -137,6 +137,7 @@ class CudaGraphRunner:
         self._graphs: dict[int, _DecodeGraph] = {}
         self._sampling_inputs: dict[int, _SamplingInputs] = {}
         self._sampling_graphs: dict[tuple[int, PassPlan], tuple[torch.cuda.CUDAGraph, PassResult]] = {}
+        self._eager_plans: set[tuple[int, PassPlan]] = set()  # plans whose capture failed: run eagerly
         self._pool = None
         self.num_replays = 0
         self.num_sampling_replays = 0
@@ -229,7 +230,16 @@ class CudaGraphRunner:
                 inputs.processed = torch.empty(g.logits.shape, dtype=working_dtype(g.logits.dtype), device=self.device)
             inputs.processed.copy_(g.logits)
             process_logits(inputs.processed, columns, staging.to_device, g.longs[0])
-        captured = self._sampling_graphs.get((step.size, plan)) or self._capture_sampling(step.size, plan)
+        key = (step.size, plan)
+        captured = self._sampling_graphs.get(key)
+        if captured is None and key not in self._eager_plans:
+            try:
+                captured = self._capture_sampling(step.size, plan)
+            except RuntimeError:  # a kernel that cannot be captured: this plan runs eagerly, the step still samples
+                logger.exception("could not capture the sampling graph of batch size %d, %s: it runs eagerly", *key)
+                self._eager_plans.add(key)
+        if captured is None:
+            return self._sampling_pass(step.size, plan)
         captured[0].replay()
         self.num_sampling_replays += 1
         return captured[1]
@@ -248,16 +258,20 @@ class CudaGraphRunner:
         logits = self.model.compute_logits(hidden)  # (B, vocab)
         return logits, logits.argmax(dim=-1)
 
-    def _capture_sampling(self, size: int, plan: PassPlan) -> tuple[torch.cuda.CUDAGraph, PassResult]:
-        """Capture the sampling pass of ``plan`` over the decode graph of ``size``'s logits and the
-        size's static columns (warmed up on a side stream first, as the decode graphs are)."""
+    def _sampling_pass(self, size: int, plan: PassPlan) -> PassResult:
+        """The sampling pass of ``plan`` over the decode graph of ``size``'s logits and the size's
+        static columns: what its sampling graph captures (run eagerly, it is the same ops)."""
         g = self._graphs[size]
         inputs = self._sampling_inputs[size]
-        dtype = working_dtype(g.logits.dtype)
+        columns = device_columns(inputs.floats, inputs.longs, inputs.top_p_rows[: plan.top_p_rows],
+                                 working_dtype(g.logits.dtype))
+        return sample_rows(g.logits, columns, plan, processed=inputs.processed if plan.processed else None)
+
+    def _capture_sampling(self, size: int, plan: PassPlan) -> tuple[torch.cuda.CUDAGraph, PassResult]:
+        """Capture :meth:`_sampling_pass` (warmed up on a side stream first, as the decode graphs are)."""
 
         def run() -> PassResult:
-            columns = device_columns(inputs.floats, inputs.longs, inputs.top_p_rows[: plan.top_p_rows], dtype)
-            return sample_rows(g.logits, columns, plan, processed=inputs.processed if plan.processed else None)
+            return self._sampling_pass(size, plan)
 
         with torch.inference_mode():
             side = torch.cuda.Stream(self.device)
