@@ -48,7 +48,6 @@ from tensorrt_llm._torch.pyexecutor.config import CudaGraphConfig, ExecutorConfi
 from tensorrt_llm._torch.pyexecutor.engine.torch_engine import TorchModelEngine, device_pick
 from tensorrt_llm._torch.pyexecutor.py_executor_creator import create_kv_cache_manager
 from tensorrt_llm._torch.pyexecutor.sampling_config import SamplingConfig
-from tensorrt_llm.llmapi.llm_utils import load_model
 
 VARIANTS: dict[str, SamplingConfig | None] = {
     "greedy": SamplingConfig(),
@@ -67,6 +66,8 @@ def build_engine(args: argparse.Namespace, max_batch: int) -> TorchModelEngine:
     if args.model in MODEL_PRESETS and device.type == "cuda":
         model = LlamaForCausalLM(MODEL_PRESETS[args.model], device=device)  # random weights drawn on the GPU
     else:
+        from tensorrt_llm.llmapi.llm_utils import load_model  # a checkpoint (the CPU default: SmolLM2's GGUF file)
+
         model = load_model(args.model, device=device).model
     blocks = max_batch * (-(-(args.context + 2) // TOKENS_PER_BLOCK)) + 16
     config = ExecutorConfig(

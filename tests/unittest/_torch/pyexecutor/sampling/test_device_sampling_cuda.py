@@ -13,17 +13,19 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from tests.helpers.factories import make_config, make_request
 
+from tensorrt_llm._torch.models.modeling_llama import MODEL_PRESETS, LlamaForCausalLM
 from tensorrt_llm._torch.pyexecutor.config import CudaGraphConfig
 from tensorrt_llm._torch.pyexecutor.engine.sampling_columns import mix32, row_keys, sampling_columns
 from tensorrt_llm._torch.pyexecutor.engine.sampling_pass import device_columns, exponentials, sample_rows
 from tensorrt_llm._torch.pyexecutor.engine.torch_engine import device_pick
 from tensorrt_llm._torch.pyexecutor.py_executor_creator import create_py_executor
 from tensorrt_llm._torch.pyexecutor.sampling_config import SamplingConfig
-from tensorrt_llm.llmapi.llm_utils import load_model
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -101,12 +103,15 @@ def _fields(config: SamplingConfig) -> dict:
     return {name: getattr(config, name) for name in names}
 
 
+def _tiny() -> LlamaForCausalLM:
+    """tiny-random in float64, drawn on the CPU (the GPU copy holds the same numbers)."""
+    return LlamaForCausalLM(dataclasses.replace(MODEL_PRESETS["tiny-random"], dtype="float64"))
+
+
 @pytest.mark.parametrize("graphs, overlap", [(True, True), (True, False), (False, True)])
 def test_served_sampled_requests_give_the_cpu_engines_tokens(graphs, overlap):
-    cpu_model = load_model("tiny-random", dtype="float64").model
-    expected, _ = _serve(cpu_model, _requests(), graphs=False, overlap=False)
-    got, executor = _serve(load_model("tiny-random", dtype="float64", device=CUDA).model, _requests(),
-                           graphs=graphs, overlap=overlap)
+    expected, _ = _serve(_tiny(), _requests(), graphs=False, overlap=False)
+    got, executor = _serve(_tiny().to(CUDA), _requests(), graphs=graphs, overlap=overlap)
     assert got == expected
     runner = executor.model_engine.graph_runner
     if graphs:
