@@ -33,7 +33,6 @@ preset at batches 1,16,64,256 over 1024 cached tokens. The KV pools hold random 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import statistics
 import sys

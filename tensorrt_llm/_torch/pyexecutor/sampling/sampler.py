@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import abc
-import logging
 import math
 
 import numpy as np
@@ -24,8 +23,6 @@ from tensorrt_llm._torch.pyexecutor.sampling.logits_processors import (
 from tensorrt_llm._torch.pyexecutor.engine.interface import ForwardOutput
 from tensorrt_llm._torch.pyexecutor.scheduled_requests import ScheduledRequests
 from tensorrt_llm._torch.speculative.verification import accept_greedy
-
-logger = logging.getLogger(__name__)
 
 
 class Sampler(abc.ABC):
