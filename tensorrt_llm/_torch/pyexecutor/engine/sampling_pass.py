@@ -154,12 +154,22 @@ def sample_rows(logits: torch.Tensor, columns: DeviceColumns, plan: PassPlan, *,
         tokens = drawn if tokens is None else torch.where(columns.greedy, tokens, drawn)
     if plan.logprobs < 0:
         return PassResult(tokens)
-    normaliser = raw.logsumexp(dim=-1, keepdim=True)  # (n, 1)
+    normaliser = _log_normaliser(raw)  # (n, 1)
     logprob = raw.gather(1, tokens[:, None]).sub_(normaliser).squeeze(1)
     if plan.logprobs == 0:
         return PassResult(tokens, logprob)
     values, ids = raw.topk(min(plan.logprobs, vocab), dim=-1)  # (n, top), likeliest first
     return PassResult(tokens, logprob, ids, values.sub_(normaliser))
+
+
+def _log_normaliser(raw: torch.Tensor) -> torch.Tensor:
+    """``(n, 1)``: each row's logsumexp. On the CPU one row at a time: the order a CPU reduction
+    sums in depends on the tensor's shape (a lone row is split across threads, several are not),
+    so a request's log-probabilities would change in their last bits with its batch mates; a row
+    alone is always the same shape. On a GPU (and in its graphs) the rows go together."""
+    if raw.is_cuda or raw.shape[0] <= 1:
+        return raw.logsumexp(dim=-1, keepdim=True)
+    return torch.cat([raw[i : i + 1].logsumexp(dim=-1, keepdim=True) for i in range(raw.shape[0])])
 
 
 def _draw(rows: torch.Tensor, columns: DeviceColumns, plan: PassPlan, block: int) -> torch.Tensor:
