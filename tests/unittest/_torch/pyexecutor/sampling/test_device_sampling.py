@@ -319,3 +319,21 @@ def test_the_columns_hold_what_each_row_asks_for():
                                     processed=False, top_p_within_top_k=True, top_p_all=False)
     unseeded = request_at([1], SamplingConfig(temperature=1.0))  # seeded by its request id
     assert sampling_columns([unseeded], 100).longs[2:4, 0].tolist() == list(row_keys(unseeded.request_id, 0))
+
+
+def test_a_rows_logprobs_are_the_same_bits_alone_and_in_a_batch():
+    """On the CPU a reduction's order depends on the tensor's shape (a lone row is split across
+    threads): each row's normaliser is taken alone, so a request reports the same numbers in any batch."""
+    vocab = 49152
+    logits = torch.randn(16, vocab, generator=torch.Generator().manual_seed(8)) * 3  # batched, these differ
+    requests = [request_at([1, 2], SamplingConfig(logprobs=2)) for _ in range(16)]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        _, batch = device_pick(logits, sampling_columns(requests, vocab), torch.from_numpy, None)
+        alone = [device_pick(logits[i : i + 1], sampling_columns(requests[i : i + 1], vocab), torch.from_numpy, None)[1]
+                 for i in range(16)]
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(batch.logprob, torch.cat([a.logprob for a in alone]))
+    assert torch.equal(batch.top_logprobs, torch.cat([a.top_logprobs for a in alone]))
