@@ -26,6 +26,10 @@
 #   hf-checkpoints        [.whl]           [MODEL]          ~8 min   a random bf16 sharded checkpoint written by transformers on
 #                                                                    the machine (llama-3.1-8b, or qwen3-8b), served by
 #                                                                    trtllm-serve DIR: load time, GPU memory, the default scenario at 1x
+#   sampling              []                                ~4 min   the device sampling pass: its CUDA tests, then
+#                                                                    benchmarks.model.sampling_speed (Llama-3.1-8B shape, batch
+#                                                                    1/16/64/256 over 1024 cached tokens): greedy vs sampled,
+#                                                                    top-k/top-p, logprobs, penalties, mixed rows (A/B per round)
 #   nccl                  (a 2-GPU host)                             not built: says so and stops
 set -uo pipefail
 PY=${PY:-python3}
@@ -92,6 +96,7 @@ case $phase in
     gpu
     timeout 540 "$PY" -m pytest tests/unittest/_torch/attention/test_fp8_cuda.py tests/unittest/_torch/speculative/test_speculative_cuda.py \
       tests/unittest/_torch/attention/test_cuda.py tests/unittest/_torch/pyexecutor/sampling/test_beam_search_cuda.py \
+      tests/unittest/_torch/pyexecutor/sampling/test_device_sampling_cuda.py \
       -q -rs -p no:cacheprovider --durations=8 2>&1 | tee "$out/pytest_cuda.log" | tail -25
     ;;
   stage-smollm2)
@@ -153,6 +158,15 @@ case $phase in
     setup .whl; gpu
     timeout 540 "$PY" -m benchmarks.gpu.hf_checkpoints --out "$out" --models "${1:-llama-3.1-8b}" 2>&1 \
       | tee "$out/hf_checkpoints.log" | tail -20
+    pack
+    ;;
+  sampling)
+    gpu
+    timeout 150 "$PY" -m pytest tests/unittest/_torch/pyexecutor/sampling/test_device_sampling_cuda.py \
+      tests/unittest/_torch/pyexecutor/sampling/test_device_sampling.py -q -rs -p no:cacheprovider 2>&1 \
+      | tee "$out/pytest_sampling.log" | tail -6
+    timeout 330 "$PY" -m benchmarks.model.sampling_speed --device cuda --repeats 20 --json "$out/sampling_speed.json" \
+      2>&1 | grep -v "^INFO" | tee "$out/sampling_speed.log" | tail -8
     pack
     ;;
   nccl)

@@ -4,9 +4,11 @@ small model would choose.
 
 :class:`ScriptedSampler` wraps an executor's sampler. While a script is set, the row of every
 request it samples gets ``+BIAS`` on the script's next token (the token at the request's count
-of generated tokens; past the end, the end-of-generation id), and the engine's own greedy pick
-is replaced by that token. Everything else is the real path: a grammar still masks the row, so
-under ``tool_choice: required`` the grammar, not the script, has the last word.
+of generated tokens; past the end, the end-of-generation id), and the engine's own pick is
+replaced by that token, unless the request's grammar forbids it: the engine sampled the row on
+its device with the grammar's mask (``engine.sampling_pass``), so its pick is already what the
+masked, biased row's argmax would be when the bias falls on a forbidden id. Everything else is
+the real path, so under ``tool_choice: required`` the grammar, not the script, has the last word.
 """
 
 from __future__ import annotations
@@ -23,6 +25,12 @@ class ScriptedSampler:
         self._tokenizer = tokenizer
         self._lock = threading.Lock()
         self._script: list[int] | None = None
+        self._masks: dict[int, object] = {}  # request id -> the grammar bitmask of its forward in flight
+
+    def token_masks(self, batch):
+        masks = self._inner.token_masks(batch)
+        self._masks = dict(masks or {})  # a guided request is never in flight twice (it is not overlapped)
+        return masks
 
     def set_script(self, text: str | None) -> None:
         ids = None if text is None else self._tokenizer.encode(text, add_special_tokens=False)
@@ -39,7 +47,9 @@ class ScriptedSampler:
                 row = output.logits[request.request_id].clone()  # (vocab,); the forward's own is read-only
                 row[target] += BIAS
                 output.logits[request.request_id] = row
-                if output.greedy_tokens is not None and request.request_id in output.greedy_tokens:
+                mask = self._masks.get(request.request_id)
+                allowed = mask is None or (int(mask[target // 32]) >> (target % 32)) & 1
+                if allowed and output.greedy_tokens is not None and request.request_id in output.greedy_tokens:
                     output.greedy_tokens[request.request_id] = target
         return self._inner.sample_batch(requests, output)
 

@@ -310,9 +310,11 @@ class LlmRequest:
 
     @property
     def needs_host_logits(self) -> bool:
-        """Whether its next token needs its logits row on the host: the engine's greedy pick is
-        not the sampler's answer (penalties, ``min_tokens``, a grammar's mask), or logprobs are
-        read from the row (which a later forward may overwrite on the device)."""
+        """Whether its token is more than the argmax of its raw logits row: something changes the
+        pick (penalties, ``min_tokens``, a grammar's mask) or reads the row (logprobs). The name is
+        from when such rows went to the host; the engine's device sampling pass serves them now,
+        but a pick that verifies drafts (the argmax at each draft row) still cannot, nor can an
+        engine that does not sample on its device (``ModelEngine.can_pick``)."""
         config = self.sampling_config
         return (self.guided_grammar is not None or config.logprobs is not None or config.min_tokens > 0
                 or config.has_penalties)

@@ -335,7 +335,8 @@ class PyExecutor:
             bound = budget_bound(batch, self.active_requests)
             if batch.is_empty:
                 return launch(prepared, bound), None
-            pending = self.model_engine.forward_async(batch)
+            masks = self.sampler.token_masks(batch)  # guided requests' grammar masks, applied on the device
+            pending = self.model_engine.forward_async(batch, masks) if masks else self.model_engine.forward_async(batch)
             forward_tokens = pending.num_tokens
             launched = launch(prepared, bound, forward_tokens)
             return launched, advance(batch, pending, launched, self.model_engine.can_pick if self.overlap else None)

@@ -9,7 +9,7 @@ nothing here imports either. ``llm_request`` re-exports every name, so that olde
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
 
 import numpy as np
@@ -65,6 +65,10 @@ class SamplingConfig:
     length_penalty: float = 0.0
     early_stopping: int = EARLY_STOP
     num_return_sequences: int | None = None
+    # Derived (not an argument): greedy with nothing that changes the pick or reads the row, so
+    # the pick is the argmax of the raw logits row. Read once per row per step by the engine
+    # (``engine.sampling_columns``), hence kept rather than recomputed.
+    plain_greedy: bool = field(init=False, default=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not _is_number(self.temperature) or not 0 <= self.temperature < math.inf:
@@ -96,6 +100,8 @@ class SamplingConfig:
         if self.num_return_sequences is not None and (
                 not _is_int(self.num_return_sequences) or self.num_return_sequences < 1):
             raise ValueError(f"num_return_sequences must be an integer >= 1, got {self.num_return_sequences!r}")
+        plain = self.is_greedy and self.logprobs is None and not self.min_tokens and not self.has_penalties
+        object.__setattr__(self, "plain_greedy", plain)  # frozen: the one write, at construction
 
     @property
     def is_greedy(self) -> bool:

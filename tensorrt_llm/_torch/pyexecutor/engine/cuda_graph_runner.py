@@ -8,7 +8,19 @@ A graph replays fixed addresses and shapes, so each batch size gets static buffe
     seq_lens                (B,) int32      positions attended (cached + 1)
     tables                  (B, W) int32    block tables; W covers the longest sequence allowed
     rows                    (B,) int64      0..B-1, constant
-    -> logits (B, vocab), tokens (B,) int64 (greedy pick, on the device)
+    -> logits (B, vocab), tokens (B,) int64 (the argmax, on the device: a plain greedy step's picks)
+
+When the step's rows need the sampling pass (``engine.sampling_pass``: a row that draws,
+penalties, a grammar mask, logprobs), a second graph replays after it, captured per batch size and
+:class:`~.sampling_columns.PassPlan` (bucketed): it reads the decode graph's logits and a few more
+static buffers, filled like the ids::
+
+    floats                  (3, B) float64      temperature, top_p, min_p
+    longs                   (5, B) int64        greedy, top_k, block key, token key, logprobs
+    top_p_rows              (B,) int64          rows with top-p (a plan reads its first P)
+    processed               (B, vocab)          the logits after penalties, min_tokens, grammar masks
+                                                (written eagerly before the replay: their shapes vary)
+    -> tokens (B,) int64, and (plans with logprobs) the chosen id's, the top ids and theirs
 
 A verification step (drafts) is a decode batch too: each of its positions is a row of its own
 over the request's block table (``ForwardInputs.attention_batch``), so it replays the graph of its
@@ -49,6 +61,14 @@ import torch
 from tensorrt_llm._torch.attention_backend.paged import DecodeBatch, PagedAttentionPlan, decode_num_splits, num_sms
 from tensorrt_llm._torch.attention_backend.staging import PinnedStaging
 from tensorrt_llm._torch.models.modeling_llama import LlamaForCausalLM
+from tensorrt_llm._torch.pyexecutor.engine.sampling_columns import PassPlan, SamplingColumns
+from tensorrt_llm._torch.pyexecutor.engine.sampling_pass import (
+    PassResult,
+    device_columns,
+    process_logits,
+    sample_rows,
+    working_dtype,
+)
 from tensorrt_llm._torch.pyexecutor.kv_cache.storage import KVCacheStorage
 from tensorrt_llm._torch.speculative.device_verification import move_back_
 
@@ -96,6 +116,27 @@ class _DecodeGraph:
     tokens: torch.Tensor | None = None  # (B,) int64
 
 
+@dataclass(slots=True)
+class _SamplingInputs:
+    """The static columns every sampling graph of one batch size reads (:func:`sampling_inputs_of`)."""
+
+    floats: torch.Tensor  # (3, B) float64
+    longs: torch.Tensor  # (5, B) int64
+    top_p_rows: torch.Tensor  # (B,) int64: a plan with P top-p rows reads the first P
+    processed: torch.Tensor | None = None  # (B, vocab), the working dtype; made when a plan first processes
+
+
+def sampling_inputs_of(columns: SamplingColumns, plan: PassPlan) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The host arrays a sampling graph's static buffers take for ``columns`` (laid out over the
+    graph's rows: ``SamplingColumns.at_rows``) under the bucketed ``plan``: floats, longs, and the
+    top-p rows padded to the plan's count by repeating the last one (the same row twice computes
+    the same threshold twice)."""
+    rows = columns.top_p_rows
+    if plan.top_p_rows > len(rows):
+        rows = np.concatenate((rows, np.repeat(rows[-1:], plan.top_p_rows - len(rows))))
+    return columns.floats, columns.longs, rows
+
+
 class CudaGraphRunner:
     """Runs decode batches (every request computes one token) from captured graphs."""
 
@@ -122,8 +163,12 @@ class CudaGraphRunner:
         self.device = model.device
         self.staging = staging  # the engine's pinned buffers: replay() runs inside its step()
         self._graphs: dict[int, _DecodeGraph] = {}
+        self._sampling_inputs: dict[int, _SamplingInputs] = {}
+        self._sampling_graphs: dict[tuple[int, PassPlan], tuple[torch.cuda.CUDAGraph, PassResult]] = {}
+        self._eager_plans: set[tuple[int, PassPlan]] = set()  # plans whose capture failed: run eagerly
         self._pool = None
         self.num_replays = 0
+        self.num_sampling_replays = 0
 
     @property
     def captured_sizes(self) -> list[int]:
@@ -189,6 +234,49 @@ class CudaGraphRunner:
         self.num_replays += 1
         return g.logits[: step.num_requests], g.tokens[: step.num_requests]
 
+    def sample(self, step: "_Step", columns: SamplingColumns) -> PassResult:
+        """After :meth:`replay` of ``step``: the sampling pass over its graph's rows (``columns``
+        laid out over them, ``SamplingColumns.at_rows``), from the graph of its size and bucketed
+        plan (captured first if needed). Returns static views over the ``B`` rows, valid until the
+        next sampling replay of that size. Penalties, ``min_tokens`` and grammar masks are applied
+        eagerly first, into the size's processed buffer (their shapes change every step); a
+        penalized row's in-flight token is read from the graph's ids, where ``replay`` filled it.
+        Called inside the staging's ``step()``."""
+        g = self._graphs[step.size]
+        vocab = g.logits.shape[1]
+        plan = columns.plan.bucketed(vocab, step.size)
+        inputs = self._sampling_inputs.get(step.size)
+        if inputs is None:
+            inputs = self._sampling_inputs[step.size] = _SamplingInputs(
+                torch.empty((3, step.size), dtype=torch.float64, device=self.device),
+                torch.empty((5, step.size), dtype=torch.int64, device=self.device),
+                torch.zeros(step.size, dtype=torch.int64, device=self.device),
+            )
+        floats, longs, top_p_rows = sampling_inputs_of(columns, plan)
+        staging = self.staging
+        staging.copy_to(inputs.floats, floats)
+        staging.copy_to(inputs.longs, longs)
+        if plan.top_p_rows:
+            staging.copy_to(inputs.top_p_rows[: plan.top_p_rows], top_p_rows)
+        if plan.processed:
+            if inputs.processed is None:
+                inputs.processed = torch.empty(g.logits.shape, dtype=working_dtype(g.logits.dtype), device=self.device)
+            inputs.processed.copy_(g.logits)
+            process_logits(inputs.processed, columns, staging.to_device, g.longs[0])
+        key = (step.size, plan)
+        captured = self._sampling_graphs.get(key)
+        if captured is None and key not in self._eager_plans:
+            try:
+                captured = self._capture_sampling(step.size, plan)
+            except RuntimeError:  # a kernel that cannot be captured: this plan runs eagerly, the step still samples
+                logger.exception("could not capture the sampling graph of batch size %d, %s: it runs eagerly", *key)
+                self._eager_plans.add(key)
+        if captured is None:
+            return self._sampling_pass(step.size, plan)
+        captured[0].replay()
+        self.num_sampling_replays += 1
+        return captured[1]
+
     # ---- capture ---------------------------------------------------------------------------
     def capture_all(self) -> None:
         """Capture every size now (largest first, so smaller graphs reuse its pool memory)."""
@@ -203,6 +291,35 @@ class CudaGraphRunner:
         )  # (B, hidden)
         logits = self.model.compute_logits(hidden)  # (B, vocab)
         return logits, logits.argmax(dim=-1)
+
+    def _sampling_pass(self, size: int, plan: PassPlan) -> PassResult:
+        """The sampling pass of ``plan`` over the decode graph of ``size``'s logits and the size's
+        static columns: what its sampling graph captures (run eagerly, it is the same ops)."""
+        g = self._graphs[size]
+        inputs = self._sampling_inputs[size]
+        columns = device_columns(inputs.floats, inputs.longs, inputs.top_p_rows[: plan.top_p_rows],
+                                 working_dtype(g.logits.dtype))
+        return sample_rows(g.logits, columns, plan, processed=inputs.processed if plan.processed else None)
+
+    def _capture_sampling(self, size: int, plan: PassPlan) -> tuple[torch.cuda.CUDAGraph, PassResult]:
+        """Capture :meth:`_sampling_pass` (warmed up on a side stream first, as the decode graphs are)."""
+
+        def run() -> PassResult:
+            return self._sampling_pass(size, plan)
+
+        with torch.inference_mode():
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    run()
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool):
+                result = run()
+        self._sampling_graphs[(size, plan)] = graph, result
+        logger.info("captured a sampling graph for decode batch size %d, %s", size, plan)
+        return graph, result
 
     def _capture(self, size: int) -> _DecodeGraph:
         device, tpb = self.device, self.tokens_per_block

@@ -67,13 +67,17 @@ class FaultInjectingEngine:
     def proposes_drafts(self) -> bool:
         return self.engine.proposes_drafts
 
+    @property
+    def samples_on_device(self) -> bool:
+        return self.engine.samples_on_device
+
     def can_pick(self, request) -> bool:
         return self.engine.can_pick(request)
 
     def forward(self, scheduled: ScheduledRequests) -> ForwardOutput:
         return self.forward_async(scheduled).result()
 
-    def forward_async(self, scheduled: ScheduledRequests) -> PendingForward:
+    def forward_async(self, scheduled: ScheduledRequests, token_masks=None) -> PendingForward:
         """Faults at launch (sleep, error); NaN logits when the forward's result is taken."""
         self._num_forwards += 1
         n, c = self._num_forwards, self.config
@@ -84,7 +88,7 @@ class FaultInjectingEngine:
         if _due(n, c.forward_error_every):
             self.faults_injected["forward_error"] += 1
             raise InjectedForwardError(f"fault injection: forward {n} failed (forward_error_every={c.forward_error_every})")
-        pending = self.engine.forward_async(scheduled)
+        pending = self.engine.forward_async(scheduled, token_masks) if token_masks else self.engine.forward_async(scheduled)
         if not _due(n, c.nan_logits_every):
             return pending
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 from itertools import accumulate
 from typing import TYPE_CHECKING, Callable, Mapping, NamedTuple, Sequence
 
+from tensorrt_llm._torch.pyexecutor.engine.sampling_columns import SamplingColumns, sampling_columns
 from tensorrt_llm._torch.pyexecutor.engine.logit_rows import (
     BeamSpan,
     DraftSpan,
@@ -99,8 +100,8 @@ class ForwardInputs:
 
     __slots__ = (
         "requests", "num_new_tokens", "num_cached_tokens", "samples", "total_num_tokens", "in_flight", "prompt_logits",
-        "num_drafts", "in_flight_slots", "engine_drafts", "_proposed", "_trailing", "_sources", "_starts", "_stops", "_extras", "_beams", "_generation", "_tables",
-        "_kv", "_input_ids", "_position_ids", "_block_tables", "_beam_tables",
+        "num_drafts", "in_flight_slots", "engine_drafts", "_proposed", "_trailing", "_sources", "_starts", "_stops", "_extras", "_beams",
+        "_generation", "_tables", "_kv", "_input_ids", "_position_ids", "_block_tables", "_beam_tables", "token_masks",
     )
 
     def __init__(self, kv_cache_manager: KVCacheManager | None = None) -> None:
@@ -130,6 +131,7 @@ class ForwardInputs:
         self._position_ids: list[int] | None = None
         self._block_tables: list[list[int]] | None = None
         self._beam_tables: list[list[list[int]] | None] | None = None  # per request: its beams' tables, or None
+        self.token_masks: Mapping[int, Sequence[int]] | None = None  # request id -> grammar bitmask (forward_async)
 
     def append(
         self, request: LlmRequest, token_ids: list[int], start: int, block_table: list[int] | None, samples: bool,
@@ -289,6 +291,22 @@ class ForwardInputs:
         if self._extras[index] or self._trailing[index] == 0:
             return source[stop - 1]
         return source[stop - 1 - self._trailing[index]]
+
+    def sampling_columns(self, vocab_size: int) -> SamplingColumns | None:
+        """The sampling parameters of this forward's sampling rows, in logit-row order
+        (:func:`.sampling_columns.sampling_columns`); None when every row is plain greedy. A
+        penalized request whose newest token is in flight counts it from its input slot."""
+        requests = [request for request, samples in zip(self.requests, self.samples) if samples]
+        if not requests:
+            return None
+        return sampling_columns(requests, vocab_size, in_flight=self._in_flight_rows, token_masks=self.token_masks)
+
+    def _in_flight_rows(self) -> dict[int, int]:
+        """Sampling row -> flat slot of each in-flight input (asked only when some row is penalized)."""
+        if not self.in_flight:
+            return {}
+        row_of = {index: row for row, index in enumerate(i for i, samples in enumerate(self.samples) if samples)}
+        return {row_of[index]: flat for flat, index in self.in_flight}
 
     def materialize(self) -> None:
         """Build the flat inputs and copy the block tables now: a forward that runs after

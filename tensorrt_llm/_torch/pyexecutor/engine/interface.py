@@ -42,6 +42,7 @@ import numpy as np
 from tensorrt_llm._torch.pyexecutor.engine.inputs import ForwardInputs, prepare_tp_inputs
 from tensorrt_llm._torch.pyexecutor.kv_cache.manager import KVCacheManager
 from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequest
+from tensorrt_llm._torch.pyexecutor.sampling_config import TokenLogprob
 from tensorrt_llm._torch.pyexecutor.scheduled_requests import ScheduledRequests
 from tensorrt_llm._torch.speculative.proposer import DraftProposer
 from tensorrt_llm._torch.speculative.verification import accept_greedy
@@ -50,8 +51,14 @@ from tensorrt_llm._torch.speculative.verification import accept_greedy
 @dataclass(slots=True)
 class ForwardOutput:
     """Per request that samples: the logits row of its sampling row (its last position before any
-    draft; a device tensor; None for simulated engines), and, from engines that pick on the device, the greedy token (the argmax
-    of that row).
+    draft; a device tensor; None for simulated engines), and, from engines that pick on the
+    device, the token picked (``greedy_tokens``, named when every pick was the argmax of that row).
+
+    ``device_sampled``: the engine's pick is each sampling request's answer: it ran the device
+    sampling pass over its rows (``engine.sampling_pass``: greedy rows' argmax, drawing rows'
+    draw), or every request was plain greedy; ``logprobs`` then holds the pass's log-probabilities
+    for the requests that ask, and ``sampling_errors`` the requests whose settings it could not
+    encode (they fail alone). Without it, a sampler draws on the host from ``logits``.
 
     ``nonfinite``: from engines that check on the device, the requests whose logits row holds NaN
     or inf (None: not checked; the sampler checks the row itself). Checking a device row on the
@@ -75,6 +82,9 @@ class ForwardOutput:
     # ``accept_greedy`` compares ``draft_targets`` with: under overlap the request's own
     # ``py_draft_tokens`` are the next step's already, or slots the engine filled). None: no drafts ran.
     verified_drafts: dict[int, list[int]] | None = None
+    device_sampled: bool = False
+    logprobs: dict[int, TokenLogprob] | None = None
+    sampling_errors: dict[int, str] | None = None
 
 
 class Picks(NamedTuple):
@@ -193,6 +203,9 @@ class ModelEngine(abc.ABC):
     supports_draft_tokens: bool = False
     #: whether forwards carry ``greedy_tokens`` (the engine's own pick for each sampling request)
     picks_tokens: bool = False
+    #: whether the engine samples every sampling row on its device (``engine.sampling_pass``):
+    #: its pick is the answer of every request but a beam search (``ForwardOutput.device_sampled``)
+    samples_on_device: bool = False
     #: whether the engine verifies drafts as the sampler does, so that it can pick for a
     #: speculative request in flight and move the next forward back over rejected drafts (:class:`Picks`)
     accepts_drafts: bool = False
@@ -228,19 +241,22 @@ class ModelEngine(abc.ABC):
     def can_pick(self, request: LlmRequest) -> bool:
         """Whether this engine picks, in the forward itself, the very tokens the sampler will
         return for ``request`` (so the request can be in the next forward before they reach the
-        host). Greedy, one beam, nothing that needs its logits on the host (penalties, a grammar
-        mask, logprobs: ``LlmRequest.needs_host_logits``), and an engine that picks; a speculative
-        request (``max_draft_len`` > 0, or drafts of its own) only where the engine also accepts
-        drafts (``accepts_drafts``): its next forward is built as if every draft were accepted and
-        the engine moves it back over the rejected ones (module docstring). Elsewhere every
-        forward such a request samples in completes before the next iteration is scheduled."""
-        return (
-            self.picks_tokens
-            and request.beam_width == 1
-            and (self.accepts_drafts or not (request.max_draft_len or request.py_draft_tokens))
-            and request.sampling_config.is_greedy
-            and not request.needs_host_logits
-        )
+        host). One beam and an engine that picks; then, on an engine that samples on its device
+        (``samples_on_device``), any request without a grammar (penalties count the token in
+        flight on the device; a grammar's matcher must accept it on the host before the next
+        mask exists), elsewhere a plain greedy one (nothing that changes the pick or reads the
+        row: ``LlmRequest.needs_host_logits``). A speculative request (``max_draft_len`` > 0, or
+        drafts of its own) only where the engine also accepts drafts (``accepts_drafts``): its
+        next forward is built as if every draft were accepted and the engine moves it back over
+        the rejected ones (module docstring). Elsewhere every forward such a request samples in
+        completes before the next iteration is scheduled."""
+        if not self.picks_tokens or request.beam_width != 1:
+            return False
+        if not self.accepts_drafts and (request.max_draft_len or request.py_draft_tokens):
+            return False
+        if self.samples_on_device:
+            return request.guided_grammar is None
+        return request.sampling_config.is_greedy and not request.needs_host_logits
 
     @property
     def faults_injected(self) -> Mapping[str, int]:
@@ -250,9 +266,12 @@ class ModelEngine(abc.ABC):
     def forward(self, scheduled: ScheduledRequests) -> ForwardOutput:
         return self.forward_async(scheduled).result()
 
-    def forward_async(self, scheduled: ScheduledRequests) -> PendingForward:
-        """Prepare the inputs (TokenBudgetExceeded past the budget, before anything runs) and launch."""
+    def forward_async(self, scheduled: ScheduledRequests, token_masks: Mapping[int, Any] | None = None) -> PendingForward:
+        """Prepare the inputs (TokenBudgetExceeded past the budget, before anything runs) and launch.
+        ``token_masks``: request id -> its grammar's bitmask for the token this forward samples
+        (the sampler's ``token_masks``), for every guided request that samples in it."""
         inputs = self._prepare_tp_inputs(scheduled)
+        inputs.token_masks = token_masks
         pending = self._launch(inputs)
         pending.num_tokens = inputs.total_num_tokens
         return pending

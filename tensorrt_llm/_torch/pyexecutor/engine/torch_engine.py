@@ -42,6 +42,15 @@ from tensorrt_llm._torch.pyexecutor.engine.interface import (
 )
 from tensorrt_llm._torch.pyexecutor.engine.inputs import PAD_TOKEN_ID, ForwardInputs, TpInputs
 from tensorrt_llm._torch.pyexecutor.engine.logit_rows import BeamSpan, DraftSpan, PromptSpan, draft_targets
+from tensorrt_llm._torch.pyexecutor.engine.sampling_columns import SamplingColumns
+from tensorrt_llm._torch.pyexecutor.engine.sampling_pass import (
+    PassResult,
+    device_columns,
+    process_logits,
+    sample_rows,
+    working_dtype,
+)
+from tensorrt_llm._torch.pyexecutor.sampling_config import TokenLogprob
 from tensorrt_llm._torch.pyexecutor.kv_cache.manager import KVCacheManager
 from tensorrt_llm._torch.speculative.device_drafting import TokenHistories
 from tensorrt_llm._torch.speculative.device_verification import accept_on_device, move_back_
@@ -119,6 +128,47 @@ def rows_to_move(moved: list[tuple[int, int, int]], new: list[int]) -> tuple[np.
     return rows, sequences, decode_index[sequences].astype(np.int64), owners
 
 
+def device_pick(logits: torch.Tensor, columns: SamplingColumns, to_device, input_ids: torch.Tensor | None,
+                ) -> tuple[torch.Tensor, PassResult]:
+    """The pick of every row of ``logits`` ``(R, vocab)``: its first ``columns.num_rows`` rows (the
+    sampling rows) by the device sampling pass, the rest (draft rows) by argmax. ``to_device``
+    ships a host column; ``input_ids``: the forward's flat input ids (penalized in-flight tokens)."""
+    n = columns.num_rows
+    head = logits[:n]
+    dtype = working_dtype(logits.dtype)
+    processed = None
+    if columns.plan.processed:
+        processed = head.to(dtype, copy=True)
+        process_logits(processed, columns, to_device, input_ids)
+    params = device_columns(to_device(columns.floats), to_device(columns.longs), to_device(columns.top_p_rows), dtype)
+    result = sample_rows(head, params, columns.plan, processed=processed)
+    tokens = result.tokens if n == len(logits) else torch.cat((result.tokens, logits[n:].argmax(dim=-1)))
+    return tokens, result
+
+
+def token_logprobs(request_ids: list[int], counts, tokens: list[int], logprob: list[float],
+                   top_ids: list[list[int]] | None, top_values: list[list[float]] | None) -> dict[int, TokenLogprob]:
+    """Each request's :class:`TokenLogprob` from the pass's rows (read back as lists), for the rows
+    whose ``counts`` (alternatives asked for; -1: none) ask."""
+    found = {}
+    for i, (rid, count) in enumerate(zip(request_ids, counts)):
+        if count < 0:
+            continue
+        top = tuple(zip(top_ids[i][:count], top_values[i][:count])) if count else ()
+        found[rid] = TokenLogprob(tokens[i], logprob[i], top)
+    return found
+
+
+def _token_logprobs(request_ids: list[int], columns: SamplingColumns | None, result: PassResult | None,
+                    ) -> dict[int, TokenLogprob] | None:
+    """:func:`token_logprobs` of a host forward's pass (None: no row asked)."""
+    if result is None or result.logprob is None:
+        return None
+    top = result.top_ids is not None
+    return token_logprobs(request_ids, columns.longs[4].tolist(), result.tokens.tolist(), result.logprob.tolist(),
+                          result.top_ids.tolist() if top else None, result.top_logprobs.tolist() if top else None)
+
+
 class TorchModelEngine(ModelEngine):
     """Runs a real torch model over the paged KV tensors of the KV manager.
 
@@ -131,7 +181,10 @@ class TorchModelEngine(ModelEngine):
     """
 
     time_forwards: bool = False
-    picks_tokens = True  # the greedy pick of every sampling row, made on the model's device
+    picks_tokens = True  # the pick of every sampling row, made on the model's device
+    # Every sampling row is sampled on the model's device in one pass (engine.sampling_pass): greedy
+    # rows' argmax (bit for bit the plain pick), drawing rows' draw, penalties, masks, logprobs.
+    samples_on_device = True
     # Drafts run as extra positions of their request (causal over its cache, like a chunk); the
     # greedy pick at each draft row comes back in ForwardOutput.draft_targets.
     supports_draft_tokens = True
@@ -247,12 +300,22 @@ class CpuTorchModelEngine(TorchModelEngine):
         rows, sampling, spans, drafts, beams = inputs.logit_layout()  # sampling, prompt, draft, then beam rows
         logits = self.model.compute_logits(hidden[rows]) if rows else hidden.new_empty((0, self.vocab_size))
         picked = logits if drafts else logits[: len(sampling)]  # prompt and beam rows need no pick; draft rows do
-        picks = picked.argmax(dim=-1).tolist() if len(picked) else []  # (rows,)
+        columns = inputs.sampling_columns(self.vocab_size)  # None: every row plain greedy, its argmax the answer
+        result = None
+        if columns is not None:
+            picks, result = device_pick(picked, columns, torch.from_numpy, torch.from_numpy(ids))
+            picks = picks.tolist()
+        else:
+            picks = picked.argmax(dim=-1).tolist() if len(picked) else []  # (rows,)
+        finite = torch.isfinite(logits[: len(sampling)]).all(dim=-1).tolist()
         verified = inputs.verified_drafts() if drafts else None  # engine drafts: proposed at resolve
         return ForwardOutput(logits=dict(zip(sampling, logits)), greedy_tokens=dict(zip(sampling, picks)),
+                             nonfinite={rid for rid, ok in zip(sampling, finite) if not ok},
                              prompt_logits=_prompt_logits(logits, spans),
                              draft_targets=draft_targets(picks, drafts, verified),
-                             beam_logits=_beam_logits(logits, beams), verified_drafts=verified)
+                             beam_logits=_beam_logits(logits, beams), verified_drafts=verified, device_sampled=True,
+                             logprobs=_token_logprobs(sampling, columns, result),
+                             sampling_errors=columns.errors if columns is not None and columns.errors else None)
 
 
 class CudaTorchModelEngine(TorchModelEngine):
@@ -338,8 +401,10 @@ class CudaTorchModelEngine(TorchModelEngine):
         size = None
         if self.graph_runner is not None and all(inputs.samples) and not spans and not beams:
             size = self.graph_runner.graph_size(new, cached)
+        columns = inputs.sampling_columns(self.vocab_size)  # None: every row plain greedy (the argmax)
         storage = self.kv_cache_manager.storage
         start = None
+        result = None
         with self._staging.step():
             fill, moves, proposed = (None, None, None)
             if slots or inputs.engine_drafts:
@@ -351,19 +416,24 @@ class CudaTorchModelEngine(TorchModelEngine):
                 if self.time_forwards:
                     start = _record_event()
                 logits, tokens = self.graph_runner.replay(step, fill, moves)
+                if columns is not None:  # the sampling pass's graph, over the same rows (draft rows greedy)
+                    result = self.graph_runner.sample(step, columns.at_rows(rows[: len(sampling)], size))
+                    tokens = result.tokens[: len(ids)]
                 if rows != list(range(len(ids))):  # the sampling rows first, then the draft rows
                     index = self._to_device(np.asarray(rows, dtype=np.int64))
                     logits, tokens = logits.index_select(0, index), tokens.index_select(0, index)
+                    if result is not None and result.logprob is not None:
+                        result = _rows_of(result, index[: len(sampling)])
             else:
                 plan = self._plans.build(new, cached, tables)
                 storage.before_compute(tables)  # every beam's table too
                 if self.time_forwards:
                     start = _record_event()
-                logits, tokens = self._forward_eager(plan, ids, positions, rows, fill, moves)
+                logits, tokens, result = self._forward_eager(plan, ids, positions, rows, fill, moves, columns)
             self._device_picks = self._picks(inputs, sampling, drafts, tokens, proposed)
         verified = inputs.verified_drafts() if drafts else None  # the host's drafts; the engine's come back with the picks
         return CudaForward(sampling, logits, tokens, start, prompt_logits=_prompt_logits(logits, spans), drafts=drafts,
-                           beams=beams, verified_drafts=verified, proposed=proposed)
+                           beams=beams, verified_drafts=verified, proposed=proposed, columns=columns, logprobs=result)
 
     def _picks(self, inputs: ForwardInputs, sampling: list[int], drafts: list[DraftSpan], tokens: torch.Tensor,
                proposed: _Proposed | None) -> _DevicePicks:
@@ -489,7 +559,10 @@ class CudaTorchModelEngine(TorchModelEngine):
         return self._staging.to_device(array)
 
     def _forward_eager(self, plan: PagedAttentionPlan, ids: np.ndarray, positions: np.ndarray, rows: list[int], fill=None,
-                       moves: _Moves | None = None):
+                       moves: _Moves | None = None, columns: SamplingColumns | None = None):
+        """``(logits (rows, vocab), picks (rows,), the sampling pass's result or None)`` of a forward
+        run kernel by kernel (piecewise graphs where they serve); the picks of the sampling rows
+        come from the sampling pass when ``columns`` ask for one, the others' are argmaxes."""
         storage = self.kv_cache_manager.storage
         ids_device = self._to_device(ids)
         positions_device = self._to_device(positions)
@@ -505,41 +578,49 @@ class CudaTorchModelEngine(TorchModelEngine):
             forward = runner.forward  # everything but attention from graphs (piecewise_cuda_graph)
         hidden = forward(ids_device, positions_device, plan, storage.k_cache, storage.v_cache)  # (T, hidden)
         if not rows:
-            return hidden.new_empty((0, self.vocab_size)), torch.empty(0, dtype=torch.int64, device=self.device)
+            return hidden.new_empty((0, self.vocab_size)), torch.empty(0, dtype=torch.int64, device=self.device), None
         if rows == list(range(len(rows))) and len(rows) == hidden.shape[0]:
             sampled = hidden  # every row samples (a decode batch)
         else:
             sampled = hidden.index_select(0, self._to_device(np.asarray(rows, dtype=np.int64)))
         logits = self.model.compute_logits(sampled)  # (rows, vocab)
-        return logits, logits.argmax(dim=-1)
+        if columns is None:
+            return logits, logits.argmax(dim=-1), None
+        tokens, result = device_pick(logits, columns, self._to_device, ids_device)
+        return logits, tokens, result
 
 
 
 
 class CudaForward:
-    """A forward enqueued on the GPU. ``result()`` waits for its greedy tokens to reach the host
-    (not for anything enqueued after it) and returns the :class:`ForwardOutput`.
+    """A forward enqueued on the GPU. ``result()`` waits for its picks to reach the host (not for
+    anything enqueued after it) and returns the :class:`ForwardOutput`.
 
     The logits rows it hands out are device tensors, valid until the engine's next forward of
     the same graph size (they may live in a CUDA graph's static output).
     """
 
-    __slots__ = ("_output", "_event", "_start", "_tokens_host", "_request_ids", "_drafts", "_logits", "num_tokens",
-                 "_prompt_logits", "_beams", "_verified", "_proposed")
+    __slots__ = ("_output", "_event", "_start", "_host", "_request_ids", "_drafts", "_logits", "num_tokens",
+                 "_prompt_logits", "_beams", "_verified", "_proposed", "_columns", "_top", "_rows")
 
     def __init__(
         self, request_ids: list[int], logits: torch.Tensor, tokens: torch.Tensor, start: torch.cuda.Event | None = None,
         *, prompt_logits: dict[int, tuple[int, torch.Tensor]] | None = None, drafts: list[DraftSpan] = (),
         beams: list[BeamSpan] = (), verified_drafts: dict[int, list[int]] | None = None,
-        proposed: _Proposed | None = None,
+        proposed: _Proposed | None = None, columns: SamplingColumns | None = None, logprobs: PassResult | None = None,
     ) -> None:
-        """Enqueue the copy of ``tokens`` (device) to pinned host memory and an event after it;
-        ``start``: an event recorded before the forward's first kernel (timing). ``logits`` and
-        ``tokens`` may hold more rows than ``request_ids`` (prompt rows, ``prompt_logits`` views
-        them; draft rows, ``drafts``; beam rows, ``beams``, as ``ForwardInputs.logit_layout`` lays them
-        out); only the first ``len(request_ids)`` are the requests' picks. ``verified_drafts``: the
-        host's drafts; ``proposed``: those the engine proposed on the device, copied back with the
-        tokens (the same copy)."""
+        """Enqueue one copy to pinned host memory and an event after it; ``start``: an event
+        recorded before the forward's first kernel (timing). ``logits`` and ``tokens`` may hold
+        more rows than ``request_ids`` (prompt rows, ``prompt_logits`` views them; draft rows,
+        ``drafts``; beam rows, ``beams``, as ``ForwardInputs.logit_layout`` lays them out); only
+        the first ``len(request_ids)`` are the requests' picks. ``verified_drafts``: the host's
+        drafts; ``proposed``: those the engine proposed on the device. ``columns``: the step's
+        sampling columns when the sampling pass ran (None: every pick an argmax); ``logprobs``: the
+        pass's result when its plan computed log-probabilities (its first rows the sampling rows).
+
+        The copy, in order: every row's pick (-1: a row with NaN or inf), the proposed drafts and
+        their counts, then the log-probabilities; int64, or float64 when log-probabilities ride
+        along (ids below 2**53 are exact in it)."""
         self._prompt_logits = prompt_logits
         self._verified = verified_drafts
         self._proposed = None if proposed is None else (proposed.position, proposed.drafts.shape[1])
@@ -550,16 +631,27 @@ class CudaForward:
         self._drafts = drafts
         self._beams = beams  # beam rows: the sampler reads their logits (on the device) itself
         self._logits = logits
-        payload = tokens
+        self._columns = columns
+        self._top = -1  # alternatives per row in the copy; -1: no log-probabilities in it
+        self._rows = tokens.shape[0]
+        parts = []
         if tokens.numel():
             # one copy carries the picks and the finiteness check: -1 for a row with NaN or inf
-            payload = torch.where(torch.isfinite(logits).all(dim=-1), tokens, torch.full_like(tokens, -1))
-        if proposed is not None:  # and the drafts proposed on the device, then their counts
-            payload = torch.cat((payload, proposed.drafts.reshape(-1), proposed.counts))
+            parts.append(torch.where(torch.isfinite(logits).all(dim=-1), tokens, torch.full_like(tokens, -1)))
+        if proposed is not None:  # the drafts proposed on the device, then their counts
+            parts += [proposed.drafts.reshape(-1), proposed.counts]
+        if tokens.numel() and logprobs is not None and logprobs.logprob is not None:
+            n = len(request_ids)
+            parts = [part.double() for part in parts] + [logprobs.logprob[:n].double()]
+            self._top = 0
+            if logprobs.top_ids is not None:
+                self._top = logprobs.top_ids.shape[1]
+                parts += [logprobs.top_ids[:n].double().flatten(), logprobs.top_logprobs[:n].double().flatten()]
+        packed = torch.cat(parts) if len(parts) > 1 else parts[0] if parts else tokens
         # pinned for a non-blocking copy from the GPU (a forward on the CPU, in tests, has nothing to pin)
-        self._tokens_host = torch.empty(payload.shape, dtype=payload.dtype, pin_memory=payload.is_cuda and payload.numel() > 0)
-        if payload.numel():
-            self._tokens_host.copy_(payload, non_blocking=True)
+        self._host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=packed.is_cuda and packed.numel() > 0)
+        if packed.numel():
+            self._host.copy_(packed, non_blocking=True)
         self._event = _record_event()
 
     def picks(self) -> Picks:
@@ -588,20 +680,24 @@ class CudaForward:
     def result(self) -> ForwardOutput:
         if self._output is None:
             self._event.synchronize()
-            tokens = self._tokens_host.tolist()  # -1: a row that is not finite (see launch)
+            values = self._host.tolist()
+            rows = self._rows
+            as_int = (lambda part: part) if self._top < 0 else (lambda part: [int(v) for v in part])
+            tokens = as_int(values[:rows])  # -1: a row that is not finite (see launch)
             verified = self._verified
             if self._proposed is not None:  # the engine's drafts follow the picks
                 position, width = self._proposed
-                num_picks = len(tokens) - len(position) * (width + 1)
-                proposals, counts = tokens[num_picks : num_picks + len(position) * width], tokens[-len(position) :]
+                proposals = as_int(values[rows : rows + len(position) * width])
+                counts = as_int(values[rows + len(position) * width : rows + len(position) * (width + 1)])
+                rows += len(position) * (width + 1)
                 verified = dict(verified or {})
                 for rid, e in position.items():
                     verified[rid] = proposals[e * width : e * width + counts[e]]
-                tokens = tokens[:num_picks]
             targets = draft_targets(tokens, self._drafts, verified)
             nonfinite = {rid for rid, token in zip(self._request_ids, tokens) if token < 0}
             if targets:  # a draft row that is not finite fails its request too
                 nonfinite |= {rid for rid, picks in targets.items() if min(picks) < 0}
+            columns = self._columns
             self._output = ForwardOutput(
                 logits=dict(zip(self._request_ids, self._logits)),
                 greedy_tokens=dict(zip(self._request_ids, tokens)),
@@ -610,8 +706,26 @@ class CudaForward:
                 draft_targets=targets,
                 beam_logits=_beam_logits(self._logits, self._beams),
                 verified_drafts=verified,
+                device_sampled=True,
+                logprobs=self._read_logprobs(values[rows:], tokens) if self._top >= 0 else None,
+                sampling_errors=columns.errors if columns is not None and columns.errors else None,
             )
         return self._output
+
+    def _read_logprobs(self, values: list[float], tokens: list[int]) -> dict[int, TokenLogprob]:
+        """The log-probabilities packed after the picks: (n,) chosen, then (n, top) ids, (n, top) values."""
+        n, top = len(self._request_ids), self._top
+        ids = [list(map(int, values[n + i * top : n + (i + 1) * top])) for i in range(n)] if top else None
+        tops = [values[n + n * top + i * top : n + n * top + (i + 1) * top] for i in range(n)] if top else None
+        return token_logprobs(self._request_ids, self._columns.longs[4].tolist(), tokens, values[:n], ids, tops)
+
+
+def _rows_of(result: PassResult, index: torch.Tensor) -> PassResult:
+    """The pass's log-probabilities of the rows ``index`` (a decode graph's flat rows, in logit-row order)."""
+    top = result.top_ids is not None
+    return PassResult(result.tokens, result.logprob.index_select(0, index),
+                      result.top_ids.index_select(0, index) if top else None,
+                      result.top_logprobs.index_select(0, index) if top else None)
 
 
 def _prompt_logits(logits: torch.Tensor, spans: list[PromptSpan]) -> dict[int, tuple[int, torch.Tensor]] | None:

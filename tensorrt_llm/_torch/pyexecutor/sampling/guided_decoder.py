@@ -8,9 +8,10 @@ Life of a guided request::
 
     GuidedDecodingParams --compile (at submission; a bad schema is refused there)--> Grammar
     Grammar.matcher() --> GrammarMatcher (one per sample; the sampler owns it)
-        each step:  fill_mask(logits) -- -inf on every token the grammar forbids
-                    sample from the masked logits
-                    accept(token)      -- the matcher advances (a token it refuses fails the request)
+        each step:  bitmask()      -- at launch: the ids the grammar allows next, 32 a word
+                    the engine's sampling pass sets every other id's logit to -inf and draws
+                    accept(token)  -- when the token is back: the matcher advances (a token it
+                                      refuses fails the request)
 
 The vocabulary the matcher reasons about is the project's own tokenizer's: each id's bytes
 (byte-level BPE tokens decoded to raw bytes, control tokens marked special), handed to
@@ -18,14 +19,19 @@ The vocabulary the matcher reasons about is the project's own tokenizer's: each 
 only the end-of-generation ids, so a guided request ends by EOS (or by ``max_tokens``: output
 cut by length is a prefix of a valid document, as with every engine).
 
-Overlap scheduling: the mask of step n+1 depends on the token of step n, and the engine's own
-greedy pick ignores the mask, so a guided request is never given an in-flight placeholder
-(``LlmRequest.needs_host_logits`` -> ``ModelEngine.can_pick`` is False). The forward that
-samples it completes, its row comes to the host, the mask is computed and applied there, and
-only then is the next iteration scheduled: a guided request makes the iteration wait for its
-mask (about 0.5 ms a token on the CPU, next to tens of ms of forward; see
-``benchmarks.serving.structured_output``). Computing the mask of step n+1 while forward n+1 runs would
-need the token of step n first, i.e. the same wait, so nothing would be hidden.
+The mask is applied on the engine's device: at launch the sampler computes each guided row's
+bitmask (:meth:`GrammarMatcher.bitmask`, ``TorchSampler.token_masks``) and the engine's sampling
+pass sets the forbidden ids of that row to -inf before drawing (``engine.sampling_pass``); when
+the token comes back the sampler's matcher accepts it.
+
+Overlap scheduling: the mask of step n+1 depends on the token of step n, which the matcher must
+accept on the host first, so a guided request is never given an in-flight placeholder
+(``ModelEngine.can_pick`` is False for it). The forward that samples it completes, its token
+reaches the matcher, and only then is the next iteration scheduled and its mask made: a guided
+request makes the iteration wait for its token and its mask (about 0.5 ms a token on the CPU,
+next to tens of ms of forward; see ``benchmarks.serving.structured_output``). Computing the mask
+of step n+1 while forward n+1 runs would need the token of step n first, i.e. the same wait, so
+nothing would be hidden. Other requests of the same batch are sampled in the same pass.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from tensorrt_llm._torch.pyexecutor.errors import InvalidRequestError
@@ -193,14 +200,24 @@ class GrammarMatcher:
         self._bitmask = torch.empty(words, dtype=torch.int32)  # reused every step
         self._bits = _bit_positions()
 
+    def bitmask(self) -> np.ndarray:
+        """``(ceil(vocab / 32),)`` int32, a new array: bit ``i`` of word ``w`` allows id ``32 w + i``
+        next (what the engine's sampling pass masks a row with, on its device)."""
+        return self._compute_mask().numpy().copy()
+
     def allowed(self) -> torch.Tensor:
         """(vocab,) bool: the ids the grammar allows next."""
+        mask = self._compute_mask()
+        # (words, 1) & (32,) -> (words, 32) -> (words * 32,): bit i of word w is id 32 * w + i
+        return ((mask.unsqueeze(1) & self._bits) != 0).reshape(-1)[: self.vocab_size]
+
+    def _compute_mask(self) -> torch.Tensor:
+        """The next token's bitmask, into the matcher's reused buffer."""
         mask = self._bitmask
         self._matcher.unsafe_compute_mask_ptr(mask.data_ptr(), mask.numel() * 4)
         if self._matcher.is_error():
             raise GrammarError(self._matcher.get_error())
-        # (words, 1) & (32,) -> (words, 32) -> (words * 32,): bit i of word w is id 32 * w + i
-        return ((mask.unsqueeze(1) & self._bits) != 0).reshape(-1)[: self.vocab_size]
+        return mask
 
     def fill_mask(self, logits: torch.Tensor) -> None:
         """Set every forbidden id's logit to -inf, in place (``logits``: (vocab,), on the CPU)."""

@@ -1,8 +1,10 @@
-"""What happens to one request's logits row between the forward and the draw.
+"""What happens to one request's logits row between the forward and the draw, on the host.
 
 Each function works in place on a float64 CPU row ``(vocab,)`` and reads the request; none
-keeps state. The sampler calls them in this order (vLLM's): penalties, ``min_tokens``, then
-the grammar mask (``guided_decoder``), then temperature / top-k / top-p in the sampler itself.
+keeps state. The host sampler (``TorchSampler``'s float64 path: the reference of the engine's
+device pass, ``engine.sampling_pass.process_logits``, which does the same arithmetic batched)
+calls them in this order (vLLM's): penalties, ``min_tokens``, then the grammar mask
+(``guided_decoder``), then temperature / top-k / top-p in the sampler itself.
 Log-probabilities are read from the raw row, before any of them (:func:`token_logprob`); a
 prompt's from its chunks' rows (:func:`record_prompt_logprobs`).
 """

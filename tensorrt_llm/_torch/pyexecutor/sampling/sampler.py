@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import abc
-
 import math
 
+import numpy as np
 import torch
 
 from tensorrt_llm._torch.pyexecutor.beam_state import BeamState
 from tensorrt_llm._torch.pyexecutor.sampling.beam_search import BeamStep, Candidate, advance
 from tensorrt_llm._torch.pyexecutor.errors import NonFiniteLogitsError, SamplingError
-from tensorrt_llm._torch.pyexecutor.sampling.guided_decoder import GrammarMatcher
+from tensorrt_llm._torch.pyexecutor.sampling.guided_decoder import GrammarError, GrammarMatcher
 from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequest
 from tensorrt_llm._torch.pyexecutor.sampling_config import SamplingConfig
 from tensorrt_llm._torch.pyexecutor.sampling.logits_processors import (
@@ -21,6 +21,7 @@ from tensorrt_llm._torch.pyexecutor.sampling.logits_processors import (
     token_logprob,
 )
 from tensorrt_llm._torch.pyexecutor.engine.interface import ForwardOutput
+from tensorrt_llm._torch.pyexecutor.scheduled_requests import ScheduledRequests
 from tensorrt_llm._torch.speculative.verification import accept_greedy
 
 
@@ -56,6 +57,12 @@ class Sampler(abc.ABC):
                 ))
         return tokens
 
+    def token_masks(self, batch: ScheduledRequests) -> dict[int, np.ndarray] | None:
+        """Request id -> the bitmask (int32 words) of the ids its grammar allows next, for every
+        guided request that samples in ``batch`` (asked at launch: the engine masks its row on its
+        device). None: no request of the batch is guided (a sampler without grammars: always)."""
+        return None
+
     def release(self, request: LlmRequest) -> None:
         """Forget per-request state (random generators) of a finished request."""
 
@@ -70,20 +77,50 @@ class Sampler(abc.ABC):
 
 
 class TorchSampler(Sampler):
-    """Greedy, or temperature / top-k / top-p with a per-request seeded generator; penalties,
-    ``min_tokens`` and a grammar mask before the draw; logprobs after it.
+    """Hands each request the token the engine sampled on its device, or draws it on the host.
 
-    A request whose token the engine already picked (greedy, nothing that needs the logits on the
-    host: ``LlmRequest.needs_host_logits``) takes that pick. Every other request's row comes to
-    the host as float64, is processed (``logits_processors``, then its grammar matcher's mask),
-    and drawn from; its matcher then accepts the token. The matcher is created at the request's
-    first token and kept here until :meth:`release`; the mask is computed when the row is
-    sampled, after its forward completed (see ``guided_decoder`` for overlap).
+    **From the device** (``ForwardOutput.device_sampled``: the torch engines): the engine's
+    sampling pass (``engine.sampling_pass``) drew every sampling row, greedy or not, with its
+    penalties, ``min_tokens`` and grammar mask, and computed the logprobs asked for; here a
+    request takes its pick and logprobs, and a guided request's matcher accepts the token. Its
+    mask for the next token is computed at launch (:meth:`token_masks`), after its previous token
+    was accepted: a guided request is never overlapped (``ModelEngine.can_pick``).
+
+    **On the host** (an engine that did not sample: outputs built by hand, the tests' reference;
+    and every beam search, :meth:`beam_step`): greedy, or temperature / top-k / min-p / top-p
+    with a per-request seeded generator, on the row in float64; penalties, ``min_tokens`` and the
+    grammar mask before the draw (``logits_processors``), logprobs after it. This float64 path
+    is the reference the device pass's semantics are tested against (:meth:`_filtered_probs`
+    documents the filters).
+
+    A guided request's matcher is created at its first token and kept here until :meth:`release`.
     """
 
     def __init__(self) -> None:
         self._generators: dict[int, torch.Generator] = {}
         self._matchers: dict[int, GrammarMatcher] = {}
+        self._mask_errors: dict[int, str] = {}  # a guided request whose mask could not be made: fails at its sample
+
+    def token_masks(self, batch: ScheduledRequests) -> dict[int, np.ndarray] | None:
+        """Each guided sampling request's bitmask. A matcher that cannot give one (the grammar
+        allows nothing, or is broken) fails its request alone, when its token comes back."""
+        masks = None
+        for request in _sampling_requests(batch):
+            if request.guided_grammar is None or request.beam_width > 1:
+                continue
+            try:
+                words = self._matcher(request).bitmask()
+                if not words.any():
+                    raise GrammarError("the grammar allows no token here")
+            except Exception as error:  # noqa: BLE001 - isolate the request; the cause is in the message
+                # no mask: the engine samples its row as greedy and reports it; sample() fails it with this
+                self._mask_errors[request.request_id] = (
+                    f"request {request.request_id}: sampling failed: {type(error).__name__}: {error}")
+                continue
+            if masks is None:
+                masks = {}
+            masks[request.request_id] = words
+        return masks
 
     def sample(self, request: LlmRequest, output: ForwardOutput) -> list[int] | BeamStep:
         """Raises NonFiniteLogitsError when the logits hold NaN or inf: argmax or multinomial
@@ -97,6 +134,8 @@ class TorchSampler(Sampler):
                 raise NonFiniteLogitsError(request.request_id, len(request.tokens))
         elif not bool(torch.isfinite(logits).all()):
             raise NonFiniteLogitsError(request.request_id, len(request.tokens))
+        if output.device_sampled and output.greedy_tokens is not None:
+            return self._device_pick(request, output)
         config = request.sampling_config
         if not request.needs_host_logits:
             if config.is_greedy:
@@ -129,6 +168,25 @@ class TorchSampler(Sampler):
             request.py_logprobs.append(token_logprob(raw, token, config.logprobs))
         return [token]
 
+    def _device_pick(self, request: LlmRequest, output: ForwardOutput) -> list[int]:
+        """The engine's pick (after draft verification for a speculative request), accepted by the
+        request's matcher; its logprobs from the pass."""
+        rid = request.request_id
+        error = self._mask_errors.pop(rid, None) or (output.sampling_errors or {}).get(rid)
+        if error is not None:
+            raise SamplingError(rid, error)
+        targets = output.draft_targets.get(rid) if output.draft_targets else None
+        if targets is not None:  # a speculative request is plain greedy: the drafts its forward verified
+            verified = output.verified_drafts  # as the forward's inputs held them (overlap: py_draft_tokens moved on)
+            drafts = verified[rid] if verified else request.py_draft_tokens[: len(targets) - 1]
+            return accept_greedy(drafts, targets)
+        token = output.greedy_tokens[rid]
+        if request.guided_grammar is not None:
+            self._matcher(request).accept(token)
+        if request.sampling_config.logprobs is not None:
+            request.py_logprobs.append(output.logprobs[rid])
+        return [token]
+
     @staticmethod
     def beam_step(request: LlmRequest, output: ForwardOutput) -> BeamStep:
         """One beam-search step (``beam_search``): the log-softmax of each live beam's row (float64,
@@ -157,6 +215,7 @@ class TorchSampler(Sampler):
     def release(self, request: LlmRequest) -> None:
         self._generators.pop(request.request_id, None)
         self._matchers.pop(request.request_id, None)
+        self._mask_errors.pop(request.request_id, None)
 
     def _matcher(self, request: LlmRequest) -> GrammarMatcher | None:
         if request.guided_grammar is None:
@@ -201,6 +260,14 @@ class TorchSampler(Sampler):
             sorted_probs[drop] = 0.0
             probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
         return probs / probs.sum()
+
+
+def _sampling_requests(batch: ScheduledRequests):
+    """The requests that sample a token in ``batch``: last context chunks, then generation steps."""
+    for chunk in batch.context_chunks:
+        if chunk.is_last:
+            yield chunk.request
+    yield from batch.generation_requests
 
 
 def _best(totals: torch.Tensor, k: int) -> list[tuple[float, int]]:

@@ -1,6 +1,7 @@
 """Penalties, ``min_tokens``, logprobs and the grammar mask, one function at a time, on rows whose
-answer is worked out by hand; and the sampler's rules around them (a guided request that cannot
-go on fails alone; anything that changes the pick keeps the engine's greedy pick out)."""
+answer is worked out by hand (the host reference of the engine's device pass); and the sampler's
+rules around them (a guided request that cannot go on fails alone; anything that changes the pick
+or reads the row is not plain greedy, so the engine's pass serves it)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import math
 
 import pytest
 import torch
-from tests.helpers.factories import make_request
+from tests.helpers.factories import make_batch, make_request
 
 from tensorrt_llm._torch.pyexecutor.errors import SamplingError
 from tensorrt_llm._torch.pyexecutor.sampling.guided_decoder import Grammar, GrammarCompiler, GuidedDecodingParams
@@ -65,11 +66,11 @@ def test_token_logprob_is_the_float64_log_softmax_with_the_most_likely_alternati
     assert [i for i, _ in entry.top] == [3, 0] and entry.top[0][1] == pytest.approx(3.0 - normaliser, abs=1e-12)
 
 
-def test_anything_that_changes_the_pick_or_reads_the_row_keeps_the_engine_pick_out():
-    assert not make_request([1, 2]).needs_host_logits
+def test_anything_that_changes_the_pick_or_reads_the_row_is_not_plain_greedy():
+    assert not make_request([1, 2]).needs_host_logits and SamplingConfig().plain_greedy
     for config in (SamplingConfig(presence_penalty=0.1), SamplingConfig(repetition_penalty=1.1),
                    SamplingConfig(min_tokens=1), SamplingConfig(logprobs=0)):
-        assert make_request([1, 2], sampling_config=config).needs_host_logits
+        assert make_request([1, 2], sampling_config=config).needs_host_logits and not config.plain_greedy
     for bad in (dict(presence_penalty=2.5), dict(frequency_penalty=-3), dict(repetition_penalty=0),
                 dict(min_tokens=-1), dict(logprobs=21), dict(logprobs=True)):
         with pytest.raises(ValueError):
@@ -119,3 +120,29 @@ def test_a_guided_request_that_cannot_go_on_fails_alone(compiler):
     tokens = sampler.sample_batch([plain, guided], output)
     assert tokens[0] == [int(torch.argmax(logits[0]))] and len(plain.py_logprobs) == 1
     assert isinstance(tokens[1], SamplingError) and str(guided.request_id) in str(tokens[1])
+
+
+def test_a_guided_request_gets_its_bitmask_at_launch_and_fails_alone_without_one(compiler, smollm2_tokenizer):
+    """The sampler hands the engine each guided request's mask at launch; a matcher that cannot
+    give one fails its request when the device pass's token comes back, and no other."""
+    sampler = TorchSampler()
+    digit = make_request([1, 2, 3], guided_grammar=compiler.compile(GuidedDecodingParams(regex="[0-9]")))
+    broken = make_request([1, 2, 3], guided_grammar=Grammar(compiler, source="this is not a grammar", kind="grammar"))
+    plain = make_request([4, 5])
+    masks = sampler.token_masks(make_batch(generation=[digit, broken, plain]))
+    assert set(masks) == {digit.request_id}
+    allowed = set(digit.guided_grammar.matcher().allowed().nonzero().flatten().tolist())
+    words = masks[digit.request_id]
+    assert {32 * w + b for w in range(len(words)) for b in range(32) if (int(words[w]) >> b) & 1} == allowed
+    token = min(allowed)
+    logits = torch.zeros(3, 49152)
+    output = ForwardOutput(logits={r.request_id: logits[i] for i, r in enumerate((digit, broken, plain))},
+                           greedy_tokens={digit.request_id: token, broken.request_id: 0, plain.request_id: 7},
+                           nonfinite=set(), device_sampled=True)
+    answers = sampler.sample_batch([digit, broken, plain], output)
+    assert answers[0] == [token] and answers[2] == [7]
+    assert isinstance(answers[1], SamplingError) and f"request {broken.request_id}: sampling failed" in str(answers[1])
+    # the matcher accepted the device's token: the next mask allows the end ids alone
+    words = sampler.token_masks(make_batch(generation=[digit]))[digit.request_id]
+    ends = {32 * w + b for w in range(len(words)) for b in range(32) if (int(words[w]) >> b) & 1}
+    assert ends == set(smollm2_tokenizer.stop_token_ids)
