@@ -35,24 +35,27 @@ def prompt_source(isl: int, tokenizer_ids: int, seed: int = 0) -> Callable[[], l
     return lambda: [rng.randrange(FIRST_ORDINARY_ID, tokenizer_ids) for _ in range(isl)]
 
 
-async def _request(llm, prompt: list[int], params, records: list[dict]) -> None:
+async def _request(llm, prompt: list[int], params, records: list[dict]) -> dict:
     record = {"start": time.perf_counter(), "times": [], "status": "incomplete", "error": None}
     records.append(record)
-    handle = llm.generate_async(prompt, params)
+    handle = None
     try:
+        handle = llm.generate_async(prompt, params)  # a refusal (ValueError) is this request's error
         async for output in handle:
             now = time.perf_counter()
             arrived = len(output.outputs[0].token_ids) - len(record["times"])
             record["times"].extend([now] * arrived)
             if output.error:
                 record["status"], record["error"] = "errored", output.error
-                return
+                return record
         record["status"] = "completed"
     except asyncio.CancelledError:
-        handle.abort()  # the level ended: the executor frees it
+        if handle is not None:
+            handle.abort()  # the level ended: the executor frees it
         raise
     except Exception as error:  # noqa: BLE001 - a failed request is counted, the level goes on
         record["status"], record["error"] = "errored", f"{type(error).__name__}: {error}"
+    return record
 
 
 async def run_level(llm, next_prompt: Callable[[], list[int]], params, concurrency: int, seconds: float) -> dict:
@@ -63,7 +66,8 @@ async def run_level(llm, next_prompt: Callable[[], list[int]], params, concurren
 
     async def stream() -> None:
         while time.perf_counter() < deadline:
-            await _request(llm, next_prompt(), params, records)
+            if (await _request(llm, next_prompt(), params, records))["status"] == "errored":
+                return  # a refused request would be refused again at once: the stream stops, counted
 
     tasks = [asyncio.create_task(stream()) for _ in range(concurrency)]
     await asyncio.sleep(max(0.0, deadline - time.perf_counter()))

@@ -155,7 +155,8 @@ def test_the_site_check_names_what_a_wheel_set_lacks(tmp_path):
 
 def test_an_engine_level_runs_cuts_and_drains(one_torch_thread):
     """A real level on a tiny model: requests end and are replaced, those running at the end are
-    aborted (their tokens so far count) and the executor is left empty."""
+    aborted (their tokens so far count) and the executor is left empty; refused requests are
+    counted, not retried in a tight loop."""
     from tensorrt_llm.llmapi import LLM
 
     with LLM("tiny-random", max_seq_len=4096, max_batch_size=8) as llm:
@@ -163,9 +164,14 @@ def test_an_engine_level_runs_cuts_and_drains(one_torch_thread):
             warm = await peer_engine.warm_up(llm, 512, 3)
             level = await peer_engine.run_level(llm, peer_engine.prompt_source(16, 512),
                                                 peer_engine.sampling_params("sampled", 3000), 3, 1.0)
-            return warm, level
-        warm, level = asyncio.run(measure())
+            refused = await peer_engine.run_level(llm, peer_engine.prompt_source(16, 512),
+                                                  peer_engine.sampling_params("greedy", 5000), 3, 0.5)
+            return warm, level, refused
+        warm, level, refused = asyncio.run(measure())
         assert not llm.executor.has_work
+    # refused at submission (16 + 5000 > max_seq_len): each stream counts its error and stops
+    assert (refused["errored"], refused["completed"], refused["output_tokens"]) == (3, 0, 0)
+    assert "max_seq_len" in refused["first_error"]
     assert warm["greedy"]["tokens"] == 8 + 9 + 10 and warm["sampled"]["padded_share"] == 0.0
     assert level["errored"] == 0 and level["incomplete"] == 3  # 3000 tokens outlast a second
     assert level["output_tokens"] > 0 and level["itl_ms"]["p50"] > 0 and level["ttft_ms"]["p50"] > 0
