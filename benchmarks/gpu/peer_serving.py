@@ -181,11 +181,12 @@ def _start(args) -> dict:
             "runs": {}, "skipped": []}
 
 
-def serve_section(args, out: Path, deadline: float, save: Callable[[dict], None]) -> dict:
+def serve_section(args, out: Path, deadline: float, record: dict, save: Callable[[dict], None]) -> None:
+    """Fills ``record`` (saving it after each run)."""
     from benchmarks.serving.soak import ServerProcess
 
-    record = _start(args)
     directory, record["vocab"] = prepare_checkpoint(args)
+    save(record)
     options = server_options(args)
     record["options"] = options
     options_path = out / f"serve_{args.kv_cache_dtype}.yaml"
@@ -224,17 +225,16 @@ def serve_section(args, out: Path, deadline: float, save: Callable[[dict], None]
             save(record)  # what is measured survives a call killed later
     finally:
         record["server_exit"] = server.stop()
-    return record
 
 
-def engine_section(args, out: Path, deadline: float, save: Callable[[dict], None]) -> dict:
-    """The same shapes, levels and samplings through LLM in-process (``peer_engine``)."""
+def engine_section(args, out: Path, deadline: float, record: dict, save: Callable[[dict], None]) -> None:
+    """The same shapes, levels and samplings through LLM in-process (``peer_engine``); fills ``record``."""
     from tensorrt_llm.llmapi.llm import LLM
 
     from benchmarks.gpu import peer_engine
 
-    record = _start(args)
     directory, record["vocab"] = prepare_checkpoint(args)
+    save(record)
     options = server_options(args)
     record["options"] = options
     tokenizer_ids = record["vocab"]["tokenizer_ids"]
@@ -262,7 +262,6 @@ def engine_section(args, out: Path, deadline: float, save: Callable[[dict], None
                 save(record)
 
         asyncio.run(measure())
-    return record
 
 
 def _gzip(path: Path) -> None:
@@ -311,7 +310,13 @@ def main(argv: list[str] | None = None) -> int:
         record["wall_s"] = time.monotonic() - started
         path.write_text(json.dumps(record, indent=2, default=str))
 
-    record = section(args, args.out, started + args.budget_s, save)
+    record = _start(args)
+    try:
+        section(args, args.out, started + args.budget_s, record, save)
+    except Exception as error:  # the record says what failed, beside what was measured before
+        record["error"] = f"{type(error).__name__}: {error}"
+        save(record)
+        raise
     save(record)
     print(f"{path.name} written after {record['wall_s']:.0f} s"
           + (f"; skipped: {record['skipped']}" if record["skipped"] else ""), flush=True)
