@@ -5,7 +5,8 @@
 #   bash benchmarks/gpu/fetch_wheels.sh      (after `make .venv/.installed`)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo /.whl/ >> .git/info/exclude
+exclude=$(git rev-parse --git-path info/exclude)
+grep -qx '/.whl/' "$exclude" 2>/dev/null || echo /.whl/ >> "$exclude"
 names=(fastapi starlette pydantic pydantic-core typing-inspection annotated-types annotated-doc
        opentelemetry-api uvicorn openai httpx2 httpcore2 truststore jiter sniffio gguf
        llguidance jsonschema jsonschema-specifications referencing rpds-py)

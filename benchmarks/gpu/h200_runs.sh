@@ -20,9 +20,15 @@
 #                                                                    plain decoding's (MISMATCH lines and exit 1 otherwise)
 #   fp8-decode            []                                ~4 min   decode 64 x 8k and 256 x 2k, bf16 vs FP8 pools, roofline
 #   fp8-replay            []       [REQUESTS]               ~6 min   the default scenario, same pool bytes in bf16 and FP8
-#   peer-bf16, peer-fp8   [.whl .carry/smollm2-tokenizer]   ~8 min   Llama-3.1-8B-shaped checkpoint, trtllm-serve, GuideLLM
-#                                                                    1024/128 and 1024/1024 at concurrency 1..128
-#   peer-engine           [.whl .carry/smollm2-tokenizer]   ~8 min   the same requests through LLM in-process (no HTTP)
+#   peer-bf16, peer-fp8   [.carry/peer-site.tar.xz .carry/smollm2-tokenizer]  [SECONDS [VOCAB]]  ~7 min
+#                                                                    Llama-3.1-8B-shaped checkpoint (128,256 rows; VOCAB=tokenizer:
+#                                                                    49,152) written on the machine, trtllm-serve, GuideLLM 0.8.1
+#                                                                    sampled and temperature 0, 1024/128 and 1024/1024 at
+#                                                                    concurrency 1, 16, 64, 128 (SECONDS each, default 10)
+#   peer-engine           [.carry/peer-site.tar.xz .carry/smollm2-tokenizer]  [SECONDS]  ~7.5 min
+#                                                                    the same shapes, levels and samplings through LLM in-process,
+#                                                                    bf16 then FP8 KV (SECONDS each, default 8)
+#                         afterwards, HERE: python -m benchmarks.gpu.peer_summary OUT... (the comparison table)
 #   hf-checkpoints        [.whl]           [MODEL]          ~8 min   a random bf16 sharded checkpoint written by transformers on
 #                                                                    the machine (llama-3.1-8b, or qwen3-8b), served by
 #                                                                    trtllm-serve DIR: load time, GPU memory, the default scenario at 1x
@@ -40,23 +46,42 @@ cd "$here"
 if [ "$phase" = fetch ]; then  # here, where the package registry is
   set -e
   bash benchmarks/gpu/fetch_wheels.sh > /dev/null
-  extra=(guidellm==0.8.1 culsans aiologic datasets dill multiprocess eval_type_backport faker ftfy wcwidth loguru
-         pydantic-settings python-dotenv sanic sanic-routing httptools ujson html5tagger tracerite websockets
-         more-itertools h2 hpack hyperframe typing-extensions==4.16.0 click==8.4.2)
+  # GuideLLM 0.8.1 and everything it requires beyond the image's torch and transformers, at the versions the
+  # suite's client venv resolved and ran (tests/unittest/serve/test_benchmark_client.py); site_check below
+  # proves nothing is missing
+  extra=(guidellm==0.8.1 culsans==0.10.0 aiologic==0.17.1 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19
+         eval_type_backport==0.4.0 faker==40.63.0 ftfy==6.3.1 wcwidth==0.9.5 loguru==0.7.3 pydantic-settings==2.16.3
+         python-dotenv==1.2.4 more-itertools==11.2.1 h2==4.4.1 hpack==4.2.0 hyperframe==6.1.0 typing-extensions==4.16.0
+         click==8.4.2 websockets==17.4 msgpack==1.2.4 uvloop==0.23.0 wrapt==2.5.2 rich==15.0.0 markdown-it-py==4.3.0
+         mdurl==0.1.2 pygments==2.21.0 pandas==3.1.1 python-dateutil==4.0.0 tzdata==2026.6 pyarrow==26.0.1
+         xxhash==4.1.0 httpx==0.29.0 httpcore==1.0.9 h11==0.16.0 anyio==4.16.0 idna==3.21 certifi==2026.10.19.post1
+         protobuf==7.36.2 tabulate==0.10.0 sanic==25.12.1 sanic-routing==23.12.0 httptools==0.9.0 ujson==6.1.0
+         aiofiles==25.1.0 multidict==6.9.1 html5tagger==2.0.0 tracerite==2.6.5 prometheus-client==0.26.0)
+  # of the server's wheels, what trtllm-serve imports (no openai, llguidance, gguf, jsonschema: not used here)
+  server=(fastapi starlette pydantic pydantic_core typing_inspection annotated_types annotated_doc opentelemetry_api
+          uvicorn httpx2 httpcore2 truststore sniffio)
   tmp=$(mktemp -d)
   platforms=()
-  for tag in manylinux_2_39 manylinux_2_35 manylinux_2_34 manylinux_2_31 manylinux_2_28 manylinux_2_17 manylinux2014 manylinux1; do
+  for tag in manylinux_2_39 manylinux_2_35 manylinux_2_34 manylinux_2_31 manylinux_2_28 manylinux_2_24 manylinux_2_17 manylinux2014 manylinux1; do
     platforms+=(--platform "${tag}_x86_64")
   done
-  .venv/bin/python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-    "${platforms[@]}" -d "$tmp" "${extra[@]}"
-  for wheel in "$tmp"/*.whl; do  # one version of each project: the checkout's where fetch_wheels has it
-    project=$(basename "$wheel" | cut -d- -f1 | tr 'A-Z-' 'a-z_')
-    ls .whl | cut -d- -f1 | tr 'A-Z-' 'a-z_' | grep -qx "$project" || cp "$wheel" .whl/
-  done
-  rm -rf "$tmp"
-  grep -qx '/.carry/' .git/info/exclude 2>/dev/null || echo /.carry/ >> .git/info/exclude
+  target=(--only-binary=:all: --python-version 3.12 --implementation cp "${platforms[@]}")
+  .venv/bin/python -m pip download -q --no-deps "${target[@]}" -d "$tmp/wheels" "${extra[@]}"
+  # The peer phases' site: those wheels installed for Python 3.12 here and packed with xz (pyarrow alone is a
+  # 55 MB wheel; a device call carries 64 MiB in all, the checkout's 9 MB included). Left out: tests, headers,
+  # and pyarrow's Flight and S3 libraries (48 MB; only pyarrow.flight and pyarrow.fs's S3 support load them,
+  # and pyarrow.fs takes their absence).
+  .venv/bin/python -m pip install -q --no-deps --no-compile "${target[@]}" --target "$tmp/site" \
+    $(for name in "${server[@]}"; do ls .whl/"$name"-*.whl; done) "$tmp"/wheels/*.whl
+  rm -rf "$tmp/site/bin" "$tmp/site/pandas/tests" "$tmp/site/pyarrow/tests" "$tmp/site/pyarrow/include" \
+    "$tmp"/site/pyarrow/libarrow_flight.so* "$tmp"/site/pyarrow/libarrow_python_flight.so* \
+    "$tmp"/site/pyarrow/_flight.*.so "$tmp"/site/pyarrow/libarrow_s3.so* "$tmp"/site/pyarrow/_s3fs.*.so
+  .venv/bin/python -m benchmarks.gpu.site_check "$tmp/site" --python-version 3.12
+  exclude=$(git rev-parse --git-path info/exclude)
+  grep -qx '/.carry/' "$exclude" 2>/dev/null || echo /.carry/ >> "$exclude"
   mkdir -p .carry
+  tar -C "$tmp/site" -cf - . | xz -6 -T0 > .carry/peer-site.tar.xz
+  rm -rf "$tmp"
   gguf=$(.venv/bin/python -c "from tensorrt_llm._torch.models.checkpoints import packaged_checkpoint_path as p; print(p('smollm2-135m-instruct'))")
   half=$(( $(stat -c %s "$gguf") / 2 + 1 ))
   head -c "$half" "$gguf" > .carry/smollm2-a.part
@@ -79,6 +104,24 @@ setup() {  # setup DIR: the wheels the image lacks (carried in DIR), once per ma
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$1"/*.whl \
     || { echo "pip install of $1 failed"; exit 2; }
   touch "/tmp/site/.installed-$(basename "$1")"
+}
+
+peer_setup() {  # the peer phases' site (server + GuideLLM, Python 3.12), unpacked once per machine; their work dir
+  work=/tmp/peer/$phase && rm -rf "$work" && mkdir -p "$work"  # OUT gets the tarball, the records, the log
+  [ -f .carry/smollm2-tokenizer/tokenizer.json ] || { echo "carry .carry/smollm2-tokenizer"; exit 2; }
+  [ -f /tmp/site/.installed-peer-site ] && return 0
+  [ -f .carry/peer-site.tar.xz ] || { echo "carry .carry/peer-site.tar.xz (bash $0 fetch makes it)"; exit 2; }
+  mkdir -p /tmp/site && "$PY" -c "import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2], filter='data')" \
+    .carry/peer-site.tar.xz /tmp/site || { echo "unpacking .carry/peer-site.tar.xz failed"; exit 2; }
+  "$PY" -c "import guidellm.benchmark, guidellm.data, datasets, pyarrow.parquet, fastapi, uvicorn, prometheus_client" \
+    || { echo "the peer site does not import"; exit 2; }
+  touch /tmp/site/.installed-peer-site
+}
+
+peer_pack() {  # at most 8 files come back: PHASE.tar.gz (everything), the records and the phase's logs beside it
+  tar czf "$out/$phase.tar.gz" -C "$work" . && cp "$work"/peer_*.json "$work"/engine_*.json "$work"/peer_*.log \
+    "$work"/engine_*.log "$out"/ 2>/dev/null
+  ls -la "$out"
 }
 
 gpu() {  # the preconditions every phase shares
@@ -137,22 +180,24 @@ case $phase in
     pack
     ;;
   peer-bf16|peer-fp8)
-    setup .whl; gpu
-    [ -f .carry/smollm2-tokenizer/tokenizer.json ] || { echo "carry .carry/smollm2-tokenizer"; exit 2; }
+    peer_setup; gpu
     kv=auto; [ "$phase" = peer-fp8 ] && kv=fp8
-    timeout 530 "$PY" -m benchmarks.gpu.peer_serving --out "$out" --kv-cache-dtype $kv --tokenizer .carry/smollm2-tokenizer \
-      --shapes 1024/128,1024/1024 --concurrency "${1:-1,8,32,64,128}" --seconds "${2:-25}" 2>&1 | tee "$out/peer_$kv.log" | tail -12
-    pack
+    timeout 540 "$PY" -m benchmarks.gpu.peer_serving --out "$work" --kv-cache-dtype $kv --tokenizer .carry/smollm2-tokenizer \
+      --vocab "${2:-model}" --shapes 1024/128,1024/1024 --concurrency 1,16,64,128 --seconds "${1:-10}" --budget-s 500 \
+      2>&1 | grep -v "^INFO" | tee "$work/peer_$kv.log" | tail -12
+    peer_pack
     ;;
   peer-engine)
-    setup .whl; gpu
-    [ -f .carry/smollm2-tokenizer/tokenizer.json ] || { echo "carry .carry/smollm2-tokenizer"; exit 2; }
-    for kv in auto fp8; do
-      timeout 250 "$PY" -m benchmarks.gpu.peer_serving --out "$out" --section engine --kv-cache-dtype $kv \
-        --tokenizer .carry/smollm2-tokenizer --shapes 1024/128,1024/1024 --concurrency "${1:-1,8,32,64,128}" \
-        --seconds "${2:-15}" 2>&1 | tee "$out/engine_$kv.log" | tail -6
+    peer_setup; gpu
+    started=$(date +%s)
+    for kv in auto fp8; do  # bf16 gets half the time left (and any it leaves goes to FP8)
+      left=$(( 520 - ($(date +%s) - started) ))
+      budget=$left; [ $kv = auto ] && budget=$(( left / 2 + 20 ))
+      timeout $((budget + 20)) "$PY" -m benchmarks.gpu.peer_serving --out "$work" --section engine --kv-cache-dtype $kv \
+        --tokenizer .carry/smollm2-tokenizer --shapes 1024/128,1024/1024 --concurrency 1,16,64,128 \
+        --seconds "${1:-8}" --budget-s $budget 2>&1 | grep -v "^INFO" | tee "$work/engine_$kv.log" | tail -6
     done
-    pack
+    peer_pack
     ;;
   hf-checkpoints)
     setup .whl; gpu

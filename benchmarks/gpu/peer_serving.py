@@ -1,54 +1,73 @@
 """Figures a peer can compare: a Llama-3.1-8B-shaped model served by ``trtllm-serve`` and measured
-by a standard client (GuideLLM), at the lengths peers publish, over a concurrency sweep.
+by a standard client (GuideLLM 0.8.1), at the lengths peers publish, over a concurrency sweep,
+with GuideLLM's defaults (sampled: no ``temperature`` in the body) and with ``temperature: 0``.
 
-    python -m benchmarks.gpu.peer_serving --out OUT --kv-cache-dtype auto|fp8 \\
-        --tokenizer DIR [--checkpoint /tmp/hf_checkpoints/llama-3.1-8b] [--shapes 1024/128,1024/1024] \\
-        [--concurrency 1,8,32,64,128] [--seconds 30] [--guidellm "python3 -m guidellm"] [--dry-run]
-    python -m benchmarks.gpu.peer_serving --out OUT --section engine ...    # the same requests, no HTTP
+    python -m benchmarks.gpu.peer_serving --out OUT --tokenizer DIR [--section serve|engine]
+        [--kv-cache-dtype auto|fp8] [--vocab model|tokenizer] [--samplings sampled,greedy]
+        [--shapes 1024/128,1024/1024] [--concurrency 1,16,64,128] [--seconds 10] [--budget-s 500]
+        [--checkpoints /tmp/hf_checkpoints] [--guidellm "python3 -m guidellm"] [--dry-run]
+
+The checkpoint (``peer_checkpoint``): Llama-3.1-8B's published ``config.json``, random bf16
+weights written by transformers on the machine (once; kept under ``--checkpoints``), SmolLM2's
+tokenizer beside them. ``--vocab model`` (the default) keeps the published 128,256 rows: the
+79,104 ids the tokenizer lacks decode to ``''``; ``--vocab tokenizer`` serves 49,152 rows. The
+record states the LM-head bytes either way and what the smaller vocabulary takes off.
 
 ``serve`` (the default section):
 
-1. the checkpoint: Llama-3.1-8B's published ``config.json`` with random bf16 weights, written by
-   transformers (``benchmarks.gpu.hf_checkpoints``) unless it exists, and a tokenizer copied in
-   (``--tokenizer``: any Hugging Face tokenizer directory whose ids fit the vocabulary, e.g.
-   SmolLM2's from ``python -m tools.gguf_to_hf --tokenizer-only``; a client counts tokens with it
-   and the server tokenizes with it, so a 1024-token prompt is 1024 tokens on both sides);
-2. ``trtllm-serve DIR`` with ``kv_cache_config.dtype`` = ``--kv-cache-dtype``, ``max_batch_size``
+1. ``trtllm-serve DIR`` with ``kv_cache_config.dtype`` = ``--kv-cache-dtype``, ``max_batch_size``
    256, ``max_num_tokens`` 8192, chunked prefill; the rest the defaults (bf16, CUDA graphs, overlap);
-3. for each shape, ``guidellm run`` over ``/v1/completions``: synthetic text prompts of exactly
-   ISL tokens, OSL output tokens with ``ignore_eos`` (GuideLLM sends it), a ``concurrent`` profile
-   of the ``--concurrency`` levels, each ``--seconds`` long. Its raw JSON is kept as
-   ``OUT/guidellm_<kv>_<isl>_<osl>.json``; ``OUT/peer_<kv>.json`` sums up each level (output
-   tokens/s, requests/s, TTFT and ITL p50 / p99, completed and errored requests).
+2. a warm-up over HTTP (``warm_up_http``): per sampling, ``max(concurrency)`` short requests at
+   once asking for 8, 9, ... tokens, so every decode batch size is captured before anything is
+   measured; it also counts the share of generated ids the tokenizer lacks;
+3. per shape and sampling (in the order sampled, greedy, greedy, sampled, ...), one ``guidellm
+   run`` over ``/v1/completions``: synthetic text prompts of exactly ISL tokens, OSL output
+   tokens (GuideLLM sends ``ignore_eos``), a ``concurrent`` profile of the ``--concurrency``
+   levels, each ``--seconds`` long. ``greedy`` adds ``temperature: 0`` to every body through the
+   backend's ``extras`` (``{"body": {"temperature": 0}}``, merged into the body GuideLLM builds);
+   ``sampled`` sends GuideLLM's own body, without ``temperature``, which the server runs at 1.0.
+   Raw JSON: ``OUT/guidellm_<kv>_<isl>_<osl>_<sampling>.json.gz`` (every request's body is in it,
+   so the summary shows the temperature each run sent).
 
-``engine``: the same shapes and concurrency levels through ``LLM`` in-process (token-id prompts of
-ISL random ids, ``ignore_eos``), no HTTP: the engine's throughput, to set beside the server's
-(``OUT/engine_<kv>.json``).
+``engine``: the same shapes, levels and samplings through ``LLM`` in-process (``peer_engine``).
 
+``OUT/peer_<kv>.json`` / ``OUT/engine_<kv>.json`` hold each level summed up
+(``peer_summary.level_summary``); ``python -m benchmarks.gpu.peer_summary OUT ...`` builds the
+comparison table. ``--budget-s``: the section skips (and records) the runs that would end past
+that many seconds from its start, so a device call is never killed with nothing written.
 Preconditions (a GPU unless ``--dry-run``, GuideLLM runnable, the tokenizer, disk) are checked
-first; the run stops at the first failure, as it stops when the server does not come up.
-``--dry-run`` runs everything scaled down on the CPU (the checkpoint too) to check the script.
+first. ``--dry-run`` runs everything scaled down on the CPU (the checkpoint too, with the real
+vocabulary) to check the script.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import gzip
 import json
 import os
-import random
 import shlex
 import shutil
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
+from typing import Callable
+
+from benchmarks.gpu import peer_checkpoint
+from benchmarks.gpu.peer_summary import summarize_guidellm
 
 SERVE_OPTIONS = {
     "max_batch_size": 256, "max_num_tokens": 8192, "enable_chunked_prefill": True,
     "kv_cache_config": {"tokens_per_block": 32, "enable_block_reuse": True},
 }
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+DRY_RUN_OPTIONS = {"max_batch_size": 16, "max_num_tokens": 512, "max_seq_len": 2048}
+#: what a GuideLLM run costs beyond its levels: its start (tokenizer, data, backend check, report) and
+#: a gap before each level (a fresh data worker process); the first run's measured wall replaces the guess
+GUIDELLM_START_S, GUIDELLM_LEVEL_GAP_S = 15.0, 5.0
+#: the body GuideLLM's openai_http backend merges into every request, per sampling
+EXTRAS = {"sampled": None, "greedy": {"body": {"temperature": 0}}}
 
 
 def parse_shapes(text: str) -> list[tuple[int, int]]:
@@ -57,6 +76,32 @@ def parse_shapes(text: str) -> list[tuple[int, int]]:
         isl, _, osl = item.partition("/")
         shapes.append((int(isl), int(osl)))
     return shapes
+
+
+def run_order(shapes: list[tuple[int, int]], samplings: list[str]) -> list[tuple[tuple[int, int], str]]:
+    """Shapes in turn, the samplings alternating order (A B, B A, ...): neither always goes first."""
+    order = []
+    for i, shape in enumerate(shapes):
+        order += [(shape, s) for s in (samplings if i % 2 == 0 else samplings[::-1])]
+    return order
+
+
+def guidellm_command(args, url: str, model: str, directory: Path, shape: tuple[int, int], sampling: str,
+                     report: Path) -> list[str]:
+    isl, osl = shape
+    backend = {"kind": "openai_http", "target": url, "model": model, "request_format": "/v1/completions"}
+    if EXTRAS[sampling] is not None:
+        backend["extras"] = EXTRAS[sampling]
+    streams = ",".join(f"streams[{i}]={c}" for i, c in enumerate(args.concurrency))
+    return [
+        *shlex.split(args.guidellm), "run",
+        "--backend", json.dumps(backend),  # GuideLLM parses a --backend value as YAML/JSON too
+        "--profile", f"kind=concurrent,{streams}",
+        "--constraint", f"kind=max_duration,seconds={args.seconds}",
+        "--data", f"kind=synthetic_text,prompt_tokens={isl},output_tokens={osl}",
+        "--tokenizer", f"kind=huggingface_auto,model={directory}",
+        "--output", f"kind=json,path={report}", "--output", "kind=console", "--disable-progress",
+    ]
 
 
 def preconditions(args) -> list[str]:
@@ -75,180 +120,206 @@ def preconditions(args) -> list[str]:
         free, _ = torch.cuda.mem_get_info()
         if free < 60e9:
             problems.append(f"only {free / 1e9:.0f} GB free on the GPU")
-        checkpoint = Path(args.checkpoint)
-        checkpoint.parent.mkdir(parents=True, exist_ok=True)
-        if not (checkpoint / "config.json").is_file() and shutil.disk_usage(checkpoint.parent).free < 20e9:
-            problems.append(f"{shutil.disk_usage(checkpoint.parent).free / 1e9:.0f} GB free for a 16 GB checkpoint")
+        Path(args.checkpoints).mkdir(parents=True, exist_ok=True)
+        directory = peer_checkpoint.checkpoint_dir(args.checkpoints, args.vocab, args.dry_run)
+        if not (directory / "config.json").is_file() and shutil.disk_usage(args.checkpoints).free < 20e9:
+            problems.append(f"{shutil.disk_usage(args.checkpoints).free / 1e9:.0f} GB free for a 16 GB checkpoint")
     return problems
 
 
-def prepare_checkpoint(args) -> Path:
-    """The checkpoint directory, written if missing, with the tokenizer's files beside the weights."""
-    directory = Path(args.checkpoint)
+def prepare_checkpoint(args) -> tuple[Path, dict]:
+    """The checkpoint directory (written in a child process if missing) and its vocabulary statement."""
+    directory = peer_checkpoint.checkpoint_dir(args.checkpoints, args.vocab, args.dry_run)
     if not (directory / "config.json").is_file():
         began = time.perf_counter()
-        if args.dry_run:
-            _write_dry_run_checkpoint(directory, args.tokenizer)
-        else:
-            subprocess.run([sys.executable, "-m", "benchmarks.gpu.hf_checkpoints", "--write", "llama-3.1-8b",
-                            str(directory)], check=True)
+        subprocess.run([sys.executable, "-m", "benchmarks.gpu.peer_checkpoint", "--write", str(directory),
+                        "--tokenizer", str(args.tokenizer), "--vocab", args.vocab,
+                        *(["--dry-run"] if args.dry_run else [])], check=True)
         print(f"wrote {directory} in {time.perf_counter() - began:.0f} s", flush=True)
-    for name in TOKENIZER_FILES:
-        source = Path(args.tokenizer) / name
-        if source.is_file():
-            shutil.copyfile(source, directory / name)
-    return directory
+    config = json.loads((directory / "config.json").read_text())
+    size = peer_checkpoint.tokenizer_ids(directory)
+    statement = peer_checkpoint.vocab_statement(config, size)
+    statement["padded_probability_expected"] = peer_checkpoint.padded_probability(config["vocab_size"], size)
+    return directory, statement
 
 
-def _write_dry_run_checkpoint(directory: Path, tokenizer: str) -> None:
-    """A Llama checkpoint of two tiny layers whose vocabulary holds the tokenizer's (the CPU check)."""
+def server_options(args) -> dict:
+    options = {**SERVE_OPTIONS, "kv_cache_config": {**SERVE_OPTIONS["kv_cache_config"], "dtype": args.kv_cache_dtype}}
+    return {**options, **DRY_RUN_OPTIONS} if args.dry_run else options
+
+
+async def warm_up_http(url: str, model: str, tokenizer_ids: int, concurrency: int) -> dict:
+    """The HTTP twin of ``peer_engine.warm_up``: a ramp of ``concurrency`` requests per sampling."""
+    import httpx
+
+    from benchmarks.gpu.peer_engine import prompt_source
+
+    next_prompt = prompt_source(32, tokenizer_ids, seed=1)
+    shares = {}
+    limits = httpx.Limits(max_connections=concurrency + 8)  # all at once (httpx's default pool is 100)
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
+        for sampling in ("greedy", "sampled"):
+            extra = {"temperature": 0} if sampling == "greedy" else {}
+            bodies = [{"model": model, "prompt": next_prompt(), "max_tokens": 8 + i, "ignore_eos": True, **extra}
+                      for i in range(concurrency)]
+            answers = await asyncio.gather(*(client.post("/v1/completions", json=body) for body in bodies))
+            failed = [a.text[:300] for a in answers if a.status_code != 200]
+            if failed:
+                raise RuntimeError(f"warm-up request failed: {failed[0]}")
+            ids = [t for a in answers for t in a.json()["choices"][0]["token_ids"]]
+            shares[sampling] = {"tokens": len(ids),
+                                "padded_share": sum(t >= tokenizer_ids for t in ids) / max(1, len(ids))}
+    return shares
+
+
+def _start(args) -> dict:
     import torch
-    import transformers
 
-    vocab = transformers.AutoTokenizer.from_pretrained(tokenizer).__len__()
-    config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096)
-    transformers.LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(directory)
-
-
-def _figures(metrics: dict, name: str) -> dict:
-    figures = metrics.get(name, {}).get("successful", {})
-    percentiles = figures.get("percentiles", {})
-    return {"p50": figures.get("median"), "p99": percentiles.get("p99"), "mean": figures.get("mean")}
+    return {"argv": sys.argv[1:], "kv_cache_dtype": args.kv_cache_dtype, "dry_run": args.dry_run,
+            "seconds_per_level": args.seconds, "concurrency": args.concurrency, "torch": torch.__version__,
+            "device": torch.cuda.get_device_name() if torch.cuda.is_available() and not args.dry_run else "cpu",
+            "runs": {}, "skipped": []}
 
 
-def summarize_guidellm(report: dict) -> list[dict]:
-    """One row per benchmark (concurrency level) of a GuideLLM JSON report."""
-    rows = []
-    for benchmark in report.get("benchmarks", []):
-        metrics = benchmark.get("metrics", {})
-        strategy = benchmark.get("config", {}).get("strategy", {}) or benchmark.get("scheduler", {}).get("strategy", {})
-        totals = metrics.get("request_totals", {})
-        rows.append({
-            "concurrency": strategy.get("streams") or strategy.get("max_concurrency"),
-            "output_tokens_per_s": _figures(metrics, "output_tokens_per_second")["mean"],
-            "requests_per_s": _figures(metrics, "requests_per_second")["mean"],
-            "ttft_ms": _figures(metrics, "time_to_first_token_ms"),
-            "itl_ms": _figures(metrics, "inter_token_latency_ms"),
-            "successful": totals.get("successful"), "errored": totals.get("errored"),
-            "incomplete": totals.get("incomplete"),
-        })
-    return rows
-
-
-def serve_section(args, out: Path) -> dict:
+def serve_section(args, out: Path, deadline: float, record: dict, save: Callable[[dict], None]) -> None:
+    """Fills ``record`` (saving it after each run)."""
     from benchmarks.serving.soak import ServerProcess
 
-    directory = prepare_checkpoint(args)
-    options = dict(SERVE_OPTIONS, kv_cache_config={**SERVE_OPTIONS["kv_cache_config"], "dtype": args.kv_cache_dtype})
-    if args.dry_run:
-        options.update(max_batch_size=8, max_num_tokens=256)
+    directory, record["vocab"] = prepare_checkpoint(args)
+    save(record)
+    options = server_options(args)
+    record["options"] = options
     options_path = out / f"serve_{args.kv_cache_dtype}.yaml"
     options_path.write_text(json.dumps(options))  # JSON is YAML
     serve = [str(directory), "--extra_llm_api_options", str(options_path), "--device", "cpu" if args.dry_run else "cuda"]
-    record: dict = {"kv_cache_dtype": args.kv_cache_dtype, "options": options, "shapes": {}}
     began = time.perf_counter()
-    server = ServerProcess(serve, out / f"server_{args.kv_cache_dtype}.log", start_timeout_s=900)
+    server = ServerProcess(serve, out / f"server_{args.kv_cache_dtype}.log",
+                           start_timeout_s=max(60.0, deadline - time.monotonic()))
     record["start_to_health_s"] = time.perf_counter() - began
+    tokenizer_ids = record["vocab"]["tokenizer_ids"]
     try:
         log = (out / f"server_{args.kv_cache_dtype}.log").read_text()
         record["start_up_line"] = next((line for line in log.splitlines() if "KV pool" in line), None)
-        model = directory.name
-        for isl, osl in parse_shapes(args.shapes):
-            report = out / f"guidellm_{args.kv_cache_dtype}_{isl}_{osl}.json"
-            streams = ",".join(f"streams[{i}]={c}" for i, c in enumerate(args.concurrency))
-            command = [
-                *shlex.split(args.guidellm), "run",
-                "--backend", f"kind=openai_http,target={server.url},model={model},request_format=/v1/completions",
-                "--profile", f"kind=concurrent,{streams}",
-                "--constraint", f"kind=max_duration,seconds={args.seconds}",
-                "--data", f"kind=synthetic_text,prompt_tokens={isl},output_tokens={osl}",
-                "--tokenizer", f"kind=huggingface_auto,model={directory}",
-                "--output", f"kind=json,path={report}", "--output", "kind=console", "--disable-progress",
-            ]
+        began = time.perf_counter()
+        record["warmup"] = asyncio.run(warm_up_http(server.url, directory.name, tokenizer_ids, max(args.concurrency)))
+        record["warmup"]["wall_s"] = time.perf_counter() - began
+        run_cost = (args.seconds + GUIDELLM_LEVEL_GAP_S) * len(args.concurrency) + GUIDELLM_START_S
+        for (isl, osl), sampling in run_order(parse_shapes(args.shapes), args.samplings):
+            shape = f"{isl}/{osl}"
+            if time.monotonic() + run_cost > deadline:
+                record["skipped"].append(f"{shape} {sampling}: would end past --budget-s (a run takes ~{run_cost:.0f} s)")
+                continue
+            report = out / f"guidellm_{args.kv_cache_dtype}_{isl}_{osl}_{sampling}.json"
+            command = guidellm_command(args, server.url, directory.name, directory, (isl, osl), sampling, report)
             began = time.perf_counter()
-            done = subprocess.run(command, capture_output=True, text=True, timeout=args.seconds * len(args.concurrency) * 3
-                                  + 300, env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
-            (out / f"guidellm_{args.kv_cache_dtype}_{isl}_{osl}.log").write_text(done.stdout + done.stderr)
-            shape = {"wall_s": time.perf_counter() - began, "returncode": done.returncode}
+            done = subprocess.run(command, capture_output=True, text=True, timeout=run_cost * 3 + 120,
+                                  env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
+            (report.with_suffix(".log")).write_text(done.stdout + done.stderr)
+            run = {"wall_s": time.perf_counter() - began, "returncode": done.returncode, "command": command}
+            run_cost = 1.1 * run["wall_s"]  # the next run has as many levels as long
             if report.is_file():
-                shape["levels"] = summarize_guidellm(json.loads(report.read_text()))
-            record["shapes"][f"{isl}/{osl}"] = shape
-            print(f"{args.kv_cache_dtype} {isl}/{osl}: " + json.dumps(shape.get("levels"), default=str), flush=True)
+                run["levels"] = summarize_guidellm(json.loads(report.read_text()))
+                _gzip(report)  # every request's prompt is in it: some MB a run before compression
+            record["runs"].setdefault(shape, {})[sampling] = run
+            _print_run(f"{args.kv_cache_dtype} {shape} {sampling}", run)
+            save(record)  # what is measured survives a call killed later
     finally:
         record["server_exit"] = server.stop()
-    return record
 
 
-def engine_section(args, out: Path) -> dict:
-    """The same shapes and levels through LLM in-process: ISL random token ids, OSL tokens
-    (ignore_eos), ``concurrency`` requests kept in flight for ``seconds``."""
-    from tensorrt_llm._torch.pyexecutor.config import KvCacheConfig
-    from tensorrt_llm.llmapi.llm import LLM, SamplingParams
+def engine_section(args, out: Path, deadline: float, record: dict, save: Callable[[dict], None]) -> None:
+    """The same shapes, levels and samplings through LLM in-process (``peer_engine``); fills ``record``."""
+    from tensorrt_llm.llmapi.llm import LLM
 
-    directory = prepare_checkpoint(args)
-    kv = KvCacheConfig(**SERVE_OPTIONS["kv_cache_config"], dtype=args.kv_cache_dtype)
-    options = dict(SERVE_OPTIONS, kv_cache_config=kv)
-    if args.dry_run:
-        options.update(max_batch_size=8, max_num_tokens=256)
-    record: dict = {"kv_cache_dtype": args.kv_cache_dtype, "shapes": {}}
-    rng = random.Random(0)
+    from benchmarks.gpu import peer_engine
+
+    directory, record["vocab"] = prepare_checkpoint(args)
+    save(record)
+    options = server_options(args)
+    record["options"] = options
+    tokenizer_ids = record["vocab"]["tokenizer_ids"]
+    began = time.perf_counter()
     with LLM(str(directory), device="cpu" if args.dry_run else "cuda", **options) as llm:
+        record["start_to_ready_s"] = time.perf_counter() - began
         record["start_up_line"] = llm.describe()
-        vocab = min(llm.model_config.vocab_size, 32000)
-        for isl, osl in parse_shapes(args.shapes):
-            levels = []
-            params = SamplingParams(max_tokens=osl, ignore_eos=True)
-            for concurrency in args.concurrency:
-                tokens, done, lock = [0], [0], threading.Lock()
-                stop = time.monotonic() + args.seconds
-                began = time.perf_counter()
 
-                def worker() -> None:
-                    while time.monotonic() < stop:
-                        prompt = [rng.randrange(1, vocab) for _ in range(isl)]
-                        output = llm.generate(prompt, params)
-                        with lock:
-                            tokens[0] += len(output.outputs[0].token_ids)
-                            done[0] += 1
+        async def measure() -> None:
+            began = time.perf_counter()
+            record["warmup"] = await peer_engine.warm_up(llm, tokenizer_ids, max(args.concurrency))
+            record["warmup"]["wall_s"] = time.perf_counter() - began
+            for (isl, osl), sampling in run_order(parse_shapes(args.shapes), args.samplings):
+                shape, levels = f"{isl}/{osl}", []
+                next_prompt = peer_engine.prompt_source(isl, tokenizer_ids)
+                params = peer_engine.sampling_params(sampling, osl)
+                for concurrency in args.concurrency:
+                    if time.monotonic() + args.seconds + 5 > deadline:
+                        record["skipped"].append(f"{shape} {sampling} c={concurrency}: would end past --budget-s")
+                        continue
+                    levels.append(await peer_engine.run_level(llm, next_prompt, params, concurrency, args.seconds))
+                run = {"levels": levels}
+                record["runs"].setdefault(shape, {})[sampling] = run
+                _print_run(f"engine {args.kv_cache_dtype} {shape} {sampling}", run)
+                save(record)
 
-                threads = [threading.Thread(target=worker) for _ in range(concurrency)]
-                for thread in threads:
-                    thread.start()
-                for thread in threads:
-                    thread.join()
-                wall = time.perf_counter() - began
-                levels.append({"concurrency": concurrency, "requests": done[0], "output_tokens": tokens[0],
-                               "wall_s": wall, "output_tokens_per_s": tokens[0] / wall})
-                print(f"engine {args.kv_cache_dtype} {isl}/{osl} c={concurrency}: {tokens[0] / wall:.0f} tok/s", flush=True)
-            record["shapes"][f"{isl}/{osl}"] = {"levels": levels}
-    return record
+        asyncio.run(measure())
+
+
+def _gzip(path: Path) -> None:
+    with path.open("rb") as raw, gzip.open(path.with_name(path.name + ".gz"), "wb") as packed:
+        shutil.copyfileobj(raw, packed)
+    path.unlink()
+
+
+def _print_run(title: str, run: dict) -> None:
+    parts = [f"c={lv['concurrency']}: {lv['completed']}+{lv['incomplete']} done+cut, {lv['errored']} errors,"
+             f" {lv['output_tokens_per_s'] or 0:.0f} tok/s, ITL p50 {lv['itl_ms']['p50'] or 0:.2f} ms,"
+             f" TTFT p50 {lv['ttft_ms']['p50'] or 0:.0f} ms" for lv in run.get("levels") or []]
+    print(f"{title}: " + ("; ".join(parts) or f"no levels (returncode {run.get('returncode')})"), flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
+    started = time.monotonic()
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--section", choices=("serve", "engine"), default="serve")
     parser.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto")
-    parser.add_argument("--checkpoint", default="/tmp/hf_checkpoints/llama-3.1-8b")
-    parser.add_argument("--tokenizer", required=True, help="a Hugging Face tokenizer directory (its ids < 128256)")
+    parser.add_argument("--vocab", choices=("model", "tokenizer"), default="model",
+                        help="128,256 rows (model: the ids the tokenizer lacks decode to '') or the tokenizer's")
+    parser.add_argument("--samplings", default="sampled,greedy", type=lambda s: [x for x in s.split(",") if x])
+    parser.add_argument("--checkpoints", default="/tmp/hf_checkpoints")
+    parser.add_argument("--tokenizer", required=True, help="a Hugging Face tokenizer directory (SmolLM2's)")
     parser.add_argument("--shapes", default="1024/128,1024/1024")
-    parser.add_argument("--concurrency", default="1,8,32,64,128", type=lambda s: [int(c) for c in s.split(",")])
-    parser.add_argument("--seconds", type=int, default=30, help="each concurrency level's duration")
+    parser.add_argument("--concurrency", default="1,16,64,128", type=lambda s: [int(c) for c in s.split(",")])
+    parser.add_argument("--seconds", type=float, default=10, help="each concurrency level's duration")
+    parser.add_argument("--budget-s", type=float, default=500, help="skip what would end later than this")
     parser.add_argument("--guidellm", default=f"{sys.executable} -m guidellm", help="the GuideLLM command")
     parser.add_argument("--dry-run", action="store_true", help="scaled down on the CPU: checks the script")
     args = parser.parse_args(argv)
-    if args.dry_run:
-        args.checkpoint = str(Path(args.checkpoint).with_name(Path(args.checkpoint).name + "-dry-run"))
+    unknown = [s for s in args.samplings if s not in EXTRAS]
+    if unknown:
+        parser.error(f"unknown samplings {unknown}; known: {', '.join(EXTRAS)}")
     problems = preconditions(args)
     if problems:
         print("not run: " + "; ".join(problems), file=sys.stderr)
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
     section = serve_section if args.section == "serve" else engine_section
-    record = section(args, args.out)
-    name = "peer" if args.section == "serve" else "engine"
-    (args.out / f"{name}_{args.kv_cache_dtype}.json").write_text(json.dumps(record, indent=2, default=str))
+    path = args.out / f"{'peer' if args.section == 'serve' else 'engine'}_{args.kv_cache_dtype}.json"
+
+    def save(record: dict) -> None:
+        record["wall_s"] = time.monotonic() - started
+        path.write_text(json.dumps(record, indent=2, default=str))
+
+    record = _start(args)
+    try:
+        section(args, args.out, started + args.budget_s, record, save)
+    except Exception as error:  # the record says what failed, beside what was measured before
+        record["error"] = f"{type(error).__name__}: {error}"
+        save(record)
+        raise
+    save(record)
+    print(f"{path.name} written after {record['wall_s']:.0f} s"
+          + (f"; skipped: {record['skipped']}" if record["skipped"] else ""), flush=True)
     return 0
 
 

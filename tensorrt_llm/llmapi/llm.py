@@ -349,10 +349,15 @@ class LLM:
         self.max_seq_len_source = _max_seq_len_source(self.config, options, self.model_config, pool_tokens)
 
     def describe(self) -> str:
-        """One line for a start-up log: the model, device, dtype, KV pool (an FP8 pool's scales: the
-        checkpoint's or 1.0) and ``max_seq_len`` (with the limit that set it)."""
+        """One line for a start-up log: the model, device, dtype, vocabulary (with how many ids the
+        tokenizer lacks: they decode to ``''``), KV pool (an FP8 pool's scales: the checkpoint's or
+        1.0) and ``max_seq_len`` (with the limit that set it)."""
         kv = self.config.kv_cache_config
         line = f"model {self.model_id} on {self.device} ({self.model_config.dtype})"
+        line += f", vocabulary {self.model_config.vocab_size}"
+        if self.tokenizer is not None and self.tokenizer.num_padded_ids:
+            line += (f" (tokenizer covers {self.tokenizer.num_tokens}; {self.tokenizer.num_padded_ids} ids"
+                     " decode to '')")
         blocks = self._pool_blocks
         if blocks is not None:
             tokens, per_token = blocks * kv.tokens_per_block, self.kv_bytes_per_token

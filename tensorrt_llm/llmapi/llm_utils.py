@@ -361,8 +361,7 @@ def _hf_tokenizer(directory: Path, hf: HFConfig, generation_eos: tuple[int, ...]
     except UnsupportedTokenizer as error:
         logger.warning("%s; the model takes token-id prompts only", error)
         return None
-    _check_vocab(directory.name, tokenizer, hf.config)
-    return tokenizer
+    return _for_model(directory.name, tokenizer, hf.config)
 
 
 def _gguf_tokenizer(path: Path, config: LlamaConfig) -> Tokenizer | None:
@@ -372,10 +371,14 @@ def _gguf_tokenizer(path: Path, config: LlamaConfig) -> Tokenizer | None:
     except (UnsupportedTokenizer, KeyError) as error:
         logger.warning("%s: no tokenizer (%s); the model takes token-id prompts only", path.name, error)
         return None
-    _check_vocab(path.name, tokenizer, config)
-    return tokenizer
+    return _for_model(path.name, tokenizer, config)
 
 
-def _check_vocab(name: str, tokenizer: Tokenizer, config: LlamaConfig) -> None:
-    if tokenizer.vocab_size > config.vocab_size:
-        raise CheckpointError(f"{name}: the tokenizer has {tokenizer.vocab_size} tokens, the model only {config.vocab_size}")
+def _for_model(name: str, tokenizer: Tokenizer, config: LlamaConfig) -> Tokenizer:
+    """``tokenizer`` decoding every id the model can produce: a padded vocabulary's extra ids
+    decode to ``''`` (``Tokenizer.for_model``). CheckpointError when the tokenizer has ids the
+    model has no row for."""
+    try:
+        return tokenizer.for_model(config.vocab_size)
+    except ValueError as error:
+        raise CheckpointError(f"{name}: {error}") from None

@@ -27,6 +27,11 @@ Only byte-level BPE vocabularies (``tokenizer.ggml.model == "gpt2"``) are rebuil
 pre-tokenizers of :data:`PRE_TOKENIZERS`; anything else raises :class:`UnsupportedTokenizer`
 (the model can still be served with token ids).
 
+A model's vocabulary may be larger than its tokenizer's (a padded vocabulary: Qwen2.5's
+151,936 rows for 151,665 tokens). :meth:`Tokenizer.for_model` gives the tokenizer that serves
+such a model: an id below the model's ``vocab_size`` that has no token decodes to ``''``, as
+transformers decodes it, so a legal sampling step never fails a request.
+
 The chat template is Jinja, rendered exactly as transformers' ``apply_chat_template`` renders
 it (:meth:`Tokenizer.apply_chat_template`, tools included): a sandboxed environment with
 ``trim_blocks``/``lstrip_blocks``, loop controls, the ``{% generation %}`` tag, ``raise_exception``,
@@ -36,6 +41,7 @@ it (:meth:`Tokenizer.apply_chat_template`, tools included): a sandboxed environm
 
 from __future__ import annotations
 
+import copy
 import datetime
 import functools
 import json
@@ -146,7 +152,13 @@ class Tokenizer:
         elif "default" not in self.chat_templates:
             self.chat_templates["default"] = chat_template
         self.chat_template = chat_template
-        self.vocab_size: int = tokenizer.get_vocab_size(with_added_tokens=True)
+        ids = tokenizer.get_vocab(with_added_tokens=True).values()
+        #: ids [0, vocab_size) are the tokenizer's (its highest id + 1: a vocabulary may have holes)
+        self.vocab_size: int = max(ids, default=-1) + 1
+        #: ids that have a token (vocab_size less the holes)
+        self.num_tokens: int = len(ids)
+        #: ids ``decode`` accepts: the model's vocabulary (:meth:`for_model`), by default the tokenizer's
+        self.model_vocab_size: int = self.vocab_size
         if special_tokens is None:
             special_tokens = {name: text for name, text in (("bos_token", self._token_text(bos_token_id)),
                                                             ("eos_token", self._token_text(eos_token_id))) if text}
@@ -254,6 +266,25 @@ class Tokenizer:
             chat_template=metadata.get("tokenizer.chat_template"),
         )
 
+    def for_model(self, vocab_size: int) -> "Tokenizer":
+        """This tokenizer serving a model whose logits have ``vocab_size`` rows (``config.json``'s
+        ``vocab_size``), which may exceed the tokenizer's ids: checkpoints pad their vocabulary
+        (Qwen2.5: 151,936 rows for 151,665 tokens; a multiple of 64 or 128 suits the GEMMs), and
+        a model may sample a padded id. Such an id has no token: it decodes to ``''`` (as
+        transformers decodes it) and generation goes on. An id at or above ``vocab_size`` stays
+        an error (no model row produces it). Raises ValueError when the tokenizer has ids the
+        model cannot produce (``vocab_size`` below the tokenizer's)."""
+        if vocab_size < self.vocab_size:
+            raise ValueError(f"the tokenizer has ids up to {self.vocab_size - 1}, the model's vocab_size is only {vocab_size}")
+        padded = copy.copy(self)
+        padded.model_vocab_size = vocab_size
+        return padded
+
+    @property
+    def num_padded_ids(self) -> int:
+        """Ids below ``model_vocab_size`` without a token (padding and holes): they decode to ``''``."""
+        return self.model_vocab_size - self.num_tokens
+
     # ----------------------------------------------------------------------- text <-> ids
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -269,12 +300,22 @@ class Tokenizer:
         return ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        """Text of ``ids``. Bytes that do not form whole UTF-8 characters become U+FFFD."""
+        """Text of ``ids``. Bytes that do not form whole UTF-8 characters become U+FFFD; an id
+        without a token (a padded one, see :meth:`for_model`) adds nothing. ValueError for an id
+        outside ``[0, model_vocab_size)``."""
+        return self._tokenizer.decode(self.text_ids(ids), skip_special_tokens=skip_special_tokens)
+
+    def text_ids(self, ids: Sequence[int]) -> list[int]:
+        """``ids`` less those at or above the tokenizer's ``vocab_size`` (a padded vocabulary's
+        extra ids: they have no text). ValueError naming the first id outside
+        ``[0, model_vocab_size)``: no model row produces it, so it is a bug, never padding."""
         ids = list(ids)
-        bad = next((i for i in ids if not isinstance(i, int) or not 0 <= i < self.vocab_size), None)
+        bad = next((i for i in ids if not isinstance(i, int) or not 0 <= i < self.model_vocab_size), None)
         if bad is not None:
-            raise ValueError(f"token id {bad!r} is outside the vocabulary [0, {self.vocab_size})")
-        return self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+            raise ValueError(f"token id {bad!r} is outside the vocabulary [0, {self.model_vocab_size})")
+        if self.model_vocab_size > self.vocab_size:
+            ids = [i for i in ids if i < self.vocab_size]
+        return ids
 
     def token_to_id(self, token: str) -> int | None:
         return self._tokenizer.token_to_id(token)
@@ -624,8 +665,10 @@ class IncrementalDetokenizer:
         return text[len(self._context_text):] if text.startswith(self._context_text) else text
 
     def step(self, new_ids: Sequence[int]) -> str:
-        """Append ``new_ids``; return the text they complete (possibly empty)."""
-        self._pending.extend(new_ids)
+        """Append ``new_ids``; return the text they complete (possibly empty: a padded id, see
+        :meth:`Tokenizer.for_model`, adds no text and is not kept as context, so the context ids
+        stay ones with text)."""
+        self._pending.extend(self._tokenizer.text_ids(new_ids))
         text = self._pending_text()
         # A trailing U+FFFD may be a character whose last bytes are still to come; everything
         # before the last complete character is final.

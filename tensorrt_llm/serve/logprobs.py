@@ -6,8 +6,12 @@ top_logprobs: [{token, logprob, bytes}]}``. Completions (the legacy shape): para
 ``text_offset`` (each token's character offset in the choice's text).
 
 A token's text is its bytes decoded as UTF-8 (a token that holds part of a character shows
-U+FFFD, as vLLM shows it); ``bytes`` are the exact bytes. A model without a tokenizer names
-each token ``token_id:N`` (vLLM's convention) and has no bytes.
+U+FFFD, as vLLM shows it); ``bytes`` are the exact bytes. An id the tokenizer has no token for
+(a padded vocabulary's extra ids, ``Tokenizer.for_model``) is ``""`` with ``bytes: []``: the
+text it adds to the output, so that ``tokens`` still concatenate to the text and ``text_offset``
+stays right. A model without a tokenizer names each token ``token_id:N`` (vLLM's convention)
+and has no bytes. In the completions shape's ``top_logprobs`` dict, alternatives with the same
+text (several padded ids, say) share one key: it keeps the most probable one's log-probability.
 """
 
 from __future__ import annotations
@@ -23,12 +27,16 @@ class LogprobFormatter:
 
     def __init__(self, tokenizer) -> None:
         self._bytes: list[bytes] | None = tokenizer.token_bytes() if tokenizer is not None else None
+        self._vocab_size = tokenizer.model_vocab_size if tokenizer is not None else 0
 
     def token(self, token_id: int) -> tuple[str, list[int] | None]:
-        if self._bytes is None or not 0 <= token_id < len(self._bytes):
-            return f"token_id:{token_id}", None
-        raw = self._bytes[token_id]
-        return raw.decode("utf-8", errors="replace"), list(raw)
+        """A token's text and bytes (module docstring)."""
+        if self._bytes is not None and 0 <= token_id < len(self._bytes):
+            raw = self._bytes[token_id]
+            return raw.decode("utf-8", errors="replace"), list(raw)
+        if self._bytes is not None and 0 <= token_id < self._vocab_size:
+            return "", []  # a padded id: it decodes to no text
+        return f"token_id:{token_id}", None
 
     def chat(self, entries: Sequence[TokenLogprob]) -> ChatLogprobs:
         content = []
@@ -51,7 +59,15 @@ class LogprobFormatter:
             text, _ = self.token(token)
             out.tokens.append(text)
             out.token_logprobs.append(None if entry is None else entry.logprob)
-            out.top_logprobs.append(None if entry is None else {self.token(i)[0]: lp for i, lp in entry.top})
+            out.top_logprobs.append(None if entry is None else self._top(entry))
             out.text_offset.append(offset)
             offset += len(text)
         return out, offset
+
+    def _top(self, entry: TokenLogprob) -> dict[str, float]:
+        """``{text: logprob}`` of the alternatives (most likely first, as ``entry.top``); a text
+        that several share keeps the first (the most probable) one's."""
+        top: dict[str, float] = {}
+        for token_id, logprob in entry.top:
+            top.setdefault(self.token(token_id)[0], logprob)
+        return top

@@ -173,11 +173,11 @@ class OpenAIServer:
         prompts = body.prompts
         params = [_prompt_param(i, len(prompts)) for i in range(len(prompts))]
         prompts_ids = [await self.prompts.encode(prompt, param) for prompt, param in zip(prompts, params)]
+        generation = await self._fan_out(body, prompts_ids, body.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS)
         echoes = [""] * len(prompts)
-        if body.echo:  # the prompt's text leads each choice's text, as OpenAI echoes it
+        if body.echo:  # the prompt's text leads each choice's text, as OpenAI echoes it (ids checked: queued)
             echoes = [prompt if isinstance(prompt, str) else (self.tokenizer.decode(ids) if self.tokenizer is not None
                                                                  else "") for prompt, ids in zip(prompts, prompts_ids)]
-        generation = await self._fan_out(body, prompts_ids, body.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS)
         request_id, created = completion_id(), int(time.time())
         offsets: dict[int, int] = {}  # choice -> characters of its text sent so far (logprobs' text_offset)
         per_prompt = generation.generations if isinstance(generation, GenerationGroup) else [generation]

@@ -141,3 +141,52 @@ def reference_greedy(model: torch.nn.Module, prompt: list[int], steps: int) -> l
     for _ in range(steps):
         tokens.append(int(model(torch.tensor([tokens])).logits[0, -1].argmax()))
     return tokens[len(prompt):]
+
+
+#: A padded vocabulary's rows past the tokenizer's, and the one padded id the model favours
+PADDED_VOCAB_ROWS = 64
+
+
+def write_padded_vocab_checkpoint(directory: Path, tokenizer_dir: Path, *, tokenizer_size: int,
+                                  padded_id: int, text_id: int, seed: int = 0) -> Path:
+    """A tiny Llama whose ``vocab_size`` is ``tokenizer_size + PADDED_VOCAB_ROWS`` (as checkpoints
+    pad theirs), with ``tokenizer_dir``'s tokenizer files, written by transformers. Whatever the
+    prompt, it writes ``padded_id`` (an id the tokenizer has no token for) after a real token and
+    ``text_id`` after ``padded_id``, decisively enough (probability > 0.99) that sampling at
+    temperature 1 does too:
+
+    * residual channel 0 carries the input token's sign: every embedding has ``+C`` there,
+      ``padded_id``'s ``-C``; no attention or MLP output writes to it (row 0 of every ``o_proj``
+      and ``down_proj`` is zero), so after the final RMSNorm channel 0 is about ``+-sqrt(hidden)``
+      (8) and the other channels are small;
+    * the LM head's rows past the tokenizer are zero but ``padded_id``'s, which reads ``+2`` x
+      channel 0, and ``text_id``'s reads ``-2`` x channel 0: the favoured one's logit is about
+      16, every other token's below 1 (e^16 outweighs 49,000 tokens near e^0).
+    """
+    import shutil
+
+    config = transformers.LlamaConfig(vocab_size=tokenizer_size + PADDED_VOCAB_ROWS, hidden_size=64,
+                                      intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, max_position_embeddings=2048, tie_word_embeddings=False,
+                                      bos_token_id=1, eos_token_id=2)
+    config.architectures = ["LlamaForCausalLM"]
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    sign = 8.0  # C: dominates the residual's RMS (the other 63 channels are ~0.02-0.1)
+    with torch.no_grad():
+        embed = model.model.embed_tokens.weight  # (vocab, hidden)
+        embed[:, 0] = sign
+        embed[padded_id, 0] = -sign
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight[0].zero_()  # (hidden, heads * head_dim): row 0 writes channel 0
+            layer.mlp.down_proj.weight[0].zero_()  # (hidden, intermediate)
+        head = model.lm_head.weight  # (vocab, hidden)
+        head[tokenizer_size:].zero_()
+        head[padded_id, 0] = 2.0
+        head[text_id].zero_()
+        head[text_id, 0] = -2.0
+    model.save_pretrained(directory)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (tokenizer_dir / name).is_file():
+            shutil.copyfile(tokenizer_dir / name, directory / name)
+    return directory

@@ -198,6 +198,65 @@ def test_deltas_concatenate_to_decode_and_never_end_mid_character(tok, data, ski
     assert emitted == tok.decode(seen, skip_special_tokens=skip_special)
 
 
+# --------------------------------------------------------------------------- padded vocabularies
+# A model's vocab_size may exceed its tokenizer's (Qwen2.5: 151,936 rows, 151,665 tokens); the
+# extra ids decode to '' as transformers decodes them, and only ids past the model's are errors.
+
+PADDED_VOCAB = 49152 + 64
+
+
+def test_a_padded_vocabulary_decodes_its_extra_ids_to_nothing(tok):
+    padded = tok.for_model(PADDED_VOCAB)
+    hello = tok.encode("hello world")
+    assert padded.decode([49152, *hello[:1], 49170, 49170, *hello[1:], PADDED_VOCAB - 1]) == "hello world"
+    assert padded.decode([49160]) == "" and padded.text_ids([5, 49160, 6]) == [5, 6]
+    assert (padded.vocab_size, padded.num_tokens, padded.model_vocab_size, padded.num_padded_ids) == (
+        49152, 49152, PADDED_VOCAB, 64)
+    with pytest.raises(ValueError, match=rf"token id {PADDED_VOCAB} is outside the vocabulary \[0, {PADDED_VOCAB}\)"):
+        padded.decode([5, PADDED_VOCAB])
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        padded.decode([-1])
+    # the tokenizer it came from is unchanged (a new value, not a field set on a shared one)
+    assert tok.model_vocab_size == 49152 and tok.num_padded_ids == 0
+    with pytest.raises(ValueError, match="49152"):
+        tok.decode([49152])
+
+
+def test_a_model_vocabulary_smaller_than_the_tokenizer_is_refused(tok):
+    assert tok.for_model(49152).num_padded_ids == 0
+    with pytest.raises(ValueError, match="the tokenizer has ids up to 49151, the model's vocab_size is only 49000"):
+        tok.for_model(49000)
+
+
+@given(data=st.data(), skip_special=st.booleans())
+def test_padded_ids_anywhere_in_a_stream_add_no_text(tok, data, skip_special):
+    """Padded ids dropped in anywhere (between the bytes of one character, many in a row, alone
+    in a step): the deltas concatenate to ``decode`` of every id, which is the text without them."""
+    padded = tok.for_model(PADDED_VOCAB)
+    steps = data.draw(id_stream(tok))
+    extra = st.lists(st.integers(49152, PADDED_VOCAB - 1), max_size=6)
+    steps = [[*data.draw(extra), *step, *data.draw(extra)] for step in steps] + [data.draw(extra)]
+    detok = IncrementalDetokenizer(padded, skip_special_tokens=skip_special)
+    emitted = "".join(detok.step(step) for step in steps) + detok.flush()
+    every = [i for step in steps for i in step]
+    assert emitted == padded.decode(every, skip_special_tokens=skip_special)
+    assert emitted == tok.decode([i for i in every if i < 49152], skip_special_tokens=skip_special)
+
+
+def test_a_vocabulary_with_holes_counts_ids_to_its_highest():
+    """vocab_size is the highest id + 1 (tokenizers counts tokens), so a token past a gap decodes
+    and has bytes; the ids in the gap have no token and decode to ''."""
+    from tokenizers import Tokenizer as Pipeline
+    from tokenizers import models
+
+    # as a checkpoint that reserves ids 3..8
+    holes = Tokenizer(Pipeline(models.WordLevel({"a": 0, "b": 1, "<unk>": 2, "c": 9}, unk_token="<unk>")),
+                      eos_token_id=None)
+    assert (holes.vocab_size, holes.num_tokens, holes.num_padded_ids) == (10, 4, 6)
+    assert holes.decode([0, 5, 9, 1]) == holes.decode([0, 9, 1]) == "a c b"
+    assert len(holes.token_bytes()) == 10 and holes.token_bytes()[9] == b"c"
+
+
 # --------------------------------------------------------------------------- Hugging Face directories
 # SmolLM2's tokenizer files written by ``tools/gguf_to_hf --tokenizer-only`` are read by
 # ``Tokenizer.from_hf_directory`` and by transformers' ``AutoTokenizer``: both must encode every

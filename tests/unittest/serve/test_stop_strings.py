@@ -12,7 +12,9 @@ ALPHABET = "abc é"
 
 
 def split(text: str, cuts: list[int]) -> list[str]:
-    points = sorted({min(c, len(text)) for c in cuts})
+    """``text`` cut at ``cuts``; a repeated cut is an empty delta (a token with no text: a padded
+    vocabulary's extra id, a character's first bytes)."""
+    points = sorted(min(c, len(text)) for c in cuts)
     bounds = [0, *points, len(text)]
     return [text[a:b] for a, b in zip(bounds, bounds[1:])]
 

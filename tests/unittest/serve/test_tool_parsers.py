@@ -25,12 +25,13 @@ TIME = '{"name": "get_time", "arguments": {"zone": "CET \\"x\\" }"}}'
 
 
 def streamed(parser, text: str, cuts: list[int], max_calls=None):
-    """Feed ``text`` cut at ``cuts``; return (content, calls as (name, arguments)) built from the
-    events as a client builds them from deltas, and the stream."""
+    """Feed ``text`` cut at ``cuts`` (a repeated cut feeds an empty delta, as a token with no text
+    does); return (content, calls as (name, arguments)) built from the events as a client builds
+    them from deltas, and the stream."""
     stream = parser.stream(TOOLS, max_calls=max_calls)
     events = []
     previous = 0
-    for cut in sorted(set(cuts)) + [len(text)]:
+    for cut in sorted(cuts) + [len(text)]:
         events += stream.push(text[previous:cut])
         previous = cut
     events += stream.finish()
@@ -75,6 +76,7 @@ def test_hermes_whole_and_streamed_at_every_split(text, content, calls):
     for cut in range(len(text) + 1):
         assert streamed(HERMES, text, [cut])[:2] == (content, calls), cut
     assert streamed(HERMES, text, list(range(len(text))))[:2] == (content, calls)  # one character at a time
+    assert streamed(HERMES, text, [c for c in range(len(text)) for _ in "ab"])[:2] == (content, calls)  # and ''
 
 
 @given(data=st.data())

@@ -91,11 +91,16 @@ class GuidedDecodingParams:
 class _TokenizerBytes:
     """What ``llguidance.LLTokenizer`` reads from a tokenizer: every id's bytes, the special ids,
     and an encoder (llguidance re-tokenizes forced text with it). Wrapped in llguidance's
-    ``TokenizerWrapper``, the type its constructor insists on."""
+    ``TokenizerWrapper``, the type its constructor insists on.
 
-    def __init__(self, tokenizer) -> None:
+    ``tokens`` has one entry per model id (``vocab_size``): the ids past the tokenizer's (a padded
+    vocabulary) have no bytes, so no grammar ever allows them; llguidance sizes its vocabulary,
+    and the mask it writes, by this list, whatever ``n_vocab`` says."""
+
+    def __init__(self, tokenizer, vocab_size: int) -> None:
         self._tokenizer = tokenizer
-        self.tokens: list[bytes] = tokenizer.token_bytes()
+        tokens = tokenizer.token_bytes()
+        self.tokens: list[bytes] = tokens + [b""] * (vocab_size - len(tokens))
         self.special_token_ids: list[int] = tokenizer.special_token_ids()
         self.eos_token_id = tokenizer.eos_token_id
         self.bos_token_id = tokenizer.bos_token_id
@@ -121,7 +126,7 @@ class GrammarCompiler:
         self._llg = llguidance
         self.vocab_size = vocab_size
         self._tokenizer = llguidance.LLTokenizer(
-            llguidance.TokenizerWrapper(_TokenizerBytes(tokenizer)), n_vocab=vocab_size, eos_token=list(end_ids) or None
+            llguidance.TokenizerWrapper(_TokenizerBytes(tokenizer, vocab_size)), n_vocab=vocab_size, eos_token=list(end_ids) or None
         )
         self._lock = threading.Lock()
         self._cache: OrderedDict[tuple, Grammar] = OrderedDict()
