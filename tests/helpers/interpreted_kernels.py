@@ -29,12 +29,15 @@ def _fix_interpreter_for_numpy_2_4() -> None:
     interpreter._patch_lang_tensor = patched
 
 
-def run_case(num_splits: int, hq: int, hkv: int, fp8: bool = False) -> dict:
+def run_case(num_splits: int, hq: int, hkv: int, fp8: bool = False, half: bool = False, table_ahead: bool | None = None,
+             block_n: int | None = None) -> dict:
     """``fp8``: the pools hold an FP8 cache (stored with scales 0.5 and 2), read by the kernel as
-    bytes and widened; the reference dequantizes after its gather."""
+    bytes and widened; the reference dequantizes after its gather. ``half``: float16 queries (an
+    FP8 pool's dot products then run in float16, the softmax scale folded into q). ``table_ahead``,
+    ``block_n``: a kernel shape other than the pool's default (``DecodeConfig``)."""
     from tensorrt_llm._torch.attention_backend.kernels import reference_decode_attention
     from tensorrt_llm._torch.attention_backend.kv_quant import quantize
-    from tensorrt_llm._torch.attention_backend.triton_paged_decode import paged_decode_attention
+    from tensorrt_llm._torch.attention_backend.triton_paged_decode import DecodeConfig, config_for, paged_decode_attention
 
     head_dim, tpb, num_blocks = 16, 4, 40
     gen = torch.Generator().manual_seed(10 * num_splits + hq)
@@ -51,17 +54,27 @@ def run_case(num_splits: int, hq: int, hkv: int, fp8: bool = False) -> dict:
             tables[i, j] = free.pop()
     rows = torch.tensor([6, 0, 3, 4, 1])
     q = torch.randn(8, hq, head_dim, generator=gen)
+    if half:
+        q = q.half()
     seq_lens = torch.tensor(lens, dtype=torch.int32)
-    expected = torch.full_like(q, float("nan"))
+    expected = torch.full_like(q, float("nan"), dtype=torch.float32)
     got = torch.full_like(q, float("nan"))
-    reference_decode_attention(q, k_pool, v_pool, expected, rows, tables, seq_lens, tokens_per_block=tpb, scale=0.25,
-                               **scales)
+    reference_decode_attention(q.float(), k_pool, v_pool, expected, rows, tables, seq_lens, tokens_per_block=tpb,
+                               scale=0.25, **scales)
+    config = config_for(k_pool.dtype)
+    if table_ahead is not None or block_n is not None:
+        config = DecodeConfig(block_n=block_n or config.block_n, table_ahead=config.table_ahead if table_ahead is None
+                              else table_ahead)
     paged_decode_attention(
         q, k_pool, v_pool, got, rows, tables, seq_lens, tokens_per_block=tpb, scale=0.25, num_splits=num_splits,
-        **scales,
+        config=config, **scales,
     )
+    got = got.float()
+    # float16 dot products: q, the probabilities and the output rounded to 11 bits.
+    tolerance = 5e-3 if half else 1e-5
     return {
         "kernel": "paged_decode_fp8" if fp8 else "paged_decode",
+        "dtype": str(q.dtype), "config": repr(config), "tolerance": tolerance,
         "num_splits": num_splits,
         "heads": [hq, hkv],
         "untouched_rows_nan": bool(torch.isnan(got[[2, 5, 7]]).all()),
@@ -126,6 +139,11 @@ def main() -> int:
     results += [run_context_case(bm, bn, hq, hkv) for bm, bn in ((16, 16), (32, 16), (16, 32)) for hq, hkv in ((4, 2), (3, 3))]
     results += [run_rope_case(hq, hkv, d) for hq, hkv, d in ((4, 2, 16), (3, 1, 8))]
     results += [run_case(s, 4, 2, fp8=True) for s in (1, 4)] + [run_context_case(16, 16, 4, 2, fp8=True)]
+    # FP8 in float16 (the GPU's bf16/fp16 models), the 16-bit path with the table read ahead, and
+    # FP8 tiles of 16 positions (several tiles a sequence, so the table read ahead is exercised).
+    results += [run_case(s, 4, 2, fp8=True, half=True) for s in (1, 2)]
+    results += [run_case(s, 8, 1, table_ahead=True, block_n=16) for s in (1, 4)]
+    results += [run_case(s, 4, 2, fp8=True, half=half, block_n=16) for s in (1, 4) for half in (False, True)]
     print(json.dumps(results))
     return 0
 
