@@ -82,7 +82,8 @@ def test_fp8_layer_attention_matches_the_float64_reference_over_the_same_bytes(d
 
 def test_the_fp8_decode_kernel_reads_half_the_bytes_of_bf16() -> None:
     """The point of the cache on a GPU: a bandwidth-bound decode over FP8 pools takes well under
-    the time of the same decode over bf16 pools (ideally half; asserted: under 0.75)."""
+    the time of the same decode over bf16 pools (ideally half; asserted: at most 0.65, the goal
+    of the decode step; an earlier kernel took 1.23x, 0.598 against 0.485 ms)."""
     import triton
 
     from tensorrt_llm._torch.attention_backend.paged import decode_num_splits, num_sms
@@ -103,7 +104,9 @@ def test_the_fp8_decode_kernel_reads_half_the_bytes_of_bf16() -> None:
         times[name] = triton.testing.do_bench(lambda: paged_decode_attention(
             q, k, v, out, rows, tables, seq_lens, tokens_per_block=tpb, scale=d**-0.5, num_splits=splits))
         del k, v
-    assert times["fp8"] < 0.75 * times["bf16"], times
+    nbytes = {name: 2 * num_blocks * tpb * hkv * d * size for name, size in (("bf16", 2), ("fp8", 1))}
+    tb_s = {name: nbytes[name] / (times[name] * 1e-3) / 1e12 for name in times}
+    assert times["fp8"] <= 0.65 * times["bf16"], (times, tb_s)
 
 
 def _small(dtype: str) -> LlamaForCausalLM:
@@ -150,18 +153,33 @@ def test_fp8_engine_serves_with_graphs_overlap_and_reuse_like_the_cpu_fp8_engine
 
 
 def test_fp8_pool_holds_twice_the_blocks_of_bf16_from_the_same_memory() -> None:
-    from tensorrt_llm._torch.pyexecutor.py_executor_creator import create_kv_cache_manager
+    """Each pool is ``free_gpu_memory_fraction`` of the memory free when it is made, less one
+    scratch block (CUDA-graph padding rows write there). The ratio is checked against the memory
+    each one saw: a pool that was not released yet (the KV manager's parts reference one another,
+    so ``del`` alone leaves it to the cyclic collector) is memory the next one does not see. That
+    is what an earlier run measured: 214,679 FP8 blocks against 112,988 bf16 ones (1.90x), with
+    7.4 GB less free memory, the bf16 pool's, when the FP8 pool was sized."""
+    import gc
+
+    from tensorrt_llm._torch.pyexecutor.py_executor_creator import blocks_in_memory, create_kv_cache_manager
 
     model = _small("bfloat16").to(CUDA)
-    blocks = {}
+    blocks, free, per_block = {}, {}, {}
     for name in ("auto", "fp8"):
         config = make_config(tokens_per_block=32, num_blocks=1)
         kv = dataclasses.replace(config.kv_cache_config, num_blocks=None, dtype=name, free_gpu_memory_fraction=0.05)
-        manager = create_kv_cache_manager(dataclasses.replace(config, kv_cache_config=kv), model=model)
-        blocks[name] = manager.num_blocks
-        del manager
+        gc.collect()
         torch.cuda.empty_cache()
-    assert abs(blocks["fp8"] / blocks["auto"] - 2) < 0.02, blocks
+        free[name] = torch.cuda.mem_get_info(CUDA)[0]
+        manager = create_kv_cache_manager(dataclasses.replace(config, kv_cache_config=kv), model=model)
+        blocks[name], per_block[name] = manager.num_blocks, manager.storage.bytes_per_token * 32
+        expected = blocks_in_memory(free[name], 0.05, per_block[name]) - 1  # one scratch block
+        assert abs(blocks[name] - expected) <= 1, (name, blocks[name], expected)
+        del manager
+    assert per_block["auto"] == 2 * per_block["fp8"]
+    same_memory = (blocks["fp8"] + 1) / (blocks["auto"] + 1) * free["auto"] / free["fp8"]
+    assert abs(same_memory - 2) < 1e-3, (blocks, free)
+    assert abs(free["auto"] - free["fp8"]) < 0.01 * free["auto"], free  # the first pool was released
 
 
 def test_fp8_host_tier_round_trip_on_cuda_moves_the_bytes() -> None:

@@ -178,6 +178,14 @@ def test_an_fp8_pool_holds_twice_the_tokens_of_a_16_bit_pool_in_the_same_bytes(m
     assert blocks8 == 2 * blocks16 and bytes8 == bytes16 == 1 << 20
 
 
+def test_blocks_in_memory_doubles_when_a_block_takes_half_the_bytes() -> None:
+    """The GPU pool's sizing (``free_gpu_memory_fraction`` of the free memory): the same bytes hold
+    twice the blocks of half the size, up to one for the rounding down."""
+    for free in (10**9, 148_000_000_000, 7 * 2**30 + 12345):
+        bf16, fp8 = py_executor_creator.blocks_in_memory(free, 0.05, 65536), py_executor_creator.blocks_in_memory(free, 0.05, 32768)
+        assert fp8 in (2 * bf16, 2 * bf16 + 1)
+
+
 def test_the_start_up_line_and_the_metrics_say_what_the_pool_holds():
     pytest.importorskip("prometheus_client")
     from prometheus_client import generate_latest
