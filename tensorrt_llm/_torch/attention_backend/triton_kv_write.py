@@ -28,7 +28,7 @@ import triton.language as tl
 
 __all__ = ["rotate_and_write_kv_"]
 
-_FP8_MAX: tl.constexpr = 448.0  # float8_e4m3fn's largest finite value (kv_quant.FP8_MAX)
+_FP8_MAX = tl.constexpr(448.0)  # float8_e4m3fn's largest finite value (kv_quant.FP8_MAX)
 
 
 @triton.jit
