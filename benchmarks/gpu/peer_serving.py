@@ -180,11 +180,45 @@ def serve_section(args, out: Path) -> dict:
     return record
 
 
+def drive_levels(llm, isl: int, osl: int, concurrency_levels: list[int], seconds: float, rng: random.Random,
+                 vocab: int, label: str) -> list[dict]:
+    """Each level: ``concurrency`` threads keep one request each in flight through ``llm`` for
+    ``seconds`` (ISL random token ids, OSL tokens with ``ignore_eos``); output tokens/s per level."""
+    from tensorrt_llm.llmapi.llm import SamplingParams
+
+    params = SamplingParams(max_tokens=osl, ignore_eos=True)
+    levels = []
+    for concurrency in concurrency_levels:
+        tokens, done, lock = [0], [0], threading.Lock()
+        stop = time.monotonic() + seconds
+        began = time.perf_counter()
+
+        def worker() -> None:
+            while time.monotonic() < stop:
+                with lock:
+                    prompt = [rng.randrange(1, vocab) for _ in range(isl)]
+                output = llm.generate(prompt, params)
+                with lock:
+                    tokens[0] += len(output.outputs[0].token_ids)
+                    done[0] += 1
+
+        threads = [threading.Thread(target=worker) for _ in range(concurrency)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        wall = time.perf_counter() - began
+        levels.append({"concurrency": concurrency, "requests": done[0], "output_tokens": tokens[0],
+                       "wall_s": wall, "output_tokens_per_s": tokens[0] / wall})
+        print(f"{label} {isl}/{osl} c={concurrency}: {tokens[0] / wall:.0f} tok/s", flush=True)
+    return levels
+
+
 def engine_section(args, out: Path) -> dict:
     """The same shapes and levels through LLM in-process: ISL random token ids, OSL tokens
     (ignore_eos), ``concurrency`` requests kept in flight for ``seconds``."""
     from tensorrt_llm._torch.pyexecutor.config import KvCacheConfig
-    from tensorrt_llm.llmapi.llm import LLM, SamplingParams
+    from tensorrt_llm.llmapi.llm import LLM
 
     directory = prepare_checkpoint(args)
     kv = KvCacheConfig(**SERVE_OPTIONS["kv_cache_config"], dtype=args.kv_cache_dtype)
@@ -197,30 +231,7 @@ def engine_section(args, out: Path) -> dict:
         record["start_up_line"] = llm.describe()
         vocab = min(llm.model_config.vocab_size, 32000)
         for isl, osl in parse_shapes(args.shapes):
-            levels = []
-            params = SamplingParams(max_tokens=osl, ignore_eos=True)
-            for concurrency in args.concurrency:
-                tokens, done, lock = [0], [0], threading.Lock()
-                stop = time.monotonic() + args.seconds
-                began = time.perf_counter()
-
-                def worker() -> None:
-                    while time.monotonic() < stop:
-                        prompt = [rng.randrange(1, vocab) for _ in range(isl)]
-                        output = llm.generate(prompt, params)
-                        with lock:
-                            tokens[0] += len(output.outputs[0].token_ids)
-                            done[0] += 1
-
-                threads = [threading.Thread(target=worker) for _ in range(concurrency)]
-                for thread in threads:
-                    thread.start()
-                for thread in threads:
-                    thread.join()
-                wall = time.perf_counter() - began
-                levels.append({"concurrency": concurrency, "requests": done[0], "output_tokens": tokens[0],
-                               "wall_s": wall, "output_tokens_per_s": tokens[0] / wall})
-                print(f"engine {args.kv_cache_dtype} {isl}/{osl} c={concurrency}: {tokens[0] / wall:.0f} tok/s", flush=True)
+            levels = drive_levels(llm, isl, osl, args.concurrency, args.seconds, rng, vocab, f"engine {args.kv_cache_dtype}")
             record["shapes"][f"{isl}/{osl}"] = {"levels": levels}
     return record
 
