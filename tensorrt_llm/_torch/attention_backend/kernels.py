@@ -23,7 +23,11 @@ head size, query heads per KV head and dtype.
 ``decode_attention``: one query per sequence over its paged K/V, read in place by the Triton
 kernel (``triton_paged_decode``) on CUDA; a gather-and-mask reference in torch elsewhere.
 
-Neither fast path synchronises with the host, so both can be captured in a CUDA graph.
+``rotate_and_write``: a forward's new K and V into their pool slots (quantized for an FP8 pool),
+with RoPE of q and k in the same launch when the caller has not applied it (the fused decoder
+layer): one Triton kernel (``triton_kv_write``) on CUDA, torch's ops elsewhere.
+
+None of the fast paths synchronises with the host, so all can be captured in a CUDA graph.
 
 FP8 K/V (``kv_quant``): both calls take K and V in float8_e4m3fn with their scales. The Triton
 kernels read the FP8 bytes (half a bf16 cache's) and widen each tile to the query's dtype in

@@ -86,6 +86,11 @@ class FusedDecoderLayer(nn.Module):
         self.register_buffer("gate_up_weight", gate_up_weight, persistent=False)  # (2 * ffn, hidden)
         hd = attn.head_dim
         self._q_size, self._kv_size = attn.n_head * hd, attn.n_kv_head * hd
+        # The Triton kernels, imported here: a layer is fused only where Triton is installed
+        # (fusion_refused), and importing this module must not need it.
+        from tensorrt_llm._torch.modules import triton_fused
+
+        self._kernels = triton_fused
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, paged):
         q, k, v = self.attention_inputs(x, cos, sin)
@@ -94,11 +99,9 @@ class FusedDecoderLayer(nn.Module):
     def attention_inputs(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """x (T, hidden) -> q (T, n_head, head_dim), k, v (T, n_kv_head, head_dim): views of one
         QKV projection, before RoPE (``attend`` rotates them with the KV write)."""
-        from tensorrt_llm._torch.modules.triton_fused import rms_norm
-
         attn, norm = self.self_attn, self.input_layernorm
         T, hd = x.shape[0], attn.head_dim
-        qkv = F.linear(rms_norm(x, norm.weight, norm.eps), self.qkv_weight, self.qkv_bias)  # (T, q + 2 kv)
+        qkv = F.linear(self._kernels.rms_norm(x, norm.weight, norm.eps), self.qkv_weight, self.qkv_bias)  # (T, q + 2 kv)
         q = qkv[:, : self._q_size].view(T, attn.n_head, hd)
         k = qkv[:, self._q_size : self._q_size + self._kv_size].view(T, attn.n_kv_head, hd)
         v = qkv[:, self._q_size + self._kv_size :].view(T, attn.n_kv_head, hd)
@@ -115,11 +118,9 @@ class FusedDecoderLayer(nn.Module):
 
     def finish(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """The residual stream x (T, hidden) and the attention's y -> the layer's output."""
-        from tensorrt_llm._torch.modules.triton_fused import add_rms_norm, silu_and_mul
-
-        norm = self.post_attention_layernorm
-        x, h = add_rms_norm(x, self.self_attn.output(y), norm.weight, norm.eps)  # x + o_proj(y), its norm
-        a = silu_and_mul(F.linear(h, self.gate_up_weight))  # (T, ffn)
+        norm, kernels = self.post_attention_layernorm, self._kernels
+        x, h = kernels.add_rms_norm(x, self.self_attn.output(y), norm.weight, norm.eps)  # x + o_proj(y), its norm
+        a = kernels.silu_and_mul(F.linear(h, self.gate_up_weight))  # (T, ffn)
         return x.addmm_(a, self.mlp.down_proj.weight.t())  # x + down_proj(a): x is this layer's own sum
 
 
