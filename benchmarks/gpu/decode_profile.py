@@ -3,16 +3,18 @@ profiler breakdown of the kernels of graph-replayed decode steps, grouped by wha
 
 A Llama-3.1-8B-shaped model (random bf16 weights, drawn on the GPU) decodes batches of one-token
 requests over a ``--context``-token cache through ``TorchModelEngine.launch``, exactly as the
-executor drives it (the decode CUDA graph, the LM head and the pick inside it). For each batch
-size: the median device time of a step (CUDA events), its floor (every weight read once plus
-every cached K/V byte, at the copy bandwidth measured in the same run) and, for ``--profile``
-sizes, the kernel breakdown over ``--profile-steps`` steps: per group, the summed kernel time,
-its share of the step, and the GPU idle time between kernels (launch gaps inside the graph)::
+executor drives it (the decode CUDA graph, the LM head and the pick inside it; the engine's fused
+decoder layers, ``models/fused_layers.py``, unless ``--unfused``). For each batch size: the
+median device time of a step (CUDA events), its floors at the copy bandwidth measured in the same
+run (every weight read once, ``weight_floor_ms``: the batch-1 goal's roofline; and every weight
+plus every cached K/V byte, ``floor_ms``) and, for ``--profile`` sizes, the kernel breakdown over
+``--profile-steps`` steps: per group, the summed kernel time, its share of the step, the kernels
+launched per step (and per layer), and the GPU idle time between kernels (gaps inside the graph)::
 
     PYTHONPATH=. python3 -m benchmarks.gpu.decode_profile --out OUT [--batches 1,16,64,256]
-        [--context 1024] [--profile 1,64] [--kv-cache-dtype auto|fp8] [--vocab-size 128256]
+        [--context 1024] [--profile 1,64] [--kv-cache-dtype auto|fp8] [--vocab-size 128256] [--unfused]
 
-Writes ``OUT/decode_profile[_fp8].json`` and prints a table per profiled size.
+Writes ``OUT/decode_profile[_fp8][_unfused].json`` and prints a table per profiled size.
 """
 
 from __future__ import annotations
@@ -40,12 +42,13 @@ logger = logging.getLogger(__name__)
 
 # Kernel name -> group, first match wins (cuBLAS / CUTLASS GEMMs, our Triton kernels, torch's elementwise).
 GROUPS = (
-    ("attention", re.compile(r"paged_decode|decode_attention|_attn|flash|combine|reduce_splits", re.I)),
+    ("memcpy/memset", re.compile(r"^mem(cpy|set)", re.I)),  # the step's input copies (not kernels of the graph)
+    ("attention", re.compile(r"_decode_kernel|_combine_kernel|_context_kernel|paged_decode|decode_attention|_attn|flash|"
+                             r"reduce_splits", re.I)),
     ("gemm", re.compile(r"gemm|sm90_xmma|cutlass|cublas|ampere_|sm80_|nvjet|splitk", re.I)),
-    ("rope", re.compile(r"rope|rotary", re.I)),
+    ("rope + kv write", re.compile(r"rope|rotary|index_put|scatter|index_copy|indexing_backward|put_", re.I)),
     ("norm", re.compile(r"rms|norm|rsqrt", re.I)),
     ("argmax/sample", re.compile(r"argmax|arg_max|reduce_kernel.*(max|Max)|topk|sort|multinomial|exponential|softmax", re.I)),
-    ("kv write", re.compile(r"index_put|scatter|index_copy|indexing_backward|put_", re.I)),
     ("elementwise", re.compile(r"elementwise|vectorized|unrolled|silu|mul|add|copy|cat|fill", re.I)),
 )
 
@@ -58,6 +61,10 @@ def group_of(name: str) -> str:
 
 
 def build_engine(args: argparse.Namespace, max_batch_size: int) -> TorchModelEngine:
+    if args.unfused:  # the engine's own choice overridden, to measure what the fused layers buy
+        from tensorrt_llm._torch.pyexecutor.engine import torch_engine
+
+        torch_engine.fuse_decoder_layers = lambda model: 0
     preset = MODEL_PRESETS["llama-3.1-8b-random"]
     config = dataclasses.replace(preset, vocab_size=args.vocab_size)
     model = LlamaForCausalLM(config, device=torch.device("cuda"))
@@ -100,10 +107,12 @@ def profile_steps(engine: TorchModelEngine, inputs, steps: int) -> dict:
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     by_group: dict[str, float] = collections.defaultdict(float)
     by_name: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])
+    launches: dict[str, int] = collections.defaultdict(int)
     spans = []
     for e in kernels:
-        us = e.device_time if hasattr(e, "device_time") else e.cuda_time
+        us = e.time_range.elapsed_us()
         by_group[group_of(e.name)] += us
+        launches[group_of(e.name)] += 1
         by_name[e.name][0] += us
         by_name[e.name][1] += 1
         spans.append((e.time_range.start, e.time_range.end))
@@ -126,6 +135,8 @@ def profile_steps(engine: TorchModelEngine, inputs, steps: int) -> dict:
         "span_us_per_step": (last - first) / steps,
         "idle_us_per_step": ((last - first) - busy) / steps,
         "groups_us_per_step": {g: v / steps for g, v in sorted(by_group.items(), key=lambda kv: -kv[1])},
+        "kernels_per_step": len(kernels) / steps,
+        "kernels_per_step_by_group": {g: n / steps for g, n in sorted(launches.items(), key=lambda kv: -kv[1])},
         "top_kernels": [{"name": n[:140], "us_per_step": v[0] / steps, "calls_per_step": v[1] / steps} for n, v in top],
     }
 
@@ -139,9 +150,10 @@ def run(args: argparse.Namespace) -> dict:
     engine = build_engine(args, max(batches))
     shape_m = model_shape(engine.model.config)
     weight_bytes = shape_m.forward_weight_bytes()
-    kv_bytes_token = engine.kv_cache_manager.storage.k_cache[0].element_size() * 2 * shape_m.num_layers * shape_m.num_kv_heads * shape_m.head_dim
+    kv_bytes_token = engine.kv_cache_manager.storage.bytes_per_token
+    fused = type(engine.model.model.layers[0]).__name__ == "FusedDecoderLayer"
     allocator = BlockAllocator(engine.kv_cache_manager.num_blocks)
-    result = {"config": vars(args), "ceilings": ceilings, "weight_bytes": weight_bytes,
+    result = {"config": vars(args), "ceilings": ceilings, "weight_bytes": weight_bytes, "fused_layers": fused,
               "kv_bytes_per_token": kv_bytes_token, "device": torch.cuda.get_device_name(), "rows": []}
     for batch in batches:
         shape = ForwardShape(decodes=((1, args.context - 1),) * batch)
@@ -150,14 +162,18 @@ def run(args: argparse.Namespace) -> dict:
         median = times[len(times) // 2]
         floor_bytes = weight_bytes + batch * args.context * kv_bytes_token
         floor_ms = floor_bytes / bandwidth * 1e3
+        weight_floor_ms = weight_bytes / bandwidth * 1e3
         row = {"batch": batch, "context": args.context, "step_ms": median, "min_ms": times[0],
                "floor_ms": floor_ms, "roofline_fraction": floor_ms / median,
+               "weight_floor_ms": weight_floor_ms, "weight_roofline_fraction": weight_floor_ms / median,
                "tb_s": floor_bytes / (median * 1e-3) / 1e12}
         if batch in profiled:
             row["profile"] = profile_steps(engine, inputs, args.profile_steps)
+            row["profile"]["kernels_per_layer"] = row["profile"]["kernels_per_step"] / shape_m.num_layers
         result["rows"].append(row)
-        print(f"batch {batch:4d} x {args.context}: {median:7.3f} ms (floor {floor_ms:6.3f} ms at "
-              f"{bandwidth / 1e12:.2f} TB/s, {100 * floor_ms / median:5.1f}% of roofline)", flush=True)
+        print(f"batch {batch:4d} x {args.context} ({args.kv_cache_dtype}, {'fused' if fused else 'unfused'}): "
+              f"{median:7.3f} ms; floor {floor_ms:6.3f} ms at {bandwidth / 1e12:.2f} TB/s: {100 * floor_ms / median:5.1f}% "
+              f"of roofline (weights alone {100 * weight_floor_ms / median:5.1f}%)", flush=True)
     return result
 
 
@@ -168,9 +184,12 @@ def summary(result: dict) -> str:
         if not prof:
             continue
         lines.append(f"== batch {row['batch']} x {row['context']}: step {row['step_ms']:.3f} ms, kernels "
-                     f"{prof['kernel_us_per_step'] / 1e3:.3f} ms, idle inside {prof['idle_us_per_step'] / 1e3:.3f} ms")
+                     f"{prof['kernel_us_per_step'] / 1e3:.3f} ms, idle inside {prof['idle_us_per_step'] / 1e3:.3f} ms, "
+                     f"{prof['kernels_per_step']:.0f} kernels a step ({prof['kernels_per_layer']:.1f} a layer)")
+        counts = prof.get("kernels_per_step_by_group", {})
         for group, us in prof["groups_us_per_step"].items():
-            lines.append(f"   {group:14s} {us / 1e3:7.3f} ms  {100 * us / prof['kernel_us_per_step']:5.1f}%")
+            lines.append(f"   {group:16s} {us / 1e3:7.3f} ms  {100 * us / prof['kernel_us_per_step']:5.1f}%  "
+                         f"{counts.get(group, 0):6.0f} kernels")
         for k in prof["top_kernels"][:10]:
             lines.append(f"   {k['us_per_step']:8.1f} us x{k['calls_per_step']:5.1f}  {k['name'][:90]}")
     return "\n".join(lines)
@@ -186,6 +205,7 @@ def main(argv=None) -> int:
     parser.add_argument("--profile-steps", type=int, default=10)
     parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"))
     parser.add_argument("--vocab-size", type=int, default=128256)
+    parser.add_argument("--unfused", action="store_true", help="the plain decoder layers (what the fused ones replace)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     if not torch.cuda.is_available():
@@ -195,7 +215,7 @@ def main(argv=None) -> int:
     t0 = time.time()
     result = run(args)
     result["wall_s"] = time.time() - t0
-    suffix = "" if args.kv_cache_dtype == "auto" else f"_{args.kv_cache_dtype}"
+    suffix = ("" if args.kv_cache_dtype == "auto" else f"_{args.kv_cache_dtype}") + ("_unfused" if args.unfused else "")
     (args.out / f"decode_profile{suffix}.json").write_text(json.dumps(result, indent=1, default=str))
     print(summary(result))
     return 0

@@ -8,10 +8,16 @@ Two sections, each writing ``OUT/gpu_fp8_<section>.json``:
   copy bandwidth measured in the same run); and the paged decode kernel alone over one layer's
   pools, bf16 against FP8, as read bandwidth. An FP8 pool reads half the K/V bytes: at 64 x 8k
   the K/V is 80 GiB in bf16 against 24.5 GB of weights, so the step's floor falls by ~40%.
+* ``kernel``: the paged decode kernel alone over one layer's pools (32 query heads, 8 KV heads of
+  128, blocks of 32 in a random order), bf16 against FP8, at 64 x 8k and 256 x 2k: time and the
+  bytes of K/V read per second, for each pool's own kernel shape (``triton_paged_decode.config_for``)
+  and a sweep of the others (tile, warps, stages, table read ahead, twice the splits), so that one
+  run shows whether the default is the best shape on the machine. No model is built (~1 min).
 * ``replay``: the default scenario's replay on the engine (``recheck``) with the same pool bytes
   in bf16 (``--kv-blocks``) and in FP8 (twice the blocks; the host tier, given in bf16 blocks'
   bytes, holds twice the blocks too): prefix-hit tokens, deferrals, TTFT p50 / p99, output tok/s.
 
+    python -m benchmarks.gpu.fp8 --out OUT --sections kernel         # ~1 min on an H200
     python -m benchmarks.gpu.fp8 --out OUT --sections decode         # ~3 min on an H200
     python -m benchmarks.gpu.fp8 --out OUT --sections replay --requests 150 [--kv-blocks 1280]
     python -m benchmarks.gpu.fp8 --out OUT --quick                     # the CPU, tiny shapes: checks the script
@@ -140,6 +146,69 @@ def decode_section(args, device: torch.device) -> dict:
     return result
 
 
+# ---- kernel --------------------------------------------------------------------------------
+
+# Shapes the sweep times beside each pool's default: (block_n, num_warps, num_stages, table_ahead);
+# FP8's with the default split count and twice it, bf16's (measured at 1.08x its roofline) a few.
+SWEEP = {"fp8": ((64, 4, 3, False), (64, 4, 3, True), (128, 4, 3, False), (128, 4, 3, True), (64, 8, 3, True),
+                 (128, 8, 3, True), (128, 4, 4, True), (256, 8, 3, True)),
+         "bfloat16": ((64, 4, 3, False), (64, 4, 3, True), (128, 4, 3, True))}
+
+
+def kernel_section(args, device: torch.device) -> dict:
+    """The decode kernel over one layer's pools, bf16 against FP8 (module docstring)."""
+    from tensorrt_llm._torch.attention_backend.paged import decode_num_splits, num_sms
+    from tensorrt_llm._torch.attention_backend.triton_paged_decode import DecodeConfig, config_for, paged_decode_attention
+
+    hq, hkv, d, tpb = (4, 2, 16, 16) if args.quick else (32, 8, 128, 32)
+    shapes = {"64x8k": (64, 8192), "256x2k": (256, 2048)} if not args.quick else {"4x256": (4, 256)}
+    result: dict = {"heads": [hq, hkv, d], "tokens_per_block": tpb, "cases": {}}
+    if args.quick:  # the CPU: the torch reference stands in for the kernel (checks the script)
+        return result
+    for name, (batch, context) in shapes.items():
+        blocks = batch * context // tpb
+        tables = torch.randperm(blocks, device=device).to(torch.int32).view(batch, -1)
+        seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
+        rows = torch.arange(batch, device=device)
+        q = torch.randn(batch, hq, d, device=device, dtype=torch.bfloat16)
+        out = torch.empty_like(q)
+        splits = decode_num_splits(batch, hkv, num_sms(device))
+        entry = result["cases"].setdefault(name, {"batch": batch, "context": context, "splits": splits, "runs": []})
+        for kv_dtype in ("bfloat16", "fp8"):
+            dtype = torch.bfloat16 if kv_dtype == "bfloat16" else torch.float8_e4m3fn
+            k = torch.randn(blocks * tpb, hkv, d, device=device).to(dtype)
+            v = torch.randn(blocks * tpb, hkv, d, device=device).to(dtype)
+            nbytes = 2 * blocks * tpb * hkv * d * k.element_size()
+            default = config_for(dtype)
+            split_counts = (splits, 2 * splits) if kv_dtype == "fp8" else (splits,)
+            shapes_tried = [(default, splits, True)] + [
+                (DecodeConfig(*shape), s, False) for shape in SWEEP[kv_dtype] for s in split_counts
+                if repr(DecodeConfig(*shape)) != repr(default) or s != splits]
+            for config, num_splits, is_default in shapes_tried:
+                def call(config=config, num_splits=num_splits):
+                    paged_decode_attention(q, k, v, out, rows, tables, seq_lens, tokens_per_block=tpb, scale=d**-0.5,
+                                           num_splits=num_splits, config=config, k_scale=0.5, v_scale=0.5)
+                try:
+                    timed = time_ms(call, device, warmup=3, repeats=15)
+                except Exception as error:  # a shape that does not compile on this GPU (shared memory)
+                    entry["runs"].append({"kv": kv_dtype, "config": repr(config), "splits": num_splits,
+                                          "error": f"{type(error).__name__}: {str(error)[:200]}"})
+                    continue
+                run = {"kv": kv_dtype, "config": repr(config), "splits": num_splits, "default": is_default,
+                       "ms": timed["ms"], "tb_s": nbytes / (timed["ms"] * 1e-3) / 1e12, "kv_bytes": nbytes}
+                entry["runs"].append(run)
+                if is_default:
+                    entry[kv_dtype] = run
+                    logger.info("kernel %s %s: %.3f ms, %.2f TB/s (%s, %d splits)", name, kv_dtype, run["ms"],
+                                run["tb_s"], run["config"], num_splits)
+            best = min((r for r in entry["runs"] if r["kv"] == kv_dtype and "ms" in r), key=lambda r: r["ms"])
+            entry[f"best_{kv_dtype}"] = best
+            del k, v
+            torch.cuda.empty_cache()
+        entry["fp8_over_bf16"] = entry["fp8"]["ms"] / entry["bfloat16"]["ms"]
+    return result
+
+
 # ---- replay --------------------------------------------------------------------------------
 
 
@@ -204,7 +273,7 @@ def preconditions(args) -> list[str]:
     if not torch.cuda.is_available():
         return ["no CUDA GPU (use --quick to check the script on the CPU)"]
     free, _ = torch.cuda.mem_get_info()
-    need = 110 * 2**30 if "decode" in args.sections else 40 * 2**30
+    need = 110 * 2**30 if "decode" in args.sections else 8 * 2**30 if args.sections == "kernel" else 40 * 2**30
     if free < need:
         return [f"{free / 2**30:.0f} GiB free on the GPU, {need / 2**30:.0f} GiB needed"]
     return []
@@ -233,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
     device = torch.device("cuda" if torch.cuda.is_available() and not args.quick else "cpu")
-    sections = {"decode": decode_section, "replay": replay_section}
+    sections = {"kernel": kernel_section, "decode": decode_section, "replay": replay_section}
     for name in args.sections.split(","):
         start = time.perf_counter()
         result = sections[name](args, device)
@@ -244,6 +313,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _summary(name: str, result: dict) -> dict:
+    if name == "kernel":
+        return {case: {"bf16_ms": e["bfloat16"]["ms"], "bf16_tb_s": e["bfloat16"]["tb_s"], "fp8_ms": e["fp8"]["ms"],
+                       "fp8_tb_s": e["fp8"]["tb_s"], "fp8/bf16": e["fp8_over_bf16"],
+                       "best_fp8": [e["best_fp8"]["config"], e["best_fp8"]["splits"], e["best_fp8"]["tb_s"]],
+                       "best_bf16": [e["best_bfloat16"]["config"], e["best_bfloat16"]["splits"], e["best_bfloat16"]["tb_s"]]}
+                for case, e in result["cases"].items()}
     if name == "decode":
         return {case: {"bf16_ms": e["auto"]["device_ms"], "fp8_ms": e["fp8"]["device_ms"], "fp8/bf16": e["fp8_over_bf16"],
                        "fp8_x_roofline": e["fp8"]["x_roofline"], "kernel_fp8/bf16": e["kernel_fp8_over_bf16"]}

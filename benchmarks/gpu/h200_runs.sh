@@ -20,6 +20,12 @@
 #                                                                    plain decoding's (MISMATCH lines and exit 1 otherwise)
 #   fp8-decode            []                                ~4 min   decode 64 x 8k and 256 x 2k, bf16 vs FP8 pools, roofline
 #   fp8-replay            []       [REQUESTS]               ~6 min   the default scenario, same pool bytes in bf16 and FP8
+#   fp8-roofline          []                                ~7 min   the FP8 decode kernel against bf16 (TB/s, a sweep of shapes),
+#                                                                    the two CUDA tests it must pass and the fused-layer ones,
+#                                                                    the 8B decode step against its rooflines (bf16 batch 1/16/
+#                                                                    64/256 profiled at 1 and 64; FP8 at 64 and 256), the
+#                                                                    in-process engine FP8 vs bf16 at c=1/16/64, the unfused
+#                                                                    layers at batch 1 and 64 if time is left; a table last
 #   peer-bf16, peer-fp8   [.carry/peer-site.tar.xz .carry/smollm2-tokenizer]  [SECONDS [VOCAB]]  ~7 min
 #                                                                    Llama-3.1-8B-shaped checkpoint (128,256 rows; VOCAB=tokenizer:
 #                                                                    49,152) written on the machine, trtllm-serve, GuideLLM 0.8.1
@@ -171,6 +177,29 @@ case $phase in
   fp8-decode)
     gpu
     timeout 520 "$PY" -m benchmarks.gpu.fp8 --out "$out" --sections decode 2>&1 | tee "$out/fp8_decode.log" | tail -12
+    pack
+    ;;
+  fp8-roofline)
+    gpu
+    deadline=$((SECONDS + 515))  # every step fits in what is left of 8.6 minutes
+    left() { local cap=$1 rest=$((deadline - SECONDS)); echo $(( rest < cap ? rest : cap )); }
+    step() {  # step CAP NAME COMMAND...: run it if at least 20 s are left, at most CAP seconds
+      local cap=$1 name=$2; shift 2
+      local t; t=$(left "$cap")
+      if [ "$t" -lt 20 ]; then echo "== $name: skipped, no time left" | tee -a "$out/skipped.txt"; return 0; fi
+      echo "== $name (at most $t s)"
+      timeout "$t" "$@" > "$out/$name.log" 2>&1; echo "   exit $? after $((SECONDS - start_s)) s"; tail -4 "$out/$name.log"
+    }
+    start_s=$SECONDS
+    step 100 fp8_kernel "$PY" -m benchmarks.gpu.fp8 --out "$out" --sections kernel
+    step 150 pytest "$PY" -m pytest tests/unittest/_torch/attention/test_fp8_cuda.py -q -rs -p no:cacheprovider \
+      -k "reads_half or twice_the_blocks or kv_write or fused_decoder"
+    step 150 decode_profile "$PY" -m benchmarks.gpu.decode_profile --out "$out" --batches 1,16,64,256 --profile 1,64
+    step 100 decode_profile_fp8 "$PY" -m benchmarks.gpu.decode_profile --out "$out" --batches 64,256 --profile "" \
+      --kv-cache-dtype fp8
+    step 150 engine_fp8 "$PY" -m benchmarks.gpu.engine_fp8 --out "$out" --concurrency 1,16,64 --seconds 10
+    step 90 decode_profile_unfused "$PY" -m benchmarks.gpu.decode_profile --out "$out" --batches 1,64 --profile "" --unfused
+    "$PY" -m benchmarks.gpu.roofline_summary "$out" | tee "$out/summary.txt"
     pack
     ;;
   fp8-replay)

@@ -8,10 +8,15 @@ The paragraphs were written for this project (no data set is downloaded).
 
 :func:`paged_perplexity` computes the same number through the executor's forward over the paged
 KV cache, chunk by chunk, with the pool storing ``kv_cache_config.dtype`` (``auto`` or ``fp8``):
-what an FP8 cache costs in quality, in one number. From the checkout:
+what an FP8 cache costs in quality, in one number, with the FP8 scales 1.0 (``unit``) or derived
+at start-up from the built-in calibration text (``derived``: ``models/kv_calibration.py``, what
+``LLM`` does for a checkpoint without scales). ``--text held-out`` scores three paragraphs written
+for measuring the FP8 cache on text nothing was tuned or calibrated on (``HELD_OUT_PARAGRAPHS``),
+each reported alone as well. From the checkout:
 
     python -m benchmarks.model.perplexity [--model smollm2-135m-instruct] [--dtype float32]
-        [--kv-cache-dtypes auto,fp8] [--chunk-size 16] [--device cpu] [--json OUT.json]
+        [--kv-cache-dtypes auto,fp8] [--kv-scales unit,derived] [--text suite|held-out]
+        [--chunk-size 16] [--device cpu] [--json OUT.json]
 """
 
 from __future__ import annotations
@@ -23,7 +28,6 @@ from typing import Sequence
 
 import torch
 
-from tensorrt_llm._torch.attention_backend.interface import AttentionMetadata
 from tensorrt_llm._torch.attention_backend.kv_quant import kv_cache_dtype
 
 PARAGRAPHS = (
@@ -46,6 +50,20 @@ PARAGRAPHS = (
 )
 
 
+# Written for the FP8 cache's measurement (docs/gpu.md); used by nothing else, tuned on nothing.
+HELD_OUT_PARAGRAPHS = (
+    "The harbour master kept a ledger of every boat that left before dawn, noting the weather, the crew and "
+    "the hour it returned. In the winter months the entries grew short and nervous, and more than once he "
+    "walked to the end of the pier with a lantern, listening for engines that did not come back until the fog lifted.",
+    "Sourdough bread depends on a starter, a living mixture of flour and water that collects wild yeast and "
+    "bacteria from the air. Bakers feed it every day, and its sour smell changes with the temperature of the "
+    "kitchen. A loaf made with a lively starter rises slowly overnight and bakes into a crust that crackles as it cools.",
+    "When the committee finally published its report, most of the recommendations were modest: longer opening "
+    "hours for the clinic, a second bus on the evening route, and a small grant for repairing the sports hall. "
+    "Critics said it avoided the hard questions about housing, but the mayor promised a separate review before the summer.",
+)
+
+
 @torch.inference_mode()
 def perplexity(model, token_sequences: Sequence[Sequence[int]]) -> float:
     """exp(mean negative log-likelihood) of every token after the first of each sequence, with the
@@ -60,20 +78,23 @@ def perplexity(model, token_sequences: Sequence[Sequence[int]]) -> float:
     return math.exp(total_nll / count)
 
 
-def paragraph_ids(tokenizer) -> list[list[int]]:
-    return [tokenizer.encode(paragraph) for paragraph in PARAGRAPHS]
+def paragraph_ids(tokenizer, paragraphs: Sequence[str] = PARAGRAPHS) -> list[list[int]]:
+    return [tokenizer.encode(paragraph) for paragraph in paragraphs]
 
 
 @torch.inference_mode()
 def paged_perplexity(
     model, token_sequences: Sequence[Sequence[int]], *, kv_cache_dtype_name: str = "auto", chunk_size: int | None = None,
-    tokens_per_block: int = 16,
+    tokens_per_block: int = 16, kv_scales=None,
 ) -> float:
     """:func:`perplexity` through the paged forward (``LlamaForCausalLM.forward``: what the
     engines run), each sequence prefilled in chunks of ``chunk_size`` tokens (None: one chunk)
-    over pools of ``kv_cache_dtype_name`` ("auto": the model's dtype; "fp8": float8_e4m3fn, scales
-    1.0). Every chunk after the first reads its prefix back from the pool, and an FP8 pool is read
-    as stored everywhere, so the result measures the cache's precision, not the chunking."""
+    over pools of ``kv_cache_dtype_name`` ("auto": the model's dtype; "fp8": float8_e4m3fn with
+    ``kv_scales``, a ``KvScales``; None: 1.0). Every chunk after the first reads its prefix back from
+    the pool, and an FP8 pool is read as stored everywhere, so the result measures the cache's
+    precision, not the chunking."""
+    from tensorrt_llm._torch.attention_backend.backend import plan_builder
+
     dtype = kv_cache_dtype(kv_cache_dtype_name, model.config.torch_dtype)
     device = model.device
     total_nll, count = 0.0, 0
@@ -88,9 +109,12 @@ def paged_perplexity(
         step = chunk_size or length
         for start in range(0, length, step):
             stop = min(length, start + step)
-            meta = AttentionMetadata([stop - start], [start], [table], tokens_per_block)
+            builder = plan_builder(device, tokens_per_block=tokens_per_block, num_blocks=num_blocks,
+                                   num_kv_heads=model.num_local_kv_heads, dtype=model.config.torch_dtype,
+                                   kv_scales=kv_scales if dtype != model.config.torch_dtype else None)
+            plan = builder.build([stop - start], [start], [table])
             positions = torch.arange(start, stop, dtype=torch.long, device=device)
-            hidden = model.forward(ids[start:stop], positions, meta, k_cache, v_cache)  # (stop - start, hidden)
+            hidden = model.forward_with_plan(ids[start:stop], positions, plan, k_cache, v_cache)  # (stop - start, hidden)
             predicted = min(stop, length - 1) - start  # rows that predict a token of the sequence
             if predicted <= 0:
                 continue
@@ -108,20 +132,45 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--dtype", default="float32", help="the model's dtype (the CPU: float32; a GPU: bfloat16)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--kv-cache-dtypes", default="auto,fp8")
+    parser.add_argument("--kv-scales", default="unit,derived", help="the FP8 pool's scales: unit (1.0), derived")
+    parser.add_argument("--text", default="suite", choices=("suite", "held-out"))
     parser.add_argument("--chunk-size", type=int, default=16, help="prefill chunk (the prefix read back from the pool)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     loaded = load_model(args.model, dtype=args.dtype, device=torch.device(args.device))
     if loaded.tokenizer is None:
         raise SystemExit(f"{args.model} has no tokenizer: perplexity needs text")
-    texts = paragraph_ids(loaded.tokenizer)
+    texts = paragraph_ids(loaded.tokenizer, PARAGRAPHS if args.text == "suite" else HELD_OUT_PARAGRAPHS)
     report = {"config": vars(args), "tokens": sum(len(t) - 1 for t in texts),
-              "no_cache": perplexity(loaded.model, texts), "paged": {}}
+              "no_cache": perplexity(loaded.model, texts), "paged": {}, "per_paragraph": {}}
+    runs = []
     for name in args.kv_cache_dtypes.split(","):
-        report["paged"][name] = paged_perplexity(loaded.model, texts, kv_cache_dtype_name=name, chunk_size=args.chunk_size)
+        for scales in (args.kv_scales.split(",") if name == "fp8" else ["-"]):
+            runs.append((name if name != "fp8" else f"fp8 {scales}", name, scales))
+    for label, name, scales in runs:
+        kv_scales = None
+        if scales == "derived":
+            from tensorrt_llm._torch.models.kv_calibration import calibrate_kv_scales, calibration_token_ids
+
+            derived = calibrate_kv_scales(loaded.model, *calibration_token_ids(loaded.tokenizer,
+                                                                               loaded.model.config.vocab_size))
+            kv_scales = derived.scales
+            report["derived_scales"] = derived.describe()
+        per = [paged_perplexity(loaded.model, [t], kv_cache_dtype_name=name, chunk_size=args.chunk_size,
+                                kv_scales=kv_scales) for t in texts]
+        report["per_paragraph"][label] = per
+        report["paged"][label] = paged_perplexity(loaded.model, texts, kv_cache_dtype_name=name,
+                                                  chunk_size=args.chunk_size, kv_scales=kv_scales)
     reference = report["paged"].get("auto", report["no_cache"])
-    for name, value in report["paged"].items():
-        print(f"kv_cache_dtype {name}: perplexity {value:.4f} ({100 * (value / reference - 1):+.3f}% against auto)")
+    base = report["per_paragraph"].get("auto")
+    for label, value in report["paged"].items():
+        line = f"kv_cache_dtype {label}: perplexity {value:.4f} ({100 * (value / reference - 1):+.3f}% against auto)"
+        if base:
+            line += "; per paragraph " + ", ".join(f"{v:.3f} ({100 * (v / b - 1):+.2f}%)"
+                                                   for v, b in zip(report["per_paragraph"][label], base))
+        print(line)
+    if "derived_scales" in report:
+        print(f"derived scales: {report['derived_scales']}")
     print(f"no cache (forward_full): {report['no_cache']:.4f}; {report['tokens']} predicted tokens")
     if args.json:
         with open(args.json, "w") as f:

@@ -40,6 +40,7 @@ from tensorrt_llm.llmapi.llm_args import KVEventsConfig
 from tensorrt_llm.llmapi.llm_utils import (
     GenerationDefaults,
     describe_checkpoint,
+    derived_kv_scales,
     kv_scales_to_use,
     load_model,
     seeded_model,
@@ -257,6 +258,7 @@ class LLM:
         self.tensor_parallel_size = tensor_parallel_size
         self._executor: ExecutorClient
         self._pool_blocks: int | None = None  # one rank: its pool, sized here (several ranks size their own)
+        self._kv_scales_line: str | None = None  # one rank: how FP8 scales derived at start-up came about
         self.kv_bytes_per_token: int | None = None  # one rank: what a token takes in its pool (KvCacheConfig.dtype)
         self._kv_stored: str | None = None  # one rank: the pool's element type
         if tensor_parallel_size > 1:
@@ -295,6 +297,9 @@ class LLM:
                 ceiling = dataclasses.replace(ceiling, max_seq_len=self.model_config.max_position_embeddings)
             self.kv_scales = kv_scales_to_use(self.model_id, config.kv_cache_config.dtype, loaded.kv_scales,
                                               loaded.kv_cache_quantization, model_dtype=_kv_dtype(self.model_config))
+            if self.kv_scales is None and (derived := derived_kv_scales(loaded.model, loaded.tokenizer,
+                                                                         config.kv_cache_config)) is not None:
+                self.kv_scales, self._kv_scales_line = derived.scales, derived.describe()
             executor = create_py_executor(ceiling, model=loaded.model, fit_max_seq_len_to_pool=not given,
                                           kv_scales=self.kv_scales)
             self._executor, self.config = executor, executor.config
@@ -365,7 +370,8 @@ class LLM:
                      f" ({tokens * per_token / 2**30:.2f} GiB, {self._kv_stored}, {per_token / 1024:g} KiB/token)")
         if kv.dtype == "fp8":
             scales = self.kv_scales
-            line += ", KV scales " + ("1.0" if scales is None else f"from the checkpoint ({scales.describe()})")
+            line += ", KV scales " + (self._kv_scales_line or ("1.0" if scales is None
+                                                             else f"from the checkpoint ({scales.describe()})"))
         return line + f", max_seq_len {self.config.max_seq_len} ({self.max_seq_len_source})"
 
     def default_sampling_params(self) -> SamplingParams:

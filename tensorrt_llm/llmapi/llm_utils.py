@@ -53,6 +53,7 @@ from typing import Any, Literal
 import torch
 
 from tensorrt_llm._torch.attention_backend.kv_quant import KvScales, kv_scales_for_pool
+from tensorrt_llm._torch.models.kv_calibration import KvCalibration, calibrate_kv_scales, calibration_token_ids
 from tensorrt_llm._torch.models.checkpoints import (
     PACKAGED_CHECKPOINTS,
     CheckpointError,
@@ -343,8 +344,19 @@ def kv_scales_to_use(model_id: str, kv_cache_dtype: str, scales: KvScales | None
                     " and ".join(what), model_dtype or "the model's dtype")
     elif kv_cache_dtype == "fp8" and scales is None and quantization is not None:
         logger.warning("model %s: the checkpoint's quantization config is for an %s, but it has no K/V scale"
-                       " tensors; the FP8 KV cache uses 1.0", model_id, quantization.describe())
+                       " tensors; the FP8 KV cache derives its own (kv_cache_config.calculate_kv_scales, the"
+                       " default) or uses 1.0", model_id, quantization.describe())
     return chosen
+
+
+def derived_kv_scales(model: LlamaForCausalLM, tokenizer, kv_cache_config) -> KvCalibration | None:
+    """An FP8 pool's scales derived from a calibration prefill (``models/kv_calibration.py``) when
+    ``kv_cache_config`` asks for them (``dtype`` fp8 and ``calculate_kv_scales``); None otherwise.
+    Call it only where the checkpoint gave no scales."""
+    if kv_cache_config.dtype != "fp8" or not kv_cache_config.calculate_kv_scales:
+        return None
+    sequences, source = calibration_token_ids(tokenizer, model.config.vocab_size)
+    return calibrate_kv_scales(model, sequences, source)
 
 
 def _override(config: LlamaConfig, dtype: str | None, seed: int | None) -> LlamaConfig:

@@ -23,7 +23,11 @@ head size, query heads per KV head and dtype.
 ``decode_attention``: one query per sequence over its paged K/V, read in place by the Triton
 kernel (``triton_paged_decode``) on CUDA; a gather-and-mask reference in torch elsewhere.
 
-Neither fast path synchronises with the host, so both can be captured in a CUDA graph.
+``rotate_and_write``: a forward's new K and V into their pool slots (quantized for an FP8 pool),
+with RoPE of q and k in the same launch when the caller has not applied it (the fused decoder
+layer): one Triton kernel (``triton_kv_write``) on CUDA, torch's ops elsewhere.
+
+None of the fast paths synchronises with the host, so all can be captured in a CUDA graph.
 
 FP8 K/V (``kv_quant``): both calls take K and V in float8_e4m3fn with their scales. The Triton
 kernels read the FP8 bytes (half a bf16 cache's) and widen each tile to the query's dtype in
@@ -39,10 +43,10 @@ import importlib.util
 import torch
 import torch.nn.functional as F
 
-from tensorrt_llm._torch.attention_backend.kv_quant import dequantize, is_quantized
+from tensorrt_llm._torch.attention_backend.kv_quant import dequantize, is_quantized, quantize
 
 __all__ = ["context_attention", "decode_attention", "flash_varlen", "flash_varlen_available", "fused_rope_applies",
-           "has_triton", "rotate_qk_"]
+           "has_triton", "rotate_and_write", "rotate_qk_"]
 
 
 @functools.cache
@@ -227,3 +231,43 @@ def rotate_qk_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
     from tensorrt_llm._torch.attention_backend.triton_rope import rotate_qk_ as triton_rotate_qk_
 
     triton_rotate_qk_(q, k, cos, sin)
+
+
+def rotate_and_write(
+    q: torch.Tensor | None,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor | None,
+    sin: torch.Tensor | None,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    slots: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> None:
+    """RoPE of q (T, Hq, D) and k (T, Hkv, D) in place by cos, sin (T, D/2) (None: no RoPE), then
+    k and v into ``slots`` (T,) of the slot views ``k_pool``, ``v_pool`` (num_slots, Hkv, D),
+    quantized with the scales in an FP8 pool (``kv_quant.quantize``). One Triton kernel where
+    :func:`fused_rope_applies` (``triton_kv_write``); torch's ops elsewhere, with the same result."""
+    if fused_rope_applies(k):
+        from tensorrt_llm._torch.attention_backend.triton_kv_write import rotate_and_write_kv_
+
+        rotate_and_write_kv_(q, k, v, cos, sin, k_pool, v_pool, slots, k_scale=k_scale, v_scale=v_scale)
+        return
+    if cos is not None:
+        _rotate_half_(q, cos, sin)
+        _rotate_half_(k, cos, sin)
+    if is_quantized(k_pool):
+        k, v = quantize(k, k_scale), quantize(v, v_scale)
+        k_pool, v_pool = k_pool.view(torch.uint8), v_pool.view(torch.uint8)  # no float8 index_copy_ everywhere
+        k, v = k.view(torch.uint8), v.view(torch.uint8)
+    k_pool.index_copy_(0, slots, k)
+    v_pool.index_copy_(0, slots, v)
+
+
+def _rotate_half_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Llama's rotate-half RoPE of x (T, H, D) in place (``modules.rotary_embedding.apply_rotary``)."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]  # (T, H, D/2) each
+    cos, sin = cos[:, None, :], sin[:, None, :]  # (T, 1, D/2)
+    x.copy_(torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1))

@@ -15,7 +15,9 @@ decides which kernel serves which request:
 A request with one new token is a decode whatever its state: attending to all of its positions
 is exactly what a one-token chunk does. Every layer then (``PagedLayerKV.attend``):
 
-1. writes the new tokens' K/V into their slots (``index_copy_``, one call per pool);
+1. writes the new tokens' K/V into their slots (``kernels.rotate_and_write``: one Triton kernel for
+   both pools, quantizing for an FP8 pool, and RoPE of q and k with it for the fused decoder
+   layer, ``attend_rotary``; torch's ``index_copy_`` per pool where Triton does not run);
 2. runs the context chunks, if any, through one varlen causal call over packed K/V (gathered from
    the pool only when some chunk has a cached prefix);
 3. runs the decodes, if any, through the paged decode kernel straight into the output.
@@ -46,7 +48,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from tensorrt_llm._torch.attention_backend.kernels import context_attention, decode_attention
+from tensorrt_llm._torch.attention_backend.kernels import context_attention, decode_attention, rotate_and_write
 from tensorrt_llm._torch.attention_backend.kv_quant import KvScales, is_quantized, quantize
 from tensorrt_llm._torch.attention_backend.staging import PinnedStaging
 
@@ -111,11 +113,23 @@ class PagedLayerKV:
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         """q (T, Hq, D), k/v (T, Hkv, D) of the new tokens -> attention output (T, Hq, D)."""
+        return self._write_and_attend(q, k, v, None, None, scale)
+
+    def attend_rotary(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                      scale: float) -> torch.Tensor:
+        """:meth:`attend` for q and k before RoPE: they are rotated by cos, sin (T, D/2) in place,
+        in the kernel that writes the KV (the fused decoder layer's path, ``models/fused_layers.py``)."""
+        return self._write_and_attend(q, k, v, cos, sin, scale)
+
+    def _write_and_attend(self, q, k, v, cos, sin, scale: float) -> torch.Tensor:
         plan = self.plan
-        # Write first, so that chunks and decodes read their own new tokens from the pool; an FP8
-        # pool hands back what it stored, which the chunks attend to (kv_quant).
-        k, v = write_new_tokens(self.k_pool, self.v_pool, plan.new_slots, k, v, self.k_scale, self.v_scale)
+        # Write first, so that chunks and decodes read their own new tokens from the pool (one
+        # kernel for K and V, RoPE with it when cos is given: kernels.rotate_and_write).
+        rotate_and_write(q, k, v, cos, sin, self.k_pool, self.v_pool, plan.new_slots, self.k_scale, self.v_scale)
         ctx, dec = plan.context, plan.decode
+        if ctx is not None and ctx.kv_slots is None and is_quantized(self.k_pool):
+            # Chunks without a prefix attend to their own new K/V as the FP8 pool stored them (kv_quant).
+            k, v = gather_slots(self.k_pool, plan.new_slots), gather_slots(self.v_pool, plan.new_slots)
         if ctx is not None:
             y_ctx = self._context(ctx, q, k, v, scale)  # (Tc, Hq, D)
             if dec is None and ctx.rows is None:

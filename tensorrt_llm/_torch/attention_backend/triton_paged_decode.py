@@ -21,11 +21,28 @@ contiguous ranges whose partial softmax states are combined by a second kernel, 
 sequences still fill the GPU. The number of splits depends only on the batch size, never on the
 context lengths, so a CUDA graph captured for a batch size stays valid for any lengths.
 
-An FP8 pool (``kv_quant``) is read as it is stored, one byte per element: each K/V tile is
-widened to the query's dtype in registers (exact: every e4m3 value is a bf16 value), the dot
-products accumulate in float32 as for a 16-bit pool, ``k_scale`` is folded into the softmax scale
-and ``v_scale`` multiplies the output. The kernel is bound by the bytes it reads, so an FP8 pool
-halves its time against bf16 at the same lengths.
+An FP8 pool (``kv_quant``) is read as it is stored, one byte an element, and has a kernel shape of
+its own (:data:`FP8_CONFIG`), because a tile of FP8 bytes carries twice the positions of a bf16
+tile and the widening must stay off the shared-memory path:
+
+* tiles of 128 positions (bf16: 64), so that each load moves as many bytes as a bf16 tile;
+* the block table read one tile ahead (``TABLE_AHEAD``): the addresses of tile ``i + 1`` then do
+  not wait on a load of the same iteration, and Triton's pipeliner double-buffers the K tiles
+  (prefetch distance 2, two tiles of bytes in flight per program instead of one);
+* K and V widened a whole tile at a time to float16 in registers (``cvt.rn.f16x2.e4m3x2``, two
+  values an instruction; every e4m3 value is exact in float16), the dot products in float16 with
+  float32 accumulation: ``q`` times the softmax scale is rounded to float16 once per program
+  (|q| would need to pass 65504 * sqrt(head_dim) to overflow), ``k_scale`` (and log2 e) multiply
+  the scores of a tile and ``v_scale`` the output, once each: no per-element scale;
+* V widened before the dot, in the layout it was loaded in (``tl.trans(tl.trans(v).to(...))``,
+  below): left to itself Triton moves the cast after the shared-memory read of the dot operand,
+  and a transposed 8-bit operand is then read one byte per load (128 ``ld.shared.b8`` per thread
+  per tile in the compiled PTX; the widened fp16 tile is stored and read back with 16-byte stores
+  and ``ldmatrix.trans`` instead).
+
+``benchmarks/gpu/fp8.py`` measures both against the bytes they read; ``decode_sweep`` there times
+the other shapes of :class:`DecodeConfig` on the same data. The 16-bit path is the kernel that was
+measured at 1.08x of its roofline (64 x 8k, H200); it reads its table in the loop.
 
 Importing this module needs Triton (it is guarded by the caller); running it needs a GPU, or
 ``TRITON_INTERPRET=1`` set before the import (the CPU tests).
@@ -37,24 +54,33 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["paged_decode_attention", "DecodeConfig"]
+__all__ = ["DEFAULT_CONFIG", "FP8_CONFIG", "DecodeConfig", "config_for", "paged_decode_attention"]
 
 _LOG2E = 1.4426950408889634
 
 
 class DecodeConfig:
-    """Tile shape of the decode kernel: positions per tile, warps, pipeline depth."""
+    """Tile shape of the decode kernel: positions per tile, warps, pipeline depth, and whether the
+    block table is read one tile ahead (module docstring)."""
 
-    __slots__ = ("block_n", "num_warps", "num_stages")
+    __slots__ = ("block_n", "num_warps", "num_stages", "table_ahead")
 
-    def __init__(self, block_n: int = 64, num_warps: int = 4, num_stages: int = 3) -> None:
-        self.block_n, self.num_warps, self.num_stages = block_n, num_warps, num_stages
+    def __init__(self, block_n: int = 64, num_warps: int = 4, num_stages: int = 3, table_ahead: bool = False) -> None:
+        self.block_n, self.num_warps, self.num_stages, self.table_ahead = block_n, num_warps, num_stages, table_ahead
 
     def __repr__(self) -> str:
-        return f"DecodeConfig(block_n={self.block_n}, num_warps={self.num_warps}, num_stages={self.num_stages})"
+        return (f"DecodeConfig(block_n={self.block_n}, num_warps={self.num_warps}, num_stages={self.num_stages}, "
+                f"table_ahead={self.table_ahead})")
 
 
-DEFAULT_CONFIG = DecodeConfig()
+DEFAULT_CONFIG = DecodeConfig()  # 16-bit pools
+FP8_CONFIG = DecodeConfig(block_n=128, num_warps=4, num_stages=3, table_ahead=True)
+
+
+def config_for(pool_dtype: torch.dtype) -> DecodeConfig:
+    """The kernel shape for pools of ``pool_dtype``: :data:`FP8_CONFIG` for float8_e4m3fn, else
+    :data:`DEFAULT_CONFIG`."""
+    return FP8_CONFIG if pool_dtype == torch.float8_e4m3fn else DEFAULT_CONFIG
 
 
 @triton.jit
@@ -66,10 +92,10 @@ def _decode_kernel(
     stride_vs, stride_vh,
     stride_ot, stride_oh,
     stride_tb,
-    sm_scale_log2, v_scale,
+    q_scale, score_scale_log2, v_scale,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     TOKENS_PER_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    NUM_Q_HEADS: tl.constexpr, IEEE: tl.constexpr,
+    NUM_Q_HEADS: tl.constexpr, IEEE: tl.constexpr, FP8: tl.constexpr, TABLE_AHEAD: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -86,15 +112,27 @@ def _decode_kernel(
     row = tl.load(rows + seq)
     q_ptrs = Q + row * stride_qt + head[:, None] * stride_qh + offs_d[None, :]
     q = tl.load(q_ptrs, mask=offs_g[:, None] < GROUP, other=0.0)  # (GP, D)
+    if FP8 and not IEEE:
+        # The dot products of an FP8 pool run in float16 (module docstring): q times the softmax
+        # scale, rounded once; the scores then carry only k_scale * log2(e).
+        q = (q.to(tl.float32) * q_scale).to(tl.float16)
 
     m = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
     l = tl.zeros([GROUP_PAD], dtype=tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
     table = tables + seq * stride_tb
+    if TABLE_AHEAD:  # the first tile's block ids, before the loop (module docstring)
+        first = start + tl.arange(0, BLOCK_N)
+        block_ahead = tl.load(table + first // TOKENS_PER_BLOCK, mask=first < end, other=0)
     for n0 in tl.range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)  # (BN,) positions
         valid = offs_n < end
-        block = tl.load(table + offs_n // TOKENS_PER_BLOCK, mask=valid, other=0)
+        if TABLE_AHEAD:
+            block = block_ahead
+            ahead = offs_n + BLOCK_N
+            block_ahead = tl.load(table + ahead // TOKENS_PER_BLOCK, mask=ahead < end, other=0)
+        else:
+            block = tl.load(table + offs_n // TOKENS_PER_BLOCK, mask=valid, other=0)
         slot = block.to(tl.int64) * TOKENS_PER_BLOCK + offs_n % TOKENS_PER_BLOCK  # (BN,)
         k = tl.load(K + slot[:, None] * stride_ks + kv_head * stride_kh + offs_d[None, :],
                     mask=valid[:, None], other=0.0).to(q.dtype)  # (BN, D); an FP8 tile widened
@@ -102,13 +140,19 @@ def _decode_kernel(
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
             s = tl.dot(q, tl.trans(k))
-        s = tl.where(valid[None, :], s * sm_scale_log2, float("-inf"))  # (GP, BN), log2 units
+        s = tl.where(valid[None, :], s * score_scale_log2, float("-inf"))  # (GP, BN), log2 units
         m_new = tl.maximum(m, tl.max(s, axis=1))
         alpha = tl.exp2(m - m_new)
         p = tl.exp2(s - m_new[:, None])
         l = l * alpha + tl.sum(p, axis=1)
         v = tl.load(V + slot[:, None] * stride_vs + kv_head * stride_vh + offs_d[None, :],
-                    mask=valid[:, None], other=0.0).to(q.dtype)  # (BN, D)
+                    mask=valid[:, None], other=0.0)  # (BN, D)
+        if FP8:
+            # Widened in registers, in the loaded layout: the double transpose keeps Triton from
+            # moving the cast after the dot operand's shared-memory read (module docstring).
+            v = tl.trans(tl.trans(v).to(q.dtype))
+        else:
+            v = v.to(q.dtype)
         if IEEE:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         else:
@@ -162,7 +206,7 @@ def paged_decode_attention(
     tokens_per_block: int,
     scale: float,
     num_splits: int = 1,
-    config: DecodeConfig = DEFAULT_CONFIG,
+    config: DecodeConfig | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
 ) -> None:
@@ -171,7 +215,8 @@ def paged_decode_attention(
 
     q, out: (T, Hq, D); k_pool, v_pool: (num_slots, Hkv, D) with unit stride on D, in q's dtype or
     float8_e4m3fn (read as ``k * k_scale``, ``v * v_scale``); rows: (B,) int64; tables: (B, W)
-    int32; seq_lens: (B,) int32, each >= 1. ``num_splits`` a power of two.
+    int32; seq_lens: (B,) int32, each >= 1. ``num_splits`` a power of two. ``config``: the kernel
+    shape (default: :func:`config_for` the pool's dtype).
     No host synchronisation: safe to capture in a CUDA graph.
     """
     num_seqs = rows.shape[0]
@@ -182,6 +227,12 @@ def paged_decode_attention(
     group = num_q_heads // num_kv_heads
     group_pad = max(16, triton.next_power_of_2(group))
     ieee = q.dtype == torch.float32
+    fp8 = k_pool.dtype == torch.float8_e4m3fn
+    config = config or config_for(k_pool.dtype)
+    if fp8 and not ieee:  # the softmax scale goes into q, the scores carry k_scale (kernel)
+        q_scale, score_scale = scale, k_scale * _LOG2E
+    else:
+        q_scale, score_scale = 1.0, scale * k_scale * _LOG2E
     if num_splits > 1:
         acc = torch.empty((num_seqs * num_q_heads * num_splits, head_dim), dtype=torch.float32, device=q.device)
         ml = torch.empty((num_seqs * num_q_heads * num_splits, 2), dtype=torch.float32, device=q.device)
@@ -195,10 +246,10 @@ def paged_decode_attention(
         v_pool.stride(0), v_pool.stride(1),
         out.stride(0), out.stride(1),
         tables.stride(0),
-        scale * k_scale * _LOG2E, v_scale,
+        q_scale, score_scale, v_scale,
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim,
         TOKENS_PER_BLOCK=tokens_per_block, BLOCK_N=config.block_n, NUM_SPLITS=num_splits,
-        NUM_Q_HEADS=num_q_heads, IEEE=ieee,
+        NUM_Q_HEADS=num_q_heads, IEEE=ieee, FP8=fp8, TABLE_AHEAD=config.table_ahead,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if num_splits > 1:

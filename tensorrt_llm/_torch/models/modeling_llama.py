@@ -264,12 +264,20 @@ class DecoderLayer(nn.Module):
         paged: LayerKV | None,
     ) -> torch.Tensor:
         q, k, v = self.attention_inputs(x, cos, sin)
-        return self.finish(x, self.self_attn.attend(q, k, v, paged))
+        return self.finish(x, self.attend(q, k, v, cos, sin, paged))
 
-    # The layer in two halves around its attention (the piecewise CUDA graphs capture each half).
+    # The layer in three parts: the piecewise CUDA graphs capture the two around the attention,
+    # and run ``attend`` between them. (``fused_layers.FusedDecoderLayer``, the GPU's, splits
+    # the same way, with RoPE in ``attend``, fused with the KV write.)
     def attention_inputs(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """x (T, hidden) -> the attention's q, k, v (RoPE applied)."""
         return self.self_attn.project(self.input_layernorm(x), cos, sin)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               paged: LayerKV | None) -> torch.Tensor:
+        """:meth:`attention_inputs`' q, k, v -> the attention's y (T, n_head, head_dim) (cos, sin:
+        unused here, RoPE is applied already)."""
+        return self.self_attn.attend(q, k, v, paged)
 
     def finish(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """The residual stream x (T, hidden) and the attention's y (T, n_head, head_dim) -> the layer's output."""

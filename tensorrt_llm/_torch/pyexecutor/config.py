@@ -78,7 +78,9 @@ class KvCacheConfig:
     of the reserve's share of the primary cache (its blocks stay matchable, from the host).
 
     ``dtype`` (upstream's key): what the pool stores, ``"auto"`` (the model's dtype) or ``"fp8"``
-    (float8_e4m3fn, with per-layer K/V scales: 1.0 unless the checkpoint has them). FP8 takes half
+    (float8_e4m3fn, with per-layer K/V scales: the checkpoint's; without them, derived at
+    start-up from a calibration prefill when ``calculate_kv_scales`` (vLLM's name; the default),
+    else 1.0: ``models/kv_calibration.py``). FP8 takes half
     a bf16 pool's bytes per token, so a pool sized by memory (``free_gpu_memory_fraction``, or the
     CPU's default cap) holds twice the tokens; ``max_tokens`` / ``num_blocks`` stay token counts.
     Attention dequantizes what it reads (``attention_backend/kv_quant.py``).
@@ -102,9 +104,13 @@ class KvCacheConfig:
     dtype: str = field(default="auto", metadata={"choices": KV_CACHE_DTYPES})
     # KV cache events kept for a reader (LLM.get_kv_cache_events, the ZMQ publisher); 0: events off
     event_buffer_max_size: int = 0
+    # fp8 without a checkpoint's scales: derive per-layer scales at start-up (True) or use 1.0
+    calculate_kv_scales: bool = True
 
     def __post_init__(self) -> None:
         _positive("KvCacheConfig.tokens_per_block", self.tokens_per_block)
+        if not isinstance(self.calculate_kv_scales, bool):
+            raise ValueError(f"KvCacheConfig.calculate_kv_scales must be a bool, got {self.calculate_kv_scales!r}")
         if self.dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"KvCacheConfig.dtype must be one of {', '.join(map(repr, KV_CACHE_DTYPES))},"
                              f" got {self.dtype!r}")

@@ -42,11 +42,18 @@ def default_num_blocks(config: ExecutorConfig, bytes_per_block: int = 0) -> int:
     return min(full_batch, max(1, DEFAULT_KV_CACHE_BYTES // bytes_per_block)) if bytes_per_block else full_batch
 
 
+def blocks_in_memory(free_bytes: int, fraction: float, bytes_per_block: int) -> int:
+    """Whole blocks of ``bytes_per_block`` in ``fraction`` of ``free_bytes``: the pool's size is
+    its bytes, so a block half the bytes (FP8 against bf16) gives twice the blocks, up to one
+    for the rounding down."""
+    return int(free_bytes * fraction) // bytes_per_block
+
+
 def gpu_num_blocks(device: torch.device, fraction: float, bytes_per_block: int) -> int:
     """Blocks that ``fraction`` of the device memory free now holds (call it after the weights
     are loaded: upstream's ``free_gpu_memory_fraction``)."""
     free, _total = torch.cuda.mem_get_info(device)
-    num_blocks = int(free * fraction) // bytes_per_block
+    num_blocks = blocks_in_memory(free, fraction, bytes_per_block)
     if num_blocks < 1:
         raise ValueError(
             f"free_gpu_memory_fraction {fraction} of the {free / 2**30:.2f} GiB free on {device} holds no KV block "

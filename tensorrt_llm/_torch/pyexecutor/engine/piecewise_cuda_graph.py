@@ -111,7 +111,7 @@ class PiecewiseGraphRunner:
                 self._piece(p, i)
             if i < len(layers):
                 kv = plan.layer(k_cache[i], v_cache[i], i)
-                p.y[:T].copy_(layers[i].self_attn.attend(p.q[:T], p.k[:T], p.v[:T], kv))
+                p.y[:T].copy_(layers[i].attend(p.q[:T], p.k[:T], p.v[:T], p.cos[:T], p.sin[:T], kv))
         self.num_replays += 1
         return p.hidden[:T]
 

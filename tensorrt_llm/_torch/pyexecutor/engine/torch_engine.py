@@ -27,6 +27,7 @@ import torch
 from tensorrt_llm._torch.attention_backend.cpu_paged import CpuPlanBuilder
 from tensorrt_llm._torch.attention_backend.paged import PagedAttentionPlan, PagedPlanBuilder
 from tensorrt_llm._torch.attention_backend.staging import PinnedStaging
+from tensorrt_llm._torch.models.fused_layers import fuse_decoder_layers
 from tensorrt_llm._torch.models.modeling_llama import LlamaForCausalLM
 from tensorrt_llm._torch.pyexecutor.config import CudaGraphConfig
 from tensorrt_llm._torch.pyexecutor.engine.cuda_graph_runner import CudaGraphRunner
@@ -333,7 +334,9 @@ class CudaTorchModelEngine(TorchModelEngine):
     """
 
     def _prepare_device(self, cuda_graph_config: CudaGraphConfig | None, max_batch_size: int, max_seq_len: int | None) -> None:
-        """The pinned staging buffers, and the graph runners (decode, piecewise) when ``cuda_graph_config`` allows."""
+        """The model's fused decoder layers (``models/fused_layers.py``), the pinned staging buffers,
+        and the graph runners (decode, piecewise) when ``cuda_graph_config`` allows."""
+        fuse_decoder_layers(self.model)  # fewer, larger kernels a layer; a no-op where refused (logged)
         # The previous launch's picks on the device (the next launch's in-flight inputs take them).
         self._device_picks: _DevicePicks | None = None
         # Each drafting request's tokens on the device, for the drafts of steps built in flight.

@@ -82,7 +82,8 @@ def test_fp8_layer_attention_matches_the_float64_reference_over_the_same_bytes(d
 
 def test_the_fp8_decode_kernel_reads_half_the_bytes_of_bf16() -> None:
     """The point of the cache on a GPU: a bandwidth-bound decode over FP8 pools takes well under
-    the time of the same decode over bf16 pools (ideally half; asserted: under 0.75)."""
+    the time of the same decode over bf16 pools (ideally half; asserted: at most 0.65, the goal
+    of the decode step; an earlier kernel took 1.23x, 0.598 against 0.485 ms)."""
     import triton
 
     from tensorrt_llm._torch.attention_backend.paged import decode_num_splits, num_sms
@@ -103,7 +104,9 @@ def test_the_fp8_decode_kernel_reads_half_the_bytes_of_bf16() -> None:
         times[name] = triton.testing.do_bench(lambda: paged_decode_attention(
             q, k, v, out, rows, tables, seq_lens, tokens_per_block=tpb, scale=d**-0.5, num_splits=splits))
         del k, v
-    assert times["fp8"] < 0.75 * times["bf16"], times
+    nbytes = {name: 2 * num_blocks * tpb * hkv * d * size for name, size in (("bf16", 2), ("fp8", 1))}
+    tb_s = {name: nbytes[name] / (times[name] * 1e-3) / 1e12 for name in times}
+    assert times["fp8"] <= 0.65 * times["bf16"], (times, tb_s)
 
 
 def _small(dtype: str) -> LlamaForCausalLM:
@@ -118,7 +121,19 @@ def _prompts() -> list[list[int]]:
     ]
 
 
-def _generate(model, prompts, *, graphs: bool, reuse: bool = True, overlap: bool = True, kv_dtype: str = "fp8"):
+def _generate(model, prompts, *, graphs: bool, reuse: bool = True, overlap: bool = True, kv_dtype: str = "fp8",
+              fuse: bool = True):
+    """Greedy outputs through the engine; ``fuse`` False: the model's plain decoder layers (the
+    engine's fusion turned off for this model only)."""
+    if not fuse:
+        from tensorrt_llm._torch.models.fused_layers import FusedDecoderLayer
+
+        assert not any(isinstance(layer, FusedDecoderLayer) for layer in model.model.layers)
+        import unittest.mock
+
+        with unittest.mock.patch("tensorrt_llm._torch.pyexecutor.engine.torch_engine.fuse_decoder_layers",
+                                 lambda m: 0):
+            return _generate(model, prompts, graphs=graphs, reuse=reuse, overlap=overlap, kv_dtype=kv_dtype)
     config = make_config(max_num_tokens=96, tokens_per_block=8, num_blocks=256, max_batch_size=8,
                          enable_block_reuse=reuse, enable_partial_reuse=reuse,
                          cuda_graph_config=CudaGraphConfig() if graphs else None, disable_overlap_scheduler=not overlap)
@@ -150,18 +165,33 @@ def test_fp8_engine_serves_with_graphs_overlap_and_reuse_like_the_cpu_fp8_engine
 
 
 def test_fp8_pool_holds_twice_the_blocks_of_bf16_from_the_same_memory() -> None:
-    from tensorrt_llm._torch.pyexecutor.py_executor_creator import create_kv_cache_manager
+    """Each pool is ``free_gpu_memory_fraction`` of the memory free when it is made, less one
+    scratch block (CUDA-graph padding rows write there). The ratio is checked against the memory
+    each one saw: a pool that was not released yet (the KV manager's parts reference one another,
+    so ``del`` alone leaves it to the cyclic collector) is memory the next one does not see. That
+    is what an earlier run measured: 214,679 FP8 blocks against 112,988 bf16 ones (1.90x), with
+    7.4 GB less free memory, the bf16 pool's, when the FP8 pool was sized."""
+    import gc
+
+    from tensorrt_llm._torch.pyexecutor.py_executor_creator import blocks_in_memory, create_kv_cache_manager
 
     model = _small("bfloat16").to(CUDA)
-    blocks = {}
+    blocks, free, per_block = {}, {}, {}
     for name in ("auto", "fp8"):
         config = make_config(tokens_per_block=32, num_blocks=1)
         kv = dataclasses.replace(config.kv_cache_config, num_blocks=None, dtype=name, free_gpu_memory_fraction=0.05)
-        manager = create_kv_cache_manager(dataclasses.replace(config, kv_cache_config=kv), model=model)
-        blocks[name] = manager.num_blocks
-        del manager
+        gc.collect()
         torch.cuda.empty_cache()
-    assert abs(blocks["fp8"] / blocks["auto"] - 2) < 0.02, blocks
+        free[name] = torch.cuda.mem_get_info(CUDA)[0]
+        manager = create_kv_cache_manager(dataclasses.replace(config, kv_cache_config=kv), model=model)
+        blocks[name], per_block[name] = manager.num_blocks, manager.storage.bytes_per_token * 32
+        expected = blocks_in_memory(free[name], 0.05, per_block[name]) - 1  # one scratch block
+        assert abs(blocks[name] - expected) <= 1, (name, blocks[name], expected)
+        del manager
+    assert per_block["auto"] == 2 * per_block["fp8"]
+    same_memory = (blocks["fp8"] + 1) / (blocks["auto"] + 1) * free["auto"] / free["fp8"]
+    assert abs(same_memory - 2) < 1e-3, (blocks, free)
+    assert abs(free["auto"] - free["fp8"]) < 0.01 * free["auto"], free  # the first pool was released
 
 
 def test_fp8_host_tier_round_trip_on_cuda_moves_the_bytes() -> None:
@@ -181,3 +211,75 @@ def test_fp8_host_tier_round_trip_on_cuda_moves_the_bytes() -> None:
     assert torch.equal(raw[:, :, 5], before) and torch.equal(raw[:, :, 1], before)
     storage.synchronize()
     assert torch.equal(storage.host.view(torch.uint8)[3].to(CUDA), before)
+
+
+@pytest.mark.parametrize("rotate", [False, True])
+def test_the_kv_write_kernel_stores_the_bytes_quantize_gives(rotate: bool) -> None:
+    """RoPE of q, k and the K/V write in one Triton kernel (``triton_kv_write``) against torch's
+    ops on the same GPU: the same rotated q, k (bf16) and the same FP8 bytes in the pools."""
+    from tensorrt_llm._torch.attention_backend.kv_quant import quantize
+    from tensorrt_llm._torch.attention_backend.triton_kv_write import rotate_and_write_kv_
+    from tensorrt_llm._torch.modules.rotary_embedding import apply_rotary
+
+    gen = torch.Generator(CUDA).manual_seed(3)
+    tokens, hq, hkv, d, slots_total = 37, 32, 8, 128, 512
+    qkv = (torch.randn(tokens, (hq + 2 * hkv) * d, generator=gen, device=CUDA) * 30).to(torch.bfloat16)
+    q, k, v = (qkv[:, : hq * d].view(tokens, hq, d), qkv[:, hq * d : (hq + hkv) * d].view(tokens, hkv, d),
+               qkv[:, (hq + hkv) * d :].view(tokens, hkv, d))
+    angles = torch.rand(tokens, d // 2, generator=gen, device=CUDA) * 6
+    cos, sin = angles.cos().to(torch.bfloat16), angles.sin().to(torch.bfloat16)
+    slots = torch.randperm(slots_total, device=CUDA)[:tokens]
+    k_pool = torch.zeros(slots_total, hkv, d, device=CUDA).to(FP8)
+    v_pool = torch.zeros_like(k_pool)
+    expected_q, expected_k = (apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)) if rotate else (q.clone(), k.clone())
+    expected_k_pool, expected_v_pool = k_pool.clone().view(torch.uint8), v_pool.clone().view(torch.uint8)
+    expected_k_pool[slots] = quantize(expected_k, 0.37).view(torch.uint8)
+    expected_v_pool[slots] = quantize(v, 2.5).view(torch.uint8)
+    rotate_and_write_kv_(q if rotate else None, k, v, cos if rotate else None, sin if rotate else None, k_pool, v_pool,
+                         slots, k_scale=0.37, v_scale=2.5)
+    assert rel_err(q, expected_q) < 1e-2 and rel_err(k, expected_k) < 1e-2
+    # The bytes: from the kernel's own rotated k (one rounding of RoPE may differ from torch's
+    # seven), quantized as kv_quant does.
+    assert torch.equal(k_pool.view(torch.uint8)[slots], quantize(k, 0.37).view(torch.uint8))
+    assert torch.equal(v_pool.view(torch.uint8), expected_v_pool)
+    if not rotate:
+        assert torch.equal(k_pool.view(torch.uint8), expected_k_pool)
+
+
+@pytest.mark.parametrize("kv_dtype", ["auto", "fp8"])
+def test_fused_decoder_layers_compute_what_the_plain_ones_do(kv_dtype: str) -> None:
+    """The GPU engine's fused layers (``models/fused_layers.py``) against the same model's plain
+    layers, bf16, over the same paged forwards (prompts, then a chunk over a cached prefix with
+    decodes): hidden states within bf16's rounding, and the engine's greedy tokens (graphs,
+    overlap) the same for all but a near-tie."""
+    import copy
+
+    from tensorrt_llm._torch.attention_backend.kv_quant import kv_cache_dtype
+    from tensorrt_llm._torch.models.fused_layers import FusedDecoderLayer, fuse_decoder_layers
+
+    plain = _small("bfloat16").to(CUDA)
+    fused = copy.deepcopy(plain)
+    assert fuse_decoder_layers(fused) == plain.config.num_layers
+    assert all(isinstance(layer, FusedDecoderLayer) for layer in fused.model.layers)
+    tpb, num_blocks = 8, 32
+    dtype = kv_cache_dtype(kv_dtype, torch.bfloat16)
+    shape = plain.kv_cache_shape(num_blocks, tpb)
+    forwards = [([9, 5], [0, 0], [[0, 1], [2]]), ([4, 1, 1], [8, 9, 5], [[3, 4], [0, 1], [2]])]
+    hidden = []
+    for model in (plain, fused):
+        k_cache = [torch.zeros(shape, device=CUDA).to(dtype) for _ in range(model.config.num_layers)]
+        v_cache = [torch.zeros(shape, device=CUDA).to(dtype) for _ in range(model.config.num_layers)]
+        outs = []
+        for new, cached, tables in forwards:
+            ids = torch.randint(0, model.config.vocab_size, (sum(new),), generator=torch.Generator().manual_seed(sum(new)))
+            positions = torch.cat([torch.arange(c, c + n) for n, c in zip(new, cached)])
+            plan = build_plan(new, cached, tables, tokens_per_block=tpb, num_blocks=num_blocks,
+                              num_kv_heads=model.config.num_kv_heads, device=CUDA)
+            with torch.inference_mode():
+                outs.append(model.forward_with_plan(ids.to(CUDA), positions.to(CUDA), plan, k_cache, v_cache).float())
+        hidden.append(torch.cat(outs))
+    assert rel_err(hidden[1], hidden[0]) < 2e-2
+    prompts = _prompts()
+    fused_tokens = _generate(fused, prompts, graphs=True, kv_dtype=kv_dtype)
+    plain_tokens = _generate(plain, prompts, graphs=True, kv_dtype=kv_dtype, fuse=False)
+    assert sum(a == b for a, b in zip(fused_tokens, plain_tokens)) >= len(prompts) - 1

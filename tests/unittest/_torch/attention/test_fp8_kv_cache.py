@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import pytest
 import torch
@@ -22,6 +23,7 @@ from tests.helpers.strategies import examples
 from tensorrt_llm._torch.attention_backend.interface import AttentionMetadata
 from tensorrt_llm._torch.attention_backend.kv_quant import (
     FP8,
+    FP8_MAX,
     KvScales,
     dequantize,
     kv_cache_dtype,
@@ -178,6 +180,14 @@ def test_an_fp8_pool_holds_twice_the_tokens_of_a_16_bit_pool_in_the_same_bytes(m
     assert blocks8 == 2 * blocks16 and bytes8 == bytes16 == 1 << 20
 
 
+def test_blocks_in_memory_doubles_when_a_block_takes_half_the_bytes() -> None:
+    """The GPU pool's sizing (``free_gpu_memory_fraction`` of the free memory): the same bytes hold
+    twice the blocks of half the size, up to one for the rounding down."""
+    for free in (10**9, 148_000_000_000, 7 * 2**30 + 12345):
+        bf16, fp8 = py_executor_creator.blocks_in_memory(free, 0.05, 65536), py_executor_creator.blocks_in_memory(free, 0.05, 32768)
+        assert fp8 in (2 * bf16, 2 * bf16 + 1)
+
+
 def test_the_start_up_line_and_the_metrics_say_what_the_pool_holds():
     pytest.importorskip("prometheus_client")
     from prometheus_client import generate_latest
@@ -196,6 +206,59 @@ def test_the_start_up_line_and_the_metrics_say_what_the_pool_holds():
         llm.shutdown()
 
 
+# --------------------------------------------------------------------------- scales derived at start-up
+
+
+@torch.inference_mode()
+def test_derived_scales_are_each_layers_largest_k_and_v_over_the_calibration_prefill():
+    """``calibrate_kv_scales``: per layer, max |K| after RoPE and max |V| over the calibration
+    sequences, times the headroom, over 448, rounded up to a power of two; the maxima recomputed
+    here from the layers' own pieces."""
+    from tensorrt_llm._torch.models.kv_calibration import HEADROOM, calibrate_kv_scales, calibration_token_ids
+
+    model = model64()
+    sequences, source = calibration_token_ids(None, MODEL.vocab_size)
+    assert source == "random token ids" and calibration_token_ids(None, MODEL.vocab_size)[0] == sequences  # seeded
+    derived = calibrate_kv_scales(model, sequences, source)
+    k_max, v_max = [0.0] * MODEL.num_layers, [0.0] * MODEL.num_layers
+    for ids in sequences:
+        ids = torch.tensor(ids)
+        x, cos, sin = model.model.embed(ids, torch.arange(len(ids)))
+        for i, layer in enumerate(model.model.layers):
+            q, k, v = layer.attention_inputs(x, cos, sin)  # RoPE applied (the plain layer)
+            k_max[i], v_max[i] = max(k_max[i], float(k.abs().max())), max(v_max[i], float(v.abs().max()))
+            x = layer.finish(x, layer.attend(q, k, v, cos, sin, None))
+    for scales, largest in ((derived.scales.k, k_max), (derived.scales.v, v_max)):
+        for scale, m in zip(scales, largest):
+            assert math.frexp(scale)[0] == 0.5  # a power of two: only the exponent moves
+            assert m * HEADROOM / FP8_MAX <= scale < 2 * m * HEADROOM / FP8_MAX
+    assert derived.tokens == sum(len(s) for s in sequences)
+    assert "random token ids" in derived.describe() and "per layer" in derived.describe()
+
+
+def test_calibration_text_goes_through_the_tokenizer(smollm2_tokenizer):
+    from tensorrt_llm._torch.models.kv_calibration import CALIBRATION_TEXT, calibration_token_ids
+
+    sequences, source = calibration_token_ids(smollm2_tokenizer, 49152)
+    assert source == "built-in text" and len(sequences) == len(CALIBRATION_TEXT)
+    assert sequences[0] == smollm2_tokenizer.encode(CALIBRATION_TEXT[0])
+
+
+def test_the_start_up_line_says_the_scales_were_derived_or_are_one():
+    from tensorrt_llm.llmapi.llm import LLM, SamplingParams
+
+    for calculate, expected in ((True, "KV scales derived at start-up, per layer"), (False, "KV scales 1.0")):
+        kv = KvCacheConfig(tokens_per_block=16, num_blocks=64, dtype="fp8", calculate_kv_scales=calculate)
+        llm = LLM("tiny-random", dtype="float32", kv_cache_config=kv)
+        try:
+            assert expected in llm.describe(), llm.describe()
+            stored = llm.executor.kv_cache_manager.storage.kv_scales
+            assert (stored is not None and stored == llm.kv_scales) if calculate else stored is None
+            assert len(llm.generate([5, 6, 7], SamplingParams(max_tokens=3)).outputs[0].token_ids) == 3
+        finally:
+            llm.shutdown()
+
+
 # --------------------------------------------------------------------------- quality
 
 
@@ -204,13 +267,18 @@ def test_smollm2_perplexity_with_an_fp8_cache_is_within_one_percent(smollm2_path
 
     from tensorrt_llm._torch.models.checkpoints.gguf_loader import load_llama_from_gguf
 
+    from tensorrt_llm._torch.models.kv_calibration import calibrate_kv_scales, calibration_token_ids
+
     model = load_llama_from_gguf(smollm2_path, dtype="float32")
     texts = paragraph_ids(smollm2_tokenizer)
     plain = paged_perplexity(model, texts, kv_cache_dtype_name="auto", chunk_size=16)
     fp8 = paged_perplexity(model, texts, kv_cache_dtype_name="fp8", chunk_size=16)
-    print(f"perplexity auto {plain:.4f}, fp8 {fp8:.4f}")
+    derived = calibrate_kv_scales(model, *calibration_token_ids(smollm2_tokenizer, model.config.vocab_size)).scales
+    fp8_derived = paged_perplexity(model, texts, kv_cache_dtype_name="fp8", chunk_size=16, kv_scales=derived)
+    print(f"perplexity auto {plain:.4f}, fp8 {fp8:.4f}, fp8 with derived scales {fp8_derived:.4f}")
     assert 7 < plain < 30
     assert plain < fp8 < 1.01 * plain, (plain, fp8)  # quantization costs something, and less than 1%
+    assert abs(fp8_derived / plain - 1) < 0.01, (plain, fp8_derived)
 
 
 # --------------------------------------------------------------------------- the executor

@@ -141,12 +141,12 @@ def test_triton_kernels_match_references_interpreted() -> None:
     Triton's CPU interpreter, in a fresh process: TRITON_INTERPRET must be set before Triton is
     first imported (torch may import it early)."""
     pytest.importorskip("triton")
-    script = Path(__file__).with_name("interpreted_kernels.py")
+    script = Path(__file__).parents[3] / "helpers" / "interpreted_kernels.py"
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads(done.stdout.strip().splitlines()[-1])
-    assert len(results) == 17
+    assert len(results) == 33
     for case in results:
         assert case["untouched_rows_nan"], case
-        assert case["max_abs_err"] < 1e-5, case
+        assert case["max_abs_err"] < case.get("tolerance", 1e-5), case

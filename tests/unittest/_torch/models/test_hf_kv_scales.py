@@ -111,8 +111,8 @@ def with_scales(base: Path, directory: Path, tensors: dict[str, torch.Tensor], *
 
 
 def serve(directory: Path, kv_dtype: str = "fp8", **options) -> LLM:
-    return LLM(str(directory), dtype="float32", device="cpu", max_num_tokens=32,
-               kv_cache_config=KvCacheConfig(dtype=kv_dtype, tokens_per_block=TPB, num_blocks=32), **options)
+    options.setdefault("kv_cache_config", KvCacheConfig(dtype=kv_dtype, tokens_per_block=TPB, num_blocks=32))
+    return LLM(str(directory), dtype="float32", device="cpu", max_num_tokens=32, **options)
 
 
 def prompt_logprobs(llm: LLM) -> list[float]:
@@ -229,16 +229,21 @@ def test_auto_leaves_the_scales_unused_and_says_so(base, tmp_path, caplog):
         assert llm.generate(PROMPT, SamplingParams(max_tokens=6)).outputs[0].token_ids == tokens
 
 
-def test_fp8_without_scale_tensors_uses_one_and_warns_where_the_config_promised_them(base, tmp_path, caplog):
+def test_fp8_without_scale_tensors_derives_them_and_warns_where_the_config_promised_them(base, tmp_path, caplog):
+    """No scale tensors: the scales are derived at start-up (``calculate_kv_scales``, the
+    default; the start-up line says from what), or 1.0 when that is off."""
     directory = with_scales(base, tmp_path / "ckpt", {}, quantization_config=COMPRESSED_TENSORS)
     caplog.set_level(logging.INFO, logger=LLM_UTILS_LOG)
     with serve(directory) as llm:
-        assert llm.executor.kv_cache_manager.storage.kv_scales is None
-        assert "KV scales 1.0" in llm.describe()
+        scales = llm.executor.kv_cache_manager.storage.kv_scales
+        assert scales is not None and scales == llm.kv_scales and scales.num_layers == LAYERS
+        assert "KV scales derived at start-up, per layer" in llm.describe()
     assert any(r.levelno == logging.WARNING and "no K/V scale tensors" in r.getMessage() for r in caplog.records)
     caplog.clear()
-    with serve(base) as llm:  # a plain checkpoint under fp8: 1.0, nothing to warn about
-        assert "KV scales 1.0" in llm.describe()
+    with serve(base, kv_cache_config=KvCacheConfig(dtype="fp8", tokens_per_block=TPB, num_blocks=32,
+                                                   calculate_kv_scales=False)) as llm:
+        assert llm.executor.kv_cache_manager.storage.kv_scales is None
+        assert "KV scales 1.0" in llm.describe()  # a plain checkpoint, nothing derived: 1.0, nothing to warn about
     assert not any(r.levelno >= logging.WARNING and "K/V scale" in r.getMessage() for r in caplog.records)
 
 

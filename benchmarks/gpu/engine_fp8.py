@@ -1,0 +1,131 @@
+"""The in-process engine with an FP8 KV cache against a bf16 one, at a few concurrency levels.
+
+``LLM("llama-3.1-8b-random", device="cuda")`` (random bf16 weights drawn on the GPU: no checkpoint,
+no tokenizer), twice: one with ``kv_cache_config.dtype`` auto (bf16), one with fp8, each with the
+same number of blocks (enough for every level: the pool is not what is compared). ISL random
+token ids, OSL tokens with ``ignore_eos``, greedy; each level keeps ``concurrency`` requests in
+flight for ``--seconds`` (``drive_levels``), the two engines alternating level by
+level (``--rounds`` times), so that drift on the machine falls on both::
+
+    PYTHONPATH=. python3 -m benchmarks.gpu.engine_fp8 --out OUT [--concurrency 1,16,64]
+        [--shape 1024/128] [--seconds 10] [--rounds 1]
+    python -m benchmarks.gpu.engine_fp8 --out OUT --dry-run       # the CPU, tiny-random: checks the script
+
+Writes ``OUT/engine_fp8.json``: per level, each engine's output tokens/s (the median over rounds)
+and FP8 over bf16. The goal: FP8 at least as fast as bf16 at every level.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks.gpu.peer_serving import parse_shapes
+
+
+def drive_levels(llm, isl: int, osl: int, concurrency_levels: list[int], seconds: float, rng: random.Random,
+                 vocab: int, label: str) -> list[dict]:
+    """Each level: ``concurrency`` threads keep one request each in flight through ``llm`` for
+    ``seconds`` (ISL random token ids, OSL tokens with ``ignore_eos``); output tokens/s per level."""
+    from tensorrt_llm.llmapi.llm import SamplingParams
+
+    params = SamplingParams(max_tokens=osl, ignore_eos=True)
+    levels = []
+    for concurrency in concurrency_levels:
+        tokens, done, lock = [0], [0], threading.Lock()
+        stop = time.monotonic() + seconds
+        began = time.perf_counter()
+
+        def worker() -> None:
+            while time.monotonic() < stop:
+                with lock:
+                    prompt = [rng.randrange(1, vocab) for _ in range(isl)]
+                output = llm.generate(prompt, params)
+                with lock:
+                    tokens[0] += len(output.outputs[0].token_ids)
+                    done[0] += 1
+
+        threads = [threading.Thread(target=worker) for _ in range(concurrency)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        wall = time.perf_counter() - began
+        levels.append({"concurrency": concurrency, "requests": done[0], "output_tokens": tokens[0],
+                       "wall_s": wall, "output_tokens_per_s": tokens[0] / wall})
+        print(f"{label} {isl}/{osl} c={concurrency}: {tokens[0] / wall:.0f} tok/s", flush=True)
+    return levels
+
+
+def run(args) -> dict:
+    from tensorrt_llm._torch.pyexecutor.config import KvCacheConfig
+    from tensorrt_llm.llmapi.llm import LLM
+
+    (isl, osl), = parse_shapes(args.shape)
+    concurrency = max(args.concurrency)
+    tokens_per_block = 32
+    blocks = concurrency * -(-(isl + osl + 1) // tokens_per_block) + 64
+    options = dict(max_batch_size=concurrency, max_num_tokens=8192 if not args.dry_run else 512,
+                   enable_chunked_prefill=True)
+    model = "tiny-random" if args.dry_run else args.model
+    device = "cpu" if args.dry_run else "cuda"
+    engines = {}
+    record: dict = {"model": model, "shape": args.shape, "blocks": blocks, "levels": {}, "start_up": {}}
+    try:
+        for kv in ("auto", "fp8"):
+            began = time.perf_counter()
+            cache = KvCacheConfig(tokens_per_block=tokens_per_block, num_blocks=blocks, dtype=kv, enable_block_reuse=False)
+            engines[kv] = LLM(model, device=device, kv_cache_config=cache, **options)
+            record["start_up"][kv] = {"line": engines[kv].describe(), "seconds": time.perf_counter() - began}
+            print(record["start_up"][kv]["line"], flush=True)
+        vocab = min(engines["auto"].model_config.vocab_size, 32000)
+        rng = random.Random(0)
+        for level in args.concurrency:
+            runs: dict[str, list[float]] = {"auto": [], "fp8": []}
+            for r in range(args.rounds):
+                for kv in (("auto", "fp8") if r % 2 == 0 else ("fp8", "auto")):
+                    result, = drive_levels(engines[kv], isl, osl, [level], args.seconds, rng, vocab, f"engine {kv}")
+                    runs[kv].append(result["output_tokens_per_s"])
+            entry = {kv: statistics.median(values) for kv, values in runs.items()}
+            entry["fp8_over_bf16"] = entry["fp8"] / entry["auto"] if entry["auto"] else float("nan")
+            entry["rounds"] = runs
+            record["levels"][str(level)] = entry
+            print(f"c={level}: bf16 {entry['auto']:.0f} tok/s, FP8 {entry['fp8']:.0f} tok/s, "
+                  f"FP8/bf16 {entry['fp8_over_bf16']:.3f}", flush=True)
+    finally:
+        for llm in engines.values():
+            llm.shutdown()
+    return record
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--model", default="llama-3.1-8b-random")
+    parser.add_argument("--shape", default="1024/128")
+    parser.add_argument("--concurrency", default="1,16,64", type=lambda s: [int(c) for c in s.split(",")])
+    parser.add_argument("--seconds", type=float, default=10.0)
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--dry-run", action="store_true")
+    args = parser.parse_args(argv)
+    if args.dry_run:
+        args.shape, args.concurrency, args.seconds = "16/4", [1, 2], 0.5
+    elif not torch.cuda.is_available():
+        print("not run: no CUDA GPU (--dry-run checks the script on the CPU)", file=sys.stderr)
+        return 2
+    args.out.mkdir(parents=True, exist_ok=True)
+    record = run(args)
+    (args.out / "engine_fp8.json").write_text(json.dumps(record, indent=2, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,105 @@
+"""What the paged decode kernel compiles to on Hopper, without a GPU: registers, shared memory,
+byte loads from shared memory and the pipeline's depth, for each pool's kernel shape.
+
+Triton compiles ahead of time for a target it is given (``GPUTarget("cuda", 90, 32)``: sm_90,
+the H100's and H200's) on any machine where it is installed (not a dependency of the project:
+``pip install triton`` into your own environment); ``cuobjdump``, which Triton's package carries,
+reads the registers off the cubin. What to look for (``docs/gpu.md``, the FP8 decode kernel): an
+FP8 kernel with ``ld.shared.b8`` reads a transposed 8-bit operand a byte at a time, and one whose
+loop waits with ``async_wait num = 0`` keeps a single tile in flight::
+
+    python -m benchmarks.gpu.kernel_asm [--json OUT.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+SHAPES = {  # name: (pool element type, DecodeConfig fields), Llama-3.1-8B's and Nemo's heads (32 / 8 of 128)
+    "bf16 (DEFAULT_CONFIG)": ("bf16", dict(block_n=64, num_warps=4, num_stages=3, table_ahead=False)),
+    "fp8 (FP8_CONFIG)": ("fp8e4nv", dict(block_n=128, num_warps=4, num_stages=3, table_ahead=True)),
+    "fp8 at the bf16 tile": ("fp8e4nv", dict(block_n=64, num_warps=4, num_stages=3, table_ahead=False)),
+}
+
+
+def compile_decode(pool: str, config: dict, *, num_splits: int = 1) -> dict:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from tensorrt_llm._torch.attention_backend.triton_paged_decode import _decode_kernel
+
+    names = _decode_kernel.arg_names
+    pointers = {"Q": "*bf16", "K": f"*{pool}", "V": f"*{pool}", "Out": "*bf16", "Acc": "*fp32", "ML": "*fp32",
+                "rows": "*i64", "tables": "*i32", "seq_lens": "*i32"}
+    constants = dict(GROUP=4, GROUP_PAD=16, HEAD_DIM=128, TOKENS_PER_BLOCK=32, BLOCK_N=config["block_n"],
+                     NUM_SPLITS=num_splits, NUM_Q_HEADS=32, IEEE=False, FP8=pool != "bf16",
+                     TABLE_AHEAD=config["table_ahead"])
+    signature, constexprs, attrs = {}, {}, {}
+    for i, name in enumerate(names):
+        if name in constants:
+            signature[name], constexprs[(i,)] = "constexpr", constants[name]
+        elif name in pointers:
+            signature[name], attrs[(i,)] = pointers[name], [["tt.divisibility", 16]]
+        elif "scale" in name:
+            signature[name] = "fp32"
+        else:
+            signature[name] = "i32"
+            if name.startswith("stride"):
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    kernel = triton.compile(ASTSource(fn=_decode_kernel, signature=signature, constexprs=constexprs, attrs=attrs),
+                            target=GPUTarget("cuda", 90, 32),
+                            options=dict(num_warps=config["num_warps"], num_stages=config["num_stages"]))
+    ptx, ttgir = kernel.asm["ptx"], kernel.asm["ttgir"]
+    return {
+        "shared_bytes": kernel.metadata.shared,
+        "registers": _registers(kernel.asm["cubin"]),
+        "ld_shared_b8": len(re.findall(r"ld\.shared\.b8", ptx)),
+        "ldmatrix": len(re.findall(r"ldmatrix", ptx)),
+        "async_wait_in_loop": re.findall(r"async_wait.*?\{num = (\d+)", ttgir),
+        "k_buffers": sorted(set(re.findall(r"memdesc<(\d+)x\d+x128xf8E4M3FN|memdesc<(\d+)x\d+x128xbf16", ttgir))),
+    }
+
+
+def _registers(cubin: bytes) -> int | None:
+    import tempfile
+
+    import triton
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        try:
+            text = subprocess.run([str(tool), "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+        except OSError:
+            return None
+    match = re.search(r"REG:(\d+)", text)
+    return int(match.group(1)) if match else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args(argv)
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        print("not run: Triton is not installed here (pip install triton into your own environment)", file=sys.stderr)
+        return 2
+    report = {name: {"pool": pool, **config, **compile_decode(pool, config)} for name, (pool, config) in SHAPES.items()}
+    for name, r in report.items():
+        print(f"{name:30s} {r['registers']} registers, {r['shared_bytes'] / 1024:.0f} KB shared, "
+              f"{r['ld_shared_b8']} ld.shared.b8, {r['ldmatrix']} ldmatrix, waits {r['async_wait_in_loop']}")
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
