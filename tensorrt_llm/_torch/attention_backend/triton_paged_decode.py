@@ -74,7 +74,10 @@ class DecodeConfig:
 
 
 DEFAULT_CONFIG = DecodeConfig()  # 16-bit pools
-FP8_CONFIG = DecodeConfig(block_n=128, num_warps=4, num_stages=3, table_ahead=True)
+# FP8 pools: 128-position tiles carry a 64-position bf16 tile's bytes. Reading the block table a tile
+# ahead was predicted to help and measured to hurt (H100, one layer of 64 x 8k: 1.86 TB/s with it,
+# 2.04 without; 256 x 2k: 1.76 / 2.02; benchmarks/results/gpu_profile/fp8_kernel_h100.json).
+FP8_CONFIG = DecodeConfig(block_n=128, num_warps=4, num_stages=3, table_ahead=False)
 
 
 def config_for(pool_dtype: torch.dtype) -> DecodeConfig:

@@ -262,11 +262,11 @@ def test_fused_decoder_layers_compute_what_the_plain_ones_do(kv_dtype: str) -> N
     assert fuse_decoder_layers(fused) == plain.config.num_layers
     assert all(isinstance(layer, FusedDecoderLayer) for layer in fused.model.layers)
     tpb, num_blocks = 8, 32
-    dtype = kv_cache_dtype(kv_dtype, torch.bfloat16)
     shape = plain.kv_cache_shape(num_blocks, tpb)
     forwards = [([9, 5], [0, 0], [[0, 1], [2]]), ([4, 1, 1], [8, 9, 5], [[3, 4], [0, 1], [2]])]
-    hidden = []
-    for model in (plain, fused):
+
+    def run(model, pool_dtype: str) -> torch.Tensor:
+        dtype = kv_cache_dtype(pool_dtype, torch.bfloat16)
         k_cache = [torch.zeros(shape, device=CUDA).to(dtype) for _ in range(model.config.num_layers)]
         v_cache = [torch.zeros(shape, device=CUDA).to(dtype) for _ in range(model.config.num_layers)]
         outs = []
@@ -277,8 +277,17 @@ def test_fused_decoder_layers_compute_what_the_plain_ones_do(kv_dtype: str) -> N
                               num_kv_heads=model.config.num_kv_heads, device=CUDA)
             with torch.inference_mode():
                 outs.append(model.forward_with_plan(ids.to(CUDA), positions.to(CUDA), plan, k_cache, v_cache).float())
-        hidden.append(torch.cat(outs))
-    assert rel_err(hidden[1], hidden[0]) < 2e-2
+        return torch.cat(outs)
+
+    plain_hidden, fused_hidden = run(plain, kv_dtype), run(fused, kv_dtype)
+    if kv_dtype == "auto":
+        assert rel_err(fused_hidden, plain_hidden) < 2e-2  # bf16's rounding, in another order
+    else:
+        # Each path rounds slightly different bf16 K/V to e4m3 (3 mantissa bits), so the two FP8 runs
+        # differ by FP8's own noise: the fused one must be no further from the bf16-pool answer than
+        # the plain one is (the fusion adds no error of its own).
+        reference = run(plain, "auto")
+        assert rel_err(fused_hidden, reference) <= 1.25 * rel_err(plain_hidden, reference) + 2e-3
     prompts = _prompts()
     fused_tokens = _generate(fused, prompts, graphs=True, kv_dtype=kv_dtype)
     plain_tokens = _generate(plain, prompts, graphs=True, kv_dtype=kv_dtype, fuse=False)
