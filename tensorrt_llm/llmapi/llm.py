@@ -27,6 +27,7 @@ from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequest, check_priorit
 from tensorrt_llm._torch.pyexecutor.sampling_config import SEED_LIMIT, SamplingConfig
 from tensorrt_llm._torch.pyexecutor.py_executor_creator import create_py_executor
 from tensorrt_llm.llmapi.config_fields import build_nested
+from tensorrt_llm.llmapi.llm_args import check_batch_invariant
 from tensorrt_llm.llmapi.llm_utils import (
     GenerationDefaults,
     describe_checkpoint,
@@ -223,12 +224,17 @@ class LLM:
         tensor_parallel_size: int = 1,
         enable_attention_dp: bool = False,
         check_decisions: bool = False,
+        batch_invariant: bool = False,
         **executor_options,
     ) -> None:
         config = _executor_config(executor_options)
         if isinstance(tensor_parallel_size, bool) or not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be a positive integer, got {tensor_parallel_size!r}")
+        if not isinstance(batch_invariant, bool):
+            raise ValueError(f"batch_invariant must be a bool, got {batch_invariant!r}")
         device = resolve_device(device, ranks=tensor_parallel_size)
+        if batch_invariant:
+            check_batch_invariant(str(device), tensor_parallel_size)
         if dtype is None and device.type == "cuda" and seeded_model(model) is not None:
             dtype = "bfloat16"  # DESIGN.md §7; a checkpoint runs in its own dtype there (llm_utils.default_dtype)
         self.device = device
@@ -260,7 +266,7 @@ class LLM:
                 raise ValueError(f"model {self.model_id!r} cannot run on {tensor_parallel_size} ranks: {error}") from None
             self.max_seq_len_source = _max_seq_len_source(self.config, executor_options, self.model_config, None)
         else:
-            loaded = load_model(model, dtype=dtype, seed=seed, device=device)
+            loaded = load_model(model, dtype=dtype, seed=seed, device=device, batch_invariant=batch_invariant)
             self.model_id = loaded.model_id  # the served name: the preset's, or the .gguf file's stem
             self.tokenizer = loaded.tokenizer  # None for random-weight models
             self.generation_defaults = loaded.generation_defaults  # generation_config.json's sampling values
@@ -288,7 +294,8 @@ class LLM:
         """One line for a start-up log: the model, device, dtype, KV pool (an FP8 pool's scales: the
         checkpoint's or 1.0) and ``max_seq_len`` (with the limit that set it)."""
         kv = self.config.kv_cache_config
-        line = f"model {self.model_id} on {self.device} ({self.model_config.dtype})"
+        line = f"model {self.model_id} on {self.device} ({self.model_config.dtype}"
+        line += ", batch-invariant)" if self.model_config.batch_invariant else ")"
         blocks = self._pool_blocks
         if blocks is not None:
             tokens, per_token = blocks * kv.tokens_per_block, self.kv_bytes_per_token
@@ -550,6 +557,7 @@ def follow_rank0(
     tensor_parallel_size: int | None = None,
     enable_attention_dp: bool = False,
     check_decisions: bool = False,
+    batch_invariant: bool = False,
     **executor_options,
 ) -> int:
     """A ``torchrun`` rank other than 0: build this rank's shard and executor from the same
@@ -562,6 +570,8 @@ def follow_rank0(
         raise ValueError(f"tensor_parallel_size={tensor_parallel_size}, but torchrun started {launch.world_size} ranks")
     if enable_attention_dp:
         raise ValueError(_TORCHRUN_ATTENTION_DP)
+    if batch_invariant:
+        check_batch_invariant(device, launch.world_size)
     if resolve_device(device, ranks=launch.world_size).type != "cpu":
         raise ValueError("ranks run on the CPU only (gloo)")
     config = _executor_config(executor_options)

@@ -1,0 +1,116 @@
+"""Batch-invariant arithmetic: reductions whose bits do not depend on how they are computed.
+
+Float addition is not associative, so a reduction's bits depend on its order, and the kernels
+choose the order: a BLAS GEMM blocks a row's dot products differently for 1, 2 or 64 rows
+(measured: a row of a 576 x 1536 float32 ``F.linear`` differs in 1388 of its 1536 outputs between
+a batch of 1 and of 4), by thread count and by instruction set; SDPA picks a kernel by shape and
+mask. The batch-invariant mode (``docs/determinism.md``) uses two kinds of reduction instead:
+
+* **Exact sums.** Integers held in float64 whose magnitudes add up to at most ``2**53`` make
+  every partial sum, in every order, an exact float64: any kernel, blocking, thread count or
+  instruction set, fused multiply-add or not, gives the same bits. A vector becomes such
+  integers on a grid of its own: ``x = ints * scale`` with ``scale`` a power of two set by the
+  vector's largest magnitude (:func:`to_grid`), so the grid depends on that vector alone. A dot
+  product of two gridded vectors of ``K`` terms is exact when ``bits_a + bits_b + ceil(log2 K)
+  <= 53`` (:func:`dot_bits`); its scales multiply back exactly (powers of two).
+* **A fixed order.** A pairwise tree over positions, zero-padded to a power of two
+  (:func:`fixed_order_sum`): the same additions for an entry whatever else the tensor holds, and
+  the same for any padding (an exact zero added changes nothing).
+
+Rounding to a grid changes a value by at most half its unit (``2**-bits`` of the vector's
+largest magnitude, about float32's precision at the bits used here): the mode computes a
+slightly different function from the default kernels, the same one for every batch.
+
+Elementwise IEEE operations (``+ - * /``, ``sqrt``, ``round``, comparisons) are exactly rounded
+wherever they run, in a vectorised body or a scalar tail. ``torch.exp`` and the functions built
+on it are not: a vectorised (Sleef) and a scalar path may differ in the last bit, and which path
+an element takes depends on the tensor's size and the thread count (``F.silu`` over the same
+1000 values differs in 33 of them when computed in pieces of 3). :func:`exp` and :func:`silu`
+are built from the exact operations.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = ["FLOAT64_BITS", "dot_bits", "exp", "fixed_order_sum", "pow2", "silu", "to_grid"]
+
+#: Significand bits of a float64: integers up to 2**53 are exact.
+FLOAT64_BITS = 53
+
+# ln 2 split so that k * _LN2_HI is exact for |k| < 2**20 (its low 32 bits are zero): Cody and Waite's.
+_LN2_HI = 6.93147180369123816490e-01
+_LN2_LO = 1.90821492927058770002e-10
+_LOG2_E = 1.4426950408889634
+# Taylor coefficients 1/n! of e**r on |r| <= ln(2)/2, highest first: degree 10 leaves a relative
+# error below 3e-13, far below float32's rounding and the attention's 2**-24 grid.
+_EXP_COEFFICIENTS = tuple(1.0 / math.factorial(n) for n in range(10, -1, -1))
+_EXP_LIMIT = 700.0  # e**700 and e**-700 are normal float64s: 2**k stays in range
+
+
+def pow2(exponent: torch.Tensor) -> torch.Tensor:
+    """``2.0 ** exponent`` (float64) for integer exponents in [-1022, 1023], exactly: built from the
+    bits (torch's ``ldexp`` multiplies by ``pow``, whose vectorised and scalar paths need not agree)."""
+    return ((exponent.to(torch.int64) + 1023) << 52).view(torch.float64)
+
+
+def to_grid(x: torch.Tensor, bits: int, dim: int | tuple[int, ...] = -1) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` (float64) as ``ints * scale``, rounded to the nearest point of a grid of its own per
+    slice along ``dim``: ``scale`` (kept dims of size 1) is ``2**(e - bits)`` where ``2**e`` bounds
+    the slice's largest magnitude, and ``ints`` are integers (float64) with ``|ints| <= 2**bits``.
+
+    The grid of a slice depends on that slice alone. A slice of zeros has ints 0; a non-finite
+    value keeps its slice's results non-finite."""
+    top = x.abs().amax(dim=dim, keepdim=True)
+    _, exponent = torch.frexp(top)  # top < 2**exponent
+    exponent = exponent.clamp(-1000, 1000)  # NaN and inf give arbitrary exponents; their ints stay non-finite
+    return torch.round(x * pow2(bits - exponent)), pow2(exponent - bits)
+
+
+def dot_bits(terms: int) -> tuple[int, int]:
+    """Grid bits ``(a, b)`` for two vectors whose dot product of ``terms`` terms must be exact:
+    ``a + b + ceil(log2 terms) == 53``, split as evenly as possible."""
+    free = FLOAT64_BITS - max(0, math.ceil(math.log2(max(terms, 1))))
+    if free < 16:
+        raise ValueError(f"an exact dot product of {terms} terms leaves {free} bits for its factors (at least 16)")
+    return free - free // 2, free // 2
+
+
+def fixed_order_sum(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """The sum over ``dim`` by a pairwise tree over positions: entry ``i`` is first added to entry
+    ``i + w/2`` of the input zero-padded to a power-of-two width ``w``, and so on down. The order
+    depends on the positions alone, and padding further with zeros changes no bit (a zero's sign
+    aside, made +0 at the end), so a sum over a row's first ``n`` positions is the same inside
+    any wider zero-padded tensor."""
+    x = x.movedim(dim, -1)
+    width = x.shape[-1]
+    if width == 0:
+        return x.new_zeros(x.shape[:-1])
+    padded = 1 << (width - 1).bit_length()
+    if padded != width:
+        x = torch.nn.functional.pad(x, (0, padded - width))
+    while padded > 1:
+        padded //= 2
+        x = x[..., :padded] + x[..., padded:]
+    return x[..., 0] + 0.0  # -0.0 + 0.0 is +0.0: the sign of a zero sum does not depend on the padding
+
+
+def exp(x: torch.Tensor) -> torch.Tensor:
+    """``e**x`` of float64 ``x`` (relative error below 3e-13) from exactly rounded operations only, so
+    every element gets the same bits wherever it sits in the tensor. Arguments are clamped to
+    [-700, 700] (so ``exp(-inf)`` is about 1e-304, not 0: mask such entries yourself); NaN stays NaN."""
+    x = x.clamp(-_EXP_LIMIT, _EXP_LIMIT)
+    k = torch.round(x * _LOG2_E)  # x = k ln2 + r, |r| <= ln(2)/2 (about)
+    r = (x - k * _LN2_HI) - k * _LN2_LO
+    p = torch.full_like(r, _EXP_COEFFICIENTS[0])
+    for coefficient in _EXP_COEFFICIENTS[1:]:  # Horner, each step two separately rounded operations
+        p.mul_(r).add_(coefficient)
+    return p * pow2(k.nan_to_num(0.0))
+
+
+def silu(x: torch.Tensor) -> torch.Tensor:
+    """``x * sigmoid(x)`` computed in float64 with :func:`exp`, returned in ``x``'s dtype."""
+    x64 = x.to(torch.float64)
+    return (x64 / (1.0 + exp(-x64))).to(x.dtype)
