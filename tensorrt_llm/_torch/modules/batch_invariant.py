@@ -75,15 +75,17 @@ class InvariantLinear(nn.Module):
         self.bias = linear.bias
         self.x_bits, w_bits = dot_bits(self.in_features)
         ints, scale = to_grid(dense_weight(linear).to(torch.float64), w_bits)  # (out, in), (out, 1)
-        self.register_buffer("w_ints", ints, persistent=False)
+        self.register_buffer("w_ints_t", ints.T.contiguous(), persistent=False)  # (in, out)
         self.register_buffer("w_scale", scale.view(1, -1), persistent=False)  # (1, out)
+        bias = None if linear.bias is None else linear.bias.detach().to(torch.float64)
+        self.register_buffer("bias64", bias, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).to(torch.float64)  # (T, in)
         ints, scale = to_grid(rows, self.x_bits)  # (T, in), (T, 1)
-        y = (ints @ self.w_ints.T) * scale * self.w_scale  # (T, out): exact sums, exact scalings
-        if self.bias is not None:
-            y = y + self.bias.to(torch.float64)
+        y = (ints @ self.w_ints_t) * scale * self.w_scale  # (T, out): exact sums, exact scalings
+        if self.bias64 is not None:
+            y = y + self.bias64
         return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
@@ -98,6 +100,7 @@ class InvariantRMSNorm(nn.Module):
     def __init__(self, norm: RMSNorm) -> None:
         super().__init__()
         self.weight = norm.weight
+        self.register_buffer("weight64", norm.weight.detach().to(torch.float64), persistent=False)
         self.eps = norm.eps
         size = norm.weight.shape[0]
         self.bits = (FLOAT64_BITS - math.ceil(math.log2(size))) // 2 if size > 1 else 26
@@ -106,7 +109,7 @@ class InvariantRMSNorm(nn.Module):
         x64 = x.to(torch.float64)
         ints, scale = to_grid(x64, self.bits)  # (..., n), (..., 1)
         mean_square = (ints * ints).sum(dim=-1, keepdim=True) * (scale * scale) / x.shape[-1]
-        return (x64 / torch.sqrt(mean_square + self.eps) * self.weight.to(torch.float64)).to(x.dtype)
+        return (x64 * (1.0 / torch.sqrt(mean_square + self.eps)) * self.weight64).to(x.dtype)
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.eps}"
