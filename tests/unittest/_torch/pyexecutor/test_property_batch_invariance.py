@@ -97,8 +97,9 @@ def mixes(draw) -> Mix:
     doc = draw(st.integers(0, 3))
     target = draw(requests(doc))
     mates = draw(st.lists(requests(doc), max_size=4))
+    warm = tuple(draw(st.lists(requests(doc), max_size=2)))
     split = draw(st.integers(0, len(mates)))
-    longest = max(len(r.prompt) + r.max_tokens for r in [target, *mates])
+    longest = max(len(r.prompt) + r.max_tokens for r in [target, *mates, *warm])
     budget = draw(st.integers(tpb, 6 * tpb)) if chunked else draw(st.integers(longest, longest + 32))
     return Mix(
         tokens_per_block=tpb,
@@ -106,7 +107,7 @@ def mixes(draw) -> Mix:
         chunked=chunked,
         reuse=draw(st.sampled_from(["off", "on", "partial"])),
         overlap=draw(st.booleans()),
-        warm=tuple(draw(st.lists(requests(doc), max_size=2))),
+        warm=warm,
         early=tuple(mates[:split]),
         target=target,
         late=tuple(mates[split:]),
