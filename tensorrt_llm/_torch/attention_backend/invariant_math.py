@@ -6,13 +6,14 @@ choose the order: a BLAS GEMM blocks a row's dot products differently for 1, 2 o
 a batch of 1 and of 4), by thread count and by instruction set; SDPA picks a kernel by shape and
 mask. The batch-invariant mode (``docs/determinism.md``) uses two kinds of reduction instead:
 
-* **Exact sums.** Integers held in float64 whose magnitudes add up to at most ``2**53`` make
-  every partial sum, in every order, an exact float64: any kernel, blocking, thread count or
-  instruction set, fused multiply-add or not, gives the same bits. A vector becomes such
+* **Exact sums.** Integers whose sums cannot overflow are added exactly in every order: any
+  kernel, blocking, thread count or instruction set gives the same bits. A vector becomes such
   integers on a grid of its own: ``x = ints * scale`` with ``scale`` a power of two set by the
-  vector's largest magnitude (:func:`to_grid`), so the grid depends on that vector alone. A dot
-  product of two gridded vectors of ``K`` terms is exact when ``bits_a + bits_b + ceil(log2 K)
-  <= 53`` (:func:`dot_bits`); its scales multiply back exactly (powers of two).
+  vector's largest magnitude (:func:`to_grid`), so the grid depends on that vector alone. Two
+  ways to sum their products: in float64, exact while the magnitudes add up to at most ``2**53``
+  (a dot product of ``K`` terms when ``bits_a + bits_b + ceil(log2 K) <= 53``, :func:`dot_bits`);
+  or as 7-bit digits in int8 GEMMs with int32 sums (:func:`int_matmul`), recombined in int64.
+  The scales multiply back exactly (powers of two).
 * **A fixed order.** A pairwise tree over positions, zero-padded to a power of two
   (:func:`fixed_order_sum`): the same additions for an entry whatever else the tensor holds, and
   the same for any padding (an exact zero added changes nothing).
@@ -35,10 +36,18 @@ import math
 
 import torch
 
-__all__ = ["FLOAT64_BITS", "dot_bits", "exp", "fixed_order_sum", "pow2", "silu", "to_grid"]
+__all__ = ["DIGITS", "DIGIT_BITS", "FLOAT64_BITS", "INT_GRID_BITS", "dot_bits", "exp", "fixed_order_sum", "int_matmul",
+           "pow2", "silu", "to_digits", "to_grid", "weight_digits"]
 
 #: Significand bits of a float64: integers up to 2**53 are exact.
 FLOAT64_BITS = 53
+#: Balanced base-128 digits, each in [-64, 64], three to an integer of ``INT_GRID_BITS`` bits. The
+#: bound keeps int8 GEMMs exact on every x86 path: without VNNI, ``vpmaddubsw`` adds two products
+#: of an unsigned and a signed byte in int16 with saturation; 2 * 255 * 64 = 32640 stays below
+#: 32767. A dot product's int32 sum of 64 * 64 * K stays exact for K below 2**19.
+DIGIT_BITS = 7
+DIGITS = 3
+INT_GRID_BITS = DIGIT_BITS * DIGITS - 1  # |ints| <= 2**20: the top digit is at most 64
 
 # ln 2 split so that k * _LN2_HI is exact for |k| < 2**20 (its low 32 bits are zero): Cody and Waite's.
 _LN2_HI = 6.93147180369123816490e-01
@@ -70,6 +79,40 @@ def to_grid(x: torch.Tensor, bits: int, dim: int | tuple[int, ...] = -1) -> tupl
     biased = (top.view(torch.int64) >> 52) & 0x7FF
     scale = ((biased + (1 - bits)).clamp_(1, 2046) << 52).view(torch.float64)
     return torch.round(x * (1.0 / scale)), scale  # 1 / 2**k is exact
+
+
+def to_digits(ints: torch.Tensor) -> torch.Tensor:
+    """Integers (float64, ``|ints| <= 2**INT_GRID_BITS``) as their :data:`DIGITS` balanced base-128
+    digits, lowest first: int8 ``(DIGITS, *ints.shape)`` with ``ints = sum_i digits[i] * 128**i``
+    and every digit in [-64, 64]."""
+    digits, rest = [], ints
+    for _ in range(DIGITS - 1):
+        high = torch.round(rest * (1.0 / 2**DIGIT_BITS))  # exact: a power of two, then the nearest integer
+        digits.append(rest - high * 2**DIGIT_BITS)  # in [-64, 64]
+        rest = high
+    digits.append(rest)
+    return torch.stack(digits).to(torch.int8)
+
+
+def weight_digits(ints: torch.Tensor) -> torch.Tensor:
+    """A weight's integers ``(K, N)`` (float64, ``|ints| <= 2**INT_GRID_BITS``) as the int8 right
+    operand of :func:`int_matmul`: its digits side by side, ``(K, DIGITS * N)``, digit ``j`` in
+    columns ``[j * N, (j + 1) * N)``."""
+    return torch.cat(list(to_digits(ints)), dim=1).contiguous()
+
+
+def int_matmul(x_digits: torch.Tensor, w_digits: torch.Tensor) -> torch.Tensor:
+    """The exact integer product ``X @ W``, int64 ``(T, N)``, of integers given as digits:
+    ``x_digits`` (DIGITS, T, K) from :func:`to_digits`, ``w_digits`` (K, DIGITS * N) from
+    :func:`weight_digits`. One int8 GEMM of every input digit (stacked as rows) by every weight
+    digit (side by side): each weight byte is read once, every int32 sum is exact (so in any
+    order), and the nine products are shifted into place and added in int64, exactly."""
+    _, T, K = x_digits.shape
+    N = w_digits.shape[1] // DIGITS
+    parts = torch._int_mm(x_digits.reshape(DIGITS * T, K), w_digits)  # (DIGITS * T, DIGITS * N) int32
+    parts = parts.view(DIGITS, T, DIGITS, N).to(torch.int64)  # [i, t, j, n]: input digit i times weight digit j
+    by_weight_digit = parts[0] + (parts[1] << DIGIT_BITS) + (parts[2] << 2 * DIGIT_BITS)  # (T, DIGITS, N)
+    return by_weight_digit[:, 0] + (by_weight_digit[:, 1] << DIGIT_BITS) + (by_weight_digit[:, 2] << 2 * DIGIT_BITS)
 
 
 def dot_bits(terms: int) -> tuple[int, int]:

@@ -10,8 +10,8 @@ invariant and what it costs.
 layer                       batch-invariant form
 ==========================  ===================================================================
 ``Linear``                  :class:`InvariantLinear`: the weight on a per-output-row grid (once),
-                            each input row on its own grid, one float64 matmul of integers:
-                            exact, so any BLAS blocking gives the same bits
+                            each input row on its own grid, their integer products exact by
+                            int8 GEMMs of 7-bit digits: any blocking gives the same bits
 ``RMSNorm``                 :class:`InvariantRMSNorm`: the sum of squares exact (row on a grid)
 ``GatedMLP.act_fn``         :class:`InvariantSiLU`: SiLU from exactly rounded operations
 ``RotaryEmbedding``         :class:`InvariantRotaryEmbedding`: cos/sin read from a table built once
@@ -19,8 +19,9 @@ layer                       batch-invariant form
                             engine's plan builder is ``cpu_invariant.CpuInvariantPlanBuilder``
 ==========================  ===================================================================
 
-Where another linear kind is added (packed or quantized weights), :func:`dense_weight` is the one
-place that says which dense weight its batch-invariant form multiplies by.
+A linear kind added later (quantized weights kept quantized) gets a batch-invariant form by one
+entry in :func:`make_batch_invariant`'s table: ``InvariantLinear(layer, its dequantized weight)``.
+Without one, building a batch-invariant model with it is refused by name.
 """
 
 from __future__ import annotations
@@ -31,7 +32,15 @@ import torch
 from torch import nn
 
 from tensorrt_llm._torch.attention_backend.cpu_invariant import invariant_attention
-from tensorrt_llm._torch.attention_backend.invariant_math import FLOAT64_BITS, dot_bits, silu, to_grid
+from tensorrt_llm._torch.attention_backend.invariant_math import (
+    FLOAT64_BITS,
+    INT_GRID_BITS,
+    int_matmul,
+    silu,
+    to_digits,
+    to_grid,
+    weight_digits,
+)
 from tensorrt_llm._torch.modules.attention import CausalAttention
 from tensorrt_llm._torch.modules.linear import Linear
 from tensorrt_llm._torch.modules.rms_norm import RMSNorm
@@ -49,41 +58,43 @@ _TABLE_PIECE = 16384
 
 def dense_weight(linear: Linear) -> torch.Tensor:
     """The ``(out, in)`` weight ``linear`` multiplies by: its float16-rounded copy when it is packed
-    (``Linear.pack_float16``), else ``weight`` itself. A linear kind with other stored weights
-    (quantized) gives its dequantized weight here."""
+    (``Linear.pack_float16``), else ``weight`` itself."""
     weight = linear.weight.detach()
     return weight.to(torch.float16).to(weight.dtype) if linear.packed_float16 else weight
 
 
 class InvariantLinear(nn.Module):
-    """``y = x @ W.T + b``, exact up to one rounding per grid: ``W`` rounded once to a grid of its
-    own per output row and each input row of ``x`` to one of its own (``invariant_math.to_grid``),
-    their integer products summed exactly in float64, the scales (powers of two) multiplied back,
-    then the bias added and the result rounded to ``x``'s dtype. The grid bits share a float64's 53
-    between the two factors and the ``ceil(log2 in_features)`` the sum needs (``dot_bits``): 21
-    and 22 bits for SmolLM2's 576 inputs.
+    """``y = x @ W.T + b`` with every dot product exact before one rounding: ``W`` rounded once to
+    a grid of its own per output row and each input row of ``x`` to one of its own
+    (``invariant_math.to_grid``, 20 bits: about float32's precision), their integer products
+    computed exactly by int8 GEMMs of 7-bit digits (``invariant_math.int_matmul``: int32 sums, so
+    any blocking, thread count or instruction set gives the same bits), the scales (powers of
+    two) multiplied back, the bias added in float64 and the result rounded to ``x``'s dtype.
 
-    Holds the original ``weight`` and ``bias`` parameters (tied or shared, as they were) and the
-    gridded weight as float64 buffers (twice float32's bytes). One rank only (no tensor parallelism)."""
+    Built from the layer it replaces and the dense ``(out, in)`` weight that layer multiplies by
+    (:func:`dense_weight` for a :class:`Linear`; a dequantized weight for a quantized kind). Keeps
+    that layer's ``weight`` and ``bias`` parameters (tied or shared, as they were: the state dict
+    and the device do not change) and the weight's three int8 digits as buffers (three bytes a
+    weight, read once per forward). One rank only: a sharded layer is refused."""
 
-    def __init__(self, linear: Linear) -> None:
+    def __init__(self, linear: nn.Module, weight: torch.Tensor) -> None:
         super().__init__()
-        if linear.tensor_parallel_mode is not None:
+        if getattr(linear, "tensor_parallel_mode", None) is not None:
             raise ValueError("a batch-invariant linear runs on one rank (tensor_parallel_size 1)")
-        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.out_features, self.in_features = weight.shape
         self.weight = linear.weight  # the same parameter (device, state_dict, tying)
         self.bias = linear.bias
-        self.x_bits, w_bits = dot_bits(self.in_features)
-        ints, scale = to_grid(dense_weight(linear).to(torch.float64), w_bits)  # (out, in), (out, 1)
-        self.register_buffer("w_ints_t", ints.T.contiguous(), persistent=False)  # (in, out)
+        ints, scale = to_grid(weight.detach().to(torch.float64), INT_GRID_BITS)  # (out, in), (out, 1)
+        self.register_buffer("w_digits", weight_digits(ints.T), persistent=False)  # (in, DIGITS * out) int8
         self.register_buffer("w_scale", scale.view(1, -1), persistent=False)  # (1, out)
         bias = None if linear.bias is None else linear.bias.detach().to(torch.float64)
         self.register_buffer("bias64", bias, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).to(torch.float64)  # (T, in)
-        ints, scale = to_grid(rows, self.x_bits)  # (T, in), (T, 1)
-        y = (ints @ self.w_ints_t) * scale * self.w_scale  # (T, out): exact sums, exact scalings
+        ints, scale = to_grid(rows, INT_GRID_BITS)  # (T, in), (T, 1)
+        exact = int_matmul(to_digits(ints), self.w_digits)  # (T, out) int64
+        y = exact.to(torch.float64) * scale * self.w_scale  # one rounding, then exact scalings
         if self.bias64 is not None:
             y = y + self.bias64
         return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
@@ -130,10 +141,9 @@ class InvariantRotaryEmbedding(nn.Module):
 
     def __init__(self, rotary: RotaryEmbedding, max_positions: int) -> None:
         super().__init__()
-        device = rotary.inv_freq.device
-        pieces = [rotary(torch.arange(start, min(start + max(1, _TABLE_PIECE // rotary.inv_freq.numel()), max_positions),
-                                      device=device))
-                  for start in range(0, max_positions, max(1, _TABLE_PIECE // rotary.inv_freq.numel()))]
+        step = max(1, _TABLE_PIECE // rotary.inv_freq.numel())  # positions per piece
+        positions = torch.arange(max_positions, device=rotary.inv_freq.device)
+        pieces = [rotary(positions[start : start + step]) for start in range(0, max_positions, step)]
         self.register_buffer("cos_table", torch.cat([cos for cos, _ in pieces]), persistent=False)  # (P, head_dim/2)
         self.register_buffer("sin_table", torch.cat([sin for _, sin in pieces]), persistent=False)
 
@@ -157,7 +167,8 @@ def make_batch_invariant(model: nn.Module, *, max_positions: int) -> None:
     module (one with no children: it computes something itself) of a kind with no batch-invariant
     form here is refused by name: its arithmetic could depend on the batch. Containers only
     compose their children (residual adds and views are elementwise)."""
-    swaps = {Linear: InvariantLinear, RMSNorm: InvariantRMSNorm, nn.SiLU: lambda _: InvariantSiLU(),
+    swaps = {Linear: lambda linear: InvariantLinear(linear, dense_weight(linear)), RMSNorm: InvariantRMSNorm,
+             nn.SiLU: lambda _: InvariantSiLU(),
              CausalAttention: lambda _: InvariantCausalAttention(),
              RotaryEmbedding: lambda rotary: InvariantRotaryEmbedding(rotary, max_positions)}
     for parent in list(model.modules()):

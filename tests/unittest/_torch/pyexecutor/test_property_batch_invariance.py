@@ -2,9 +2,9 @@
 else is in its batches (docs/determinism.md).
 
 Each example draws a batch mix (block size, token budget and chunked prefill, block reuse off /
-on / partial, the overlap scheduler, a target request with its prompt length, sampling and
-logprobs, batch mates that share its prefix or not, cached prompts warmed first, when the target
-arrives) and serves it on a fresh float32 tiny-random LLM. The target's tokens, sampled
+on / partial, a host tier under a tight pool, the overlap scheduler, a target request with its
+prompt length, sampling and logprobs, batch mates that share its prefix or not, cached prompts
+warmed first, when the target arrives) and serves it on a fresh float32 tiny-random LLM. The target's tokens, sampled
 logprobs and prompt logprobs must equal, bit for bit, what the same request gets alone on an LLM
 with none of that (one chunk, no reuse, no overlap). float32 on purpose: there the default
 kernels do differ between batch shapes (``tests/unittest/serve/test_completions_batch.py``
@@ -26,6 +26,7 @@ from tensorrt_llm.llmapi.llm_args import LlmArgs
 from tests.helpers.strategies import examples
 
 VOCAB = 512  # tiny-random
+TOKEN_BYTES = 2 * 2 * 2 * 16 * 4  # K and V, 2 layers, 2 KV heads of 16, float32: one token in every pool
 RESULT_TIMEOUT_S = 60
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -60,6 +61,7 @@ class Mix:
     max_num_tokens: int
     chunked: bool
     reuse: str  # off, on, partial
+    host_blocks: int  # the host tier (offload and onboard); 0: none
     overlap: bool
     warm: tuple[Request, ...]  # served one at a time first: the prefix tree holds them
     early: tuple[Request, ...]  # submitted first; the target comes once they are running
@@ -69,9 +71,17 @@ class Mix:
     def llm(self) -> LLM:
         return LLM("tiny-random", batch_invariant=True, max_num_tokens=self.max_num_tokens, max_batch_size=8,
                    max_seq_len=128, enable_chunked_prefill=self.chunked, disable_overlap_scheduler=not self.overlap,
-                   kv_cache_config=KvCacheConfig(tokens_per_block=self.tokens_per_block, num_blocks=128,
+                   kv_cache_config=KvCacheConfig(tokens_per_block=self.tokens_per_block, num_blocks=self.num_blocks,
                                                  enable_block_reuse=self.reuse != "off",
-                                                 enable_partial_reuse=self.reuse == "partial"))
+                                                 enable_partial_reuse=self.reuse == "partial",
+                                                 host_cache_size=self.host_blocks * self.tokens_per_block * TOKEN_BYTES))
+
+    @property
+    def num_blocks(self) -> int:
+        """Enough for every request at once, and a tight pool (evictions, host round trips) when the tier is on."""
+        need = sum(-(-(len(r.prompt) + r.max_tokens) // self.tokens_per_block) for r in [self.target, *self.early,
+                                                                                         *self.late])
+        return need + 2 if self.host_blocks else 4 * need + 8
 
 
 @st.composite
@@ -106,6 +116,7 @@ def mixes(draw) -> Mix:
         max_num_tokens=budget,
         chunked=chunked,
         reuse=draw(st.sampled_from(["off", "on", "partial"])),
+        host_blocks=draw(st.sampled_from([0, 0, 4, 16])),
         overlap=draw(st.booleans()),
         warm=warm,
         early=tuple(mates[:split]),

@@ -21,7 +21,18 @@ from tensorrt_llm._torch.attention_backend.cpu_invariant import (
     CpuInvariantPlanBuilder,
     invariant_attention,
 )
-from tensorrt_llm._torch.attention_backend.invariant_math import dot_bits, exp, fixed_order_sum, pow2, silu, to_grid
+from tensorrt_llm._torch.attention_backend.invariant_math import (
+    INT_GRID_BITS,
+    dot_bits,
+    exp,
+    fixed_order_sum,
+    int_matmul,
+    pow2,
+    silu,
+    to_digits,
+    to_grid,
+    weight_digits,
+)
 from tests.helpers.strategies import examples
 
 F64 = torch.float64
@@ -71,6 +82,24 @@ def test_an_exact_dot_product_does_not_depend_on_the_summation_order():
     orders = [products.sum(), fixed_order_sum(products), products.flip(0).cumsum(0)[-1], a @ b,
               sum(products.tolist()), sum(products[torch.randperm(4096, generator=gen)].tolist())]
     assert len({float(o) for o in orders}) == 1
+
+
+@pytest.mark.parametrize("rows, inner, cols", [(1, 7, 3), (3, 64, 512), (5, 576, 40), (2, 1536, 8)])
+def test_int_matmul_is_the_exact_integer_product(rows, inner, cols):
+    """Digits round-trip, and the int8 GEMMs' product is the exact one: for random integers and
+    for the extremes (every digit at +-64, the bound that keeps every x86 int8 path exact)."""
+    gen = torch.Generator().manual_seed(rows * inner)
+    top = 2**INT_GRID_BITS
+    cases = [(torch.randint(-top, top + 1, (rows, inner), generator=gen).double(),
+              torch.randint(-top, top + 1, (inner, cols), generator=gen).double())]
+    extreme = float(sum(64 * 128**i for i in range(3)))  # all three digits 64
+    cases.append((torch.full((rows, inner), extreme, dtype=F64), torch.full((inner, cols), -extreme, dtype=F64)))
+    for x, w in cases:
+        digits = to_digits(x)
+        assert digits.dtype == torch.int8 and digits.abs().max() <= 64
+        assert torch.equal(sum(digits[i].double() * 128**i for i in range(3)), x)
+        got = int_matmul(digits, weight_digits(w))
+        assert torch.equal(got, x.long() @ w.long())
 
 
 def test_fixed_order_sum_is_the_same_inside_any_zero_padding():
