@@ -12,17 +12,17 @@ Per query ``i`` at position ``p`` and head ``h`` (keys ``j <= p`` of its sequenc
     s_j  = (q . k_j) * scale      q and k_j each on a grid of their own: the dot product is exact
     e_j  = exp(s_j - max s)       invariant_math.exp, then rounded to the absolute grid 2**-24
     den  = sum_j e_j              exact (integers on one grid)
-    num  = sum over key blocks b = 0, 1, ... (B = 32 absolute positions each) of
+    num  = sum over key blocks b = 0, 1, ... (B = 16 absolute positions each) of
              sum_{j in b} e_j v_j    blocks wholly before p's block: one exact matmul, v on the
                                      block's own grid (all B keys visible, so the grid depends on
                                      visible keys only);
-                                     p's own block: products in full precision, then a pairwise
-                                     tree over its B positions (the query sees only part of it)
+                                     p's own block: products in full precision, added in the
+                                     order of their positions (the query sees only part of it)
            combined by a pairwise tree over block indices (``fixed_order_sum``)
     out  = num / den
 
-    positions   0 ............ 31 | 32 ........... 63 | 64 ... p ...... 95
-    block       0  (full: matmul) | 1  (full: matmul) | 2  (p's block: tree, keys > p at 0)
+    positions   0 ............ 15 | 16 ........... 31 | 32 ... p ...... 47
+    block       0  (full: matmul) | 1  (full: matmul) | 2  (p's block: in order, keys > p at 0)
 
 The plan reuses ``cpu_paged``'s layout and length groups (padding repeats a sequence's last query
 row and its key at position 0; padded keys lie after every real query's position and are
@@ -45,12 +45,15 @@ from tensorrt_llm._torch.attention_backend.paged import gather_slots, layer_scal
 
 __all__ = ["CpuInvariantPlan", "CpuInvariantPlanBuilder", "InvariantGroup", "InvariantLayerKV", "invariant_attention"]
 
-#: Keys per block of the P.V product (absolute positions [b * B, (b + 1) * B)).
-KEY_BLOCK = 32
+#: Keys per block of the P.V product (absolute positions [b * B, (b + 1) * B)). A query's own block
+#: costs it B products, the blocks before it one partial sum each: B near sqrt(keys) keeps both small.
+KEY_BLOCK = 16
 #: Grid bits of the softmax numerators (absolute: e_j <= 1) and of V within a block: with
 #: ceil(log2 KEY_BLOCK) they fill a float64's 53 bits, so a block's P.V is exact.
 PROB_BITS = 24
 VALUE_BITS = 53 - PROB_BITS - (KEY_BLOCK - 1).bit_length()
+#: The numerators are rounded to 2**-24: a degree-7 exp (relative error below 6e-9) is exact enough.
+_EXP_DEGREE = 7
 #: float64 intermediates one slice of queries may hold (bytes).
 _SLICE_BYTES = 64 << 20
 
@@ -72,16 +75,12 @@ def invariant_attention(
     k_ints, k_scale = to_grid(k.to(f64).transpose(1, 2), k_bits)  # (n, Hkv, K, D), (n, Hkv, K, 1)
     k_ints_t, k_scale_t = k_ints.transpose(-1, -2), k_scale.transpose(-1, -2)  # (n, Hkv, D, K), (n, Hkv, 1, K)
     v64 = torch.nn.functional.pad(v.to(f64).transpose(1, 2), (0, 0, 0, Kp - K))  # (n, Hkv, Kp, D)
-    v_blocks = v64.view(n, Hkv, nb, KEY_BLOCK, D)
-    v_ints, v_scale = to_grid(v_blocks, VALUE_BITS, dim=(-2, -1))  # (n, Hkv, nb, B, D), (n, Hkv, nb, 1, 1)
+    v_ints, v_scale = to_grid(v64.view(n, Hkv, nb, KEY_BLOCK, D), VALUE_BITS, dim=(-2, -1))  # per block
     key_pos = torch.arange(K)  # (K,)
     key_block = torch.arange(Kp) // KEY_BLOCK  # (Kp,)
-    in_block = torch.arange(KEY_BLOCK)  # (B,)
-    seqs = torch.arange(n)[:, None, None, None]
-    heads = torch.arange(Hkv)[None, :, None, None]
 
     out = torch.empty(n, Hkv, g, Q, D, dtype=f64)
-    per_query = n * Hq * (4 * Kp + KEY_BLOCK * D + nb * D) * 8
+    per_query = n * Hq * (4 * Kp + 3 * D + nb * D) * 8
     step = max(1, _SLICE_BYTES // max(per_query, 1))
     for a in range(0, Q, step):
         b = min(Q, a + step)
@@ -93,24 +92,26 @@ def invariant_attention(
         scores = (q_ints @ k_ints_t) * q_scale * k_scale_t * scale  # (n, Hkv, gQs, K): exact dot, one rounding
         visible = (key_pos[None, None, :] <= pos[:, :, None])[:, None]  # (n, 1, gQs, K)
         scores = scores.masked_fill(~visible, float("-inf"))
-        weights = exp(scores - scores.amax(dim=-1, keepdim=True))  # (n, Hkv, gQs, K), max exact
+        weights = exp(scores - scores.amax(dim=-1, keepdim=True), _EXP_DEGREE)  # (n, Hkv, gQs, K), max exact
         e = torch.round(weights.masked_fill_(~visible, 0.0) * 2.0**PROB_BITS)  # integers <= 2**24
         den = e.sum(dim=-1, keepdim=True)  # (n, Hkv, gQs, 1), exact
         e = torch.nn.functional.pad(e, (0, Kp - K))  # (n, Hkv, gQs, Kp)
-        diag = torch.div(pos, KEY_BLOCK, rounding_mode="floor")  # (n, gQs) the query's own block
+        own = torch.div(pos, KEY_BLOCK, rounding_mode="floor")[:, None, :, None]  # (n, 1, gQs, 1) the query's block
 
         # Blocks wholly before the query's own: one exact matmul per block, v on the block's grid.
-        before = (key_block[None, None, :] < diag[:, :, None])[:, None]  # (n, 1, gQs, Kp)
+        before = key_block < own  # (n, 1, gQs, Kp)
         e_full = e.masked_fill(~before, 0.0).view(n, Hkv, g * Qs, nb, KEY_BLOCK).transpose(2, 3)  # (n,Hkv,nb,gQs,B)
         parts = (e_full @ v_ints) * v_scale  # (n, Hkv, nb, gQs, D), exact per block
 
-        # The query's own block: exact products, a fixed tree over its B positions.
-        own = diag[:, None, :, None] * KEY_BLOCK + in_block  # (n, 1, gQs, B) key indices
-        e_own = e.gather(-1, own.expand(n, Hkv, g * Qs, KEY_BLOCK))  # (n, Hkv, gQs, B)
-        v_own = v64[seqs, heads, own]  # (n, Hkv, gQs, B, D)
-        mine = fixed_order_sum(e_own[..., None] * v_own, dim=-2)  # (n, Hkv, gQs, D)
-        index = diag[:, None, None, :, None].expand(n, Hkv, 1, g * Qs, D)
-        parts.scatter_(2, index, mine[:, :, None])  # its block's slot held 0 (e_full masked it)
+        # The query's own block: exact products added in the order of their positions.
+        first = (own * KEY_BLOCK).expand(n, Hkv, g * Qs, 1)  # (n, Hkv, gQs, 1) its block's first key
+        mine = None
+        for offset in range(KEY_BLOCK):
+            index = first + offset
+            v_at = v64.gather(2, index.expand(n, Hkv, g * Qs, D))  # (n, Hkv, gQs, D)
+            term = e.gather(-1, index) * v_at  # exact: a 25-bit integer times v
+            mine = term if mine is None else mine + term
+        parts.scatter_(2, own[:, :, None].expand(n, Hkv, 1, g * Qs, D), mine[:, :, None])  # its slot held 0
 
         num = fixed_order_sum(parts, dim=2)  # (n, Hkv, gQs, D): blocks in order of position
         out[:, :, :, a:b] = (num / den).view(n, Hkv, g, Qs, D)

@@ -93,8 +93,7 @@ class InvariantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).to(torch.float64)  # (T, in)
         ints, scale = to_grid(rows, INT_GRID_BITS)  # (T, in), (T, 1)
-        exact = int_matmul(to_digits(ints), self.w_digits)  # (T, out) int64
-        y = exact.to(torch.float64) * scale * self.w_scale  # one rounding, then exact scalings
+        y = int_matmul(to_digits(ints), self.w_digits) * scale * self.w_scale  # (T, out), exact scalings
         if self.bias64 is not None:
             y = y + self.bias64
         return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
