@@ -134,17 +134,18 @@ def fixed_order_sum(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     depends on the positions alone, and padding further with zeros changes no bit (a zero's sign
     aside, made +0 at the end), so a sum over a row's first ``n`` positions is the same inside
     any wider zero-padded tensor."""
-    x = x.movedim(dim, -1)
-    width = x.shape[-1]
+    dim = dim % x.dim()
+    width = x.shape[dim]
     if width == 0:
-        return x.new_zeros(x.shape[:-1])
+        return x.sum(dim) + 0.0
     padded = 1 << (width - 1).bit_length()
     if padded != width:
-        x = torch.nn.functional.pad(x, (0, padded - width))
+        zeros = x.new_zeros(*x.shape[:dim], padded - width, *x.shape[dim + 1 :])
+        x = torch.cat((x, zeros), dim=dim)
     while padded > 1:
         padded //= 2
-        x = x[..., :padded] + x[..., padded:]
-    return x[..., 0] + 0.0  # -0.0 + 0.0 is +0.0: the sign of a zero sum does not depend on the padding
+        x = x.narrow(dim, 0, padded) + x.narrow(dim, padded, padded)
+    return x.squeeze(dim) + 0.0  # -0.0 + 0.0 is +0.0: the sign of a zero sum does not depend on the padding
 
 
 def exp(x: torch.Tensor, degree: int = 9) -> torch.Tensor:
