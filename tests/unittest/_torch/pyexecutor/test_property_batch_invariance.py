@@ -79,8 +79,8 @@ class Mix:
     @property
     def num_blocks(self) -> int:
         """Enough for every request at once, and a tight pool (evictions, host round trips) when the tier is on."""
-        need = sum(-(-(len(r.prompt) + r.max_tokens) // self.tokens_per_block) for r in [self.target, *self.early,
-                                                                                         *self.late])
+        requests = [self.target, *self.early, *self.late, *self.warm]
+        need = sum(-(-(len(r.prompt) + r.max_tokens) // self.tokens_per_block) for r in requests)
         return need + 2 if self.host_blocks else 4 * need + 8
 
 
