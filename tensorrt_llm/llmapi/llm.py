@@ -208,6 +208,10 @@ class LLM:
     same arguments (``trtllm-serve`` does both). ``check_decisions``: the ranks compare a digest of
     their decisions before every forward.
 
+    ``batch_invariant=True`` builds the model with the batch-invariant layers: a request's tokens
+    and logprobs are then the same bits whatever else is in its batches, however its prompt is
+    chunked or reused, at any thread count; CPU and one rank only (docs/determinism.md).
+
     ``device="auto"`` (the default) serves on the GPU when torch sees one and on the CPU otherwise.
     ``max_seq_len`` defaults to the model's ``max_position_embeddings``, lowered to what the KV
     pool holds for one sequence (as upstream derives it from the checkpoint and the pool);
