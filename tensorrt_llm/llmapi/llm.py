@@ -36,7 +36,7 @@ from tensorrt_llm._torch.pyexecutor.sampling_config import SEED_LIMIT, SamplingC
 from tensorrt_llm._torch.pyexecutor.py_executor_creator import create_py_executor
 from tensorrt_llm.llmapi.config_fields import build_nested, from_mapping
 from tensorrt_llm.llmapi.kv_cache_events import event_dict
-from tensorrt_llm.llmapi.llm_args import KVEventsConfig
+from tensorrt_llm.llmapi.llm_args import KVEventsConfig, check_batch_invariant
 from tensorrt_llm.llmapi.llm_utils import (
     GenerationDefaults,
     describe_checkpoint,
@@ -223,6 +223,10 @@ class LLM:
     only, tokens come from ``SyntheticSampler`` and each forward sleeps what the config's cost
     formula says (replicas behind real HTTP at a device's latencies, on a small CPU machine).
 
+    ``batch_invariant=True`` builds the model with the batch-invariant layers: a request's tokens
+    and logprobs are then the same bits whatever else is in its batches, however its prompt is
+    chunked or reused, at any thread count; CPU and one rank only (docs/determinism.md).
+
     ``device="auto"`` (the default) serves on the GPU when torch sees one and on the CPU otherwise.
     ``max_seq_len`` defaults to the model's ``max_position_embeddings``, lowered to what the KV
     pool holds for one sequence (as upstream derives it from the checkpoint and the pool);
@@ -241,6 +245,7 @@ class LLM:
         check_decisions: bool = False,
         simulated_engine: SimulatedEngineConfig | Mapping | None = None,
         kv_events_config: KVEventsConfig | dict | None = None,
+        batch_invariant: bool = False,
         **executor_options,
     ) -> None:
         self.kv_events_config = _kv_events_config(kv_events_config)
@@ -251,7 +256,11 @@ class LLM:
             if tensor_parallel_size > 1:
                 raise ValueError("simulated_engine runs on one rank (tensor_parallel_size=1)")
             device = "cpu" if device == "auto" else device  # no model runs: nothing for a GPU to do
+        if not isinstance(batch_invariant, bool):
+            raise ValueError(f"batch_invariant must be a bool, got {batch_invariant!r}")
         device = resolve_device(device, ranks=tensor_parallel_size)
+        if batch_invariant:
+            check_batch_invariant(str(device), tensor_parallel_size)
         if dtype is None and device.type == "cuda" and seeded_model(model) is not None:
             dtype = "bfloat16"  # DESIGN.md §7; a checkpoint runs in its own dtype there (llm_utils.default_dtype)
         self.device = device
@@ -286,7 +295,7 @@ class LLM:
         elif simulated_engine is not None:
             self._build_simulated(model, config, executor_options, simulated_engine, dtype=dtype, seed=seed)
         else:
-            loaded = load_model(model, dtype=dtype, seed=seed, device=device)
+            loaded = load_model(model, dtype=dtype, seed=seed, device=device, batch_invariant=batch_invariant)
             self.model_id = loaded.model_id  # the served name: the preset's, or the .gguf file's stem
             self.tokenizer = loaded.tokenizer  # None for random-weight models
             self.generation_defaults = loaded.generation_defaults  # generation_config.json's sampling values
@@ -358,7 +367,8 @@ class LLM:
         tokenizer lacks: they decode to ``''``), KV pool (an FP8 pool's scales: the checkpoint's or
         1.0) and ``max_seq_len`` (with the limit that set it)."""
         kv = self.config.kv_cache_config
-        line = f"model {self.model_id} on {self.device} ({self.model_config.dtype})"
+        line = f"model {self.model_id} on {self.device} ({self.model_config.dtype}"
+        line += ", batch-invariant)" if self.model_config.batch_invariant else ")"
         line += f", vocabulary {self.model_config.vocab_size}"
         if self.tokenizer is not None and self.tokenizer.num_padded_ids:
             line += (f" (tokenizer covers {self.tokenizer.num_tokens}; {self.tokenizer.num_padded_ids} ids"
@@ -678,6 +688,7 @@ def follow_rank0(
     enable_attention_dp: bool = False,
     check_decisions: bool = False,
     kv_events_config: KVEventsConfig | dict | None = None,
+    batch_invariant: bool = False,
     **executor_options,
 ) -> int:
     """A ``torchrun`` rank other than 0: build this rank's shard and executor from the same
@@ -690,6 +701,8 @@ def follow_rank0(
         raise ValueError(f"tensor_parallel_size={tensor_parallel_size}, but torchrun started {launch.world_size} ranks")
     if enable_attention_dp:
         raise ValueError(_TORCHRUN_ATTENTION_DP)
+    if batch_invariant:
+        check_batch_invariant(device, launch.world_size)
     if resolve_device(device, ranks=launch.world_size).type != "cpu":
         raise ValueError("ranks run on the CPU only (gloo)")
     # rank 0's process publishes the events (under TP its pool speaks for all): only the buffer matters here

@@ -103,6 +103,10 @@ class LlmArgs:
     simulated_engine: SimulatedEngineConfig | None = None
     # KV cache events for a router, in vLLM's wire format on a ZMQ socket; None: none published
     kv_events_config: KVEventsConfig | None = None
+    # the batch-invariant kernels: a request's tokens and logprobs are the same bits whatever else
+    # is in the batch, however its prompt is chunked or reused (vLLM's VLLM_BATCH_INVARIANT;
+    # docs/determinism.md). CPU, one rank; slower (the docs give the cost)
+    batch_invariant: bool = False
     executor: ExecutorConfig = nested(ExecutorConfig, inline=True)
 
     def __post_init__(self) -> None:
@@ -111,3 +115,16 @@ class LlmArgs:
         size = self.tensor_parallel_size
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
             raise ValueError(f"tensor_parallel_size must be a positive integer, got {size!r}")
+        if self.batch_invariant:
+            check_batch_invariant(self.device, size)
+
+
+def check_batch_invariant(device: str, tensor_parallel_size: int) -> None:
+    """Raise ValueError unless ``batch_invariant`` can run with ``device`` (a name; ``auto`` is
+    decided where the LLM resolves it) on ``tensor_parallel_size`` ranks: the CPU, one rank."""
+    if tensor_parallel_size > 1:
+        raise ValueError(f"batch_invariant runs on one rank, got tensor_parallel_size={tensor_parallel_size}: the "
+                         "ranks' all-reduce sums in an order set by the batch (docs/determinism.md)")
+    if device.startswith("cuda"):
+        raise ValueError(f"batch_invariant runs on the CPU only, got device={device!r}: the CUDA kernels' reductions "
+                         "depend on the batch (docs/determinism.md)")

@@ -201,15 +201,16 @@ def default_dtype(device: torch.device | str, checkpoint_dtype: str | None = Non
 
 
 def seeded_model(
-    model: str | os.PathLike[str] | LlamaConfig, *, dtype: str | None = None, seed: int | None = None
+    model: str | os.PathLike[str] | LlamaConfig, *, dtype: str | None = None, seed: int | None = None,
+    batch_invariant: bool = False,
 ) -> tuple[str, LlamaConfig] | None:
     """``(model_id, config)`` when ``model`` names random weights drawn from a seed (a preset or a
     ``LlamaConfig``), None otherwise: such a model can be rebuilt anywhere (another rank, another
     device) from its config alone."""
     if isinstance(model, LlamaConfig):
-        return "llama-random", _override(model, dtype, seed)
+        return "llama-random", _override(model, dtype, seed, batch_invariant)
     if isinstance(model, (str, os.PathLike)) and os.fspath(model) in MODEL_PRESETS:
-        return os.fspath(model), _override(MODEL_PRESETS[os.fspath(model)], dtype, seed)
+        return os.fspath(model), _override(MODEL_PRESETS[os.fspath(model)], dtype, seed, batch_invariant)
     return None
 
 
@@ -305,22 +306,27 @@ def load_model(
     dtype: str | None = None,
     seed: int | None = None,
     device: torch.device | str = "cpu",
+    batch_invariant: bool = False,
 ) -> LoadedModel:
     """Build the model ``model`` names, on ``device``. Raises ValueError naming what is wrong:
     :class:`ModelNotFound` for a name that matches nothing, CheckpointError for a bad checkpoint
-    (an architecture or config key we do not run, a missing or misshapen tensor)."""
-    seeded = seeded_model(model, dtype=dtype, seed=seed)
+    (an architecture or config key we do not run, a missing or misshapen tensor).
+    ``batch_invariant``: built with the batch-invariant layers (``LlamaConfig.batch_invariant``)."""
+    seeded = seeded_model(model, dtype=dtype, seed=seed, batch_invariant=batch_invariant)
     if seeded is not None:
         model_id, config = seeded
         return LoadedModel(model_id, LlamaForCausalLM(config, device=device), None, from_seed=True)
     described = describe_checkpoint(model, dtype=dtype, seed=seed, device=device)
+    if batch_invariant:
+        described = dataclasses.replace(described, config=dataclasses.replace(described.config, batch_invariant=True))
     if described.config.packs_linear_weights and torch.device(device).type != "cpu":
         raise ValueError(f"dtype {FLOAT16_WEIGHTS!r} runs on the CPU only, not on {torch.device(device).type}")
     if is_hf_checkpoint(described.path):
         # streamed from the files straight onto the device: the host never holds the whole model
         model_ = load_hf_checkpoint(described.path, described.config, device=device).model
     else:
-        model_ = load_llama_from_gguf(described.path, dtype=described.config.dtype)
+        model_ = load_llama_from_gguf(described.path, dtype=described.config.dtype,
+                                      batch_invariant=described.config.batch_invariant)
         if torch.device(device).type != "cpu":
             model_.to(device)  # dequantised on the CPU, then moved (RoPE frequencies keep their dtype)
     return LoadedModel(described.model_id, model_, described.tokenizer,
@@ -359,9 +365,9 @@ def derived_kv_scales(model: LlamaForCausalLM, tokenizer, kv_cache_config) -> Kv
     return calibrate_kv_scales(model, sequences, source)
 
 
-def _override(config: LlamaConfig, dtype: str | None, seed: int | None) -> LlamaConfig:
+def _override(config: LlamaConfig, dtype: str | None, seed: int | None, batch_invariant: bool = False) -> LlamaConfig:
     overrides = {k: v for k, v in (("dtype", dtype), ("seed", seed)) if v is not None}
-    return dataclasses.replace(config, **overrides)
+    return dataclasses.replace(config, **overrides, **({"batch_invariant": True} if batch_invariant else {}))
 
 
 def _hf_tokenizer(directory: Path, hf: HFConfig, generation_eos: tuple[int, ...] | None) -> Tokenizer | None:

@@ -16,6 +16,7 @@ from typing import Protocol, Sequence
 
 import torch
 
+from tensorrt_llm._torch.attention_backend.cpu_invariant import CpuInvariantPlan, CpuInvariantPlanBuilder, InvariantLayerKV
 from tensorrt_llm._torch.attention_backend.cpu_paged import CpuAttentionPlan, CpuLayerKV, CpuPlanBuilder
 from tensorrt_llm._torch.attention_backend.kv_quant import KvScales
 from tensorrt_llm._torch.attention_backend.paged import PagedAttentionPlan, PagedLayerKV, PagedPlanBuilder
@@ -23,8 +24,9 @@ from tensorrt_llm._torch.attention_backend.staging import PinnedStaging
 
 __all__ = ["AttentionPlan", "LayerKV", "PlanBuilder", "plan_builder"]
 
-LayerKV = CpuLayerKV | PagedLayerKV  # one layer's paged KV: ``attend(q, k, v, scale)``
-AttentionPlan = CpuAttentionPlan | PagedAttentionPlan  # one forward's plan: ``layer(k_pool, v_pool, i) -> LayerKV``
+LayerKV = CpuLayerKV | InvariantLayerKV | PagedLayerKV  # one layer's paged KV: ``attend(q, k, v, scale)``
+# one forward's plan: ``layer(k_pool, v_pool, i) -> LayerKV``
+AttentionPlan = CpuAttentionPlan | CpuInvariantPlan | PagedAttentionPlan
 
 
 class PlanBuilder(Protocol):
@@ -45,12 +47,16 @@ def plan_builder(
     dtype: torch.dtype,
     staging: PinnedStaging | None = None,
     kv_scales: KvScales | None = None,
+    batch_invariant: bool = False,
 ) -> PlanBuilder:
     """The builder for pools on ``device``: torch's own ops on the CPU, the paged kernels on an
     accelerator (``staging``: its pinned buffers, see :class:`PagedPlanBuilder`; ``kv_scales``:
-    an FP8 pool's per-layer scales, ``kv_quant``)."""
+    an FP8 pool's per-layer scales, ``kv_quant``). ``batch_invariant``: the CPU's batch-invariant
+    attention (``cpu_invariant``); refused on an accelerator."""
     if torch.device(device).type == "cpu":
-        return CpuPlanBuilder(tokens_per_block=tokens_per_block, num_blocks=num_blocks, dtype=dtype,
-                              kv_scales=kv_scales)
+        builder = CpuInvariantPlanBuilder if batch_invariant else CpuPlanBuilder
+        return builder(tokens_per_block=tokens_per_block, num_blocks=num_blocks, dtype=dtype, kv_scales=kv_scales)
+    if batch_invariant:
+        raise ValueError(f"batch-invariant attention runs on the CPU only, not on {torch.device(device).type}")
     return PagedPlanBuilder(device, tokens_per_block=tokens_per_block, num_blocks=num_blocks,
                             num_kv_heads=num_kv_heads, staging=staging, kv_scales=kv_scales)

@@ -28,7 +28,7 @@ request, never a stale or unwritten one (a NaN there would poison a masked produ
 
 Decodes (one new token) form groups with ``Q = 1``; their query heads are folded onto their KV
 heads, ``(n, Hkv, group, D)``, so grouped-query attention needs no ``repeat_interleave``.
-Requests are grouped by length so that padding stays bounded (:func:`_group`): a batch of
+Requests are grouped by length so that padding stays bounded (:func:`group_by_length`): a batch of
 similar lengths is one call, a batch with a few long ones a few. A lone context chunk with no
 cached prefix (a prefill) attends to its own new K/V with ``is_causal``: the same call a dense
 forward makes.
@@ -44,7 +44,7 @@ Masking follows the GPU plan's rule: queries sit at consecutive positions from `
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -53,7 +53,7 @@ import torch.nn.functional as F
 from tensorrt_llm._torch.attention_backend.kv_quant import KvScales, dequantize, is_quantized
 from tensorrt_llm._torch.attention_backend.paged import decode_tables, layer_scales, slot_view, write_new_tokens
 
-__all__ = ["CpuAttentionPlan", "CpuLayerKV", "CpuPlanBuilder", "build_cpu_plan"]
+__all__ = ["CpuAttentionPlan", "CpuLayerKV", "CpuPlanBuilder", "ForwardLayout", "build_cpu_plan", "forward_layout"]
 
 # A group may hold up to this many times the work of its sequences unpadded (plus a small
 # allowance, so that short sequences always share a call): bounded waste, few calls.
@@ -176,6 +176,42 @@ def build_cpu_plan(
     request otherwise, before any pool is written. ``dtype``: the model's, which the masks are
     built in (SDPA would convert a boolean mask in every layer).
     """
+    layout = forward_layout(num_new_tokens, num_cached_tokens, block_tables, tokens_per_block=tokens_per_block,
+                            num_blocks=num_blocks)
+    new, cached, starts, tables = layout.new, layout.cached, layout.starts, layout.tables
+    active = np.flatnonzero(new > 0)
+    decodes = active[new[active] == 1]
+    contexts = active[new[active] >= 2]
+    groups = [
+        _group_of(members, new, cached, starts, tables, tokens_per_block, dtype)
+        for kind in (decodes, contexts)
+        for members in group_by_length(new[kind], cached[kind] + new[kind], kind)
+    ]
+    return CpuAttentionPlan(int(starts[-1]), torch.from_numpy(layout.new_slots), tuple(groups), kv_scales)
+
+
+class ForwardLayout(NamedTuple):
+    """Where one flat forward's requests lie (:func:`forward_layout`), as int64 arrays."""
+
+    new: np.ndarray  # (n,) new tokens per request
+    cached: np.ndarray  # (n,) cached tokens per request (its first new token's position)
+    starts: np.ndarray  # (n + 1,) first flat row of each request, then the total
+    tables: np.ndarray  # (n, W) block tables, zero-padded
+    new_slots: np.ndarray  # (T,) the pool slot each new token's K/V is written to
+
+
+def forward_layout(
+    num_new_tokens: Sequence[int],
+    num_cached_tokens: Sequence[int],
+    block_tables: Sequence[Sequence[int]],
+    *,
+    tokens_per_block: int,
+    num_blocks: int,
+) -> ForwardLayout:
+    """The checked layout of one flat forward (request ``r`` owns the next ``num_new_tokens[r]``
+    rows): every table covers its request's positions, every block it uses lies in
+    ``[0, num_blocks)``, no two new tokens share a slot. Raises ValueError naming the request
+    otherwise, before any pool is written."""
     tpb = tokens_per_block
     new = np.asarray(num_new_tokens, dtype=np.int64)
     cached = np.asarray(num_cached_tokens, dtype=np.int64)
@@ -206,15 +242,7 @@ def build_cpu_plan(
             "AttentionMetadata maps two new tokens of this forward to the same KV slot "
             "(a block that is being written is shared)"
         )
-    active = np.flatnonzero(new > 0)
-    decodes = active[new[active] == 1]
-    contexts = active[new[active] >= 2]
-    groups = [
-        _group_of(members, new, cached, starts, tables, tpb, dtype)
-        for kind in (decodes, contexts)
-        for members in _group(new[kind], cached[kind] + new[kind], kind)
-    ]
-    return CpuAttentionPlan(total, torch.from_numpy(new_slots), tuple(groups), kv_scales)
+    return ForwardLayout(new, cached, starts, tables, new_slots)
 
 
 class CpuPlanBuilder:
@@ -234,7 +262,7 @@ class CpuPlanBuilder:
                               num_blocks=self.num_blocks, dtype=self.dtype, kv_scales=self.kv_scales)
 
 
-def _group(q_lens: np.ndarray, k_lens: np.ndarray, requests: np.ndarray) -> list[np.ndarray]:
+def group_by_length(q_lens: np.ndarray, k_lens: np.ndarray, requests: np.ndarray) -> list[np.ndarray]:
     """``requests`` split into groups whose padded work (sequences x longest queries x longest
     keys) stays within ``_PAD_SLACK`` times their real work plus ``_PAD_ALLOWANCE``: longest
     first, each group taking the next longest while it fits. Groups keep the requests' order."""
@@ -256,7 +284,7 @@ def _group(q_lens: np.ndarray, k_lens: np.ndarray, requests: np.ndarray) -> list
     return [requests[np.sort(np.asarray(m))] for m in groups]
 
 
-def _rows(rows: np.ndarray) -> torch.Tensor | slice:
+def as_rows(rows: np.ndarray) -> torch.Tensor | slice:
     """Row indices as a slice when they are one ascending run (no gather needed)."""
     if rows.size and rows[-1] - rows[0] == rows.size - 1 and (rows.size < 2 or bool((np.diff(rows) == 1).all())):
         return slice(int(rows[0]), int(rows[-1]) + 1)
@@ -275,10 +303,10 @@ def _group_of(
     q_index = np.minimum(i[None, :], q_lens[:, None] - 1)  # (n, Q)
     q_rows = (starts[members][:, None] + q_index).reshape(-1)  # (n * Q,)
     real = (i[None, :] < q_lens[:, None]).reshape(-1)  # (n * Q,)
-    out_rows = _rows(q_rows[real])
+    out_rows = as_rows(q_rows[real])
     real_index = None if real.all() else torch.from_numpy(np.flatnonzero(real))
     if n == 1 and c_lens[0] == 0 and Q > 1:  # a prefill from position 0: its own rows, causal
-        return AttendGroup(1, Q, K, _rows(q_rows), out_rows, None, None, None)
+        return AttendGroup(1, Q, K, as_rows(q_rows), out_rows, None, None, None)
     j = np.arange(K)
     # Key j of sequence s: position j, or position 0 where j is padding (read, then masked).
     positions = np.where(j[None, :] < k_lens[:, None], j[None, :], 0)  # (n, K)
@@ -287,4 +315,4 @@ def _group_of(
     if Q > 1 or (k_lens != K).any():  # decodes of one length see every key: no mask
         visible = torch.from_numpy(j[None, None, :] <= (c_lens[:, None] + q_index)[:, :, None])  # (n, Q, K)
         mask = torch.zeros(n, 1, Q, K, dtype=dtype).masked_fill_(~visible[:, None], float("-inf"))
-    return AttendGroup(n, Q, K, _rows(q_rows), out_rows, real_index, torch.from_numpy(kv_slots.reshape(-1)), mask)
+    return AttendGroup(n, Q, K, as_rows(q_rows), out_rows, real_index, torch.from_numpy(kv_slots.reshape(-1)), mask)

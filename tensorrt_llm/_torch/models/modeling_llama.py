@@ -63,6 +63,7 @@ from torch import nn
 from tensorrt_llm._torch.attention_backend.backend import AttentionPlan, LayerKV, plan_builder
 from tensorrt_llm._torch.attention_backend.interface import AttentionMetadata
 from tensorrt_llm._torch.modules.attention import Attention, HeadShard
+from tensorrt_llm._torch.modules.batch_invariant import make_batch_invariant
 from tensorrt_llm._torch.modules.gated_mlp import GatedMLP
 from tensorrt_llm._torch.modules.linear import Linear, TensorParallelMode
 from tensorrt_llm._torch.modules.rms_norm import RMSNorm
@@ -127,6 +128,9 @@ class LlamaConfig:
     o_bias: bool = False  # a bias on o_proj (Llama's and Qwen3's attention_bias)
     qk_norm: bool = False  # RMSNorm of each q and k head before RoPE (Qwen3), with rms_norm_eps
     rope_scaling: RopeScaling = RopeScaling()
+    # The batch-invariant kernels (modules/batch_invariant.py): a row's outputs do not depend on the
+    # batch, the chunking or the thread count. CPU and one rank only. Not the architecture: how it computes.
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         for name in (
@@ -160,7 +164,7 @@ class LlamaConfig:
             )
         if not _is_int(self.seed):
             raise ValueError(f"LlamaConfig.seed must be an int, got {self.seed!r}")
-        for name in ("tie_word_embeddings", "qkv_bias", "o_bias", "qk_norm"):
+        for name in ("tie_word_embeddings", "qkv_bias", "o_bias", "qk_norm", "batch_invariant"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"LlamaConfig.{name} must be a bool, got {getattr(self, name)!r}")
         if not isinstance(self.rope_scaling, RopeScaling):
@@ -397,12 +401,23 @@ class LlamaForCausalLM(nn.Module):
         else:
             self._load_weights(weights)
         self.requires_grad_(False)
-        if config.packs_linear_weights:
+        if config.batch_invariant:
+            # Every layer swapped for its batch-invariant form (float16-weights: by the float16-rounded
+            # weights). Unsharded layers only: a sharded one is refused by name (InvariantLinear).
             if self.device.type != "cpu":
-                raise ValueError(f"dtype {FLOAT16_WEIGHTS!r} runs on the CPU only (fbgemm), not on {self.device.type}")
-            for module in self.modules():
-                if isinstance(module, Linear):
-                    module.pack_float16()
+                raise ValueError(f"batch_invariant runs on the CPU only, not on {self.device.type} (docs/determinism.md)")
+            if config.packs_linear_weights:
+                self._pack_linear_weights()
+            make_batch_invariant(self, max_positions=config.max_position_embeddings)
+        elif config.packs_linear_weights:
+            self._pack_linear_weights()
+
+    def _pack_linear_weights(self) -> None:
+        if self.device.type != "cpu":
+            raise ValueError(f"dtype {FLOAT16_WEIGHTS!r} runs on the CPU only (fbgemm), not on {self.device.type}")
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.pack_float16()
 
     @property
     def device(self) -> torch.device:
@@ -501,6 +516,7 @@ class LlamaForCausalLM(nn.Module):
             num_blocks=k_cache[0].shape[0],
             num_kv_heads=self.num_local_kv_heads,
             dtype=self.config.torch_dtype,
+            batch_invariant=self.config.batch_invariant,
         )
         plan = builder.build(attn_metadata.num_new_tokens, attn_metadata.num_cached_tokens, attn_metadata.block_tables)
         return self.forward_with_plan(input_ids, position_ids, plan, k_cache, v_cache)

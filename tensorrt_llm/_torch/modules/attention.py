@@ -30,7 +30,7 @@ from tensorrt_llm._torch.modules.rotary_embedding import apply_rotary
 if TYPE_CHECKING:
     from tensorrt_llm._torch.attention_backend.backend import LayerKV
 
-__all__ = ["Attention", "HeadShard"]
+__all__ = ["Attention", "CausalAttention", "HeadShard"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +110,7 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(head_dim, qk_norm_eps, dtype)
         else:
             self.q_norm = self.k_norm = None
+        self.causal = CausalAttention()  # the attention without a cache
 
     def forward(
         self,
@@ -138,26 +139,30 @@ class Attention(nn.Module):
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, paged: LayerKV | None) -> torch.Tensor:
         """The attention itself -> (T, n_head, head_dim): through the paged backend, or, with no
-        cache, one sequence where key j is visible to query i iff j <= i."""
+        cache, one sequence where key j is visible to query i iff j <= i (``self.causal``)."""
         if paged is not None:  # the paged attention backend of the pools' device (attention_backend)
             return paged.attend(q, k, v, self.scale)
-        T = q.shape[0]
-        mask = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()  # (T, T)
-        return self._attend(q, k, v, mask)
+        return self.causal(q, k, v, self.scale)
 
     def output(self, y: torch.Tensor) -> torch.Tensor:
         """y (T, n_head, head_dim) -> (T, hidden), summed over the ranks' heads."""
         return self.o_proj(y.reshape(y.shape[0], self.n_head * self.head_dim))
 
-    def _attend(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
-    ) -> torch.Tensor:
-        """q (Tq, n_head, head_dim), k/v (Tk, n_kv_head, head_dim), mask (Tq, Tk) True = visible."""
-        group = self.n_head // self.n_kv_head
-        k = k.repeat_interleave(group, dim=1).transpose(0, 1)  # (n_head, Tk, head_dim)
-        v = v.repeat_interleave(group, dim=1).transpose(0, 1)  # (n_head, Tk, head_dim)
-        q = q.transpose(0, 1)  # (n_head, Tq, head_dim)
-        scores = (q @ k.transpose(1, 2)) * self.scale  # (n_head, Tq, Tk)
+
+class CausalAttention(nn.Module):
+    """One sequence without a cache (``LlamaForCausalLM.forward_full``, the reference): key j is
+    visible to query i iff j <= i. A module of its own so that a batch-invariant model swaps it
+    (``batch_invariant``)."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        """q (T, n_head, head_dim), k/v (T, n_kv_head, head_dim) -> (T, n_head, head_dim)."""
+        T = q.shape[0]
+        mask = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()  # (T, T) True = visible
+        group = q.shape[1] // k.shape[1]
+        k = k.repeat_interleave(group, dim=1).transpose(0, 1)  # (n_head, T, head_dim)
+        v = v.repeat_interleave(group, dim=1).transpose(0, 1)  # (n_head, T, head_dim)
+        q = q.transpose(0, 1)  # (n_head, T, head_dim)
+        scores = (q @ k.transpose(1, 2)) * scale  # (n_head, T, T)
         scores = scores.masked_fill(~mask[None, :, :], float("-inf"))
-        probs = torch.softmax(scores, dim=-1)  # (n_head, Tq, Tk)
-        return (probs @ v).transpose(0, 1)  # (Tq, n_head, head_dim)
+        probs = torch.softmax(scores, dim=-1)  # (n_head, T, T)
+        return (probs @ v).transpose(0, 1)  # (T, n_head, head_dim)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tensorrt_llm._torch.modules.linear import Linear, TensorParallelMode
@@ -22,6 +21,7 @@ class GatedMLP(nn.Module):
         self.gate_proj = Linear(hidden_size, intermediate_size, tensor_parallel_mode=TensorParallelMode.COLUMN, **tp)
         self.up_proj = Linear(hidden_size, intermediate_size, tensor_parallel_mode=TensorParallelMode.COLUMN, **tp)
         self.down_proj = Linear(intermediate_size, hidden_size, tensor_parallel_mode=TensorParallelMode.ROW, **tp)
+        self.act_fn = nn.SiLU()  # a module of its own: a batch-invariant model swaps it (batch_invariant)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # (T, hidden)
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))  # (T, hidden)

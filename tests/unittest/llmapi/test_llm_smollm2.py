@@ -13,6 +13,7 @@ from tensorrt_llm import LLM, SamplingParams
 from tensorrt_llm._torch.models.checkpoints import CheckpointError, load_llama_from_gguf
 from tensorrt_llm._torch.pyexecutor.config import ExecutorConfig, KvCacheConfig
 from tensorrt_llm._torch.pyexecutor.py_executor_creator import DEFAULT_KV_CACHE_BYTES, default_num_blocks
+from tests.helpers.decisive import assert_decisive
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -54,7 +55,9 @@ def test_the_packaged_model_serves_text(llm):
 
 def test_ignore_eos_runs_to_max_tokens_and_own_stop_ids_still_apply(llm):
     prompt = chat(llm.tokenizer, QUESTIONS[0])
-    natural = llm.generate(prompt, SamplingParams(max_tokens=24)).outputs[0].token_ids
+    reference = llm.generate(prompt, SamplingParams(max_tokens=24, logprobs=2)).outputs[0]
+    assert_decisive(reference, "the reruns below reuse its cached prompt: other shapes")
+    natural = reference.token_ids
 
     forced = llm.generate(prompt, SamplingParams(max_tokens=len(natural) + 3, ignore_eos=True)).outputs[0]
     assert forced.finish_reason == "length" and len(forced.token_ids) == len(natural) + 3
@@ -74,7 +77,8 @@ def test_streamed_text_deltas_add_up_to_the_text(llm):
 
 def test_a_batch_mixes_text_and_token_ids(llm):
     text, ids = "The quick brown fox", llm.tokenizer.encode("The quick brown fox")
-    by_text, by_ids = llm.generate([text, ids], SamplingParams(max_tokens=4, ignore_eos=True))
+    by_text, by_ids = llm.generate([text, ids], SamplingParams(max_tokens=4, ignore_eos=True, logprobs=2))
+    assert_decisive(by_text.outputs[0], "two rows of one batch")
     assert by_text.outputs[0].token_ids == by_ids.outputs[0].token_ids
     assert by_text.text == by_ids.text and by_text.prompt == text and by_ids.prompt is None
 

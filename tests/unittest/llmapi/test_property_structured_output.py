@@ -21,6 +21,7 @@ from jsonschema import validate
 
 from benchmarks.serving.json_schemas import max_output_bytes, random_schema, schema_prompt
 from tensorrt_llm.llmapi import LLM, GuidedDecodingParams, KvCacheConfig, SamplingParams
+from tests.helpers.decisive import assert_decisive
 
 THOROUGH = os.environ.get("HYPOTHESIS_PROFILE") == "thorough"
 SCHEMAS_PER_EXAMPLE = 8
@@ -32,8 +33,9 @@ def guided_llm():
     llm = LLM("smollm2-135m-instruct", max_seq_len=1024, max_num_tokens=1024, max_batch_size=16,
               disable_overlap_scheduler=False, kv_cache_config=KvCacheConfig(tokens_per_block=16, num_blocks=256))
     assert llm.executor.overlap
-    alone = llm.generate(NEIGHBOUR, SamplingParams(max_tokens=12, ignore_eos=True)).outputs[0].token_ids
-    yield llm, alone
+    alone = llm.generate(NEIGHBOUR, SamplingParams(max_tokens=12, ignore_eos=True, logprobs=2)).outputs[0]
+    assert_decisive(alone, "the neighbour is compared with itself in batches of other shapes")
+    yield llm, alone.token_ids
     llm.shutdown()
 
 

@@ -58,8 +58,10 @@ def smollm2_tokenizer_checkpoint(tmp_path_factory):
 def tiny_chat_server(smollm2_tokenizer_checkpoint):
     """SmolLM2's tokenizer and chat template over a tiny random model (``smollm2_tokenizer_checkpoint``):
     the whole request path of a chat model, text in and out, at a few milliseconds a forward. For
-    tests of the protocol, not of what a model writes."""
-    llm = LLM(str(smollm2_tokenizer_checkpoint), max_seq_len=1024, max_num_tokens=512,
+    tests of the protocol, not of what a model writes. Batch-invariant: its float32 logits are
+    near-uniform (all near ln(1/49152)), so tests that compare a prompt alone with the same prompt
+    in a batch need the same bits, which only the mode guarantees on every CPU."""
+    llm = LLM(str(smollm2_tokenizer_checkpoint), max_seq_len=1024, max_num_tokens=512, batch_invariant=True,
               kv_cache_config=KvCacheConfig(tokens_per_block=16, num_blocks=128))
     server = RunningServer(llm)
     yield server

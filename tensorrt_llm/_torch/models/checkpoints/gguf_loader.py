@@ -29,6 +29,7 @@ a :class:`CheckpointError` that names it rather than served wrong.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import os
@@ -255,11 +256,13 @@ def _parameter_name(gguf_name: str, num_layers: int) -> str | None:
 
 
 def load_llama_from_gguf(
-    path: str | os.PathLike[str], *, dtype: str = "float32", undo_qk_permutation: bool = True
+    path: str | os.PathLike[str], *, dtype: str = "float32", undo_qk_permutation: bool = True,
+    batch_invariant: bool = False,
 ) -> LlamaForCausalLM:
-    """A :class:`LlamaForCausalLM` holding the GGUF file's weights (dequantised, in ``dtype``)."""
+    """A :class:`LlamaForCausalLM` holding the GGUF file's weights (dequantised, in ``dtype``;
+    ``batch_invariant``: ``LlamaConfig.batch_invariant``)."""
     checkpoint = open_gguf(path)
-    config = llama_config_from_gguf(checkpoint, dtype=dtype)
+    config = dataclasses.replace(llama_config_from_gguf(checkpoint, dtype=dtype), batch_invariant=batch_invariant)
     weights = llama_weights_from_gguf(checkpoint, config, undo_qk_permutation=undo_qk_permutation)
     try:
         return LlamaForCausalLM(config, weights=weights)

@@ -10,7 +10,8 @@ builder of its device at construction (``attention_backend``) and checks its inp
 the model's forward then runs unchecked (``LlamaForCausalLM.forward_with_plan``)::
 
     CpuTorchModelEngine    a forward runs to completion at launch (ReadyForward);
-                           plans from a CpuPlanBuilder
+                           plans from a CpuPlanBuilder (a CpuInvariantPlanBuilder for a
+                           batch-invariant model: docs/determinism.md)
     CudaTorchModelEngine   a forward is enqueued on the GPU and returns (CudaForward);
                            plans from a PagedPlanBuilder through the pinned staging buffers;
                            decode batches replay CUDA graphs; overlap on by default
@@ -24,6 +25,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from tensorrt_llm._torch.attention_backend.cpu_invariant import CpuInvariantPlanBuilder
 from tensorrt_llm._torch.attention_backend.cpu_paged import CpuPlanBuilder
 from tensorrt_llm._torch.attention_backend.paged import PagedAttentionPlan, PagedPlanBuilder
 from tensorrt_llm._torch.attention_backend.staging import PinnedStaging
@@ -269,10 +271,11 @@ class CpuTorchModelEngine(TorchModelEngine):
     request's next forward is moved back over its rejected drafts on the host: ``ForwardInputs.resolve``)."""
 
     def _prepare_device(self, cuda_graph_config: CudaGraphConfig | None, max_batch_size: int, max_seq_len: int | None) -> None:
-        """The CPU's attention plan builder; nothing else."""
+        """The CPU's attention plan builder (the batch-invariant one for a batch-invariant model); nothing else."""
         kv = self.kv_cache_manager
-        self._plans = CpuPlanBuilder(tokens_per_block=kv.tokens_per_block, num_blocks=kv.num_blocks,
-                                     dtype=self.model.config.torch_dtype, kv_scales=kv.storage.kv_scales)
+        builder = CpuInvariantPlanBuilder if self.model.config.batch_invariant else CpuPlanBuilder
+        self._plans = builder(tokens_per_block=kv.tokens_per_block, num_blocks=kv.num_blocks,
+                              dtype=self.model.config.torch_dtype, kv_scales=kv.storage.kv_scales)
 
     def launch(self, inputs: ForwardInputs) -> PendingForward:
         return ReadyForward(self._run(inputs))
@@ -336,6 +339,9 @@ class CudaTorchModelEngine(TorchModelEngine):
     def _prepare_device(self, cuda_graph_config: CudaGraphConfig | None, max_batch_size: int, max_seq_len: int | None) -> None:
         """The model's fused decoder layers (``models/fused_layers.py``), the pinned staging buffers,
         and the graph runners (decode, piecewise) when ``cuda_graph_config`` allows."""
+        if self.model.config.batch_invariant:  # the model refuses it first; a model moved to the GPU after is refused here
+            raise ValueError("batch_invariant runs on the CPU only: the CUDA kernels' reductions depend on the batch "
+                             "(docs/determinism.md)")
         fuse_decoder_layers(self.model)  # fewer, larger kernels a layer; a no-op where refused (logged)
         # The previous launch's picks on the device (the next launch's in-flight inputs take them).
         self._device_picks: _DevicePicks | None = None

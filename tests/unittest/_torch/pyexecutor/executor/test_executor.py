@@ -270,9 +270,12 @@ def test_invalid_request_enqueued_directly_fails_alone(bad, reason):
 # ---- LLM: bad input, streaming, cancellation, sampling, shutdown --------------------
 @pytest.fixture(scope="module")
 def llm():
-    # Chunked prefill off: a prompt longer than max_num_tokens is then invalid.
+    # Chunked prefill off: a prompt longer than max_num_tokens is then invalid. Batch-invariant: the
+    # tests below compare a request's tokens with a rerun that reuses its cached prefix, or with
+    # itself in a batch (float32 tiny-random: only the mode makes those the same bits everywhere).
     with LLM(
         "tiny-random",
+        batch_invariant=True,
         max_num_tokens=64,
         max_seq_len=128,
         enable_chunked_prefill=False,
