@@ -63,9 +63,10 @@ if [ "$phase" = fetch ]; then  # here, where the package registry is
          xxhash==4.1.0 httpx==0.29.0 httpcore==1.0.9 h11==0.16.0 anyio==4.16.0 idna==3.21 certifi==2026.10.19.post1
          protobuf==7.36.2 tabulate==0.10.0 sanic==25.12.1 sanic-routing==23.12.0 httptools==0.9.0 ujson==6.1.0
          aiofiles==25.1.0 multidict==6.9.1 html5tagger==2.0.0 tracerite==2.6.5 prometheus-client==0.26.0)
-  # of the server's wheels, what trtllm-serve imports (no openai, llguidance, gguf, jsonschema: not used here)
+  # of the server's wheels, what trtllm-serve and the peer phases import (openai: benchmarks.serving's client,
+  # which the server harness imports; no llguidance, gguf, jsonschema: not used here)
   server=(fastapi starlette pydantic pydantic_core typing_inspection annotated_types annotated_doc opentelemetry_api
-          uvicorn httpx2 httpcore2 truststore sniffio)
+          uvicorn httpx2 httpcore2 truststore sniffio openai jiter)
   tmp=$(mktemp -d)
   platforms=()
   for tag in manylinux_2_39 manylinux_2_35 manylinux_2_34 manylinux_2_31 manylinux_2_28 manylinux_2_24 manylinux_2_17 manylinux2014 manylinux1; do
