@@ -7,7 +7,8 @@ On the CPU, per decoder layer::
     o_proj                   -> its own
     gate_proj, up_proj       -> one method over their rows stacked (GatedMLP.fuse_gate_up)
     down_proj                -> its own
-    and the LM head          -> its own (a tied head: over the embedding's weight, or its GGUF blocks)
+    and the LM head          -> its own (a tied head: over the embedding's weight, or its GGUF blocks);
+                                in a bfloat16 model fbgemm's float16, for float32 logits (logits_method)
 
 Each method is the weight format's (``linear_method``): GGUF blocks -> int4 groups, a
 ``float16-weights`` model -> fbgemm's float16, bfloat16 -> oneDNN's packed bfloat16 where the CPU
@@ -27,7 +28,7 @@ from typing import Callable, Mapping, Sequence
 import torch
 
 from tensorrt_llm._torch.modules.linear import Linear
-from tensorrt_llm._torch.modules.linear_methods import BlockQuantizedWeight, LinearMethod, linear_method
+from tensorrt_llm._torch.modules.linear_methods import BlockQuantizedWeight, LinearMethod, linear_method, logits_method
 
 __all__ = ["LinearFormats", "install_linear_methods"]
 
@@ -82,7 +83,15 @@ def install_linear_methods(model, quantized: Mapping[str, BlockQuantizedWeight])
                     mlp.fuse_gate_up)
             install([(mlp.down_proj, f"{p}mlp.down_proj.weight")])
         tied = config.tie_word_embeddings
-        install([(model.lm_head, "model.embed_tokens.weight" if tied else "lm_head.weight")], tied=tied)
+        head = "model.embed_tokens.weight" if tied else "lm_head.weight"
+        method = logits_method(quantized.get(head, model.lm_head.weight), dtype)
+        if method is not None:  # a bfloat16 model's logits in float32 (logits_method)
+            model.lm_head.use_method(method, keep_weight=tied or head not in quantized)
+            counts[method.format] += 1
+            nbytes[method.format] += method.weight_bytes
+            served.add(id(model.lm_head))
+        else:
+            install([(model.lm_head, head)], tied=tied)
     for linear in model.modules():  # whatever runs F.linear, as loaded
         if isinstance(linear, Linear) and id(linear) not in served:
             fmt = f"{str(linear.weight.dtype).removeprefix('torch.')} (F.linear)"

@@ -45,7 +45,7 @@ import torch
 
 __all__ = [
     "BLOCK_FORMATS", "BlockQuantizedWeight", "Bfloat16PackedMethod", "Float16PackedMethod", "Int4GroupMethod",
-    "LinearMethod", "bfloat16_packing_available", "linear_method",
+    "LinearMethod", "bfloat16_packing_available", "linear_method", "logits_method",
 ]
 
 GROUP = 32  # weights per GGUF block, and the int4 kernel's group size here
@@ -131,19 +131,24 @@ Source = torch.Tensor | BlockQuantizedWeight
 
 
 class Float16PackedMethod:
-    """float32 x times a weight rounded to float16, packed for fbgemm's fp16 GEMM (x86, AVX2 or better)."""
+    """float32 x times a weight rounded to float16, packed for fbgemm's fp16 GEMM (x86, AVX2 or better).
+    ``input_dtype``: what x is (widened to float32 first); y is float32 whatever x is, which is
+    what a bfloat16 model's LM head uses it for (float32 logits: see :func:`logits_method`)."""
 
-    dtype = torch.float32
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                 input_dtype: torch.dtype = torch.float32) -> None:
         if weight.device.type != "cpu" or weight.dtype != torch.float32:
             raise ValueError(f"float16 packing needs a float32 weight on the CPU, got {weight.dtype} "
                              f"on {weight.device.type}")
         self._packed = torch.ops.quantized.linear_prepack_fp16(weight.detach(), bias)
+        self.dtype = input_dtype
+        self._widen = input_dtype != torch.float32
         self.weight_bytes = weight.numel() * 2
         self.format = "float16 (fbgemm)"
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
+        if self._widen:
+            x = x.float()
         return torch.ops.quantized.linear_dynamic_fp16(x, self._packed)  # (T, out), float32
 
 
@@ -209,6 +214,22 @@ class Int4GroupMethod:
 
 
 # --------------------------------------------------------------------------- choosing one
+
+
+def logits_method(source: Source, dtype: torch.dtype) -> LinearMethod | None:
+    """The LM head's method in a bfloat16 model on the CPU: fbgemm's float16 GEMM, which returns
+    float32 logits. A bfloat16 kernel's logits are rounded to 8 significant bits (a step of 0.125
+    at 16 to 32, where SmolLM2's top logits lie), which ties greedy picks and coarsens every
+    log-probability; the float16 copy of a Q8_0 head (d * q, rounded to 11 bits) is also faster
+    here than its int4 planes, at batch 1 and at 16 (``docs/cpu-decode.md``). None elsewhere (the
+    layer's own method, or ``F.linear``)."""
+    if dtype != torch.bfloat16 or "fbgemm" not in torch.backends.quantized.supported_engines:
+        return None
+    dense = source.dequantize() if isinstance(source, BlockQuantizedWeight) else source.float()
+    if dense.device.type != "cpu":
+        return None
+    return Float16PackedMethod(dense, input_dtype=dtype)
+
 
 
 def linear_method(sources: Sequence[Source], dtype: torch.dtype, *, float16_weights: bool = False,
