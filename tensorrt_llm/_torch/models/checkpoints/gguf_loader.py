@@ -266,14 +266,14 @@ def _parameter_name(gguf_name: str, num_layers: int) -> str | None:
 
 
 def blocks_unsupported(checkpoint: GGUFCheckpoint, config: LlamaConfig) -> str | None:
-    """Why the file's linear layers cannot keep its blocks (None: they can): a block format other
-    than Q4_0, Q4_1, Q8_0 in a linear layer (a tied LM head's: the embedding), or a quantized
-    layer whose rows do not pack by 16 (the int4 kernel's)."""
+    """Why the file's decoder layers cannot keep its blocks (None: they can): a block format other
+    than Q4_0, Q4_1, Q8_0 in a projection, or a quantized projection whose rows do not pack by 16
+    (the int4 kernel's). The LM head is not asked: a bfloat16 model runs it in float16, for float32
+    logits, whatever the file stores (``linear_methods.logits_method``)."""
     problems = []
     for tensor in checkpoint._reader.tensors:
         target = _parameter_name(tensor.name, config.num_layers)
-        is_head = target == "model.embed_tokens.weight" and config.tie_word_embeddings
-        if target is None or not (target.endswith("proj.weight") or target == "lm_head.weight" or is_head):
+        if target is None or not target.endswith("proj.weight"):
             continue
         kind = tensor.tensor_type.name
         rows = int(tensor.shape[-1])  # GGUF lists the fastest dimension first
