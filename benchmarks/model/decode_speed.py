@@ -7,7 +7,7 @@ of the goals) and each batch size, on the same threads, the formats alternated w
 
     format            weights                                          activations, KV
     float32           the packaged file dequantised, float32           float32
-    bfloat16          dequantised, bfloat16 (oneDNN packed)            bfloat16
+    bfloat16          dequantised, bfloat16 (F.linear)                 bfloat16
     float16-weights   dequantised, float16 (fbgemm)                    float32
     gguf-Q4_1         the packaged file's Q4_1 blocks kept (int4)      bfloat16
     gguf-Q8_0         a Q8_0 rewrite of it, blocks kept (int4 planes)  bfloat16

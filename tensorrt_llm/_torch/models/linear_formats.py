@@ -8,15 +8,17 @@ On the CPU, per decoder layer::
     gate_proj, up_proj       -> one method over their rows stacked (GatedMLP.fuse_gate_up)
     down_proj                -> its own
     and the LM head          -> its own (a tied head: over the embedding's weight, or its GGUF blocks);
-                                in a bfloat16 model fbgemm's float16, for float32 logits (logits_method)
+                                with GGUF blocks kept, fbgemm's float16, for float32 logits (logits_method)
 
 Each method is the weight format's (``linear_method``): GGUF blocks -> int4 groups, a
-``float16-weights`` model -> fbgemm's float16, bfloat16 -> oneDNN's packed bfloat16 where the CPU
-has native bfloat16; float32 and float64 run ``F.linear`` on the weights as loaded, unfused.
+``float16-weights`` model -> fbgemm's float16; float32, float64 and bfloat16 run ``F.linear`` on
+the weights as loaded, unfused.
 Fusing matters on the CPU because a decode step of a small model is hundreds of short kernel
 calls: three projections in one call save two of them in every layer (``docs/cpu-decode.md``).
 Layers whose sources cannot share a method (GGUF blocks of different widths: Q8_0 beside Q4_1)
-get one each. Nothing changes on a GPU, where the CUDA graphs remove the calls' cost.
+get one each; ``float16-weights`` keeps its float32 weights beside the packed copy (shared with a
+GGUF file's cache). Nothing changes on a GPU, where the CUDA graphs remove the calls' cost. A model
+given CPU methods stays on the CPU.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ class LinearFormats:
     group counts its layers), and the bytes a forward reads from them all."""
 
     formats: tuple[tuple[str, int, int], ...]
+    held_bytes: int = 0  # bytes the methods hold in place of dropped (or never made) dense weights
 
     @property
     def weight_bytes(self) -> int:
@@ -64,15 +67,18 @@ def install_linear_methods(model, quantized: Mapping[str, BlockQuantizedWeight])
     counts: Counter = Counter()
     nbytes: Counter = Counter()
     served: set[int] = set()  # ids of the layers a method serves
+    held = 0
     if cpu:
         dtype, float16 = config.torch_dtype, config.packs_linear_weights
 
         def install(named: Sequence[tuple[Linear, str]], fuse: Callable[[LinearMethod], None] | None = None,
                     *, tied: bool = False) -> None:
+            nonlocal held
             for method, layers in _methods(named, quantized, dtype, float16, fuse, tied):
                 counts[method.format] += len(layers)
                 nbytes[method.format] += method.weight_bytes
                 served.update(id(linear) for linear in layers)
+                held += method.weight_bytes if any(linear.weight is None for linear in layers) else 0
 
         for i, layer in enumerate(model.model.layers):
             attn, mlp, p = layer.self_attn, layer.mlp, f"model.layers.{i}."
@@ -84,9 +90,12 @@ def install_linear_methods(model, quantized: Mapping[str, BlockQuantizedWeight])
             install([(mlp.down_proj, f"{p}mlp.down_proj.weight")])
         tied = config.tie_word_embeddings
         head = "model.embed_tokens.weight" if tied else "lm_head.weight"
-        method = logits_method(quantized.get(head, model.lm_head.weight), dtype)
-        if method is not None:  # a bfloat16 model's logits in float32 (logits_method)
-            model.lm_head.use_method(method, keep_weight=tied or head not in quantized)
+        # a model that keeps GGUF blocks gets float32 logits (logits_method); a dense bfloat16 model's
+        # head is one more bfloat16 layer (bfloat16 logits, as on a GPU, and no second copy of it)
+        method = logits_method(quantized.get(head, model.lm_head.weight), dtype) if quantized else None
+        if method is not None:
+            model.lm_head.use_method(method, keep_weight=tied)  # a tied head's weight is the embedding
+            held += 0 if tied else method.weight_bytes
             counts[method.format] += 1
             nbytes[method.format] += method.weight_bytes
             served.add(id(model.lm_head))
@@ -97,7 +106,7 @@ def install_linear_methods(model, quantized: Mapping[str, BlockQuantizedWeight])
             fmt = f"{str(linear.weight.dtype).removeprefix('torch.')} (F.linear)"
             counts[fmt] += 1
             nbytes[fmt] += linear.weight_bytes
-    return LinearFormats(tuple((fmt, counts[fmt], nbytes[fmt]) for fmt in counts))
+    return LinearFormats(tuple((fmt, counts[fmt], nbytes[fmt]) for fmt in counts), held)
 
 
 def _methods(named, quantized, dtype, float16, fuse, tied):
@@ -111,14 +120,14 @@ def _methods(named, quantized, dtype, float16, fuse, tied):
         if method is not None:
             fuse(method)
             for linear, name in named:
-                if name in quantized:
-                    linear.weight = None  # its dense values were never made: the stacked method holds them
+                if name in quantized or method.replaces_weight:
+                    linear.weight = None  # the stacked method holds it (or it was never made)
             yield method, [linear for linear, _ in named]
             return
     for (linear, name), source in zip(named, sources):
         method = linear_method([source], dtype, float16_weights=float16)
         if method is not None:
-            linear.use_method(method, keep_weight=tied or name not in quantized)
+            linear.use_method(method, keep_weight=tied or (name not in quantized and not method.replaces_weight))
             yield method, [linear]
 
 

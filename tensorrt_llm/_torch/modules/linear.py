@@ -15,7 +15,7 @@ layer's output slice is exactly the row layer's input slice.
 
 On the CPU a layer may multiply through a *linear method* chosen at load (upstream's
 ``quant_method``; ``linear_methods``): its weight packed in float16 for fbgemm (the
-``float16-weights`` dtype, :meth:`Linear.pack_float16`), in bfloat16 for oneDNN, or a GGUF file's
+``float16-weights`` dtype, :meth:`Linear.pack_float16`), or a GGUF file's
 block-quantized weight kept in 4-bit codes for torch's int4 kernel. The method holds the weight
 in its own form; ``weight`` then stays as loaded (shared with a checkpoint's cache, or the tied
 embedding) or, for a quantized weight, is None: the dense values are never held. The forward

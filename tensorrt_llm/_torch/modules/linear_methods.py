@@ -6,8 +6,6 @@ On the CPU every method is one call to a kernel torch ships, over a weight packe
     method                stored (bytes a weight)             kernel                                      x and y
     Float16PackedMethod   float16 in fbgemm's layout (2)      quantized::linear_dynamic_fp16 (widens the  float32
                                                               weights to float32 in registers)
-    Bfloat16PackedMethod  bfloat16 in oneDNN's blocked        mkldnn::_linear_pointwise (AVX512-BF16 or   bfloat16
-                          layout (2)                          AMX dot products; float32 accumulation)
     Int4GroupMethod       4-bit codes, a bfloat16 scale and   aten::_weight_int4pack_mm_for_cpu, groups   bfloat16
                           zero per 32 weights of a row        of 32 (float32 accumulation)
                           (0.625; GGUF Q8_0 1.25, below)
@@ -44,8 +42,8 @@ from typing import Protocol, Sequence
 import torch
 
 __all__ = [
-    "BLOCK_FORMATS", "BlockQuantizedWeight", "Bfloat16PackedMethod", "Float16PackedMethod", "Int4GroupMethod",
-    "LinearMethod", "bfloat16_packing_available", "linear_method", "logits_method",
+    "BLOCK_FORMATS", "BlockQuantizedWeight", "Float16PackedMethod", "Int4GroupMethod", "LinearMethod", "linear_method",
+    "logits_method",
 ]
 
 GROUP = 32  # weights per GGUF block, and the int4 kernel's group size here
@@ -60,6 +58,9 @@ class LinearMethod(Protocol):
     dtype: torch.dtype  # what x must be, and what y is
     weight_bytes: int  # bytes a forward reads: every stored weight and constant once
     format: str  # what it stores, for logs and reports ("int4 groups of 32 (GGUF Q4_1)", ...)
+    # the layer's dense weight is dropped once the method holds it (a second copy in the same
+    # dtype would double the model's memory); False: kept (float16-weights keeps its float32 weights)
+    replaces_weight: bool
 
     def apply(self, x: torch.Tensor) -> torch.Tensor: ...
 
@@ -145,36 +146,12 @@ class Float16PackedMethod:
         self._widen = input_dtype != torch.float32
         self.weight_bytes = weight.numel() * 2
         self.format = "float16 (fbgemm)"
+        self.replaces_weight = False
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
         if self._widen:
             x = x.float()
         return torch.ops.quantized.linear_dynamic_fp16(x, self._packed)  # (T, out), float32
-
-
-def bfloat16_packing_available() -> bool:
-    """oneDNN runs bfloat16 GEMMs natively here (AVX512-BF16 or AMX): :class:`Bfloat16PackedMethod`
-    pays off; elsewhere it would emulate them, and ``F.linear`` is as good."""
-    return torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-
-
-class Bfloat16PackedMethod:
-    """bfloat16 x times a bfloat16 weight in oneDNN's blocked layout, reordered once at load (an
-    unpacked ``F.linear`` reorders it in every call)."""
-
-    dtype = torch.bfloat16
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
-        if weight.device.type != "cpu" or weight.dtype != torch.bfloat16:
-            raise ValueError(f"oneDNN packing needs a bfloat16 weight on the CPU, got {weight.dtype} "
-                             f"on {weight.device.type}")
-        self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
-        self._bias = bias
-        self.weight_bytes = weight.numel() * 2
-        self.format = "bfloat16 (oneDNN)"
-
-    def apply(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self._packed, self._bias, "none", [], "")
 
 
 class Int4GroupMethod:
@@ -205,6 +182,7 @@ class Int4GroupMethod:
         self.weight_bytes = self._packed.numel() + self._scales_and_zeros.numel() * 2
         kinds = sorted({w.kind for w in weights})
         self.format = f"int4 groups of {GROUP} (GGUF {'/'.join(kinds)})"
+        self.replaces_weight = True
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
         if self.repeat == 2:
@@ -217,7 +195,7 @@ class Int4GroupMethod:
 
 
 def logits_method(source: Source, dtype: torch.dtype) -> LinearMethod | None:
-    """The LM head's method in a bfloat16 model on the CPU: fbgemm's float16 GEMM, which returns
+    """The LM head's method in a bfloat16 model that keeps GGUF blocks, on the CPU: fbgemm's float16 GEMM, which returns
     float32 logits. A bfloat16 kernel's logits are rounded to 8 significant bits (a step of 0.125
     at 16 to 32, where SmolLM2's top logits lie), which ties greedy picks and coarsens every
     log-probability; the float16 copy of a Q8_0 head (d * q, rounded to 11 bits) is also faster
@@ -238,8 +216,10 @@ def linear_method(sources: Sequence[Source], dtype: torch.dtype, *, float16_weig
     whose activations are ``dtype``; None where ``F.linear`` on the dense weight is what runs.
 
     GGUF blocks -> :class:`Int4GroupMethod` (bfloat16 activations only: the int4 kernel's float32
-    path is ~20x slower); dense weights of a ``float16-weights`` model -> :class:`Float16PackedMethod`;
-    dense bfloat16 weights -> :class:`Bfloat16PackedMethod` where oneDNN has native bfloat16.
+    path is ~20x slower); dense weights of a ``float16-weights`` model -> :class:`Float16PackedMethod`.
+    Dense bfloat16 weights keep ``F.linear``: oneDNN's packed bfloat16 runs a decode step's GEMMs
+    in about 0.6x its time on an AVX512-BF16 CPU, but the packed copy could not be made without
+    raising a checkpoint load's peak memory by a third (``docs/cpu-decode.md``).
     ``bias``: the stacked layers' biases (None: none, or the caller adds it)."""
     blocks = [s for s in sources if isinstance(s, BlockQuantizedWeight)]
     if blocks:
@@ -253,6 +233,4 @@ def linear_method(sources: Sequence[Source], dtype: torch.dtype, *, float16_weig
         return None
     if float16_weights:
         return Float16PackedMethod(dense, bias)
-    if dense.dtype == torch.bfloat16 and bfloat16_packing_available():
-        return Bfloat16PackedMethod(dense, bias)
     return None
