@@ -38,7 +38,7 @@ class LlmArgs:
     seed: int | None = None  # random-weight models: the seed the weights are drawn from
     # a GGUF file's quantized weights (vLLM's name): gguf keeps them as stored (Q4_0, Q4_1, Q8_0 blocks,
     # torch's int4 kernel, bfloat16 activations; CPU only), none dequantizes them to dtype
-    quantization: str | None = field(default=None, metadata={"metavar": "{" + ",".join(QUANTIZATIONS) + "}"})
+    quantization: str | None = field(default=None, metadata={"choices": QUANTIZATIONS})
     # auto: the GPU when torch sees one, else the CPU; also cuda:N.
     device: str = field(default="auto", metadata={"metavar": "{" + ",".join(DEVICES) + "}"})
     tensor_parallel_size: int = 1  # tensor parallelism over N rank processes (CPU, gloo on loopback)
