@@ -329,7 +329,8 @@ def run(args: argparse.Namespace, formats: list[Format], bandwidth: float) -> li
                     dense[s.format.name].append(dense_decode(s.model, prompts, args.output_len))
         for s, result in zip(served, results):
             best = min(runs[s.format.name], key=lambda r: r["ms_per_step"])
-            row = {"batch": batch, **best, "share_outside_forward": 1 - best["forward_ms"] / best["ms_per_step"],
+            outside = None if args.clock == "cpu" else 1 - best["forward_ms"] / best["ms_per_step"]  # cpu: forward only
+            row = {"batch": batch, **best, "share_outside_forward": outside,
                    "ms_per_token": best["ms_per_step"] / batch, "tokens_per_s": 1e3 * batch / best["ms_per_step"],
                    "vs_roofline": best["ms_per_step"] / result["roofline_ms"],
                    "ms_per_step_all_runs": [round(r["ms_per_step"], 2) for r in runs[s.format.name]]}
@@ -338,8 +339,8 @@ def run(args: argparse.Namespace, formats: list[Format], bandwidth: float) -> li
                 row["vs_dense"] = best["ms_per_step"] / row["dense_ms_per_step"]
             result["decode"].append(row)
             print(f"  {s.format.name:>16} batch {batch:>3}: {row['ms_per_step']:7.1f} ms/step"
-                  f" ({row['vs_roofline']:.2f}x its roofline {result['roofline_ms']:.1f} ms),"
-                  f" {100 * row['share_outside_forward']:.0f}% outside the forward"
+                  f" ({row['vs_roofline']:.2f}x its roofline {result['roofline_ms']:.1f} ms)"
+                  + ("" if outside is None else f", {100 * outside:.0f}% outside the forward")
                   + (f", {row['vs_dense']:.2f}x dense" if args.dense else ""), flush=True)
     if args.prefill_len:
         for s, result in zip(served, results):
