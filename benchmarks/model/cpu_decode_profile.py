@@ -88,7 +88,7 @@ def without_gemms(engine) -> None:
     F.linear = fake_linear
     torch.nn.functional.linear = fake_linear
     for module in engine.model.modules():
-        for name in ("quant_method", "_qkv", "_gate_up", "_packed"):
+        for name in ("quant_method", "qkv_method", "gate_up_method", "_packed"):
             method = getattr(module, name, None)
             if method is None or not hasattr(method, "apply") and name != "_packed":
                 continue

@@ -115,12 +115,12 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(head_dim, qk_norm_eps, dtype)
         else:
             self.q_norm = self.k_norm = None
-        self._qkv: LinearMethod | None = None  # q, k, v stacked (fuse_qkv); None: three calls
+        self.qkv_method: LinearMethod | None = None  # q, k, v stacked (fuse_qkv); None: three calls
 
     def fuse_qkv(self, method: LinearMethod) -> None:
         """Compute q, k and v with ``method``, whose weight is q_proj's, k_proj's and v_proj's rows
         stacked in that order (biases included): :meth:`project` then makes one call for the three."""
-        self._qkv = method
+        self.qkv_method = method
 
     def forward(
         self,
@@ -136,7 +136,7 @@ class Attention(nn.Module):
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """x (T, hidden) -> q (T, n_head, head_dim), k, v (T, n_kv_head, head_dim), RoPE applied."""
         T = x.shape[0]
-        if self._qkv is not None:
+        if self.qkv_method is not None:
             return self._project_fused(x, cos, sin)
         q = self.q_proj(x).view(T, self.n_head, self.head_dim)  # (T, n_head, head_dim)
         k = self.k_proj(x).view(T, self.n_kv_head, self.head_dim)  # (T, n_kv_head, head_dim)
@@ -151,7 +151,7 @@ class Attention(nn.Module):
 
     def _project_fused(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         T, hd, qk_heads = x.shape[0], self.head_dim, self.n_head + self.n_kv_head
-        qkv = self._qkv.apply(x).view(T, qk_heads + self.n_kv_head, hd)  # (T, n_head + 2 n_kv_head, head_dim)
+        qkv = self.qkv_method.apply(x).view(T, qk_heads + self.n_kv_head, hd)  # (T, n_head + 2 n_kv_head, head_dim)
         v = qkv[:, qk_heads:]  # (T, n_kv_head, head_dim), a view
         if self.q_norm is not None:  # per head, each with its own weight, before RoPE (Qwen3)
             q, k = self.q_norm(qkv[:, : self.n_head]), self.k_norm(qkv[:, self.n_head : qk_heads])

@@ -73,7 +73,7 @@ def test_kept_blocks_compute_what_the_dequantized_model_computes(tmp_path, rando
 
     attn, mlp = kept.model.layers[0].self_attn, kept.model.layers[0].mlp
     assert attn.q_proj.weight is None and mlp.gate_proj.weight is None and mlp.down_proj.weight is None
-    assert attn._qkv is not None and mlp._gate_up is not None  # q/k/v and gate/up: one call each
+    assert attn.qkv_method is not None and mlp.gate_up_method is not None  # q/k/v and gate/up: one call each
     formats = dict((fmt, count) for fmt, count, _ in kept.linear_formats.formats)
     assert formats == {f"int4 groups of 32 (GGUF {qtype.name})": 7 * CONFIG.num_layers, "float16 (fbgemm)": 1}
     tokens = torch.tensor([3, 141, 59, 26, 5, 35, 89, 7, 93, 2])
