@@ -475,10 +475,12 @@ def test_kv_cache_shape(model: LlamaForCausalLM) -> None:
 # --------------------------------------------------------------------------- float16 weights (CPU)
 
 
-def test_float16_weights_multiply_by_the_float32_weights_rounded() -> None:
+@pytest.mark.parametrize("biases", [False, True], ids=["no bias", "q/k/v and o biases"])
+def test_float16_weights_multiply_by_the_float32_weights_rounded(biases: bool) -> None:
     # float16-weights keeps activations, norms, embedding and KV in float32 and rounds only the
-    # linear layers' weights: it computes what float32 computes on weights rounded to float16.
-    config = LlamaConfig(seed=5, dtype="float16-weights")
+    # linear layers' weights: it computes what float32 computes on weights rounded to float16
+    # (q/k/v stacked into one call with their biases, gate/up into another).
+    config = LlamaConfig(seed=5, dtype="float16-weights", qkv_bias=biases, o_bias=biases)
     assert config.torch_dtype == torch.float32 and config.packs_linear_weights
     packed = LlamaForCausalLM(config)
     rounded = LlamaForCausalLM(dataclasses.replace(config, dtype="float32"))
