@@ -147,7 +147,9 @@ def measure(directory: str, dtype: str) -> dict:
     model = load_llama_from_hf(directory, config)
     seconds = time.perf_counter() - start
     peak, after = _status("VmHWM"), _status("VmRSS")
+    # the parameters, and what the CPU's linear methods hold in place of the weights they replaced
     model_bytes = sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
+    model_bytes += model.linear_formats.held_bytes
     return {"dtype": dtype, "disk_bytes": disk, "model_bytes": model_bytes, "rss_before": before,
             "rss_peak": peak, "rss_after": after, "load_s": seconds,
             "peak_over_disk": (peak - before) / disk, "peak_over_model": (peak - before) / model_bytes}

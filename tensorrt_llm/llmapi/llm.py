@@ -19,6 +19,7 @@ from tensorrt_llm._torch.distributed.multi_rank_executor import MultiRankExecuto
 from tensorrt_llm._torch.distributed.torchrun import TorchrunEnv, TorchrunGroup, follow
 from tensorrt_llm._torch.distributed.worker import serve_config, serve_rank
 from tensorrt_llm._torch.models.checkpoints import KvCacheQuantization
+from tensorrt_llm._torch.models.linear_formats import LinearFormats
 from tensorrt_llm._torch.models.modeling_llama import LlamaConfig
 from tensorrt_llm._torch.pyexecutor.config import DEFAULT_PRIORITY, ExecutorConfig, KvCacheConfig
 from tensorrt_llm._torch.pyexecutor.engine.simulated import (
@@ -200,6 +201,11 @@ class LLM:
     or a random-weight preset (``"tiny-random"``, ``"small-random"``) that takes token ids only
     (``llm_utils.load_model``).
 
+    ``quantization`` (vLLM's name): a GGUF file's quantized weights, kept as stored (``"gguf"``: Q4_0,
+    Q4_1 and Q8_0 blocks through torch's int4 kernel, bfloat16 activations, CPU only) or
+    dequantized to ``dtype`` (``"none"``); unset, they are kept on the CPU when no ``dtype`` is
+    given (the fastest format there) and dequantized otherwise (``llm_utils``).
+
     Prompts are text (encoded with ``tokenizer``) or token ids. With a tokenizer, generation stops
     at the model's end-of-generation ids by default (``SamplingParams.ignore_eos`` turns that off)
     and outputs carry ``text``. Every :class:`ExecutorConfig` field is accepted as a keyword
@@ -246,6 +252,7 @@ class LLM:
         simulated_engine: SimulatedEngineConfig | Mapping | None = None,
         kv_events_config: KVEventsConfig | dict | None = None,
         batch_invariant: bool = False,
+        quantization: str | None = None,
         **executor_options,
     ) -> None:
         self.kv_events_config = _kv_events_config(kv_events_config)
@@ -270,11 +277,12 @@ class LLM:
         self._kv_scales_line: str | None = None  # one rank: how FP8 scales derived at start-up came about
         self.kv_bytes_per_token: int | None = None  # one rank: what a token takes in its pool (KvCacheConfig.dtype)
         self._kv_stored: str | None = None  # one rank: the pool's element type
+        self._linear_formats: LinearFormats | None = None  # one rank: what its linear layers store and run
         if tensor_parallel_size > 1:
             if device.type != "cpu":
                 raise ValueError(f"tensor_parallel_size={tensor_parallel_size} runs on the CPU only (gloo ranks),"
                                  f" not on {device.type}")
-            rank_model = _rank_model(model, dtype=dtype, seed=seed)
+            rank_model = _rank_model(model, dtype=dtype, seed=seed, quantization=quantization)
             self.model_id, self.model_config, self.tokenizer = rank_model.model_id, rank_model.config, rank_model.tokenizer
             self.generation_defaults = rank_model.generation_defaults
             self.config = _cap_max_seq_len(config, executor_options, self.model_config)
@@ -295,7 +303,8 @@ class LLM:
         elif simulated_engine is not None:
             self._build_simulated(model, config, executor_options, simulated_engine, dtype=dtype, seed=seed)
         else:
-            loaded = load_model(model, dtype=dtype, seed=seed, device=device, batch_invariant=batch_invariant)
+            loaded = load_model(model, dtype=dtype, seed=seed, device=device, batch_invariant=batch_invariant,
+                                quantization=quantization)
             self.model_id = loaded.model_id  # the served name: the preset's, or the .gguf file's stem
             self.tokenizer = loaded.tokenizer  # None for random-weight models
             self.generation_defaults = loaded.generation_defaults  # generation_config.json's sampling values
@@ -309,6 +318,7 @@ class LLM:
             if self.kv_scales is None and (derived := derived_kv_scales(loaded.model, loaded.tokenizer,
                                                                          config.kv_cache_config)) is not None:
                 self.kv_scales, self._kv_scales_line = derived.scales, derived.describe()
+            self._linear_formats = loaded.model.linear_formats  # what the weights are stored and run as
             executor = create_py_executor(ceiling, model=loaded.model, fit_max_seq_len_to_pool=not given,
                                           kv_scales=self.kv_scales)
             self._executor, self.config = executor, executor.config
@@ -368,6 +378,8 @@ class LLM:
         1.0) and ``max_seq_len`` (with the limit that set it)."""
         kv = self.config.kv_cache_config
         line = f"model {self.model_id} on {self.device} ({self.model_config.dtype}"
+        formats = self._linear_formats
+        line += "; linear layers: " + formats.describe() if formats is not None else ""
         line += ", batch-invariant)" if self.model_config.batch_invariant else ")"
         line += f", vocabulary {self.model_config.vocab_size}"
         if self.tokenizer is not None and self.tokenizer.num_padded_ids:
@@ -620,11 +632,15 @@ class _RankModel:
     kv_cache_quantization: KvCacheQuantization | None = None
 
 
-def _rank_model(model, *, dtype: str | None, seed: int | None) -> _RankModel:
+def _rank_model(model, *, dtype: str | None, seed: int | None, quantization: str | None = None) -> _RankModel:
+    """Every rank dequantizes a GGUF file (its shards are slices of dense weights): quantization='gguf' is refused."""
+    if quantization == "gguf":
+        raise ValueError("quantization='gguf' runs on one rank: tensor-parallel ranks shard dequantized weights"
+                         " (quantization='none')")
     seeded = seeded_model(model, dtype=dtype, seed=seed)
     if seeded is not None:
         return _RankModel(seeded[0], seeded[1], None, None)
-    checkpoint = describe_checkpoint(model, dtype=dtype, seed=seed)
+    checkpoint = describe_checkpoint(model, dtype=dtype, seed=seed, quantization="none")
     return _RankModel(checkpoint.model_id, checkpoint.config, checkpoint.tokenizer, os.fspath(checkpoint.path),
                       checkpoint.generation_defaults, checkpoint.kv_scales, checkpoint.kv_cache_quantization)
 
@@ -689,6 +705,7 @@ def follow_rank0(
     check_decisions: bool = False,
     kv_events_config: KVEventsConfig | dict | None = None,
     batch_invariant: bool = False,
+    quantization: str | None = None,
     **executor_options,
 ) -> int:
     """A ``torchrun`` rank other than 0: build this rank's shard and executor from the same
@@ -707,7 +724,7 @@ def follow_rank0(
         raise ValueError("ranks run on the CPU only (gloo)")
     # rank 0's process publishes the events (under TP its pool speaks for all): only the buffer matters here
     config = _with_event_buffer(_executor_config(executor_options), _kv_events_config(kv_events_config))
-    rank_model = _rank_model(model, dtype=dtype, seed=seed)
+    rank_model = _rank_model(model, dtype=dtype, seed=seed, quantization=quantization)
     config = _cap_max_seq_len(config, executor_options, rank_model.config)
     job = serve_config(rank_model.config, config, check_decisions=check_decisions, checkpoint=rank_model.checkpoint)
     return follow(launch, lambda ctx: serve_rank(ctx, job))

@@ -21,8 +21,10 @@ DEVICES = ("auto", "cuda", "cpu")
 #: are not given, in the words ``trtllm-serve --help`` shows instead of the field's own default
 #: (``LLM`` applies each where it builds the executor; a test checks every other flag's shown
 #: default against the value an ``LLM`` built without it uses).
+QUANTIZATIONS = ("gguf", "none")
 DERIVED_DEFAULTS = {
     "dtype": "the model's on the CPU, bfloat16 on a GPU",
+    "quantization": "gguf for a GGUF file with quantized weights on the CPU when no dtype is given, else none",
     "max_seq_len": "the model's max_position_embeddings, lowered to what the KV pool holds for one sequence",
 }
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
@@ -91,6 +93,9 @@ class LlmArgs:
     # The weights' and activations' dtype (float32, float16, bfloat16, ...).
     dtype: str | None = None
     seed: int | None = None  # random-weight models: the seed the weights are drawn from
+    # a GGUF file's quantized weights (vLLM's name): gguf keeps them as stored (Q4_0, Q4_1, Q8_0 blocks,
+    # torch's int4 kernel, bfloat16 activations; CPU only), none dequantizes them to dtype
+    quantization: str | None = field(default=None, metadata={"choices": QUANTIZATIONS})
     # auto: the GPU when torch sees one, else the CPU; also cuda:N.
     device: str = field(default="auto", metadata={"metavar": "{" + ",".join(DEVICES) + "}"})
     tensor_parallel_size: int = 1  # tensor parallelism over N rank processes (CPU, gloo on loopback)
@@ -110,6 +115,9 @@ class LlmArgs:
     executor: ExecutorConfig = nested(ExecutorConfig, inline=True)
 
     def __post_init__(self) -> None:
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {', '.join(map(repr, QUANTIZATIONS))} (or unset: the"
+                             f" checkpoint's own), got {self.quantization!r}")
         if not isinstance(self.device, str) or not _DEVICE.fullmatch(self.device):
             raise ValueError(f"device must be one of {', '.join(map(repr, DEVICES))} (or 'cuda:N'), got {self.device!r}")
         size = self.tensor_parallel_size

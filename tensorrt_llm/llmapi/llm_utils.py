@@ -34,10 +34,17 @@ to a pool of ``kv_cache_config.dtype: fp8``; under ``auto`` they are unused (log
 the dtype is never switched for them.
 
 Without a ``dtype``: on a GPU, a Hugging Face checkpoint runs in its ``config.json`` dtype
-(``bfloat16`` if it names none) and everything else in ``bfloat16``; on the CPU, a checkpoint
-runs as ``float16-weights`` (the linear layers' weights in float16, everything else float32:
-:func:`default_checkpoint_dtype`), the fastest format whose perplexity stays within 2% of
+(``bfloat16`` if it names none) and everything else in ``bfloat16``; on the CPU, a GGUF file
+whose linear layers are quantized in Q4_0, Q4_1 or Q8_0 keeps them so (``quantization="gguf"``:
+torch's int4 kernel, bfloat16 activations), the fastest format there; any other checkpoint runs
+as ``float16-weights`` (the linear layers' weights in float16, everything else float32:
+:func:`default_checkpoint_dtype`), the fastest dense format whose perplexity stays within 2% of
 float32 (``benchmarks/model/decode_speed.py``); random-weight presets keep their own dtype.
+
+``quantization`` (vLLM's name) decides for a GGUF file: unset, as above; ``"gguf"`` keeps the
+file's blocks (refused, naming why, on a GPU, with a dtype other than bfloat16, or for a file
+whose linear layers hold another block format); ``"none"`` dequantizes them to ``dtype``
+(:func:`keeps_gguf_blocks`).
 """
 
 from __future__ import annotations
@@ -57,6 +64,8 @@ from tensorrt_llm._torch.models.kv_calibration import KvCalibration, calibrate_k
 from tensorrt_llm._torch.models.checkpoints import (
     PACKAGED_CHECKPOINTS,
     CheckpointError,
+    GGUFCheckpoint,
+    blocks_unsupported,
     KvCacheQuantization,
     is_hf_checkpoint,
     llama_config_from_gguf,
@@ -68,8 +77,10 @@ from tensorrt_llm._torch.models.checkpoints import (
     read_json,
     read_kv_scales,
 )
+from tensorrt_llm._torch.models.checkpoints.gguf_loader import KEPT_ACTIVATIONS
 from tensorrt_llm._torch.models.checkpoints.hf_config import HFConfig
 from tensorrt_llm._torch.models.modeling_llama import FLOAT16_WEIGHTS, MODEL_PRESETS, LlamaConfig, LlamaForCausalLM
+from tensorrt_llm._torch.modules.linear_methods import BLOCK_FORMATS
 from tensorrt_llm.llmapi.tokenizer import Tokenizer, UnsupportedTokenizer
 
 logger = logging.getLogger(__name__)
@@ -178,6 +189,7 @@ class CheckpointModel:
     generation_defaults: GenerationDefaults = GenerationDefaults()
     kv_scales: KvScales | None = None  # as LoadedModel's (each rank reads them again with its weights)
     kv_cache_quantization: KvCacheQuantization | None = None
+    keeps_gguf_blocks: bool = False  # a GGUF file's linear layers keep its quantized blocks (keeps_gguf_blocks)
 
 
 def default_checkpoint_dtype(device: torch.device | str = "cpu") -> str:
@@ -198,6 +210,40 @@ def default_dtype(device: torch.device | str, checkpoint_dtype: str | None = Non
     if torch.device(device).type == "cpu":
         return default_checkpoint_dtype(device)
     return checkpoint_dtype or "bfloat16"
+
+
+def keeps_gguf_blocks(name: str, checkpoint: GGUFCheckpoint, *, quantization: str | None, dtype: str | None,
+                      device: torch.device | str) -> bool:
+    """Whether the GGUF file ``checkpoint`` keeps its quantized blocks (module docstring): with
+    ``quantization="gguf"``, or unset with no ``dtype`` on the CPU when its linear layers hold blocks
+    the int4 kernel runs. Raises ValueError (CheckpointError for the file) where "gguf" cannot be honoured."""
+    if quantization == "none":
+        return False
+    explicit = quantization == "gguf"
+    device = torch.device(device)
+    if not explicit:
+        if dtype is not None or device.type != "cpu" or not _has_blocks(checkpoint):
+            return False
+        why = blocks_unsupported(checkpoint, llama_config_from_gguf(checkpoint))
+        if why is not None:
+            logger.info("%s: its quantized weights are dequantized (%s)", name, why)
+            return False
+        return True
+    if device.type != "cpu":
+        raise ValueError(f"quantization='gguf' runs on the CPU only (torch's int4 kernel), not on {device.type}:"
+                         " pass quantization='none' to dequantize the weights")
+    if dtype not in (None, KEPT_ACTIVATIONS):
+        raise ValueError(f"quantization='gguf' runs with {KEPT_ACTIVATIONS} activations, not dtype={dtype!r}:"
+                         " pass quantization='none' to dequantize the weights to that dtype")
+    why = blocks_unsupported(checkpoint, llama_config_from_gguf(checkpoint))
+    if why is not None:
+        raise CheckpointError(f"{name}: quantization='gguf' cannot keep this file's weights: {why}")
+    return True
+
+
+def _has_blocks(checkpoint: GGUFCheckpoint) -> bool:
+    return any(t.tensor_type.name in BLOCK_FORMATS and len(t.shape) == 2 and not t.name.startswith("token_embd")
+               for t in checkpoint._reader.tensors)
 
 
 def seeded_model(
@@ -281,14 +327,17 @@ def _not_found(name: str, path: Path, hub: str | None) -> str:
 
 def describe_checkpoint(
     model: str | os.PathLike[str], *, dtype: str | None = None, seed: int | None = None,
-    device: torch.device | str = "cpu",
+    device: torch.device | str = "cpu", quantization: str | None = None,
 ) -> CheckpointModel:
     """The checkpoint ``model`` names: its sizes, tokenizer and generation defaults, read from its
-    metadata, and its KV scales (a few scalars read from the mapped files); the weights stay in
-    the files. Raises as :func:`load_model`."""
+    metadata, its KV scales (a few scalars read from the mapped files) and, for a GGUF file,
+    whether its quantized blocks are kept (:func:`keeps_gguf_blocks`); the weights stay in the
+    files. Raises as :func:`load_model`."""
     if seed is not None:
         raise ValueError("seed chooses random weights; a checkpoint has its own")
     resolved = resolve_model(model)
+    if resolved.kind == "hf" and quantization == "gguf":
+        raise ValueError(f"quantization='gguf' is for GGUF files; {resolved.model_id} is a Hugging Face checkpoint")
     if resolved.kind == "hf":
         hf = read_hf_config(resolved.path, dtype="float32")
         config = dataclasses.replace(hf.config, dtype=dtype or default_dtype(device, hf.checkpoint_dtype))
@@ -296,8 +345,11 @@ def describe_checkpoint(
         tokenizer = _hf_tokenizer(resolved.path, hf, eos_ids)
         return CheckpointModel(resolved.model_id, resolved.path, config, tokenizer, defaults,
                                read_kv_scales(resolved.path, config.num_layers), hf.kv_cache_quantization)
-    config = llama_config_from_gguf(open_gguf(resolved.path), dtype=dtype or default_dtype(device))
-    return CheckpointModel(resolved.model_id, resolved.path, config, _gguf_tokenizer(resolved.path, config))
+    checkpoint = open_gguf(resolved.path)
+    keep = keeps_gguf_blocks(resolved.model_id, checkpoint, quantization=quantization, dtype=dtype, device=device)
+    config = llama_config_from_gguf(checkpoint, dtype=KEPT_ACTIVATIONS if keep else dtype or default_dtype(device))
+    return CheckpointModel(resolved.model_id, resolved.path, config, _gguf_tokenizer(resolved.path, config),
+                           keeps_gguf_blocks=keep)
 
 
 def load_model(
@@ -307,16 +359,26 @@ def load_model(
     seed: int | None = None,
     device: torch.device | str = "cpu",
     batch_invariant: bool = False,
+    quantization: str | None = None,
 ) -> LoadedModel:
     """Build the model ``model`` names, on ``device``. Raises ValueError naming what is wrong:
     :class:`ModelNotFound` for a name that matches nothing, CheckpointError for a bad checkpoint
     (an architecture or config key we do not run, a missing or misshapen tensor).
-    ``batch_invariant``: built with the batch-invariant layers (``LlamaConfig.batch_invariant``)."""
+    ``batch_invariant``: built with the batch-invariant layers (``LlamaConfig.batch_invariant``; a GGUF
+    file's blocks are then dequantized: the int4 kernel has no batch-invariant form).
+    ``quantization``: a GGUF file's quantized weights kept or dequantized (module docstring)."""
+    if batch_invariant:
+        if quantization == "gguf":
+            raise ValueError("batch_invariant needs dense weights: GGUF blocks kept quantized run torch's int4 kernel, "
+                             "which has no batch-invariant form (quantization='none' dequantizes them)")
+        quantization = "none"
     seeded = seeded_model(model, dtype=dtype, seed=seed, batch_invariant=batch_invariant)
     if seeded is not None:
+        if quantization == "gguf":
+            raise ValueError(f"quantization='gguf' is for GGUF files; {seeded[0]} is a random-weight model")
         model_id, config = seeded
         return LoadedModel(model_id, LlamaForCausalLM(config, device=device), None, from_seed=True)
-    described = describe_checkpoint(model, dtype=dtype, seed=seed, device=device)
+    described = describe_checkpoint(model, dtype=dtype, seed=seed, device=device, quantization=quantization)
     if batch_invariant:
         described = dataclasses.replace(described, config=dataclasses.replace(described.config, batch_invariant=True))
     if described.config.packs_linear_weights and torch.device(device).type != "cpu":
@@ -326,9 +388,8 @@ def load_model(
         model_ = load_hf_checkpoint(described.path, described.config, device=device).model
     else:
         model_ = load_llama_from_gguf(described.path, dtype=described.config.dtype,
-                                      batch_invariant=described.config.batch_invariant)
-        if torch.device(device).type != "cpu":
-            model_.to(device)  # dequantised on the CPU, then moved (RoPE frequencies keep their dtype)
+                                      batch_invariant=described.config.batch_invariant,
+                                      keep_quantized=described.keeps_gguf_blocks, device=device)
     return LoadedModel(described.model_id, model_, described.tokenizer,
                        generation_defaults=described.generation_defaults, kv_scales=described.kv_scales,
                        kv_cache_quantization=described.kv_cache_quantization)

@@ -62,10 +62,12 @@ from torch import nn
 
 from tensorrt_llm._torch.attention_backend.backend import AttentionPlan, LayerKV, plan_builder
 from tensorrt_llm._torch.attention_backend.interface import AttentionMetadata
+from tensorrt_llm._torch.models.linear_formats import LinearFormats, install_linear_methods
 from tensorrt_llm._torch.modules.attention import Attention, HeadShard
 from tensorrt_llm._torch.modules.batch_invariant import make_batch_invariant
 from tensorrt_llm._torch.modules.gated_mlp import GatedMLP
 from tensorrt_llm._torch.modules.linear import Linear, TensorParallelMode
+from tensorrt_llm._torch.modules.linear_methods import BlockQuantizedWeight
 from tensorrt_llm._torch.modules.rms_norm import RMSNorm
 from tensorrt_llm._torch.modules.rotary_embedding import RopeScaling, RotaryEmbedding, apply_rotary
 from tensorrt_llm.mapping import Mapping
@@ -352,6 +354,13 @@ class LlamaForCausalLM(nn.Module):
     A missing, unexpected or misshapen tensor is a ValueError naming it (and both shapes).
     Without ``weights`` they are drawn from ``config.seed``.
 
+    ``quantized``: parameter name -> a GGUF file's blocks of that weight (``BlockQuantizedWeight``),
+    for linear layers that keep them and run torch's int4 kernel on the CPU (a bfloat16 model);
+    their dense values are never made, and ``weights`` need not name them (a tied embedding is
+    given both: its dense rows for the lookup, its blocks for the head). On the CPU each linear
+    layer runs the method of the model's weight format (``linear_formats``; the attribute
+    ``linear_formats`` says which).
+
     Weights never require grad: the model only serves. Both forwards work with or without
     ``torch.inference_mode()``; the KV pools must then be ordinary tensors, or inference
     tensors written under inference mode.
@@ -375,6 +384,7 @@ class LlamaForCausalLM(nn.Module):
         *,
         weights: WeightMap | None = None,
         device: torch.device | str | None = None,
+        quantized: WeightMapping[str, BlockQuantizedWeight] | None = None,
     ) -> None:
         super().__init__()
         self.config = config
@@ -396,32 +406,31 @@ class LlamaForCausalLM(nn.Module):
             inv_freq = self.model.rotary_emb.inv_freq
             self.to_empty(device=device)
             self.model.rotary_emb.inv_freq = inv_freq.to(device)
+        if config.packs_linear_weights and self.device.type != "cpu":
+            raise ValueError(f"dtype {FLOAT16_WEIGHTS!r} runs on the CPU only (fbgemm), not on {self.device.type}")
+        quantized = quantized or {}
         if weights is None:
+            if quantized:
+                raise ValueError("quantized weights come with the rest of a checkpoint's weights")
             self._init_weights()
         else:
-            self._load_weights(weights)
+            self._load_weights(weights, skip=quantized.keys())
         self.requires_grad_(False)
         if config.batch_invariant:
-            # Every layer swapped for its batch-invariant form (float16-weights: by the float16-rounded
-            # weights). Unsharded layers only: a sharded one is refused by name (InvariantLinear).
             if self.device.type != "cpu":
                 raise ValueError(f"batch_invariant runs on the CPU only, not on {self.device.type} (docs/determinism.md)")
-            if config.packs_linear_weights:
-                self._pack_linear_weights()
+            if quantized:
+                raise ValueError("batch_invariant needs dense weights: GGUF blocks kept quantized have no batch-invariant form")
+        self.linear_formats: LinearFormats = install_linear_methods(self, quantized)
+        if config.batch_invariant:
+            # Every layer swapped for its batch-invariant form (float16-weights: by the float16-rounded
+            # weights), the stacked projections undone. Unsharded layers only: a sharded one is refused
+            # by name (InvariantLinear).
             make_batch_invariant(self, max_positions=config.max_position_embeddings)
-        elif config.packs_linear_weights:
-            self._pack_linear_weights()
-
-    def _pack_linear_weights(self) -> None:
-        if self.device.type != "cpu":
-            raise ValueError(f"dtype {FLOAT16_WEIGHTS!r} runs on the CPU only (fbgemm), not on {self.device.type}")
-        for module in self.modules():
-            if isinstance(module, Linear):
-                module.pack_float16()
 
     @property
     def device(self) -> torch.device:
-        return self.lm_head.weight.device
+        return self.model.embed_tokens.weight.device  # the embedding is always dense
 
     def full_shape(self, name: str) -> tuple[int, ...]:
         """The unsharded shape of parameter ``name`` (what a checkpoint holds)."""
@@ -430,10 +439,11 @@ class LlamaForCausalLM(nn.Module):
         return owner.full_shape_of(leaf) if isinstance(owner, Linear) else tuple(getattr(owner, leaf).shape)
 
     @torch.no_grad()
-    def _load_weights(self, weights: WeightMap | WeightSource) -> None:
+    def _load_weights(self, weights: WeightMap | WeightSource, skip: Collection[str] = ()) -> None:
+        """``skip``: parameters whose weights come in another form (``quantized``); loaded only if given."""
         source = weights if hasattr(weights, "release") else _MappingSource(weights)
-        params = dict(self.named_parameters())
         given = set(source.names())
+        params = {name: p for name, p in self.named_parameters() if name not in skip or name in given}
         missing, unexpected = sorted(params.keys() - given), sorted(given - params.keys())
         if missing or unexpected:
             needs = ", ".join(f"{name} {self.full_shape(name)}" for name in missing[:8])

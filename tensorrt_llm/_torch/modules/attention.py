@@ -12,6 +12,10 @@ One module serves every architecture the engine runs; they differ in two switche
 heads that divides the query heads works. The layer splits in two around the attention itself
 (:meth:`Attention.project` and :meth:`Attention.output`), which the piecewise CUDA graphs
 capture apart.
+
+On the CPU, q, k and v may come from one linear method over their three weights stacked
+(:meth:`Attention.fuse_qkv`, chosen at load: ``models/linear_formats``): one kernel call for
+the three, and RoPE of q and k in one call over their adjacent columns.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from torch import nn
 
 from tensorrt_llm._torch.attention_backend.kernels import fused_rope_applies, rotate_qk_
 from tensorrt_llm._torch.modules.linear import Linear, TensorParallelMode
+from tensorrt_llm._torch.modules.linear_methods import LinearMethod
 from tensorrt_llm._torch.modules.rms_norm import RMSNorm
 from tensorrt_llm._torch.modules.rotary_embedding import apply_rotary
 
@@ -111,6 +116,12 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
         self.causal = CausalAttention()  # the attention without a cache
+        self.qkv_method: LinearMethod | None = None  # q, k, v stacked (fuse_qkv); None: three calls
+
+    def fuse_qkv(self, method: LinearMethod) -> None:
+        """Compute q, k and v with ``method``, whose weight is q_proj's, k_proj's and v_proj's rows
+        stacked in that order (biases included): :meth:`project` then makes one call for the three."""
+        self.qkv_method = method
 
     def forward(
         self,
@@ -126,6 +137,8 @@ class Attention(nn.Module):
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """x (T, hidden) -> q (T, n_head, head_dim), k, v (T, n_kv_head, head_dim), RoPE applied."""
         T = x.shape[0]
+        if self.qkv_method is not None:
+            return self._project_fused(x, cos, sin)
         q = self.q_proj(x).view(T, self.n_head, self.head_dim)  # (T, n_head, head_dim)
         k = self.k_proj(x).view(T, self.n_kv_head, self.head_dim)  # (T, n_kv_head, head_dim)
         v = self.v_proj(x).view(T, self.n_kv_head, self.head_dim)  # (T, n_kv_head, head_dim)
@@ -136,6 +149,17 @@ class Attention(nn.Module):
         else:
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         return q, k, v
+
+    def _project_fused(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        T, hd, qk_heads = x.shape[0], self.head_dim, self.n_head + self.n_kv_head
+        qkv = self.qkv_method.apply(x).view(T, qk_heads + self.n_kv_head, hd)  # (T, n_head + 2 n_kv_head, head_dim)
+        v = qkv[:, qk_heads:]  # (T, n_kv_head, head_dim), a view
+        if self.q_norm is not None:  # per head, each with its own weight, before RoPE (Qwen3)
+            q, k = self.q_norm(qkv[:, : self.n_head]), self.k_norm(qkv[:, self.n_head : qk_heads])
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            return q, k, v
+        qk = apply_rotary(qkv[:, :qk_heads], cos, sin)  # (T, n_head + n_kv_head, head_dim): one call for both
+        return qk[:, : self.n_head], qk[:, self.n_head :], v
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, paged: LayerKV | None) -> torch.Tensor:
         """The attention itself -> (T, n_head, head_dim): through the paged backend, or, with no

@@ -41,7 +41,8 @@ from tensorrt_llm._torch.attention_backend.invariant_math import (
     to_grid,
     weight_digits,
 )
-from tensorrt_llm._torch.modules.attention import CausalAttention
+from tensorrt_llm._torch.modules.attention import Attention, CausalAttention
+from tensorrt_llm._torch.modules.gated_mlp import GatedMLP
 from tensorrt_llm._torch.modules.linear import Linear
 from tensorrt_llm._torch.modules.rms_norm import RMSNorm
 from tensorrt_llm._torch.modules.rotary_embedding import RotaryEmbedding
@@ -170,6 +171,11 @@ def make_batch_invariant(model: nn.Module, *, max_positions: int) -> None:
              nn.SiLU: lambda _: InvariantSiLU(),
              CausalAttention: lambda _: InvariantCausalAttention(),
              RotaryEmbedding: lambda rotary: InvariantRotaryEmbedding(rotary, max_positions)}
+    for module in model.modules():  # stacked projections (linear_formats) would bypass the swapped layers
+        if isinstance(module, Attention):
+            module.qkv_method = None
+        elif isinstance(module, GatedMLP):
+            module.gate_up_method = None
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             swap = swaps.get(type(child))

