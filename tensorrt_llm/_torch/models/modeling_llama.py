@@ -426,7 +426,8 @@ class LlamaForCausalLM(nn.Module):
             # Every layer swapped for its batch-invariant form (float16-weights: by the float16-rounded
             # weights), the stacked projections undone. Unsharded layers only: a sharded one is refused
             # by name (InvariantLinear).
-            make_batch_invariant(self, max_positions=config.max_position_embeddings)
+            make_batch_invariant(self, max_positions=config.max_position_embeddings,
+                                 float16_weights=config.packs_linear_weights)
 
     @property
     def device(self) -> torch.device:

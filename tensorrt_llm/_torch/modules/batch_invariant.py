@@ -57,11 +57,12 @@ __all__ = [
 _TABLE_PIECE = 16384
 
 
-def dense_weight(linear: Linear) -> torch.Tensor:
-    """The ``(out, in)`` weight ``linear`` multiplies by: its float16-rounded copy when it is packed
-    (``Linear.pack_float16``), else ``weight`` itself."""
+def dense_weight(linear: Linear, float16_weights: bool = False) -> torch.Tensor:
+    """The ``(out, in)`` weight ``linear`` multiplies by: its float16-rounded copy in a
+    ``float16-weights`` model (whose layers run fbgemm's float16 GEMM, alone or stacked:
+    ``models/linear_formats``), else ``weight`` itself."""
     weight = linear.weight.detach()
-    return weight.to(torch.float16).to(weight.dtype) if linear.packed_float16 else weight
+    return weight.to(torch.float16).to(weight.dtype) if float16_weights or linear.packed_float16 else weight
 
 
 class InvariantLinear(nn.Module):
@@ -161,13 +162,13 @@ class InvariantCausalAttention(nn.Module):
         return invariant_attention(q[None], k[None], v[None], positions, scale)[0]
 
 
-def make_batch_invariant(model: nn.Module, *, max_positions: int) -> None:
+def make_batch_invariant(model: nn.Module, *, max_positions: int, float16_weights: bool = False) -> None:
     """Swap every layer of ``model`` (its weights loaded) for its batch-invariant form, in place,
     once, at construction (``LlamaForCausalLM``). The parameters stay the same objects. A leaf
     module (one with no children: it computes something itself) of a kind with no batch-invariant
     form here is refused by name: its arithmetic could depend on the batch. Containers only
     compose their children (residual adds and views are elementwise)."""
-    swaps = {Linear: lambda linear: InvariantLinear(linear, dense_weight(linear)), RMSNorm: InvariantRMSNorm,
+    swaps = {Linear: lambda linear: InvariantLinear(linear, dense_weight(linear, float16_weights)), RMSNorm: InvariantRMSNorm,
              nn.SiLU: lambda _: InvariantSiLU(),
              CausalAttention: lambda _: InvariantCausalAttention(),
              RotaryEmbedding: lambda rotary: InvariantRotaryEmbedding(rotary, max_positions)}
