@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+from array import array
 
 import numpy as np
 import pytest
@@ -26,6 +27,7 @@ from tensorrt_llm._torch.attention_backend.paged import PagedPlanBuilder
 from tensorrt_llm._torch.models.modeling_llama import MODEL_PRESETS
 from tensorrt_llm._torch.pyexecutor.config import ExecutorConfig, KvCacheConfig, SpeculativeConfig
 from tensorrt_llm._torch.pyexecutor.engine import torch_engine
+from tensorrt_llm._torch.pyexecutor.engine.in_flight import Drafting
 from tensorrt_llm._torch.pyexecutor.engine.torch_engine import CudaTorchModelEngine
 from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequest
 from tensorrt_llm._torch.pyexecutor import py_executor_creator
@@ -61,21 +63,26 @@ def test_the_batched_proposal_is_the_numpy_reference(rows, max_draft_len, ngram,
 def test_token_histories_upload_what_the_device_lacks_and_append_runs():
     histories = TokenHistories("cpu", width=16, rows=1)
     first = histories.place([7], [[1, 2, 3, 4]], [3])  # the host knows 3 tokens
-    assert first.rows.tolist() == [0] and first.upload_index.tolist() == [0, 1, 2]
-    histories.upload(first, torch.from_numpy)
+    assert first.rows.tolist() == [0] and first.upload_index(16).tolist() == [0, 1, 2]
+    histories.write(torch.from_numpy(first.upload_index(16)), torch.from_numpy(first.upload_tokens))
     # the forward in flight gave 2 tokens (a draft accepted, then the bonus): appended on the device
-    lengths = histories.append(torch.tensor([0]), torch.tensor([3]), torch.tensor([[5, 6, 0]]), torch.tensor([2]))
-    assert lengths.tolist() == [5] and histories.gather(torch.tensor([0]), 5).tolist() == [[1, 2, 3, 5, 6]]
+    histories.write(torch.tensor([3, 4]), torch.tensor([5, 6]))
+    assert histories.gather(torch.tensor([0]), 5).tolist() == [[1, 2, 3, 5, 6]]
     # next launch: the host now knows those two; only they are uploaded (the same values)
-    second = histories.place([7], [[1, 2, 3, 5, 6, 9]], [5])
-    assert second.upload_index.tolist() == [3, 4] and second.upload_tokens.tolist() == [5, 6]
+    second = histories.place([7], [array("q", [1, 2, 3, 5, 6, 9])], [5])
+    assert second.upload_index(16).tolist() == [3, 4] and second.upload_tokens.tolist() == [5, 6]
+    assert (second.upload_start.tolist(), second.upload_count.tolist()) == ([3], [2])
     # a second request in the same launch grows the buffer; one outside it gives its row back
     grown = histories.place([7, 8], [[1, 2, 3, 5, 6], [4, 4]], [5, 2])
     assert grown.rows.tolist() == [0, 1] and histories.tokens.shape[0] == 2
+    assert grown.upload_index(16).tolist() == [16, 17], "request 7 has its five: only request 8 uploads"
     reused = histories.place([9], [[3]], [1])
     assert reused.rows.tolist() == [0] and histories.tokens.shape[0] == 2, "request 7's row, the oldest"
-    assert histories.place([7], [[1, 2, 3, 5, 6]], [5]).upload_index.tolist() == list(range(16, 21)), \
+    assert histories.place([7], [[1, 2, 3, 5, 6]], [5]).upload_index(16).tolist() == list(range(16, 21)), \
         "request 7 lost its row: uploaded whole again"
+    shorter = histories.place([9], [[4]], [0])  # fewer tokens than uploaded: they changed
+    assert shorter.upload_count.tolist() == [0]
+    assert histories.place([9], [[8, 1]], [2]).upload_tokens.tolist() == [8, 1], "uploaded whole again"
 
 
 # --------------------------------------------------------------------------- the CUDA engine's logic on the CPU
@@ -114,9 +121,10 @@ class _DeviceLogicOnCpu(CudaTorchModelEngine):
         kv = self.kv_cache_manager
         self._plans = PagedPlanBuilder(self.device, tokens_per_block=kv.tokens_per_block, num_blocks=kv.num_blocks,
                                        num_kv_heads=self.model.num_local_kv_heads)
-        self._histories = None
-        if self.draft_proposer is not None:
-            self._histories = TokenHistories(self.device, (max_seq_len or 256) + self.max_draft_len + 2, rows=2)
+        self._drafting = None
+        if self.draft_proposer is not None:  # the proposer's torch form (the fused kernel is CUDA's)
+            self._drafting = Drafting(TokenHistories(self.device, (max_seq_len or 256) + self.max_draft_len + 2, rows=2),
+                                      self.draft_proposer)
 
 
 MODEL = dataclasses.replace(MODEL_PRESETS["tiny-random"], dtype="float64")
@@ -137,7 +145,7 @@ def _serve(model, spec: SpeculativeConfig | None, *, overlap: bool):
     stats = executor.iteration_stats
     engine = executor.model_engine
     if isinstance(engine, _DeviceLogicOnCpu):  # its steps in flight were drafted from its token histories
-        assert engine._histories is not None and engine._histories._placed
+        assert engine._drafting is not None and engine._drafting.histories._placed
     return [r.output_token_ids for r in requests], sum(s.num_draft_tokens for s in stats), \
         sum(s.num_accepted_draft_tokens for s in stats)
 
