@@ -162,12 +162,13 @@ class InFlightStep:
     def __init__(
         self, inputs: ForwardInputs, picks: DevicePicks | None, *, new: list[int], positions: np.ndarray,
         rows_are_sequences: bool, tokens_per_block: int, drafting: Drafting | None, sampling: list[int],
-        drafts: list[DraftSpan], verified: dict[int, list[int]] | None,
+        drafts: list[DraftSpan], verified: dict[int, list[int]] | None, logit_rows: list[int] | None = None,
     ) -> None:
         """``new``: the attention batch's rows per sequence; ``positions``: the forward's (as
         built); ``rows_are_sequences``: the forward's attended lengths are per flat row (a decode
         graph), else per decode sequence of the eager plan. ``sampling``, ``drafts``: the logit
-        layout's sampling requests and draft spans; ``verified``: the host's drafts."""
+        layout's sampling requests and draft spans; ``verified``: the host's drafts.
+        ``logit_rows``: the layout's rows, to ship in the same array (None: every row, in order)."""
         if (inputs.in_flight or inputs.engine_drafts) and picks is None:
             raise RuntimeError("a forward has in-flight inputs but no forward was launched before it")
         self._picks = picks
@@ -179,6 +180,8 @@ class InFlightStep:
         self._moves = self._plan_moves(inputs, new, positions, rows_are_sequences, tokens_per_block)
         self._entries = self._plan_drafts(inputs)
         self._verify_shape = self._plan_verification(drafts, verified or {})
+        if logit_rows is not None:
+            plan.add("logit_rows", logit_rows)
         self._array = plan.array() if plan.at else None
 
     # ---- host: the plan ------------------------------------------------------------------
@@ -304,6 +307,11 @@ class InFlightStep:
             plan.add("proposals", np.zeros((len(self._entries), per_entry), dtype=np.int64))  # the kernel's
         plan.add("host_drafts", host)  # right after the proposals: one source, no concatenation
         return num, width
+
+    @property
+    def logit_rows(self) -> torch.Tensor | None:
+        """The forward's logit rows on the device (after :meth:`upload`), None if not shipped."""
+        return self._plan["logit_rows"] if "logit_rows" in self._plan.at else None
 
     # ---- device ------------------------------------------------------------------------
     def upload(self, to_device: ToDevice) -> None:

@@ -357,7 +357,8 @@ class CudaTorchModelEngine(TorchModelEngine):
             in_flight = InFlightStep(inputs, self._device_picks, new=new, positions=positions,
                                      rows_are_sequences=size is not None,
                                      tokens_per_block=self.kv_cache_manager.tokens_per_block, drafting=self._drafting,
-                                     sampling=sampling, drafts=drafts, verified=verified)
+                                     sampling=sampling, drafts=drafts, verified=verified,
+                                     logit_rows=None if rows == list(range(len(rows))) else rows)
         storage = self.kv_cache_manager.storage
         start = None
         result = None
@@ -375,7 +376,7 @@ class CudaTorchModelEngine(TorchModelEngine):
                     result = self.graph_runner.sample(step, columns.at_rows(rows[: len(sampling)], size))
                     tokens = result.tokens[: len(ids)]
                 if rows != list(range(len(ids))):  # the sampling rows first, then the draft rows
-                    index = self._to_device(np.asarray(rows, dtype=np.int64))
+                    index = self._logit_rows(rows, in_flight)
                     logits, tokens = logits.index_select(0, index), tokens.index_select(0, index)
                     if result is not None and result.logprob is not None:
                         result = _rows_of(result, index[: len(sampling)])
@@ -392,6 +393,13 @@ class CudaTorchModelEngine(TorchModelEngine):
         proposed = in_flight.proposed if in_flight is not None else None
         return CudaForward(sampling, logits, tokens, start, prompt_logits=_prompt_logits(logits, spans), drafts=drafts,
                            beams=beams, verified_drafts=verified, proposed=proposed, columns=columns, logprobs=result)
+
+    def _logit_rows(self, rows: list[int], in_flight: InFlightStep | None) -> torch.Tensor:
+        """The flat rows whose logits the forward computes, on the device (in the in-flight array
+        when the launch has one: no copy of their own)."""
+        if in_flight is not None and in_flight.logit_rows is not None:
+            return in_flight.logit_rows
+        return self._to_device(np.asarray(rows, dtype=np.int64))
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         """A host array on the device, through the launch's pinned buffer (inside ``_staging.step()``)."""
@@ -417,7 +425,7 @@ class CudaTorchModelEngine(TorchModelEngine):
         if rows == list(range(len(rows))) and len(rows) == hidden.shape[0]:
             sampled = hidden  # every row samples (a decode batch)
         else:
-            sampled = hidden.index_select(0, self._to_device(np.asarray(rows, dtype=np.int64)))
+            sampled = hidden.index_select(0, self._logit_rows(rows, in_flight))
         logits = self.model.compute_logits(sampled)  # (rows, vocab)
         if columns is None:
             return logits, logits.argmax(dim=-1), None
