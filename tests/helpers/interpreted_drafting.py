@@ -31,7 +31,8 @@ from tests.helpers.interpreted_kernels import _fix_interpreter_for_numpy_2_4  # 
 _COLUMNS = ("rows", "known", "source", "room", "first", "upload_start", "upload_count", "upload_offset")
 
 
-def run_case(seed: int) -> dict:
+def run_case(seed: int, device: str = "cpu") -> dict:
+    """One random case on ``device`` (the CPU under the interpreter, or a GPU)."""
     from tensorrt_llm._torch.speculative.ngram import propose_ngram_drafts
     from tensorrt_llm._torch.speculative.triton_drafting import propose_ngram_in_flight
 
@@ -67,7 +68,9 @@ def run_case(seed: int) -> dict:
     at["proposals"], at["counts"] = offset, offset + entries * max_draft_len
     plan = torch.tensor([v for name in _COLUMNS for v in columns[name]] + [t for u in uploads for t in u]
                         + [99] * (entries * max_draft_len + entries), dtype=torch.int64)
-    propose_ngram_in_flight(histories, plan, at, runs, accepted, ids, entries, max_draft_len, ngram, 0)
+    on = [t.to(device) if t is not None else None for t in (histories, plan, runs, accepted, ids)]
+    propose_ngram_in_flight(on[0], on[1], at, on[2], on[3], on[4], entries, max_draft_len, ngram, 0)
+    histories, plan, ids = on[0].cpu(), on[1].cpu(), on[4].cpu()
     drafts = plan[at["proposals"] : at["counts"]].view(entries, max_draft_len)
     counts = plan[at["counts"] :]
     ok = True
