@@ -7,18 +7,23 @@ it, and acceptance collapses. So the host only reserves n+1's draft slots (place
 engine fills them when n+1 is launched, from tokens that are real::
 
     host      tokens  ... t  | P P P P        known: everything up to t; n's tokens in flight
-              uploads the tokens the device does not have yet (TokenHistories.place: a new
-              request's whole sequence once, then the few tokens of the forward before n)
-    device    n's accepted run (its accepted drafts, then the bonus; one token without drafts,
-              device_verification) appended after them ─► the request's real history
-              propose_ngram_batch(history, lengths, room) ─► n+1's drafts, into its draft slots
+              TokenHistories.place: which row is the request's, and the tokens the device does not
+              have yet (a new request's whole sequence once, then the few n-1 produced, which the
+              device appended already: the same values); shipped in the launch's one array
+    device    the uploads, then n's accepted run (its accepted drafts, then the bonus; one token
+              without drafts: engine.in_flight.DevicePicks) appended ─► the request's real history
+              the proposal over it ─► n+1's drafts, into its draft slots
 
 The host learns which drafts n+1 verified when n+1 completes: they come back with its tokens.
 
-:func:`propose_ngram_batch` is ``ngram.propose_ngram_drafts`` for a batch of sequences, in a
-fixed number of torch kernels and without reading anything back (the tests hold it to the numpy
-reference). :class:`TokenHistories` keeps each drafting request's tokens in a row of one device
-buffer; which row is whose, and how much of each the device has, is host bookkeeping.
+Two forms of the device side, the same drafts: for the n-gram proposer on CUDA, one Triton kernel
+does all of it (``triton_drafting``); for any proposer, and on the CPU, torch does it in steps
+(:meth:`TokenHistories.write` of the uploads and of the run, :meth:`TokenHistories.gather`, then
+``DraftProposer.propose_batch``; for n-gram lookup :func:`propose_ngram_batch`,
+``ngram.propose_ngram_drafts`` for a batch of sequences in a fixed number of torch kernels without
+reading anything back: the tests hold it to the numpy reference). :class:`TokenHistories` keeps
+each drafting request's tokens in a row of one device buffer; which row is whose, and how much of
+each the device has, is host bookkeeping.
 """
 
 from __future__ import annotations
