@@ -121,8 +121,8 @@ def _ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
 
 
 class _Packed:
-    """Named int64 columns packed into one host array: one upload, then views on the device (made
-    when first asked: the fused kernel reads most columns by offset and needs none)."""
+    """Named int64 columns packed into one host array: one upload, then views on the device (all
+    made by one ``split``; a column of more than one dimension is reshaped when first asked)."""
 
     __slots__ = ("_parts", "size", "at", "device", "_views")
 
@@ -142,14 +142,16 @@ class _Packed:
     def array(self) -> np.ndarray:
         return np.concatenate(self._parts) if len(self._parts) > 1 else self._parts[0]
 
+    def upload(self, device: torch.Tensor) -> None:
+        """``device``: :meth:`array` on the device."""
+        self.device = device
+        self._views = dict(zip(self.at, device.split([part.size for part in self._parts])))
+
     def __getitem__(self, name: str) -> torch.Tensor:
-        view = self._views.get(name)
-        if view is None:
-            offset, shape = self.at[name]
-            count = 1
-            for extent in shape:
-                count *= extent
-            view = self._views[name] = self.device[offset : offset + count].view(shape)
+        view = self._views[name]
+        shape = self.at[name][1]
+        if len(shape) > 1 and view.dim() == 1:
+            view = self._views[name] = view.view(shape)
         return view
 
 
@@ -317,7 +319,7 @@ class InFlightStep:
     def upload(self, to_device: ToDevice) -> None:
         """The plan to the device, in one copy (inside the staging's ``step()``)."""
         if self._array is not None:
-            self._plan.device = to_device(self._array)
+            self._plan.upload(to_device(self._array))
 
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, seq_lens: torch.Tensor) -> None:
         """Write what the forward could not know over its ``ids``, ``positions``, KV ``slots`` (by
