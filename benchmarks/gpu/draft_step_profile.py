@@ -121,7 +121,8 @@ def main(argv: list[str] | None = None) -> dict:
     loaded = load_model(args.model, dtype=args.dtype, device=args.device)
     model = loaded.model
     args.end_id = loaded.tokenizer.eos_token_id if loaded.tokenizer is not None else None
-    prompts = repetitive_prompts(types.SimpleNamespace(tokenizer=loaded.tokenizer, model_config=model.config), args.batch)
+    served = types.SimpleNamespace(tokenizer=loaded.tokenizer, model_config=model.config)  # what the prompts read
+    prompts = repetitive_prompts(served, args.batch)
     spec = SpeculativeConfig(max_draft_len=args.max_draft_len, max_matching_ngram_size=args.max_matching_ngram_size)
     timer = WaitTimer()
     drafted, plain = build(model, spec, args.batch), build(model, None, args.batch)

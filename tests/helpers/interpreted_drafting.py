@@ -104,7 +104,8 @@ def run_served() -> dict:
     drafting = [launch for launch in fused.launches if launch.engine_drafts]
     return {
         "outputs_equal": fused.outputs == plain.outputs and torch_form.outputs == plain.outputs,
-        "acceptance": [fused.accepted, fused.verified], "acceptance_torch_form": [torch_form.accepted, torch_form.verified],
+        "acceptance": [fused.accepted, fused.verified],
+        "acceptance_torch_form": [torch_form.accepted, torch_form.verified],
         "drafting_launches": len(drafting), "plain_ops": plain_ops,
         "extra_ops": max(launch.ops for launch in drafting) - plain_ops,
         "uploads": sorted({launch.uploads for launch in drafting}), "syncs": sum(launch.syncs for launch in drafting),

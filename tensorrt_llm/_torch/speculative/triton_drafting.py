@@ -148,5 +148,6 @@ def warm_up(device: torch.device, max_draft_len: int, max_matching_ngram_size: i
     width = 2
     while width // 2 < 1 + max_draft_len:
         runs = torch.zeros((1, width), dtype=torch.int64, device=device)
-        propose_ngram_in_flight(histories, plan, at, runs, picks, ids, 1, max_draft_len, max_matching_ngram_size, pad_id)
+        propose_ngram_in_flight(histories, plan, at, runs, picks, ids, 1, max_draft_len, max_matching_ngram_size,
+                                pad_id)
         width *= 2

@@ -14,7 +14,10 @@ the model's forward then runs unchecked (``LlamaForCausalLM.forward_with_plan``)
                            batch-invariant model: docs/determinism.md)
     CudaTorchModelEngine   a forward is enqueued on the GPU and returns (CudaForward);
                            plans from a PagedPlanBuilder through the pinned staging buffers;
-                           decode batches replay CUDA graphs; overlap on by default
+                           decode batches replay CUDA graphs; overlap on by default: what a
+                           step built in flight could not know (the previous picks, the drafts
+                           of its draft slots, a move-back over rejected drafts) is put in on
+                           the device at launch (engine.in_flight)
 """
 
 from __future__ import annotations
@@ -351,7 +354,7 @@ class CudaTorchModelEngine(TorchModelEngine):
         if self.graph_runner is not None and all(inputs.samples) and not spans and not beams:
             size = self.graph_runner.graph_size(new, cached)
         columns = inputs.sampling_columns(self.vocab_size)  # None: every row plain greedy (the argmax)
-        verified = inputs.verified_drafts() if drafts else None  # the host's drafts; the engine's come back with the picks
+        verified = inputs.verified_drafts() if drafts else None  # the host's; the engine's come back with the picks
         in_flight = None  # what the forward takes from the one before, and its verification (in_flight)
         if slots or inputs.engine_drafts or drafts:
             in_flight = InFlightStep(inputs, self._device_picks, new=new, positions=positions,

@@ -103,7 +103,8 @@ def test_the_cuda_engines_drafting_logic_gives_greedy_tokens_and_the_host_paths_
     host = cuda_logic_on_cpu.serve(model, PROMPTS, SPEC, overlap=False, on_cpu_logic=False)
     device = cuda_logic_on_cpu.serve(model, PROMPTS, SPEC, overlap=True, on_cpu_logic=True)
     assert host.outputs == plain.outputs and device.outputs == plain.outputs
-    print(f"host path: {host.accepted}/{host.verified} accepted; device logic, overlap: {device.accepted}/{device.verified}")
+    print(f"host path: {host.accepted}/{host.verified} accepted; "
+          f"device logic, overlap: {device.accepted}/{device.verified}")
     assert device.accepted > 0 and device.verified > device.accepted, "drafts accepted and rejected: the move-back ran"
     assert device.accepted / device.verified >= 0.9 * host.accepted / host.verified
     assert any(launch.engine_drafts for launch in device.launches), "steps in flight were drafted on the device"
