@@ -12,12 +12,15 @@
 #   cuda-tests            []                                ~5 min   the CUDA tests (FP8, drafts, graphs, beams, attention)
 #   stage-smollm2         [.carry/smollm2-a.part]           ~10 s    half of SmolLM2's GGUF to /tmp/stage (the working tree
 #                                                                    travels in at most 64 MiB; the file is 94 MiB)
-#   speculative           [.carry/gguf .carry/smollm2-b.part] ~7 min right after stage-smollm2 (the machine keeps /tmp for
-#                                                                    30 s): benchmarks.model.speculative, SmolLM2 bf16, overlap on
-#                                                                    (the default) and off side by side: repetitive at batch 1/4/8;
-#                                                                    64 requests of the default scenario (max_concurrency 16,
+#   speculative           [.carry/gguf .carry/smollm2-b.part] ~2.5 min right after stage-smollm2 (the machine keeps /tmp
+#                                                                    for 30 s): benchmarks.model.speculative, SmolLM2 bf16, overlap
+#                                                                    on (the default) and off side by side: repetitive at batch
+#                                                                    1/4/8; 64 requests of the default scenario (max_concurrency 16,
 #                                                                    threshold 0.3); then float32, overlap on: outputs must equal
-#                                                                    plain decoding's (MISMATCH lines and exit 1 otherwise)
+#                                                                    plain decoding's (MISMATCH lines and exit 1 otherwise); then
+#                                                                    benchmarks.gpu.draft_step_profile at batch 1: host ms per step
+#                                                                    (drafting with the fused kernel / the torch form / plain),
+#                                                                    the profiler's top host ops, launches and blocking calls
 #   fp8-decode            []                                ~4 min   decode 64 x 8k and 256 x 2k, bf16 vs FP8 pools, roofline
 #   fp8-replay            []       [REQUESTS]               ~6 min   the default scenario, same pool bytes in bf16 and FP8
 #   fp8-roofline          []                                ~7 min   the FP8 decode kernel against bf16 (TB/s, a sweep of shapes),
@@ -173,6 +176,10 @@ case $phase in
       --num-requests 64 --max-prompt-len 2048 --max-num-tokens 8192 --max-tokens 128 --max-concurrency 16 \
       --acceptance-rate-threshold 0.3 --json "$out/speculative_float32.json" 2>&1 | grep -v "^INFO" \
       | tee -a "$out/speculative.log"
+    # where a drafting step's host time goes (batch 1, overlap on): the fused kernel, the torch form and plain
+    # steps alternated, then torch.profiler over 24 drafting steps (top host ops, launches, blocking calls)
+    timeout 150 "$PY" -m benchmarks.gpu.draft_step_profile --model "$model" --dtype bfloat16 --batch 1 --steps 24 \
+      --json "$out/draft_step_profile.json" 2>&1 | grep -v "^INFO" | tee "$out/draft_step_profile.log" | tail -40
     pack
     ;;
   fp8-decode)

@@ -410,7 +410,9 @@ class ExecutorChecker:
     """Drives a :class:`PyExecutor` and checks invariants after every step.
 
     It snapshots every submitted, unfinished request before a step and reads the rest from
-    the :class:`Iteration` the step returns; the executor itself is not touched.
+    the :class:`Iteration` the step returns; the executor itself is not touched. With a drafter,
+    it also notes which requests the drafter leaves due for a padded first draft each step (the
+    drafter drops a due first draft in an iteration without drafts: ``max_concurrency``).
     ``invariants`` defaults to what the executor's token-budget policy promises.
     """
 
@@ -424,10 +426,22 @@ class ExecutorChecker:
     num_capacity_deferrals: int = 0
     iterations: list[Iteration] = field(default_factory=list)
 
+    _first_drafts: set[int] | None = None  # as the drafter left them this step (None: no drafter ran)
+
     def __post_init__(self) -> None:
         policy = self.executor.resource_manager.token_budget
         if self.invariants is None:
             self.invariants = POLICY_INVARIANTS[policy.name]
+        drafter = self.executor.drafter
+        if drafter is not None:  # observe its decision: it calls through, unchanged
+            prepare = drafter.prepare_draft_tokens
+
+            def observed(requests, **kwargs):
+                requests = list(requests)
+                prepare(requests, **kwargs)
+                self._first_drafts = {r.request_id for r in requests if r.is_first_draft}
+
+            drafter.prepare_draft_tokens = observed
 
     @property
     def claims_safety(self) -> bool:
@@ -457,8 +471,11 @@ class ExecutorChecker:
         # proposes them inside the step, and they stay until the next step's drafter), except
         # first-draft padding, which the step clears: whether a request was first-draft is taken now.
         first_draft = {r.request_id for r in open_requests if r.is_first_draft}
+        self._first_drafts = None
         completed = self.executor.in_flight_request_ids  # overlap: its forward completes during this step
         iteration = self.executor.step()
+        if self._first_drafts is not None:  # the drafter ran: a first draft it dropped ran plain
+            first_draft &= self._first_drafts
         step_cost = {
             r.request_id: 1 + r.max_draft_len if r.request_id in first_draft else forward_cost(r)
             for r in open_requests if not r.is_context_init_state

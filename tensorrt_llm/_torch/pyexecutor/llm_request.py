@@ -37,7 +37,8 @@ retries, and the marks they are counted from)      :meth:`record_capacity_deferr
                                                    (speculative decoding), else the submitter
 ``max_draft_len``, ``is_first_draft``              the submitter, or the ``Drafter`` at admission
                                                    (the executor clears ``is_first_draft`` when
-                                                   that step runs)
+                                                   that step runs, the ``Drafter`` when an
+                                                   iteration gets no drafts)
 ``priority``                                       the submitter (``[0, 1]``, default 0.5)
 ``py_logprobs``, ``py_prompt_logprobs``            the sampler (one entry per token it samples,
                                                    per prompt position it is given logits for)

@@ -7,22 +7,28 @@ it, and acceptance collapses. So the host only reserves n+1's draft slots (place
 engine fills them when n+1 is launched, from tokens that are real::
 
     host      tokens  ... t  | P P P P        known: everything up to t; n's tokens in flight
-              uploads the tokens the device does not have yet (TokenHistories.place: a new
-              request's whole sequence once, then the few tokens of the forward before n)
-    device    n's accepted run (its accepted drafts, then the bonus; one token without drafts,
-              device_verification) appended after them ─► the request's real history
-              propose_ngram_batch(history, lengths, room) ─► n+1's drafts, into its draft slots
+              TokenHistories.place: which row is the request's, and the tokens the device does not
+              have yet (a new request's whole sequence once, then the few n-1 produced, which the
+              device appended already: the same values); shipped in the launch's one array
+    device    the uploads, then n's accepted run (its accepted drafts, then the bonus; one token
+              without drafts: engine.in_flight.DevicePicks) appended ─► the request's real history
+              the proposal over it ─► n+1's drafts, into its draft slots
 
 The host learns which drafts n+1 verified when n+1 completes: they come back with its tokens.
 
-:func:`propose_ngram_batch` is ``ngram.propose_ngram_drafts`` for a batch of sequences, in a
-fixed number of torch kernels and without reading anything back (the tests hold it to the numpy
-reference). :class:`TokenHistories` keeps each drafting request's tokens in a row of one device
-buffer; which row is whose, and how much of each the device has, is host bookkeeping.
+Two forms of the device side, the same drafts: for the n-gram proposer on CUDA, one Triton kernel
+does all of it (``triton_drafting``); for any proposer, and on the CPU, torch does it in steps
+(:meth:`TokenHistories.write` of the uploads and of the run, :meth:`TokenHistories.gather`, then
+``DraftProposer.propose_batch``; for n-gram lookup :func:`propose_ngram_batch`,
+``ngram.propose_ngram_drafts`` for a batch of sequences in a fixed number of torch kernels without
+reading anything back: the tests hold it to the numpy reference). :class:`TokenHistories` keeps
+each drafting request's tokens in a row of one device buffer; which row is whose, and how much of
+each the device has, is host bookkeeping.
 """
 
 from __future__ import annotations
 
+from array import array
 from typing import NamedTuple, Sequence
 
 import numpy as np
@@ -77,11 +83,20 @@ def propose_ngram_batch(
 
 
 class HistoryPlacement(NamedTuple):
-    """Where a launch's drafting requests' histories are, and what the host uploads first."""
+    """Where a launch's drafting requests' histories are, and what the host writes into them first:
+    request ``e`` gets ``upload_count[e]`` tokens from column ``upload_start[e]`` of its row, the
+    next ones of ``upload_tokens`` (entry after entry)."""
 
     rows: np.ndarray  # (E,) int64 each request's row
-    upload_index: np.ndarray  # (U,) int64 flat positions (row * width + column) the host writes
-    upload_tokens: np.ndarray  # (U,) int32 the tokens written there
+    upload_start: np.ndarray  # (E,) int64 first column the host writes
+    upload_count: np.ndarray  # (E,) int64 tokens it writes there
+    upload_tokens: np.ndarray  # (U,) int64 those tokens, entry after entry
+
+    def upload_index(self, width: int) -> np.ndarray:
+        """The flat positions (row * ``width`` + column) of ``upload_tokens``, (U,) int64."""
+        counts = self.upload_count
+        before = np.cumsum(counts) - counts  # each entry's first token in upload_tokens
+        return np.repeat(self.rows * width + self.upload_start - before, counts) + np.arange(int(counts.sum()))
 
 
 class TokenHistories:
@@ -89,74 +104,79 @@ class TokenHistories:
     ``device``.
 
     Row ``r`` of request ``x`` holds ``x``'s tokens from position 0 up to what the host uploaded
-    (``place``) or the device appended after it (``append``); past that, anything. The host
-    remembers, per request, its row and how many of its tokens it uploaded. A request whose
-    tokens may have changed (it starts over as context) is forgotten and uploaded whole again.
-    Rows are reused in least-recently-placed order among requests not in the current launch,
-    and the buffer grows (doubling) only when one launch needs more rows than it has.
+    (``place``) or the device appended after it; past that, anything. The host remembers, per
+    request, its row and how many of its tokens it uploaded: at each launch it uploads only the
+    ones it learnt since (the few the forward before produced, which the device appended already:
+    the same values). A request whose tokens may have changed (it starts over as context) is
+    forgotten and uploaded whole again. Rows are reused in least-recently-placed order among
+    requests not in the current launch, and the buffer grows (doubling) only when one launch
+    needs more rows than it has. The buffer is written on the device by whoever drafts
+    (``torch_engine``'s in-flight step, or ``triton_drafting``'s kernel): this class keeps the host's
+    side and the torch forms of its writes.
     """
 
     def __init__(self, device: torch.device | str, width: int, rows: int = 8) -> None:
         self.width = width
         self.tokens = torch.zeros((max(1, rows), width), dtype=torch.int32, device=device)
         self._placed: dict[int, list[int]] = {}  # request id -> [row, tokens uploaded]; oldest first
+        self._free = list(range(self.tokens.shape[0] - 1, -1, -1))  # rows nobody holds (popped from the end)
 
     def forget(self, request_id: int) -> None:
         """``request_id``'s tokens are to be uploaded whole at its next placement."""
-        self._placed.pop(request_id, None)
+        entry = self._placed.pop(request_id, None)
+        if entry is not None:
+            self._free.append(entry[0])
 
     def place(self, request_ids: Sequence[int], sequences: Sequence[Sequence[int]], known: Sequence[int]) -> HistoryPlacement:
         """Rows for these requests (distinct ids), and the uploads that bring each row up to its
-        ``known`` first tokens of ``sequences`` (what the host has; the device appends the rest)."""
+        ``known`` first tokens of ``sequences`` (what the host has; the device appends the rest).
+        The usual launch uploads a few tokens per request: one dict lookup and one slice each."""
         placed = self._placed
-        rows = np.empty(len(request_ids), dtype=np.int64)
-        index: list[np.ndarray] = []
-        tokens: list[np.ndarray] = []
-        current = set(request_ids)
-        for i, (request_id, sequence, length) in enumerate(zip(request_ids, sequences, known)):
+        count = len(request_ids)
+        rows = np.empty(count, dtype=np.int64)
+        start = np.zeros(count, dtype=np.int64)
+        length = np.zeros(count, dtype=np.int64)
+        tokens = array("q")
+        current: set[int] | None = None  # the launch's ids, made only if a row must be taken back
+        for i, (request_id, sequence, known_len) in enumerate(zip(request_ids, sequences, known)):
             entry = placed.pop(request_id, None)
-            if entry is None or entry[1] > length:
+            if entry is None:
+                if not self._free and current is None:
+                    current = set(request_ids)
                 entry = [self._free_row(current), 0]
-            row, uploaded = entry
-            if uploaded < length:
-                index.append(row * self.width + np.arange(uploaded, length, dtype=np.int64))
-                tokens.append(np.asarray(sequence[uploaded:length], dtype=np.int32))
-                entry[1] = length
+            elif entry[1] > known_len:  # fewer tokens than it uploaded: they changed, upload them whole
+                entry[1] = 0
+            uploaded = entry[1]
+            if uploaded < known_len:
+                start[i] = uploaded
+                length[i] = known_len - uploaded
+                tokens.extend(sequence[uploaded:known_len])
+                entry[1] = known_len
             placed[request_id] = entry  # newest last
-            rows[i] = row
-        if not index:
-            return HistoryPlacement(rows, np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int32))
-        return HistoryPlacement(rows, np.concatenate(index), np.concatenate(tokens))
+            rows[i] = entry[0]
+        return HistoryPlacement(rows, start, length, np.frombuffer(tokens, dtype=np.int64) if tokens else _NO_TOKENS)
 
-    def _free_row(self, current: set[int]) -> int:
+    def _free_row(self, current: set[int] | None) -> int:
         """A row nobody holds, else the oldest one held by a request outside ``current``, else a new one."""
-        used = {row for row, _ in self._placed.values()}
-        if len(used) < self.tokens.shape[0]:
-            return next(row for row in range(self.tokens.shape[0]) if row not in used)
+        if self._free:
+            return self._free.pop()
         for request_id, (row, _) in self._placed.items():
             if request_id not in current:
                 del self._placed[request_id]
                 return row
-        grown = torch.zeros_like(self.tokens)
-        row = self.tokens.shape[0]
-        self.tokens = torch.cat((self.tokens, grown))
-        return row
+        rows = self.tokens.shape[0]
+        self.tokens = torch.cat((self.tokens, torch.zeros_like(self.tokens)))
+        self._free = list(range(2 * rows - 1, rows, -1))
+        return rows
 
-    def upload(self, placement: HistoryPlacement, to_device) -> None:
-        """Write the placement's uploads (``to_device``: how a host array reaches the device)."""
-        if placement.upload_index.size:
-            self.tokens.view(-1).index_copy_(0, to_device(placement.upload_index), to_device(placement.upload_tokens))
-
-    def append(self, rows: torch.Tensor, known: torch.Tensor, runs: torch.Tensor, run_lengths: torch.Tensor) -> torch.Tensor:
-        """On the device: row ``rows[e]`` gets ``runs[e, :run_lengths[e]]`` at ``known[e]``
-        (columns past the run get its padding, past the row's end: never read). Returns the rows'
-        lengths, ``known + run_lengths``. ``known`` + the run width must stay within ``width``."""
-        width = runs.shape[1]
-        columns = known[:, None] + torch.arange(width, device=known.device)  # (E, W)
-        flat = rows[:, None] * self.width + columns
-        self.tokens.view(-1).index_copy_(0, flat.reshape(-1), runs.reshape(-1).to(torch.int32))
-        return known + run_lengths
+    def write(self, index: torch.Tensor, tokens: torch.Tensor) -> None:
+        """On the device: ``tokens`` (any integer dtype) at the flat positions ``index`` (the
+        placement's uploads: ``HistoryPlacement.upload_index``; or a run to append)."""
+        self.tokens.view(-1).index_copy_(0, index.reshape(-1), tokens.reshape(-1).to(torch.int32))
 
     def gather(self, rows: torch.Tensor, width: int) -> torch.Tensor:
         """The rows' first ``width`` columns, (E, width) int64 (what ``propose_batch`` reads)."""
-        return self.tokens.index_select(0, rows)[:, :width].to(torch.int64)
+        return self.tokens[:, :width].index_select(0, rows).to(torch.int64)
+
+
+_NO_TOKENS = np.empty(0, dtype=np.int64)

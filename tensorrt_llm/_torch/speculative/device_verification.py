@@ -12,9 +12,12 @@ and forward n+1, built on the host as if every draft slot were filled with an ac
 corrected before it runs: the request's first input becomes the bonus token and every one of its
 positions moves back by the slots not accepted (``slots - m``; a step whose drafts the engine
 proposed may hold fewer drafts than slots, ``device_drafting``), its KV slots and attended
-lengths with them, from its block table. The KV that n wrote for rejected drafts sits past the
-new positions and is overwritten when the sequence gets there; the host does the same to the
-request's tokens when n completes (``completion.CompletionHandler._fill``).
+lengths with them. The host cannot know ``m``, but it knows every value it can take: for each row
+it plans the position it gets if none is accepted and the KV slot, from the request's block
+table, for each ``m`` (:func:`positions_after_acceptance`); the device picks by ``m``
+(:func:`move_back_`: two gathers and three writes, whatever the tables). The KV that n wrote for
+rejected drafts sits past the new positions and is overwritten when the sequence gets there; the
+host does the same to the request's tokens when n completes (``completion.CompletionHandler._fill``).
 
 Nothing here waits for the device or reads a value back: the engine launches these few small
 kernels between two forwards (or before a graph replay), and the host never learns the
@@ -23,9 +26,10 @@ acceptance before ``CudaForward.result()`` brings the picks back as usual.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-__all__ = ["accept_on_device", "move_back_"]
+__all__ = ["accept_on_device", "move_back_", "positions_after_acceptance"]
 
 
 def accept_on_device(
@@ -34,31 +38,44 @@ def accept_on_device(
     """Greedy verification of S requests: ``tokens`` (R,) the forward's picks; ``target_rows``
     (S, K+1) int64, each request's target rows in ``tokens`` (padded by repeating its last);
     ``drafts`` (S, K) int64, each request's drafts padded with -1 (no pick is negative, so
-    padding never matches). Returns (targets (S, K+1), accepted (S,)): the picks at each
+    padding never matches). Returns (targets (S, K+1), accepted (S,) int64): the picks at each
     request's target rows, and how many of its drafts it accepts; its run (the accepted drafts,
     then the token after them) is ``targets[s, :accepted[s] + 1]``."""
     num_requests, width = target_rows.shape
     targets = tokens.index_select(0, target_rows.reshape(-1)).view(num_requests, width)  # (S, K+1)
-    matches = (targets[:, :-1] == drafts).to(torch.int32)  # (S, K)
-    accepted = matches.cumprod(dim=1).sum(dim=1)  # (S,) the leading run
+    accepted = (targets[:, :-1] == drafts).cumprod(dim=1).sum(dim=1)  # (S,) the leading run of matches
     return targets, accepted
+
+
+def positions_after_acceptance(
+    built: np.ndarray, slots: np.ndarray, tables: np.ndarray, table_of: np.ndarray, tokens_per_block: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """On the host, for X rows of a forward laid out as if the forward before accepted all of
+    its request's ``slots`` (X,) drafts (``built`` (X,) their positions then): each row's position
+    if it accepts none, and its KV slot for each count ``a`` in ``0 .. max(slots)`` it may accept
+    ((X, max + 1) int64; past a row's own slots, the slot as built). ``tables`` (Q, W) holds the
+    block tables, row ``x`` reading ``tables[table_of[x]]``."""
+    base = built - slots
+    positions = np.minimum(base[:, None] + np.arange(int(slots.max()) + 1), built[:, None])  # (X, max + 1)
+    blocks = tables[table_of[:, None], positions // tokens_per_block]
+    return base, blocks * tokens_per_block + positions % tokens_per_block
 
 
 def move_back_(
     positions: torch.Tensor,
     slots: torch.Tensor,
     seq_lens: torch.Tensor,
-    block_tables: torch.Tensor,
     rows: torch.Tensor,
     sequences: torch.Tensor,
-    back: torch.Tensor,
-    tokens_per_block: int,
+    base: torch.Tensor,
+    candidates: torch.Tensor,
+    accepted: torch.Tensor,
 ) -> None:
-    """Move flat ``rows`` (X,) of a forward back by ``back`` (X,) positions, in place: their
-    ``positions`` and KV ``slots`` (indexed by flat row), and the attended length in ``seq_lens``
-    of their decode ``sequences`` (X,), whose ``block_tables`` (B, W) give the new slots."""
-    moved = positions.index_select(0, rows) - back  # (X,)
+    """Move flat ``rows`` (X,) of a forward to where ``accepted`` (X,) drafts of the forward
+    before leave them, in place: their ``positions`` and KV ``slots`` (indexed by flat row) and
+    the attended length in ``seq_lens`` of their decode ``sequences`` (X,). ``base``,
+    ``candidates``: :func:`positions_after_acceptance`'s."""
+    moved = base + accepted  # (X,)
     positions.index_copy_(0, rows, moved)
     seq_lens.index_copy_(0, sequences, (moved + 1).to(seq_lens.dtype))
-    blocks = block_tables.index_select(0, sequences).gather(1, (moved // tokens_per_block)[:, None]).squeeze(1)  # (X,)
-    slots.index_copy_(0, rows, blocks.to(torch.int64) * tokens_per_block + moved % tokens_per_block)
+    slots.index_copy_(0, rows, candidates.gather(1, accepted[:, None]).view(-1))

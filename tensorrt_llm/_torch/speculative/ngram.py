@@ -15,7 +15,7 @@ how many tokens one forward yields. Nothing here knows requests or the executor;
 :func:`propose_ngram_drafts` is the reference, on one sequence in numpy. :class:`NGramProposer`
 (a ``proposer.DraftProposer``) proposes with it on the host and, for a batch of sequences on
 an engine's device, with ``device_drafting.propose_ngram_batch``: the same rule in torch, tested
-against this one.
+against this one (the CUDA engine runs it as one Triton kernel, ``triton_drafting``, tested the same way).
 """
 
 from __future__ import annotations

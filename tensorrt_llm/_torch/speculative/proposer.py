@@ -12,7 +12,9 @@ with drafts that are not verified yet)::
                                                                on the engine's device, no host sync
 
 Both must propose the same drafts for the same tokens (``ngram.NGramProposer``'s two forms are
-tested against each other), so a request's drafts never depend on where they were made.
+tested against each other), so a request's drafts never depend on where they were made. The CUDA
+engine runs the n-gram proposer's batch form as one fused kernel (``triton_drafting``: the history
+update and the proposal in one launch), held to the same reference.
 """
 
 from __future__ import annotations

@@ -51,7 +51,7 @@ import bisect
 import contextlib
 import gc
 import logging
-from typing import Iterator
+from typing import Callable, Iterator
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -70,9 +70,12 @@ from tensorrt_llm._torch.pyexecutor.engine.sampling_pass import (
     working_dtype,
 )
 from tensorrt_llm._torch.pyexecutor.kv_cache.storage import KVCacheStorage
-from tensorrt_llm._torch.speculative.device_verification import move_back_
 
 logger = logging.getLogger(__name__)
+
+#: Writes over a decode step's ids, positions, KV slots (each (B,) int64) and attended lengths
+#: ((B,) int32) once they are copied in, on the device.
+Patch = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
 
 
 @contextlib.contextmanager
@@ -211,25 +214,21 @@ class CudaGraphRunner:
         longs[2, n:] = self.scratch_block * tpb
         return _Step(size, n, longs, seq_lens, tables)
 
-    def replay(self, step: "_Step", fill: tuple[torch.Tensor, torch.Tensor] | None = None, moves=None,
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+    def replay(self, step: "_Step", patch: Patch | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Copy the step in and replay (capturing the size first if needed); returns device views
-        (logits (n, vocab), tokens (n,)) valid until the next replay of that size. ``fill``:
-        (rows, tokens) on the device written over the step's ids (overlap: tokens still in flight).
-        ``moves``: rows to move back over drafts the previous forward rejected (``rows``, ``back``;
-        ``speculative.device_verification.move_back_``; every row here is its own decode sequence).
-        Called inside the staging's ``step()``."""
+        (logits (n, vocab), tokens (n,)) valid until the next replay of that size. ``patch``: what
+        writes over the step's ids, positions, KV slots and attended lengths once they are copied
+        in (overlap: tokens still in flight, drafts proposed on the device, rows moved back over
+        rejected drafts; ``engine.in_flight``), every row its own decode sequence. Called inside
+        the staging's ``step()``."""
         g = self._graphs.get(step.size) or self._capture(step.size)
         used = step.tables.shape[1]
         staging = self.staging
         staging.copy_to(g.longs, step.longs)
-        if fill is not None:
-            g.longs[0].index_copy_(0, *fill)
         staging.copy_to(g.seq_lens, step.seq_lens)
         staging.copy_to(g.tables[:, :used], step.tables)  # a strided destination: torch goes through a device buffer
-        if moves is not None:
-            move_back_(g.longs[1], g.longs[2], g.seq_lens, g.tables, moves.rows, moves.rows, moves.back,
-                       self.tokens_per_block)
+        if patch is not None:
+            patch(g.longs[0], g.longs[1], g.longs[2], g.seq_lens)
         g.graph.replay()
         self.num_replays += 1
         return g.logits[: step.num_requests], g.tokens[: step.num_requests]

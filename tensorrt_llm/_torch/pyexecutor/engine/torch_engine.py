@@ -14,13 +14,15 @@ the model's forward then runs unchecked (``LlamaForCausalLM.forward_with_plan``)
                            batch-invariant model: docs/determinism.md)
     CudaTorchModelEngine   a forward is enqueued on the GPU and returns (CudaForward);
                            plans from a PagedPlanBuilder through the pinned staging buffers;
-                           decode batches replay CUDA graphs; overlap on by default
+                           decode batches replay CUDA graphs; overlap on by default: what a
+                           step built in flight could not know (the previous picks, the drafts
+                           of its draft slots, a move-back over rejected drafts) is put in on
+                           the device at launch (engine.in_flight)
 """
 
 from __future__ import annotations
 
 import abc
-from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -45,6 +47,7 @@ from tensorrt_llm._torch.pyexecutor.engine.interface import (
 )
 from tensorrt_llm._torch.pyexecutor.engine.inputs import PAD_TOKEN_ID, ForwardInputs, TpInputs
 from tensorrt_llm._torch.pyexecutor.engine.logit_rows import BeamSpan, DraftSpan, PromptSpan, draft_targets
+from tensorrt_llm._torch.pyexecutor.engine.in_flight import Proposed
 from tensorrt_llm._torch.pyexecutor.engine.sampling_columns import SamplingColumns
 from tensorrt_llm._torch.pyexecutor.engine.sampling_pass import (
     PassResult,
@@ -55,8 +58,7 @@ from tensorrt_llm._torch.pyexecutor.engine.sampling_pass import (
 )
 from tensorrt_llm._torch.pyexecutor.sampling_config import TokenLogprob
 from tensorrt_llm._torch.pyexecutor.kv_cache.manager import KVCacheManager
-from tensorrt_llm._torch.speculative.device_drafting import TokenHistories
-from tensorrt_llm._torch.speculative.device_verification import accept_on_device, move_back_
+from tensorrt_llm._torch.pyexecutor.engine.in_flight import DevicePicks, InFlightStep, drafting_for
 from tensorrt_llm._torch.speculative.proposer import DraftProposer
 
 # Upstream's names, where an engineer looks for them.
@@ -64,71 +66,6 @@ __all__ = [
     "PAD_TOKEN_ID", "CpuTorchModelEngine", "CudaForward", "CudaTorchModelEngine", "ForwardOutput", "ModelEngine",
     "PendingForward", "TorchModelEngine", "ForwardInputs", "TpInputs",
 ]
-
-
-class _DevicePicks(NamedTuple):
-    """A launch's picks on the device, for the next launch's in-flight inputs: ``tokens[index[rid]]``
-    is request ``rid``'s (for one that verified drafts, the token after its accepted ones). For a
-    request that verified drafts (``speculative[rid]`` = s), ``targets[s]`` are the picks at its
-    sampling row and after each draft and ``accepted[s]`` the drafts it accepted: its run is
-    ``targets[s, :accepted[s] + 1]`` (``targets`` None: no drafts ran)."""
-
-    index: dict[int, int]
-    tokens: torch.Tensor  # (M,)
-    speculative: dict[int, int]
-    targets: torch.Tensor | None  # (S, W)
-    accepted: torch.Tensor | None  # (S,)
-
-    def runs(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """What the launch gave each request, as one table: (M + 1, W) tokens and (M + 1,) lengths;
-        row ``index[rid]`` is request ``rid``'s (one token, or a run), row M is empty (a request
-        with nothing in flight)."""
-        tokens, targets = self.tokens, self.targets
-        device = tokens.device
-        num_plain = len(tokens) - (0 if targets is None else len(targets))
-        width = 1 if targets is None else targets.shape[1]
-        plain = tokens[:num_plain, None]  # (sampling, 1)
-        if width > 1:
-            plain = torch.nn.functional.pad(plain, (0, width - 1))
-        parts = [plain] if targets is None else [plain, targets]
-        table = torch.cat([*parts, torch.zeros((1, width), dtype=tokens.dtype, device=device)])
-        lengths = [torch.ones(num_plain, dtype=torch.int64, device=device)]
-        if targets is not None:
-            lengths.append(self.accepted.to(torch.int64) + 1)
-        lengths.append(torch.zeros(1, dtype=torch.int64, device=device))
-        return table, torch.cat(lengths)
-
-
-class _Proposed(NamedTuple):
-    """The drafts a launch proposed on the device for its engine-drafted steps (``device_drafting``)."""
-
-    position: dict[int, int]  # request id -> its row below
-    drafts: torch.Tensor  # (E, max_draft_len) int64, -1 past each count
-    counts: torch.Tensor  # (E,) int64
-
-
-class _Moves(NamedTuple):
-    """Rows of a forward to move back over rejected drafts, on the device (``move_back_``)."""
-
-    rows: torch.Tensor  # (X,) flat rows
-    sequences: torch.Tensor  # (X,) their sequences in the attention batch
-    decode_index: torch.Tensor  # (X,) their place among the decode sequences (the eager plan's)
-    back: torch.Tensor  # (X,) positions back
-
-
-def rows_to_move(moved: list[tuple[int, int, int]], new: list[int]) -> tuple[np.ndarray, ...]:
-    """Where the rows of requests built on drafts still in flight are: ``moved`` holds each one's
-    (first flat row, rows, its index among the previous launch's verifying requests); ``new`` the
-    attention batch's rows per sequence (``ForwardInputs.attention_batch``, where every such row is a
-    decode sequence of its own). Returns int64 arrays, one entry per row: the flat rows, their
-    sequences, their place among the decode sequences (an eager plan's ``DecodeBatch`` index) and
-    the verifying request each row belongs to (which says how far it moves back)."""
-    starts = np.concatenate(([0], np.cumsum(new)))  # (sequences + 1,) first flat row of each sequence
-    decode_index = np.cumsum(np.asarray(new) == 1) - 1  # (sequences,) place among the decode sequences
-    rows = np.concatenate([np.arange(flat, flat + count) for flat, count, _ in moved]).astype(np.int64)
-    owners = np.concatenate([np.full(count, s) for _, count, s in moved]).astype(np.int64)
-    sequences = (np.searchsorted(starts, rows, side="right") - 1).astype(np.int64)
-    return rows, sequences, decode_index[sequences].astype(np.int64), owners
 
 
 def device_pick(logits: torch.Tensor, columns: SamplingColumns, to_device, input_ids: torch.Tensor | None,
@@ -344,12 +281,12 @@ class CudaTorchModelEngine(TorchModelEngine):
                              "(docs/determinism.md)")
         fuse_decoder_layers(self.model)  # fewer, larger kernels a layer; a no-op where refused (logged)
         # The previous launch's picks on the device (the next launch's in-flight inputs take them).
-        self._device_picks: _DevicePicks | None = None
-        # Each drafting request's tokens on the device, for the drafts of steps built in flight.
-        self._histories: TokenHistories | None = None
+        self._device_picks: DevicePicks | None = None
+        # Each drafting request's tokens on the device and the proposer, for steps built in flight.
+        self._drafting = None
         if self.draft_proposer is not None:
             longest = max_seq_len or self.model.config.max_position_embeddings
-            self._histories = TokenHistories(self.device, longest + self.max_draft_len + 2)
+            self._drafting = drafting_for(self.draft_proposer, self.device, longest + self.max_draft_len + 2)
         # Every host array a launch ships goes through these pinned buffers (one per launch, in turn).
         self._staging = PinnedStaging(self.device)
         kv = self.kv_cache_manager
@@ -378,6 +315,12 @@ class CudaTorchModelEngine(TorchModelEngine):
     def completes_asynchronously(self) -> bool:
         return True
 
+    def warmup(self) -> None:
+        """The graphs (``TorchModelEngine.warmup``), then the fused drafting kernel's variants."""
+        super().warmup()
+        if self._drafting is not None:
+            self._drafting.warm_up()
+
     def _launch(self, inputs: ForwardInputs) -> PendingForward:
         return self.launch(inputs)
 
@@ -401,7 +344,7 @@ class CudaTorchModelEngine(TorchModelEngine):
         if slots:
             ids[slots] = 0  # the previous launch's picks are written over them on the device
         for entry in inputs.engine_drafts:
-            ids[entry.first_row : entry.first_row + entry.slots] = 0  # the drafts proposed below, on the device
+            ids[entry.first_row : entry.first_row + entry.slots] = 0  # the drafts proposed on the device
         positions = np.asarray(inputs.position_ids, dtype=np.int64)
         self._check(ids, positions)  # positions as built (a speculative request's may only move back)
         rows, sampling, spans, drafts, beams = inputs.logit_layout()  # prompt, draft, beam rows after the sampling rows
@@ -411,25 +354,32 @@ class CudaTorchModelEngine(TorchModelEngine):
         if self.graph_runner is not None and all(inputs.samples) and not spans and not beams:
             size = self.graph_runner.graph_size(new, cached)
         columns = inputs.sampling_columns(self.vocab_size)  # None: every row plain greedy (the argmax)
+        verified = inputs.verified_drafts() if drafts else None  # the host's; the engine's come back with the picks
+        in_flight = None  # what the forward takes from the one before, and its verification (in_flight)
+        if slots or inputs.engine_drafts or drafts:
+            in_flight = InFlightStep(inputs, self._device_picks, new=new, positions=positions,
+                                     rows_are_sequences=size is not None,
+                                     tokens_per_block=self.kv_cache_manager.tokens_per_block, drafting=self._drafting,
+                                     sampling=sampling, drafts=drafts, verified=verified,
+                                     logit_rows=None if rows == list(range(len(rows))) else rows)
         storage = self.kv_cache_manager.storage
         start = None
         result = None
         with self._staging.step():
-            fill, moves, proposed = (None, None, None)
-            if slots or inputs.engine_drafts:
-                fill, moves, proposed = self._in_flight_inputs(inputs, new)
+            if in_flight is not None:
+                in_flight.upload(self._to_device)  # the one copy of everything it needs
             if size is not None:
                 # A decode batch (verification rows included): every row of it, in order.
                 step = self.graph_runner.prepare(size, ids, cached, tables)
                 storage.before_compute(inputs.block_tables)  # before the first kernel that touches the pools
                 if self.time_forwards:
                     start = _record_event()
-                logits, tokens = self.graph_runner.replay(step, fill, moves)
+                logits, tokens = self.graph_runner.replay(step, in_flight)
                 if columns is not None:  # the sampling pass's graph, over the same rows (draft rows greedy)
                     result = self.graph_runner.sample(step, columns.at_rows(rows[: len(sampling)], size))
                     tokens = result.tokens[: len(ids)]
                 if rows != list(range(len(ids))):  # the sampling rows first, then the draft rows
-                    index = self._to_device(np.asarray(rows, dtype=np.int64))
+                    index = self._logit_rows(rows, in_flight)
                     logits, tokens = logits.index_select(0, index), tokens.index_select(0, index)
                     if result is not None and result.logprob is not None:
                         result = _rows_of(result, index[: len(sampling)])
@@ -438,149 +388,36 @@ class CudaTorchModelEngine(TorchModelEngine):
                 storage.before_compute(tables)  # every beam's table too
                 if self.time_forwards:
                     start = _record_event()
-                logits, tokens, result = self._forward_eager(plan, ids, positions, rows, fill, moves, columns)
-            self._device_picks = self._picks(inputs, sampling, drafts, tokens, proposed)
-        verified = inputs.verified_drafts() if drafts else None  # the host's drafts; the engine's come back with the picks
+                logits, tokens, result = self._forward_eager(plan, ids, positions, rows, in_flight, columns)
+            if in_flight is None:
+                self._device_picks = DevicePicks(dict(zip(sampling, range(len(sampling)))), tokens, None, None)
+            else:
+                self._device_picks = in_flight.verify(tokens)
+        proposed = in_flight.proposed if in_flight is not None else None
         return CudaForward(sampling, logits, tokens, start, prompt_logits=_prompt_logits(logits, spans), drafts=drafts,
                            beams=beams, verified_drafts=verified, proposed=proposed, columns=columns, logprobs=result)
 
-    def _picks(self, inputs: ForwardInputs, sampling: list[int], drafts: list[DraftSpan], tokens: torch.Tensor,
-               proposed: _Proposed | None) -> _DevicePicks:
-        """What the next launch takes from this one, on the device: each sampling request's pick
-        and, for each request that verifies drafts, the picks at its target rows and how many
-        drafts it accepts (``speculative.device_verification``); the drafts are the host's or, for
-        an engine-drafted step, those ``proposed`` on the device. Nothing is read back."""
-        index = dict(zip(sampling, range(len(sampling))))
-        if not drafts:
-            return _DevicePicks(index, tokens, {}, None, None)
-        verified = inputs.verified_drafts()  # the host's drafts (engine-drafted steps are not there)
-        width = 1 + max(count for *_, count in drafts)
-        target_rows = np.empty((len(drafts), width), dtype=np.int64)
-        draft_tokens = np.full((len(drafts), width - 1), -1, dtype=np.int64)
-        engine: list[tuple[int, int]] = []  # (its place here, its row in proposed)
-        for s, (rid, row, first, count) in enumerate(drafts):
-            target_rows[s, 0] = row
-            target_rows[s, 1 : 1 + count] = range(first, first + count)
-            target_rows[s, 1 + count :] = first + count - 1
-            if rid in verified:
-                draft_tokens[s, :count] = verified[rid]
-            else:
-                engine.append((s, proposed.position[rid]))
-        drafts_device = self._to_device(draft_tokens)
-        if engine:
-            places, rows_proposed = (np.asarray(column, dtype=np.int64) for column in zip(*engine))
-            chosen = proposed.drafts.index_select(0, self._to_device(rows_proposed))[:, : width - 1]
-            drafts_device.index_copy_(0, self._to_device(places), chosen)
-        targets, accepted = accept_on_device(tokens, self._to_device(target_rows), drafts_device)
-        bonus = targets.gather(1, accepted[:, None]).squeeze(1)  # (S,) the token after the accepted drafts
-        speculative = {rid: s for s, (rid, *_) in enumerate(drafts)}
-        picks = torch.cat((tokens[: len(sampling)], bonus))  # (sampling + S,): a request's pick at its index
-        index |= {rid: len(sampling) + s for rid, s in speculative.items()}
-        return _DevicePicks(index, picks, speculative, targets, accepted)
-
-    def _in_flight_inputs(self, inputs: ForwardInputs, new: list[int]):
-        """On the device, what this launch could not know when it was built (overlap):
-
-        * ``fill``: ``(flat rows, tokens)`` written over its inputs: each in-flight input takes the
-          previous launch's pick for its request (for one that verified drafts, the token after its
-          accepted ones), and each engine-drafted step's slots the drafts proposed here (PAD where
-          fewer were found);
-        * ``moves``: the rows of requests whose previous forward verified drafts, to move back by
-          the slots it did not accept (``(rows, decode sequences, positions back)``; None: none),
-          since this forward was built as if every draft slot had been accepted;
-        * ``proposed``: the drafts proposed for the engine-drafted steps (:class:`_Proposed`; None:
-          none), from each request's real tokens: those the host has, then what the previous
-          launch gave it (``speculative.device_drafting``)."""
-        picks = self._device_picks
-        if inputs.in_flight and picks is None:
-            raise RuntimeError("a forward has in-flight inputs but no forward was launched before it")
-        requests = inputs.requests
-        rows: list[np.ndarray] = []
-        values: list[torch.Tensor] = []
-        moves = None
-        if inputs.in_flight:
-            rows.append(np.fromiter((flat for flat, _ in inputs.in_flight), dtype=np.int64, count=len(inputs.in_flight)))
-            sources = [picks.index[requests[i].request_id] for _, i in inputs.in_flight]
-            values.append(picks.tokens.index_select(0, self._to_device(np.asarray(sources, dtype=np.int64))))
-            moved = [(flat, inputs.num_new_tokens[i], picks.speculative[requests[i].request_id])
-                     for flat, i in inputs.in_flight if requests[i].request_id in picks.speculative]
-            if moved:
-                slot_counts = [inputs.in_flight_slots.get(i, 0) for flat, i in inputs.in_flight
-                               if requests[i].request_id in picks.speculative]
-                move_rows, sequences, decode_index, owners = rows_to_move(moved, new)
-                row_slots = np.repeat(np.asarray(slot_counts, dtype=np.int64), [count for _, count, _ in moved])
-                back = self._to_device(row_slots) - picks.accepted.index_select(0, self._to_device(owners))
-                moves = _Moves(self._to_device(move_rows), self._to_device(sequences), self._to_device(decode_index), back)
-        proposed = None
-        if inputs.engine_drafts:
-            proposed, draft_rows, draft_values = self._propose_in_flight(inputs, picks)
-            rows.append(draft_rows)
-            values.append(draft_values)
-        fill = None
-        if rows:
-            fill = (self._to_device(np.concatenate(rows)), torch.cat(values) if len(values) > 1 else values[0])
-        return fill, moves, proposed
-
-    def _propose_in_flight(self, inputs: ForwardInputs, picks: _DevicePicks | None):
-        """The drafts of this launch's engine-drafted steps, on the device: each request's row of
-        :class:`TokenHistories` brought up to the tokens the host knows, the previous launch's
-        run for it appended, then the proposer over those rows. Returns (:class:`_Proposed`, the
-        flat rows of every draft slot, the token for each: a draft, or PAD past its count)."""
-        entries = inputs.engine_drafts
-        requests = [inputs.requests[e.index] for e in entries]
-        histories = self._histories
-        if histories is None:
-            raise RuntimeError("a step has draft slots for the engine to fill, but the engine has no draft_proposer")
-        # per entry, in one upload: its history row, its tokens the host knows, its run's row in the
-        # previous launch's table (the table's last row, empty: nothing of it was in flight), its slots
-        columns = np.empty((4, len(entries)), dtype=np.int64)
-        columns[1] = [e.known for e in entries]
-        columns[3] = [e.slots for e in entries]
-        placement = histories.place([r.request_id for r in requests], [r.tokens for r in requests], columns[1])
-        columns[0] = placement.rows
-        if picks is not None:
-            in_flight = {i for _, i in inputs.in_flight}
-            empty = len(picks.tokens)
-            columns[2] = [picks.index.get(r.request_id, empty) if e.index in in_flight else empty
-                          for e, r in zip(entries, requests)]
-        histories.upload(placement, self._to_device)
-        rows_device, known, sources, room = self._to_device(columns)
-        width = 1
-        if picks is not None:
-            table, run_lengths = picks.runs()
-            width = table.shape[1]
-            lengths = histories.append(rows_device, known, table.index_select(0, sources),
-                                       run_lengths.index_select(0, sources))
-        else:
-            lengths = known
-        longest = min(int(columns[1].max()) + width, histories.width)  # what any row's history can reach
-        drafts, counts = self.draft_proposer.propose_batch(histories.gather(rows_device, longest), lengths, room)
-        # every slot's place in ``drafts``: entry e's slot j is e * max_draft_len + j
-        per_entry = drafts.shape[1]
-        flat_rows = np.concatenate([np.arange(e.first_row, e.first_row + e.slots) for e in entries]).astype(np.int64)
-        taken = np.concatenate([e_index * per_entry + np.arange(e.slots) for e_index, e in enumerate(entries)])
-        values = drafts.reshape(-1).index_select(0, self._to_device(taken.astype(np.int64))).clamp(min=PAD_TOKEN_ID)
-        position = {r.request_id: e_index for e_index, r in enumerate(requests)}
-        return _Proposed(position, drafts, counts), flat_rows, values
+    def _logit_rows(self, rows: list[int], in_flight: InFlightStep | None) -> torch.Tensor:
+        """The flat rows whose logits the forward computes, on the device (in the in-flight array
+        when the launch has one: no copy of their own)."""
+        if in_flight is not None and in_flight.logit_rows is not None:
+            return in_flight.logit_rows
+        return self._to_device(np.asarray(rows, dtype=np.int64))
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         """A host array on the device, through the launch's pinned buffer (inside ``_staging.step()``)."""
         return self._staging.to_device(array)
 
-    def _forward_eager(self, plan: PagedAttentionPlan, ids: np.ndarray, positions: np.ndarray, rows: list[int], fill=None,
-                       moves: _Moves | None = None, columns: SamplingColumns | None = None):
+    def _forward_eager(self, plan: PagedAttentionPlan, ids: np.ndarray, positions: np.ndarray, rows: list[int],
+                       in_flight: InFlightStep | None = None, columns: SamplingColumns | None = None):
         """``(logits (rows, vocab), picks (rows,), the sampling pass's result or None)`` of a forward
         run kernel by kernel (piecewise graphs where they serve); the picks of the sampling rows
         come from the sampling pass when ``columns`` ask for one, the others' are argmaxes."""
         storage = self.kv_cache_manager.storage
         ids_device = self._to_device(ids)
         positions_device = self._to_device(positions)
-        if fill is not None:
-            ids_device.index_copy_(0, *fill)
-        if moves is not None:  # every moved row is a decode of the plan (attention_batch)
-            decode = plan.decode
-            move_back_(positions_device, plan.new_slots, decode.seq_lens, decode.block_tables, moves.rows,
-                       moves.decode_index, moves.back, plan.tokens_per_block)
+        if in_flight is not None:  # every moved row is a decode of the plan (attention_batch)
+            in_flight(ids_device, positions_device, plan.new_slots, plan.decode.seq_lens if plan.decode else None)
         runner = self.piecewise_runner
         forward = self.model.forward_with_plan
         if runner is not None and runner.size_for(len(ids)) is not None:
@@ -591,7 +428,7 @@ class CudaTorchModelEngine(TorchModelEngine):
         if rows == list(range(len(rows))) and len(rows) == hidden.shape[0]:
             sampled = hidden  # every row samples (a decode batch)
         else:
-            sampled = hidden.index_select(0, self._to_device(np.asarray(rows, dtype=np.int64)))
+            sampled = hidden.index_select(0, self._logit_rows(rows, in_flight))
         logits = self.model.compute_logits(sampled)  # (rows, vocab)
         if columns is None:
             return logits, logits.argmax(dim=-1), None
@@ -616,7 +453,7 @@ class CudaForward:
         self, request_ids: list[int], logits: torch.Tensor, tokens: torch.Tensor, start: torch.cuda.Event | None = None,
         *, prompt_logits: dict[int, tuple[int, torch.Tensor]] | None = None, drafts: list[DraftSpan] = (),
         beams: list[BeamSpan] = (), verified_drafts: dict[int, list[int]] | None = None,
-        proposed: _Proposed | None = None, columns: SamplingColumns | None = None, logprobs: PassResult | None = None,
+        proposed: Proposed | None = None, columns: SamplingColumns | None = None, logprobs: PassResult | None = None,
     ) -> None:
         """Enqueue one copy to pinned host memory and an event after it; ``start``: an event
         recorded before the forward's first kernel (timing). ``logits`` and ``tokens`` may hold

@@ -135,9 +135,10 @@ class Drafter(abc.ABC):
         A request whose tokens are all known gets :meth:`propose`'s drafts. One whose previous
         forward is in flight gets ``room`` slots for the engine to fill where ``engine_proposes``
         (the engine drafts with :attr:`proposer`), else none (module docstring). Above
-        ``max_concurrency`` generation requests none gets drafts (a first draft due now still
-        runs padded to ``1 + max_draft_len``: only the executor clears it, once it ran); the
-        requests stay speculative. Once speculation is off, every request is withdrawn.
+        ``max_concurrency`` generation requests none gets drafts and each runs exactly as a plain
+        request does: one position, charged one, no draft slots (a first draft due now is dropped,
+        not padded to ``1 + max_draft_len``); the requests stay speculative. Once speculation is
+        off, every request is withdrawn.
         """
         requests = list(requests)
         speculative = [request for request in requests if request.max_draft_len]
@@ -148,8 +149,12 @@ class Drafter(abc.ABC):
         limit = self.config.max_concurrency
         skip_drafts_this_iteration = limit is not None and sum(r.state is not _CONTEXT_INIT for r in requests) > limit
         for request in speculative:
-            if request.state is _CONTEXT_INIT or skip_drafts_this_iteration:
-                request.py_draft_tokens = []  # a first draft due now still runs padded, as it is charged
+            if request.state is _CONTEXT_INIT:
+                request.py_draft_tokens = []
+                continue
+            if skip_drafts_this_iteration:  # a plain step: no drafts, no slots, no first-draft padding
+                request.py_draft_tokens = []
+                request.is_first_draft = False
                 continue
             tokens = request.tokens
             room = min(request.max_draft_len, request.max_total_len - len(tokens) - 1)

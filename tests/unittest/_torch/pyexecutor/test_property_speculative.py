@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from hypothesis import event, given, note, settings
+from hypothesis import event, example, given, note, settings
 from hypothesis import strategies as st
 from tests.helpers.invariants import ExecutorChecker
 from tests.helpers.strategies import examples
@@ -315,6 +315,10 @@ class _SyntheticProposer:
     max_concurrency=st.none() | st.integers(1, 4),
     blocks_slack=st.integers(0, 40),
 )
+# two first drafts due in an iteration above max_concurrency: they run as plain steps (2 positions
+# for a budget of 2), not padded (4 positions); the checker must count what ran
+@example(specs=[(1, 4), (1, 4)], max_draft_len=1, tpb=2, budget=2, policy=TokenBudgetPolicyName.RECHECK,
+         max_concurrency=1, blocks_slack=8)
 def test_overlap_with_drafts_on_the_simulated_engine_gives_the_plain_tokens(
     specs, max_draft_len, tpb, budget, policy, max_concurrency, blocks_slack
 ):

@@ -12,24 +12,24 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
+import json
+import os
+import subprocess
+import sys
+from array import array
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tests.helpers import factories
+from tests.helpers import cuda_logic_on_cpu, factories
 
-from tensorrt_llm._torch.attention_backend.paged import PagedPlanBuilder
+from tensorrt_llm._torch.attention_backend.staging import PinnedStaging
 from tensorrt_llm._torch.models.modeling_llama import MODEL_PRESETS
-from tensorrt_llm._torch.pyexecutor.config import ExecutorConfig, KvCacheConfig, SpeculativeConfig
-from tensorrt_llm._torch.pyexecutor.engine import torch_engine
-from tensorrt_llm._torch.pyexecutor.engine.torch_engine import CudaTorchModelEngine
-from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequest
-from tensorrt_llm._torch.pyexecutor import py_executor_creator
-from tensorrt_llm._torch.pyexecutor.py_executor_creator import create_py_executor
+from tensorrt_llm._torch.pyexecutor.config import SpeculativeConfig
 from tensorrt_llm._torch.speculative.device_drafting import TokenHistories, propose_ngram_batch
 from tensorrt_llm._torch.speculative.ngram import propose_ngram_drafts
 
@@ -61,97 +61,112 @@ def test_the_batched_proposal_is_the_numpy_reference(rows, max_draft_len, ngram,
 def test_token_histories_upload_what_the_device_lacks_and_append_runs():
     histories = TokenHistories("cpu", width=16, rows=1)
     first = histories.place([7], [[1, 2, 3, 4]], [3])  # the host knows 3 tokens
-    assert first.rows.tolist() == [0] and first.upload_index.tolist() == [0, 1, 2]
-    histories.upload(first, torch.from_numpy)
+    assert first.rows.tolist() == [0] and first.upload_index(16).tolist() == [0, 1, 2]
+    histories.write(torch.from_numpy(first.upload_index(16)), torch.from_numpy(first.upload_tokens))
     # the forward in flight gave 2 tokens (a draft accepted, then the bonus): appended on the device
-    lengths = histories.append(torch.tensor([0]), torch.tensor([3]), torch.tensor([[5, 6, 0]]), torch.tensor([2]))
-    assert lengths.tolist() == [5] and histories.gather(torch.tensor([0]), 5).tolist() == [[1, 2, 3, 5, 6]]
+    histories.write(torch.tensor([3, 4]), torch.tensor([5, 6]))
+    assert histories.gather(torch.tensor([0]), 5).tolist() == [[1, 2, 3, 5, 6]]
     # next launch: the host now knows those two; only they are uploaded (the same values)
-    second = histories.place([7], [[1, 2, 3, 5, 6, 9]], [5])
-    assert second.upload_index.tolist() == [3, 4] and second.upload_tokens.tolist() == [5, 6]
+    second = histories.place([7], [array("q", [1, 2, 3, 5, 6, 9])], [5])
+    assert second.upload_index(16).tolist() == [3, 4] and second.upload_tokens.tolist() == [5, 6]
+    assert (second.upload_start.tolist(), second.upload_count.tolist()) == ([3], [2])
     # a second request in the same launch grows the buffer; one outside it gives its row back
     grown = histories.place([7, 8], [[1, 2, 3, 5, 6], [4, 4]], [5, 2])
     assert grown.rows.tolist() == [0, 1] and histories.tokens.shape[0] == 2
+    assert grown.upload_index(16).tolist() == [16, 17], "request 7 has its five: only request 8 uploads"
     reused = histories.place([9], [[3]], [1])
     assert reused.rows.tolist() == [0] and histories.tokens.shape[0] == 2, "request 7's row, the oldest"
-    assert histories.place([7], [[1, 2, 3, 5, 6]], [5]).upload_index.tolist() == list(range(16, 21)), \
+    assert histories.place([7], [[1, 2, 3, 5, 6]], [5]).upload_index(16).tolist() == list(range(16, 21)), \
         "request 7 lost its row: uploaded whole again"
+    shorter = histories.place([9], [[4]], [0])  # fewer tokens than uploaded: they changed
+    assert shorter.upload_count.tolist() == [0]
+    assert histories.place([9], [[8, 1]], [2]).upload_tokens.tolist() == [8, 1], "uploaded whole again"
 
 
 # --------------------------------------------------------------------------- the CUDA engine's logic on the CPU
 
 
-class _CpuStaging:
-    """``PinnedStaging``'s interface on the CPU: plain copies, no buffers to turn."""
-
-    @contextlib.contextmanager
-    def step(self):
-        yield self
-
-    def to_device(self, array: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(np.array(array))
-
-    def copy_to(self, dst: torch.Tensor, array: np.ndarray) -> None:
-        dst.copy_(torch.from_numpy(np.ascontiguousarray(array)))
-
-
-class _Done:
-    """A CUDA event's interface for work that ran at once."""
-
-    def synchronize(self) -> None: ...
-
-    def query(self) -> bool:
-        return True
-
-
-class _DeviceLogicOnCpu(CudaTorchModelEngine):
-    """``CudaTorchModelEngine.launch`` and everything it calls, over CPU tensors: the plans of the
-    paged backend (the CPU's reference attention), no graphs."""
-
-    def _prepare_device(self, cuda_graph_config, max_batch_size, max_seq_len) -> None:
-        self._device_picks = None
-        self._staging = _CpuStaging()
-        kv = self.kv_cache_manager
-        self._plans = PagedPlanBuilder(self.device, tokens_per_block=kv.tokens_per_block, num_blocks=kv.num_blocks,
-                                       num_kv_heads=self.model.num_local_kv_heads)
-        self._histories = None
-        if self.draft_proposer is not None:
-            self._histories = TokenHistories(self.device, (max_seq_len or 256) + self.max_draft_len + 2, rows=2)
-
-
 MODEL = dataclasses.replace(MODEL_PRESETS["tiny-random"], dtype="float64")
 PROMPTS = [[(i * 37 + j * 11) % 500 + 1 for j in range(12)] for i in range(4)] + [[3, 9, 27, 11, 4]]
+SPEC = SpeculativeConfig(max_draft_len=4, max_matching_ngram_size=3)
 
 
-def _serve(model, spec: SpeculativeConfig | None, *, overlap: bool):
-    config = ExecutorConfig(max_num_tokens=96, max_seq_len=256, max_batch_size=8, speculative_config=spec,
-                            disable_overlap_scheduler=not overlap,
-                            kv_cache_config=KvCacheConfig(tokens_per_block=4, num_blocks=512))
-    executor = create_py_executor(config, model=model)
-    assert executor.overlap == overlap
-    requests = [LlmRequest(input_token_ids=p, max_new_tokens=40) for p in PROMPTS]
-    for request in requests:
-        executor.enqueue_request(request)
-    executor.run_until_idle()
-    assert all(r.error is None for r in requests), [r.error for r in requests]
-    stats = executor.iteration_stats
-    engine = executor.model_engine
-    if isinstance(engine, _DeviceLogicOnCpu):  # its steps in flight were drafted from its token histories
-        assert engine._histories is not None and engine._histories._placed
-    return [r.output_token_ids for r in requests], sum(s.num_draft_tokens for s in stats), \
-        sum(s.num_accepted_draft_tokens for s in stats)
+@pytest.fixture(scope="module")
+def model():
+    with torch.inference_mode(False):
+        return factories.served_model(MODEL)
 
 
 @pytest.mark.usefixtures("one_torch_thread")
-def test_the_cuda_engines_drafting_logic_gives_greedy_tokens_and_the_host_paths_acceptance(monkeypatch):
-    model = factories.served_model(MODEL)
-    spec = SpeculativeConfig(max_draft_len=4, max_matching_ngram_size=3)
-    plain, _, _ = _serve(model, None, overlap=False)
-    host, host_verified, host_accepted = _serve(model, spec, overlap=False)
-    monkeypatch.setattr(torch_engine, "_record_event", _Done)
-    monkeypatch.setattr(py_executor_creator, "TorchModelEngine", _DeviceLogicOnCpu)  # the executor builds this one
-    device, verified, accepted = _serve(model, spec, overlap=True)
-    assert host == plain and device == plain
-    print(f"host path: {host_accepted}/{host_verified} accepted; device logic, overlap: {accepted}/{verified}")
-    assert accepted > 0 and verified > accepted, "drafts accepted and rejected: the move-back ran"
-    assert accepted / verified >= 0.9 * host_accepted / host_verified
+def test_the_cuda_engines_drafting_logic_gives_greedy_tokens_and_the_host_paths_acceptance(model):
+    plain = cuda_logic_on_cpu.serve(model, PROMPTS, None, overlap=False, on_cpu_logic=False)
+    host = cuda_logic_on_cpu.serve(model, PROMPTS, SPEC, overlap=False, on_cpu_logic=False)
+    device = cuda_logic_on_cpu.serve(model, PROMPTS, SPEC, overlap=True, on_cpu_logic=True)
+    assert host.outputs == plain.outputs and device.outputs == plain.outputs
+    print(f"host path: {host.accepted}/{host.verified} accepted; "
+          f"device logic, overlap: {device.accepted}/{device.verified}")
+    assert device.accepted > 0 and device.verified > device.accepted, "drafts accepted and rejected: the move-back ran"
+    assert device.accepted / device.verified >= 0.9 * host.accepted / host.verified
+    assert any(launch.engine_drafts for launch in device.launches), "steps in flight were drafted on the device"
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+def test_a_drafting_launch_ships_one_array_more_than_nothing_and_never_waits(model):
+    """A step built in flight with draft slots costs the host what a plain step in flight does in
+    copies: everything the device needs for the in-flight inputs, the move-back, the drafting and
+    the verification rides in one array (``engine.in_flight``), no value is read back, and no
+    staging buffer is reused while the launch that filled it may still run. (Before, such a step
+    shipped 13 more arrays and ran 70 more device ops than a plain one.)"""
+    plain = cuda_logic_on_cpu.serve(model, PROMPTS, None, overlap=True, on_cpu_logic=True)
+    drafted = cuda_logic_on_cpu.serve(model, PROMPTS, SPEC, overlap=True, on_cpu_logic=True)
+    steady = [launch for launch in plain.launches if launch.uploads == 3]  # ids, positions, the in-flight array
+    assert steady, plain.launches
+    drafting = [launch for launch in drafted.launches if launch.engine_drafts]
+    assert len(drafting) > 10
+    assert {launch.uploads for launch in drafting} == {3}, drafting
+    assert all(launch.syncs == 0 for launch in plain.launches + drafted.launches)
+    assert plain.staging_waits == 0 and drafted.staging_waits == 0
+    # the torch form of the proposal (the CPU's; CUDA runs it as one kernel: the interpreted test)
+    extra = max(launch.ops for launch in drafting) - min(launch.ops for launch in steady)
+    print(f"device ops per launch: plain {min(launch.ops for launch in steady)}, drafting +{extra}")
+    assert extra <= 75
+
+
+def test_the_stand_in_staging_counts_a_buffer_reused_too_soon():
+    """The staging's wait counter, as the test above reads it, can see a wait: a third launch
+    before the first one's forward completed reuses its buffer."""
+    with cuda_logic_on_cpu.cuda_stand_ins():
+        staging = PinnedStaging("cpu", capacity=64)
+        forwards = []
+        for _ in range(3):
+            with staging.step():
+                staging.to_device(np.arange(4))
+            forwards.append(torch.cuda.Event())
+            forwards[-1].record()
+        assert staging.num_waits == 1
+        forwards[-1].synchronize()  # the last forward done: every buffer free
+        with staging.step():
+            pass
+        assert staging.num_waits == 1
+
+
+def test_the_fused_drafting_kernel_is_the_reference_interpreted():
+    """The n-gram drafting kernel CUDA runs (``speculative/triton_drafting.py``) under Triton's CPU
+    interpreter, in a fresh process (TRITON_INTERPRET must be set before Triton is first
+    imported): its drafts, counts, history rows and draft slots are the numpy reference's on random
+    cases; and the CUDA engine's launch logic drafting with it gives plain decoding's tokens, the
+    torch form's acceptance, and a drafting launch at most 20 device ops (the kernel one of them)
+    and no copy more than a plain launch in flight."""
+    pytest.importorskip("triton")
+    script = Path(__file__).parents[3] / "helpers" / "interpreted_drafting.py"
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(results["cases"]) == 30 and all(case["ok"] for case in results["cases"]), results["cases"]
+    served = results["served"]
+    print(served)
+    assert served["outputs_equal"], served
+    assert served["acceptance"] == served["acceptance_torch_form"] and served["acceptance"][0] > 0, served
+    assert served["drafting_launches"] > 10 and served["extra_ops"] <= 20, served
+    assert served["uploads"] == [3] and served["syncs"] == 0 and served["staging_waits"] == 0, served

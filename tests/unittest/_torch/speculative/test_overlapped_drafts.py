@@ -20,8 +20,7 @@ from tensorrt_llm._torch.attention_backend.paged import PagedPlanBuilder
 from tensorrt_llm._torch.pyexecutor.engine.interface import ForwardOutput, picks_of
 from tensorrt_llm._torch.pyexecutor.engine.inputs import PAD_TOKEN_ID, ForwardInputs
 from tensorrt_llm._torch.pyexecutor.llm_request import IN_FLIGHT_TOKEN_ID, LlmRequestState
-from tensorrt_llm._torch.pyexecutor.engine.torch_engine import rows_to_move
-from tensorrt_llm._torch.speculative.device_verification import accept_on_device, move_back_
+from tensorrt_llm._torch.speculative.device_verification import accept_on_device, move_back_, positions_after_acceptance
 from tensorrt_llm._torch.speculative.ngram import propose_ngram_drafts
 from tensorrt_llm._torch.speculative.verification import accept_greedy
 
@@ -155,7 +154,8 @@ def test_device_acceptance_is_accept_greedy(cases):
 @pytest.mark.parametrize("rejected", [(0, 0), (2, 1), (3, 0), (1, 3)])
 def test_moving_a_forward_back_equals_building_it_where_the_drafts_stopped(rejected):
     """A forward of a context chunk, a plain decode and two verification steps built on drafts in
-    flight (optimistic positions), moved back on the "device" (``move_back_``), holds the
+    flight (optimistic positions), moved back on the "device" (the host's candidate positions and
+    slots, ``positions_after_acceptance``, picked by the count accepted: ``move_back_``), holds the
     positions, KV slots and attended lengths of the same forward built at the true positions."""
     tpb = 4
     tables = [[9, 2], [5, 6, 7], [11, 1, 3, 8], [10, 4, 0]]
@@ -168,14 +168,18 @@ def test_moving_a_forward_back_equals_building_it_where_the_drafts_stopped(rejec
         new, cached = [n for n, _ in sequences], [c for _, c in sequences]
         plan = PagedPlanBuilder("cpu", tokens_per_block=tpb, num_blocks=12, num_kv_heads=2).build(new, cached, owners)
         positions = torch.tensor([c + j for n, c in sequences for j in range(n)])
-        return new, plan, positions
+        return plan, positions
 
-    new, plan, positions = forward((0, 0))
-    rows, sequences, decode_index, owners = rows_to_move([(4, 4, 0), (8, 4, 1)], new)
-    assert rows.tolist() == list(range(4, 12)) and decode_index.tolist() == list(range(1, 9))
-    move_back_(positions, plan.new_slots, plan.decode.seq_lens, plan.decode.block_tables, torch.from_numpy(rows),
-               torch.from_numpy(decode_index), torch.tensor(rejected)[torch.from_numpy(owners)], tpb)
-    _, truth, true_positions = forward(rejected)
+    plan, positions = forward((0, 0))
+    rows = np.arange(4, 12)  # the flat rows of requests 2 and 3: the eager plan's decode sequences 1 .. 8
+    table_of = np.repeat([0, 1], 4)
+    verified = np.full(8, 3)  # each verified 3 drafts in the forward before
+    blocks = np.array([tables[2], tables[3] + [0]])
+    base, candidates = positions_after_acceptance(positions.numpy()[rows], verified, blocks, table_of, tpb)
+    accepted = torch.tensor([3 - rejected[0]] * 4 + [3 - rejected[1]] * 4)
+    move_back_(positions, plan.new_slots, plan.decode.seq_lens, torch.from_numpy(rows), torch.arange(1, 9),
+               torch.from_numpy(base), torch.from_numpy(candidates), accepted)
+    truth, true_positions = forward(rejected)
     assert torch.equal(positions, true_positions)
     assert torch.equal(plan.new_slots, truth.new_slots)
     assert torch.equal(plan.decode.seq_lens, truth.decode.seq_lens)

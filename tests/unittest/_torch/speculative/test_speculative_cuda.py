@@ -164,3 +164,31 @@ def test_n_gram_drafts_drafted_on_the_device_keep_their_acceptance_under_overlap
     assert with_overlap == without == plain
     assert acceptance_without > 0.3
     assert acceptance >= 0.9 * acceptance_without, (acceptance, acceptance_without)
+
+
+def test_the_fused_drafting_kernel_is_the_reference_on_the_gpu() -> None:
+    """The n-gram drafting kernel of steps built in flight (``speculative/triton_drafting.py``),
+    compiled for the GPU, on the random cases the interpreted test runs: drafts, counts, history
+    rows and draft slots equal the numpy reference's, nothing else written."""
+    from tests.helpers.interpreted_drafting import run_case
+
+    failed = [case for case in (run_case(seed, "cuda") for seed in range(30)) if not case["ok"]]
+    assert not failed, failed
+
+
+def test_the_engine_drafts_steps_in_flight_with_the_fused_kernel() -> None:
+    """After warm-up (which compiles every variant of the kernel) the engine drafts with it, and
+    a run with drafts in flight never waited for a staging buffer."""
+    model = LlamaForCausalLM(dataclasses.replace(MODEL_PRESETS["tiny-random"], dtype="float32")).to("cuda")
+    config = make_config(max_num_tokens=96, tokens_per_block=8, num_blocks=512, max_batch_size=8,
+                         cuda_graph_config=CudaGraphConfig(), speculative_config=SPEC)
+    executor = create_py_executor(config, model=model)
+    engine = executor.model_engine
+    assert engine._drafting is not None and engine._drafting.fused, "the fused kernel did not compile: see the log"
+    requests = [make_request([(i * 37 + j * 11) % 500 + 1 for j in range(12)], max_new_tokens=48) for i in range(3)]
+    for request in requests:
+        executor.enqueue_request(request)
+    executor.run_until_idle()
+    assert all(r.error is None for r in requests)
+    assert sum(s.num_draft_tokens for s in executor.iteration_stats) > 0
+    assert engine._staging.num_waits == 0

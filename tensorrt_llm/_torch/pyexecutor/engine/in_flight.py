@@ -1,0 +1,383 @@
+"""What a forward built in flight could not know, put in on the device at launch (overlap).
+
+Under the overlap scheduler forward n+1 is built while forward n runs (``ForwardInputs``: in-flight
+inputs, engine-drafted slots, a speculative request laid out as if n accepted every draft it
+verifies). The CUDA engine completes n+1 from n's picks on the device, before n+1 runs, and never
+reads a value back::
+
+    host, at launch     InFlightStep(...): every index the device needs, planned in numpy and packed
+                        in ONE int64 array, copied once through the staging buffers
+                          fill     n+1's in-flight input rows, and where their tokens are in n's picks
+                          move     the rows of each request that verified drafts in n: the KV slot
+                                   of every position they may move back to (from its block table)
+                          drafts   each engine-drafted request's history row, the tokens the host
+                                   uploads into it, its known length, its slots
+                          verify   every sampling row's target rows (sampling row, then after each
+                                   draft) and where its drafts are (proposed here, or the host's)
+    device, before n+1  step(ids, positions, slots, seq_lens), over the forward's own tensors (a
+                        decode graph's static buffers, or the eager forward's):
+                          drafts   history += the host's uploads and n's run; the proposer over it
+                                   -> the drafts, into n+1's slots (PAD past each count)
+                          fill     each in-flight input <- its request's pick in n
+                          move     a request that verified k drafts in n and accepted a: its rows
+                                   back by k - a (positions, KV slots, attended lengths)
+    device, after n+1   step.verify(tokens) -> DevicePicks: greedy acceptance of every sampling row
+                        (a row without drafts accepts none: its run is its pick), what n+2 takes
+
+What a drafting step costs the host is launches, not arithmetic (a small model's step is
+host-bound): per drafting launch one upload, the drafts in one Triton kernel for the n-gram
+proposer on CUDA (``speculative.triton_drafting``; any other proposer, and the CPU, run the torch
+form: ``DraftProposer.propose_batch`` over the gathered histories), two ops for the fill, eight
+for the move and six for the verification; nothing synchronises with the host. The CPU test
+``test_device_drafting.py`` counts them.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Callable, NamedTuple
+
+import numpy as np
+import torch
+
+from tensorrt_llm._torch.pyexecutor.engine.inputs import PAD_TOKEN_ID, ForwardInputs
+from tensorrt_llm._torch.pyexecutor.engine.logit_rows import DraftSpan
+from tensorrt_llm._torch.speculative.device_drafting import TokenHistories
+from tensorrt_llm._torch.speculative.device_verification import accept_on_device, move_back_, positions_after_acceptance
+from tensorrt_llm._torch.speculative.proposer import DraftProposer
+
+__all__ = ["DevicePicks", "Drafting", "InFlightStep", "Proposed", "drafting_for"]
+
+logger = logging.getLogger(__name__)
+
+ToDevice = Callable[[np.ndarray], torch.Tensor]
+
+
+class DevicePicks(NamedTuple):
+    """A launch's picks on the device, for the next launch: ``tokens[index[rid]]`` is request
+    ``rid``'s pick (for one that verified drafts, the token after those it accepted). After a
+    launch that verified drafts, ``runs[m, :accepted[m] + 1]`` is what sampling request ``m`` got
+    (its accepted drafts, then that token; a request without drafts: its pick alone); after one
+    without, ``runs`` and ``accepted`` are None and every request got its pick alone."""
+
+    index: dict[int, int]
+    tokens: torch.Tensor  # (>= M,)
+    runs: torch.Tensor | None  # (M, W)
+    accepted: torch.Tensor | None  # (M,) int64
+
+
+class Proposed(NamedTuple):
+    """The drafts a launch proposed on the device for its engine-drafted steps."""
+
+    position: dict[int, int]  # request id -> its row below
+    drafts: torch.Tensor  # (E, max_draft_len) int64, -1 past each count
+    counts: torch.Tensor  # (E,) int64
+
+
+@dataclass(slots=True)
+class Drafting:
+    """How an engine drafts the steps built in flight: the requests' token histories, the proposer,
+    and whether the proposal runs as one fused kernel (``fused``: the proposer is n-gram lookup,
+    ``max_matching_ngram_size`` its N, on CUDA with Triton) or in torch (``propose_batch``)."""
+
+    histories: TokenHistories
+    proposer: DraftProposer
+    ngram_size: int | None = None  # set: the fused kernel
+
+    @property
+    def fused(self) -> bool:
+        return self.ngram_size is not None
+
+    def warm_up(self) -> None:
+        """Compile the fused kernel's variants now (``triton_drafting.warm_up``); where that fails,
+        draft with the proposer's torch form from here on (logged), which gives the same drafts."""
+        if not self.fused:
+            return
+        from tensorrt_llm._torch.speculative.triton_drafting import warm_up
+
+        try:
+            warm_up(self.histories.tokens.device, self.proposer.max_draft_len, self.ngram_size, PAD_TOKEN_ID)
+        except Exception:  # a compiler that refuses the kernel: the torch form is slower, not wrong
+            logger.exception("the fused n-gram drafting kernel does not compile here: drafting in torch instead")
+            self.ngram_size = None
+
+
+def drafting_for(proposer: DraftProposer, device: torch.device, width: int) -> Drafting:
+    """The drafting of an engine on ``device`` whose histories hold up to ``width`` tokens: the
+    fused kernel for the n-gram proposer on CUDA where Triton is installed, else the proposer's
+    torch form."""
+    from tensorrt_llm._torch.attention_backend.kernels import has_triton
+    from tensorrt_llm._torch.speculative.ngram import NGramProposer
+
+    fused = isinstance(proposer, NGramProposer) and device.type == "cuda" and has_triton()
+    return Drafting(TokenHistories(device, width), proposer, proposer.max_matching_ngram_size if fused else None)
+
+
+def _ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """``concatenate([arange(s, s + c) for s, c in zip(starts, counts)])`` without the loop, int64."""
+    before = np.cumsum(counts) - counts
+    return np.repeat(starts - before, counts) + np.arange(int(counts.sum()), dtype=np.int64)
+
+
+class _Packed:
+    """Named int64 columns packed into one host array: one upload, then views on the device (all
+    made by one ``split``; a column of more than one dimension is reshaped when first asked)."""
+
+    __slots__ = ("_parts", "size", "at", "device", "_views")
+
+    def __init__(self) -> None:
+        self._parts: list[np.ndarray] = []
+        self.size = 0
+        self.at: dict[str, tuple[int, tuple[int, ...]]] = {}  # name -> (offset, shape)
+        self.device: torch.Tensor | None = None
+        self._views: dict[str, torch.Tensor] = {}
+
+    def add(self, name: str, values) -> None:
+        values = np.asarray(values, dtype=np.int64)
+        self.at[name] = (self.size, values.shape)
+        self._parts.append(values.reshape(-1))
+        self.size += values.size
+
+    def array(self) -> np.ndarray:
+        return np.concatenate(self._parts) if len(self._parts) > 1 else self._parts[0]
+
+    def upload(self, device: torch.Tensor) -> None:
+        """``device``: :meth:`array` on the device."""
+        self.device = device
+        self._views = dict(zip(self.at, device.split([part.size for part in self._parts])))
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        view = self._views[name]
+        shape = self.at[name][1]
+        if len(shape) > 1 and view.dim() == 1:
+            view = self._views[name] = view.view(shape)
+        return view
+
+
+class InFlightStep:
+    """One launch's in-flight work (module docstring): planned on the host when made, uploaded by
+    :meth:`upload`, applied to the forward's tensors by calling it, and verified by :meth:`verify`
+    once the forward's picks exist. ``proposed``: the drafts proposed by the call (None: no step
+    is engine-drafted)."""
+
+    def __init__(
+        self, inputs: ForwardInputs, picks: DevicePicks | None, *, new: list[int], positions: np.ndarray,
+        rows_are_sequences: bool, tokens_per_block: int, drafting: Drafting | None, sampling: list[int],
+        drafts: list[DraftSpan], verified: dict[int, list[int]] | None, logit_rows: list[int] | None = None,
+    ) -> None:
+        """``new``: the attention batch's rows per sequence; ``positions``: the forward's (as
+        built); ``rows_are_sequences``: the forward's attended lengths are per flat row (a decode
+        graph), else per decode sequence of the eager plan. ``sampling``, ``drafts``: the logit
+        layout's sampling requests and draft spans; ``verified``: the host's drafts.
+        ``logit_rows``: the layout's rows, to ship in the same array (None: every row, in order)."""
+        if (inputs.in_flight or inputs.engine_drafts) and picks is None:
+            raise RuntimeError("a forward has in-flight inputs but no forward was launched before it")
+        self._picks = picks
+        self._drafting = drafting
+        self._plan = plan = _Packed()
+        self.proposed: Proposed | None = None
+        self._index = dict(zip(sampling, range(len(sampling))))
+        self._plan_fill(inputs)
+        self._moves = self._plan_moves(inputs, new, positions, rows_are_sequences, tokens_per_block)
+        self._entries = self._plan_drafts(inputs)
+        self._verify_shape = self._plan_verification(drafts, verified or {})
+        if logit_rows is not None:
+            plan.add("logit_rows", logit_rows)
+        self._array = plan.array() if plan.at else None
+
+    # ---- host: the plan ------------------------------------------------------------------
+    def _source(self, request_id: int) -> int:
+        index = self._picks.index.get(request_id)
+        if index is None:
+            raise RuntimeError(f"request {request_id} is in flight but the forward before did not sample it")
+        return index
+
+    def _plan_fill(self, inputs: ForwardInputs) -> None:
+        """Each in-flight input's flat row and its request's place in the previous picks."""
+        if not inputs.in_flight:
+            return
+        requests = inputs.requests
+        self._plan.add("fill_rows", [flat for flat, _ in inputs.in_flight])
+        self._plan.add("fill_source", [self._source(requests[i].request_id) for _, i in inputs.in_flight])
+
+    def _plan_moves(self, inputs: ForwardInputs, new: list[int], positions: np.ndarray, rows_are_sequences: bool,
+                    tokens_per_block: int) -> bool:
+        """The rows of each in-flight request whose forward in flight has draft slots (it is laid
+        out as if that forward accepted them all), and for each row its position if that forward
+        accepts none and its KV slot for every count it may accept
+        (``device_verification.positions_after_acceptance``)."""
+        slots = inputs.in_flight_slots
+        moved = [(flat, inputs.num_new_tokens[i], slots[i], self._source(inputs.requests[i].request_id), i)
+                 for flat, i in inputs.in_flight if slots.get(i, 0) > 0]
+        if not moved:
+            return False
+        if self._picks.accepted is None:
+            raise RuntimeError("a forward is built on drafts in flight, but the forward before verified none")
+        firsts, counts, verified, owners, indices = (np.asarray(column, dtype=np.int64) for column in zip(*moved))
+        rows = _ranges(firsts, counts)  # (X,) every row of each
+        table_of = np.repeat(np.arange(len(moved)), counts)  # (X,) its request among the moved ones
+        tables = inputs.block_tables
+        blocks = np.zeros((len(moved), max(len(tables[i]) for i in indices)), dtype=np.int64)
+        for q, i in enumerate(indices):
+            blocks[q, : len(tables[i])] = tables[i]
+        base, candidates = positions_after_acceptance(positions[rows], verified[table_of], blocks, table_of,
+                                                      tokens_per_block)
+        plan = self._plan
+        plan.add("move_rows", rows)
+        if rows_are_sequences:
+            plan.add("move_sequences", rows)
+        else:  # each row is a decode sequence of its own: its place among the eager plan's decodes
+            sequences = np.searchsorted(np.cumsum(new), rows, side="right")
+            plan.add("move_sequences", (np.cumsum(np.asarray(new) == 1) - 1)[sequences])
+        plan.add("move_owners", owners[table_of])
+        plan.add("move_base", base)
+        plan.add("move_slots", candidates)
+        return True
+
+    def _plan_drafts(self, inputs: ForwardInputs) -> list[int]:
+        """Each engine-drafted step's history row, what the host uploads into it, its known length,
+        its place in the previous picks, its slots and its first slot's flat row. Returns their
+        request ids."""
+        entries = inputs.engine_drafts
+        if not entries:
+            return []
+        drafting = self._drafting
+        if drafting is None:
+            raise RuntimeError("a step has draft slots for the engine to fill, but the engine has no draft_proposer")
+        requests = [inputs.requests[e.index] for e in entries]
+        ids = [r.request_id for r in requests]
+        known = np.fromiter((e.known for e in entries), dtype=np.int64, count=len(entries))
+        room = np.fromiter((e.slots for e in entries), dtype=np.int64, count=len(entries))
+        first = np.fromiter((e.first_row for e in entries), dtype=np.int64, count=len(entries))
+        histories = drafting.histories
+        placement = histories.place(ids, [r.tokens for r in requests], known)
+        plan = self._plan
+        plan.add("rows", placement.rows)
+        plan.add("known", known)
+        plan.add("source", [self._source(rid) for rid in ids])
+        plan.add("room", room)
+        plan.add("first", first)
+        if drafting.fused:  # the kernel reads the uploads entry by entry, and writes its counts here
+            counts = placement.upload_count
+            plan.add("upload_start", placement.upload_start)
+            plan.add("upload_count", counts)
+            plan.add("upload_offset", plan.size + len(entries) + np.cumsum(counts) - counts)  # the tokens follow
+            plan.add("upload_tokens", placement.upload_tokens)
+            plan.add("counts", np.zeros(len(entries), dtype=np.int64))
+        else:
+            if placement.upload_tokens.size:
+                plan.add("upload_index", placement.upload_index(histories.width))
+                plan.add("upload_tokens", placement.upload_tokens)
+            width = self._picks.runs.shape[1] if self._picks.runs is not None else 1
+            plan.add("append_index", (placement.rows * histories.width + known)[:, None] + np.arange(width))
+            self._longest = min(int(known.max()) + width, histories.width)
+            plan.add("draft_rows", _ranges(first, room))
+            plan.add("draft_taken", _ranges(np.arange(len(entries)) * drafting.proposer.max_draft_len, room))
+        return ids
+
+    def _plan_verification(self, drafts: list[DraftSpan], verified: dict[int, list[int]]) -> tuple[int, int] | None:
+        """For every sampling request, its target rows (its sampling row, then its draft rows,
+        padded by repeating the last) and where each of its drafts is: among the drafts proposed
+        here (E rows of K), else among the host's (``verified``), else -1 (its count is over).
+        Returns the (M, W) shape, or None (no drafts: the picks are the tokens as they are)."""
+        if not drafts:
+            return None
+        num, width = len(self._index), 1 + max(count for *_, count in drafts)
+        spans = np.asarray([span[1:] for span in drafts], dtype=np.int64)  # (S, 3): sampling index, first row, count
+        steps = np.arange(width - 1)
+        target_rows = np.repeat(np.arange(num, dtype=np.int64)[:, None], width, axis=1)
+        target_rows[spans[:, 0], 1:] = spans[:, 1, None] + np.minimum(steps, spans[:, 2, None] - 1)
+        # the drafts' source: [the E x K drafts proposed here, -1, the host's drafts]
+        per_entry = self._drafting.proposer.max_draft_len if self._entries else 0
+        none = len(self._entries) * per_entry
+        where = np.full((num, width - 1), none, dtype=np.int64)
+        position = dict(zip(self._entries, range(len(self._entries))))
+        host: list[int] = [-1]
+        for rid, index, _, count in drafts:
+            e = position.get(rid)
+            if e is not None:
+                where[index, :count] = e * per_entry + steps[:count]
+            else:
+                own = verified.get(rid, ())[:count]
+                where[index, : len(own)] = none + len(host) + steps[: len(own)]
+                host += own
+        plan = self._plan
+        plan.add("target_rows", target_rows)
+        plan.add("draft_where", where)
+        if self._drafting is not None and self._drafting.fused and self._entries:
+            plan.add("proposals", np.zeros((len(self._entries), per_entry), dtype=np.int64))  # the kernel's
+        plan.add("host_drafts", host)  # right after the proposals: one source, no concatenation
+        return num, width
+
+    @property
+    def logit_rows(self) -> torch.Tensor | None:
+        """The forward's logit rows on the device (after :meth:`upload`), None if not shipped."""
+        return self._plan["logit_rows"] if "logit_rows" in self._plan.at else None
+
+    # ---- device ------------------------------------------------------------------------
+    def upload(self, to_device: ToDevice) -> None:
+        """The plan to the device, in one copy (inside the staging's ``step()``)."""
+        if self._array is not None:
+            self._plan.upload(to_device(self._array))
+
+    def __call__(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, seq_lens: torch.Tensor) -> None:
+        """Write what the forward could not know over its ``ids``, ``positions``, KV ``slots`` (by
+        flat row) and attended lengths ``seq_lens`` (by the sequences the plan was made for)."""
+        plan, picks = self._plan, self._picks
+        if self._entries:
+            self._propose(ids)
+        if "fill_rows" in plan.at:
+            ids.index_copy_(0, plan["fill_rows"], picks.tokens.index_select(0, plan["fill_source"]))
+        if self._moves:
+            accepted = picks.accepted.index_select(0, plan["move_owners"])  # (X,) drafts its forward accepted
+            move_back_(positions, slots, seq_lens, plan["move_rows"], plan["move_sequences"], plan["move_base"],
+                       plan["move_slots"], accepted)
+
+    def _propose(self, ids: torch.Tensor) -> None:
+        plan, picks, drafting = self._plan, self._picks, self._drafting
+        histories = drafting.histories
+        position = dict(zip(self._entries, range(len(self._entries))))
+        if drafting.fused:
+            from tensorrt_llm._torch.speculative.triton_drafting import propose_ngram_in_flight
+
+            propose_ngram_in_flight(histories.tokens, plan.device, {name: at for name, (at, _) in plan.at.items()},
+                                    picks.runs if picks.runs is not None else picks.tokens, picks.accepted, ids,
+                                    len(self._entries), drafting.proposer.max_draft_len, drafting.ngram_size,
+                                    PAD_TOKEN_ID)
+            self.proposed = Proposed(position, plan["proposals"], plan["counts"])
+            return
+        if "upload_index" in plan.at:
+            histories.write(plan["upload_index"], plan["upload_tokens"])
+        source = plan["source"]
+        if picks.runs is not None:
+            histories.write(plan["append_index"], picks.runs.index_select(0, source))
+            lengths = plan["known"] + picks.accepted.index_select(0, source) + 1
+        else:
+            histories.write(plan["append_index"], picks.tokens.index_select(0, source))
+            lengths = plan["known"] + 1
+        drafts, counts = drafting.proposer.propose_batch(histories.gather(plan["rows"], self._longest), lengths,
+                                                         plan["room"])
+        values = drafts.view(-1).index_select(0, plan["draft_taken"]).clamp(min=PAD_TOKEN_ID)
+        ids.index_copy_(0, plan["draft_rows"], values)
+        self.proposed = Proposed(position, drafts, counts)
+
+    def verify(self, tokens: torch.Tensor) -> DevicePicks:
+        """What the next launch takes from this one, from the forward's picks ``tokens`` (one per
+        logit row, on the device): every sampling request's greedy acceptance
+        (``device_verification.accept_on_device``) of the drafts it verified. Nothing is read back."""
+        if self._verify_shape is None:
+            return DevicePicks(self._index, tokens, None, None)
+        num, width = self._verify_shape
+        plan = self._plan
+        source = plan["host_drafts"]
+        if self.proposed is not None:
+            if "proposals" in plan.at:  # the kernel wrote them just before the host's
+                offset = plan.at["proposals"][0]
+                source = plan.device[offset : plan.at["host_drafts"][0] + len(source)]
+            else:
+                source = torch.cat((self.proposed.drafts.view(-1), source))
+        drafts = source.index_select(0, plan["draft_where"].view(-1)).view(num, width - 1)  # -1: no draft
+        targets, accepted = accept_on_device(tokens, plan["target_rows"], drafts)  # (M, W), (M,)
+        bonus = targets.gather(1, accepted[:, None]).view(-1)  # (M,) the token after the accepted drafts
+        return DevicePicks(self._index, bonus, targets, accepted)
