@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 import pytest
+from tests.helpers.tool_venvs import tool_venv
 
 GUIDELLM = "guidellm==0.8.1"
 REQUESTS = 6
@@ -34,20 +35,9 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def guidellm() -> Path:
-    """The ``guidellm`` command of its own venv (created on first use, then reused)."""
-    venv = Path(sys.prefix) / "bench-clients" / GUIDELLM.replace("==", "-")
-    command = venv / "bin" / "guidellm"
-    stamp = venv / ".installed"
-    if not stamp.exists():
-        subprocess.run([sys.executable, "-m", "venv", "--clear", str(venv)], check=True, timeout=300)
-        site = next((venv / "lib").glob("python*/site-packages"))
-        parent = next(p for p in sys.path if p.endswith("site-packages") and Path(p).is_dir())
-        (site / "project-packages.pth").write_text(parent + "\n")
-        done = subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q", GUIDELLM],
-                              capture_output=True, text=True, timeout=900)
-        assert done.returncode == 0, f"pip install {GUIDELLM} failed:\n{done.stderr[-3000:]}"
-        stamp.touch()
-    return command
+    """The ``guidellm`` command of its own venv (created on first use, then reused; it sees the
+    project's packages, so torch and transformers are not downloaded again)."""
+    return tool_venv(GUIDELLM, see_project_packages=True) / "bin" / "guidellm"
 
 
 @pytest.fixture(scope="module")

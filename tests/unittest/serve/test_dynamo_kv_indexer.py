@@ -18,12 +18,12 @@ from __future__ import annotations
 import json
 import socket
 import subprocess
-import sys
 import time
 import urllib.request
 from pathlib import Path
 
 import pytest
+from tests.helpers.tool_venvs import tool_venv
 
 from tensorrt_llm._torch.pyexecutor.kv_cache.events import block_hashes
 from tensorrt_llm.llmapi import LLM, SamplingParams
@@ -33,26 +33,11 @@ TPB = 4
 WORKER = "7"
 pytestmark = pytest.mark.slow
 
-# what pip says when it cannot reach the registry (then the test is skipped, with pip's words)
-_UNREACHABLE = ("Temporary failure in name resolution", "Network is unreachable", "Failed to establish a new connection",
-                "Connection refused", "ConnectTimeoutError", "No matching distribution found")
-
 
 @pytest.fixture(scope="module")
 def dynamo_python() -> Path:
     """The python of Dynamo's own venv (created on first use, then reused)."""
-    venv = Path(sys.prefix) / "bench-clients" / DYNAMO.replace("==", "-")
-    python = venv / "bin" / "python"
-    stamp = venv / ".installed"
-    if not stamp.exists():
-        subprocess.run([sys.executable, "-m", "venv", "--clear", str(venv)], check=True, timeout=300)
-        done = subprocess.run([str(python), "-m", "pip", "install", "-q", DYNAMO], capture_output=True, text=True,
-                              timeout=900)
-        if done.returncode != 0 and any(words in done.stderr for words in _UNREACHABLE):
-            pytest.skip(f"the package registry cannot be reached to install {DYNAMO}: {done.stderr.strip()[-300:]}")
-        assert done.returncode == 0, f"pip install {DYNAMO} failed:\n{done.stderr[-3000:]}"
-        stamp.touch()
-    return python
+    return tool_venv(DYNAMO) / "bin" / "python"
 
 
 def free_port() -> int:
