@@ -29,11 +29,12 @@
 #                                                                    64/256 profiled at 1 and 64; FP8 at 64 and 256), the
 #                                                                    in-process engine FP8 vs bf16 at c=1/16/64, the unfused
 #                                                                    layers at batch 1 and 64 if time is left; a table last
-#   peer-bf16, peer-fp8   [.carry/peer-site.tar.xz .carry/smollm2-tokenizer]  [SECONDS [VOCAB]]  ~7 min
+#   peer-bf16, peer-fp8   [.carry/peer-site.tar.xz .carry/smollm2-tokenizer]  [SECONDS [VOCAB [SHAPES]]]  ~7 min
 #                                                                    Llama-3.1-8B-shaped checkpoint (128,256 rows; VOCAB=tokenizer:
 #                                                                    49,152) written on the machine, trtllm-serve, GuideLLM 0.8.1
 #                                                                    sampled and temperature 0, 1024/128 and 1024/1024 at
-#                                                                    concurrency 1, 16, 64, 128 (SECONDS each, default 10)
+#                                                                    concurrency 1, 16, 64, 128 (SECONDS each, default 10;
+#                                                                    SHAPES default 1024/128,1024/1024)
 #   peer-engine           [.carry/peer-site.tar.xz .carry/smollm2-tokenizer]  [SECONDS]  ~7.5 min
 #                                                                    the same shapes, levels and samplings through LLM in-process,
 #                                                                    bf16 then FP8 KV (SECONDS each, default 8)
@@ -220,7 +221,7 @@ case $phase in
     peer_setup; gpu
     kv=auto; [ "$phase" = peer-fp8 ] && kv=fp8
     timeout 540 "$PY" -m benchmarks.gpu.peer_serving --out "$work" --kv-cache-dtype $kv --tokenizer .carry/smollm2-tokenizer \
-      --vocab "${2:-model}" --shapes 1024/128,1024/1024 --concurrency 1,16,64,128 --seconds "${1:-10}" --budget-s 500 \
+      --vocab "${2:-model}" --shapes "${3:-1024/128,1024/1024}" --concurrency 1,16,64,128 --seconds "${1:-10}" --budget-s 500 \
       2>&1 | grep -v "^INFO" | tee "$work/peer_$kv.log" | tail -12
     peer_pack
     ;;

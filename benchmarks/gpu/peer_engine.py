@@ -92,16 +92,26 @@ async def drain(llm, timeout_s: float = 60.0) -> None:
         await asyncio.sleep(0.02)
 
 
-async def warm_up(llm, tokenizer_ids: int, concurrency: int) -> dict:
-    """A ramp per sampling: ``concurrency`` short prompts at once, request i asking for 8 + i
-    tokens, so the decode batch shrinks one by one through every size (the decode graphs are
-    captured on first use). Returns, per sampling, the share of generated ids the tokenizer
-    lacks (padded ids: they decode to '')."""
-    next_prompt = prompt_source(32, tokenizer_ids, seed=1)
-    shares = {}
-    for sampling in ("greedy", "sampled"):
-        handles = [llm.generate_async(next_prompt(), sampling_params(sampling, 8 + i)) for i in range(concurrency)]
-        outputs = [await handle.aresult() for handle in handles]
-        ids = [t for output in outputs for t in output.outputs[0].token_ids]
-        shares[sampling] = {"tokens": len(ids), "padded_share": sum(t >= tokenizer_ids for t in ids) / max(1, len(ids))}
-    return shares
+async def warm_up(llm, tokenizer_ids: int, concurrency: int, prompt_lens: tuple[int, ...] = (32,)) -> dict:
+    """Per prompt length and sampling, a ramp: ``concurrency`` prompts at once, request i asking
+    for 8 + i tokens, so the decode batch shrinks one by one through every size (the decode graphs
+    are captured on first use). The measured shapes' own prompt lengths belong in ``prompt_lens``:
+    their first prefill chunks and long-context decode attention are then warm as well, and the
+    run measured first pays no more than the others. Returns, per sampling, the share of
+    generated ids the tokenizer lacks (padded ids: they decode to '')."""
+    counts = {sampling: [0, 0] for sampling in ("greedy", "sampled")}
+    for length in prompt_lens:
+        next_prompt = prompt_source(length, tokenizer_ids, seed=1)
+        for sampling, count in counts.items():
+            handles = [llm.generate_async(next_prompt(), sampling_params(sampling, 8 + i)) for i in range(concurrency)]
+            outputs = [await handle.aresult() for handle in handles]
+            ids = [t for output in outputs for t in output.outputs[0].token_ids]
+            count[0] += len(ids)
+            count[1] += sum(t >= tokenizer_ids for t in ids)
+    return shares_of(counts)
+
+
+def shares_of(counts: dict[str, list[int]]) -> dict:
+    """``{sampling: [tokens, padded]}`` -> the record's ``{sampling: {tokens, padded_share}}``."""
+    return {sampling: {"tokens": tokens, "padded_share": padded / max(1, tokens)}
+            for sampling, (tokens, padded) in counts.items()}

@@ -17,9 +17,12 @@ record states the LM-head bytes either way and what the smaller vocabulary takes
 
 1. ``trtllm-serve DIR`` with ``kv_cache_config.dtype`` = ``--kv-cache-dtype``, ``max_batch_size``
    256, ``max_num_tokens`` 8192, chunked prefill; the rest the defaults (bf16, CUDA graphs, overlap);
-2. a warm-up over HTTP (``warm_up_http``): per sampling, ``max(concurrency)`` short requests at
-   once asking for 8, 9, ... tokens, so every decode batch size is captured before anything is
-   measured; it also counts the share of generated ids the tokenizer lacks;
+2. a warm-up over HTTP (``warm_up_http``): per sampling, ``max(concurrency)`` requests at once
+   asking for 8, 9, ... tokens, so every decode batch size is captured before anything is
+   measured; first with short prompts, then with each shape's input length, so that the run
+   measured first finds its prefill chunks and long-context attention warm too (without it, each
+   shape's first run paid a warm-up the second did not); it also counts the share of generated
+   ids the tokenizer lacks;
 3. per shape and sampling (in the order sampled, greedy, greedy, sampled, ...), one ``guidellm
    run`` over ``/v1/completions``: synthetic text prompts of exactly ISL tokens, OSL output
    tokens (GuideLLM sends ``ignore_eos``), a ``concurrent`` profile of the ``--concurrency``
@@ -143,33 +146,41 @@ def prepare_checkpoint(args) -> tuple[Path, dict]:
     return directory, statement
 
 
+def warm_up_lengths(shapes: str) -> tuple[int, ...]:
+    """The warm-up's prompt lengths: a short one, then every measured input length once."""
+    return (32, *sorted({isl for isl, _ in parse_shapes(shapes)}))
+
+
 def server_options(args) -> dict:
     options = {**SERVE_OPTIONS, "kv_cache_config": {**SERVE_OPTIONS["kv_cache_config"], "dtype": args.kv_cache_dtype}}
     return {**options, **DRY_RUN_OPTIONS} if args.dry_run else options
 
 
-async def warm_up_http(url: str, model: str, tokenizer_ids: int, concurrency: int) -> dict:
-    """The HTTP twin of ``peer_engine.warm_up``: a ramp of ``concurrency`` requests per sampling."""
+async def warm_up_http(url: str, model: str, tokenizer_ids: int, concurrency: int,
+                       prompt_lens: tuple[int, ...] = (32,)) -> dict:
+    """The HTTP twin of ``peer_engine.warm_up``: per prompt length and sampling, a ramp of
+    ``concurrency`` requests."""
     import httpx
 
-    from benchmarks.gpu.peer_engine import prompt_source
+    from benchmarks.gpu.peer_engine import prompt_source, shares_of
 
-    next_prompt = prompt_source(32, tokenizer_ids, seed=1)
-    shares = {}
+    counts = {sampling: [0, 0] for sampling in ("greedy", "sampled")}
     limits = httpx.Limits(max_connections=concurrency + 8)  # all at once (httpx's default pool is 100)
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
-        for sampling in ("greedy", "sampled"):
-            extra = {"temperature": 0} if sampling == "greedy" else {}
-            bodies = [{"model": model, "prompt": next_prompt(), "max_tokens": 8 + i, "ignore_eos": True, **extra}
-                      for i in range(concurrency)]
-            answers = await asyncio.gather(*(client.post("/v1/completions", json=body) for body in bodies))
-            failed = [a.text[:300] for a in answers if a.status_code != 200]
-            if failed:
-                raise RuntimeError(f"warm-up request failed: {failed[0]}")
-            ids = [t for a in answers for t in a.json()["choices"][0]["token_ids"]]
-            shares[sampling] = {"tokens": len(ids),
-                                "padded_share": sum(t >= tokenizer_ids for t in ids) / max(1, len(ids))}
-    return shares
+        for length in prompt_lens:
+            next_prompt = prompt_source(length, tokenizer_ids, seed=1)
+            for sampling, count in counts.items():
+                extra = {"temperature": 0} if sampling == "greedy" else {}
+                bodies = [{"model": model, "prompt": next_prompt(), "max_tokens": 8 + i, "ignore_eos": True, **extra}
+                          for i in range(concurrency)]
+                answers = await asyncio.gather(*(client.post("/v1/completions", json=body) for body in bodies))
+                failed = [a.text[:300] for a in answers if a.status_code != 200]
+                if failed:
+                    raise RuntimeError(f"warm-up request failed: {failed[0]}")
+                ids = [t for a in answers for t in a.json()["choices"][0]["token_ids"]]
+                count[0] += len(ids)
+                count[1] += sum(t >= tokenizer_ids for t in ids)
+    return shares_of(counts)
 
 
 def _start(args) -> dict:
@@ -201,7 +212,8 @@ def serve_section(args, out: Path, deadline: float, record: dict, save: Callable
         log = (out / f"server_{args.kv_cache_dtype}.log").read_text()
         record["start_up_line"] = next((line for line in log.splitlines() if "KV pool" in line), None)
         began = time.perf_counter()
-        record["warmup"] = asyncio.run(warm_up_http(server.url, directory.name, tokenizer_ids, max(args.concurrency)))
+        record["warmup"] = asyncio.run(warm_up_http(server.url, directory.name, tokenizer_ids, max(args.concurrency),
+                                                      warm_up_lengths(args.shapes)))
         record["warmup"]["wall_s"] = time.perf_counter() - began
         run_cost = (args.seconds + GUIDELLM_LEVEL_GAP_S) * len(args.concurrency) + GUIDELLM_START_S
         for (isl, osl), sampling in run_order(parse_shapes(args.shapes), args.samplings):
@@ -245,7 +257,8 @@ def engine_section(args, out: Path, deadline: float, record: dict, save: Callabl
 
         async def measure() -> None:
             began = time.perf_counter()
-            record["warmup"] = await peer_engine.warm_up(llm, tokenizer_ids, max(args.concurrency))
+            record["warmup"] = await peer_engine.warm_up(llm, tokenizer_ids, max(args.concurrency),
+                                                          warm_up_lengths(args.shapes))
             record["warmup"]["wall_s"] = time.perf_counter() - began
             for (isl, osl), sampling in run_order(parse_shapes(args.shapes), args.samplings):
                 shape, levels = f"{isl}/{osl}", []

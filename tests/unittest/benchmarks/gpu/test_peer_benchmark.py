@@ -161,7 +161,7 @@ def test_an_engine_level_runs_cuts_and_drains(one_torch_thread):
 
     with LLM("tiny-random", max_seq_len=4096, max_batch_size=8) as llm:
         async def measure():
-            warm = await peer_engine.warm_up(llm, 512, 3)
+            warm = await peer_engine.warm_up(llm, 512, 3, (16, 48))
             level = await peer_engine.run_level(llm, peer_engine.prompt_source(16, 512),
                                                 peer_engine.sampling_params("sampled", 3000), 3, 1.0)
             refused = await peer_engine.run_level(llm, peer_engine.prompt_source(16, 512),
@@ -172,6 +172,6 @@ def test_an_engine_level_runs_cuts_and_drains(one_torch_thread):
     # refused at submission (16 + 5000 > max_seq_len): each stream counts its error and stops
     assert (refused["errored"], refused["completed"], refused["output_tokens"]) == (3, 0, 0)
     assert "max_seq_len" in refused["first_error"]
-    assert warm["greedy"]["tokens"] == 8 + 9 + 10 and warm["sampled"]["padded_share"] == 0.0
+    assert warm["greedy"]["tokens"] == 2 * (8 + 9 + 10) and warm["sampled"]["padded_share"] == 0.0
     assert level["errored"] == 0 and level["incomplete"] == 3  # 3000 tokens outlast a second
     assert level["output_tokens"] > 0 and level["itl_ms"]["p50"] > 0 and level["ttft_ms"]["p50"] > 0
