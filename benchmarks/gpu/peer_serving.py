@@ -28,6 +28,8 @@ record states the LM-head bytes either way and what the smaller vocabulary takes
    tokens (GuideLLM sends ``ignore_eos``), a ``concurrent`` profile of the ``--concurrency``
    levels, each ``--seconds`` long. ``greedy`` adds ``temperature: 0`` to every body through the
    backend's ``extras`` (``{"body": {"temperature": 0}}``, merged into the body GuideLLM builds);
+   each run's prompts come from a seed of its own (``RUN_SEED``), so no run finds another's
+   prompts in the prefix cache;
    ``sampled`` sends GuideLLM's own body, without ``temperature``, which the server runs at 1.0.
    Raw JSON: ``OUT/guidellm_<kv>_<isl>_<osl>_<sampling>.json.gz`` (every request's body is in it,
    so the summary shows the temperature each run sent).
@@ -89,8 +91,15 @@ def run_order(shapes: list[tuple[int, int]], samplings: list[str]) -> list[tuple
     return order
 
 
+#: each run's prompts come from a seed of their own (``RUN_SEED`` + the run's index): with block
+#: reuse on, a run that re-sent an earlier run's prompts would prefill almost nothing (GuideLLM's
+#: synthetic data is seeded 42 by default, so every run sent the same prompts and the second run of
+#: a shape found ~1,000 of its 1,024 prompt tokens cached)
+RUN_SEED = 1000
+
+
 def guidellm_command(args, url: str, model: str, directory: Path, shape: tuple[int, int], sampling: str,
-                     report: Path) -> list[str]:
+                     report: Path, seed: int) -> list[str]:
     isl, osl = shape
     backend = {"kind": "openai_http", "target": url, "model": model, "request_format": "/v1/completions"}
     if EXTRAS[sampling] is not None:
@@ -102,6 +111,7 @@ def guidellm_command(args, url: str, model: str, directory: Path, shape: tuple[i
         "--profile", f"kind=concurrent,{streams}",
         "--constraint", f"kind=max_duration,seconds={args.seconds}",
         "--data", f"kind=synthetic_text,prompt_tokens={isl},output_tokens={osl}",
+        "--seed", f"kind=static,value={seed}",
         "--tokenizer", f"kind=huggingface_auto,model={directory}",
         "--output", f"kind=json,path={report}", "--output", "kind=console", "--disable-progress",
     ]
@@ -216,13 +226,14 @@ def serve_section(args, out: Path, deadline: float, record: dict, save: Callable
                                                       warm_up_lengths(args.shapes)))
         record["warmup"]["wall_s"] = time.perf_counter() - began
         run_cost = (args.seconds + GUIDELLM_LEVEL_GAP_S) * len(args.concurrency) + GUIDELLM_START_S
-        for (isl, osl), sampling in run_order(parse_shapes(args.shapes), args.samplings):
+        for index, ((isl, osl), sampling) in enumerate(run_order(parse_shapes(args.shapes), args.samplings)):
             shape = f"{isl}/{osl}"
             if time.monotonic() + run_cost > deadline:
                 record["skipped"].append(f"{shape} {sampling}: would end past --budget-s (a run takes ~{run_cost:.0f} s)")
                 continue
             report = out / f"guidellm_{args.kv_cache_dtype}_{isl}_{osl}_{sampling}.json"
-            command = guidellm_command(args, server.url, directory.name, directory, (isl, osl), sampling, report)
+            command = guidellm_command(args, server.url, directory.name, directory, (isl, osl), sampling, report,
+                                       RUN_SEED + index)
             began = time.perf_counter()
             done = subprocess.run(command, capture_output=True, text=True, timeout=run_cost * 3 + 120,
                                   env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
@@ -260,9 +271,9 @@ def engine_section(args, out: Path, deadline: float, record: dict, save: Callabl
             record["warmup"] = await peer_engine.warm_up(llm, tokenizer_ids, max(args.concurrency),
                                                           warm_up_lengths(args.shapes))
             record["warmup"]["wall_s"] = time.perf_counter() - began
-            for (isl, osl), sampling in run_order(parse_shapes(args.shapes), args.samplings):
+            for index, ((isl, osl), sampling) in enumerate(run_order(parse_shapes(args.shapes), args.samplings)):
                 shape, levels = f"{isl}/{osl}", []
-                next_prompt = peer_engine.prompt_source(isl, tokenizer_ids)
+                next_prompt = peer_engine.prompt_source(isl, tokenizer_ids, seed=RUN_SEED + index)
                 params = peer_engine.sampling_params(sampling, osl)
                 for concurrency in args.concurrency:
                     if time.monotonic() + args.seconds + 5 > deadline:

@@ -93,7 +93,7 @@ def summarize_guidellm(report: dict) -> list[dict]:
     levels = []
     for benchmark in report.get("benchmarks", []):
         strategy = benchmark.get("config", {}).get("strategy", {})
-        requests, temperatures = [], set()
+        requests, temperatures, cached = [], set(), []
         for key, status in _GUIDELLM_STATUS.items():
             for record in benchmark.get("requests", {}).get(key, []):
                 timings = record.get("info", {}).get("timings", {})
@@ -108,9 +108,13 @@ def summarize_guidellm(report: dict) -> list[dict]:
                 })
                 body = json.loads(record.get("request_args") or "{}").get("body") or {}
                 temperatures.add(str(body.get("temperature", "omitted")))
+                cached.append(record.get("cached_tokens") or 0)
         level = level_summary(strategy.get("streams") or strategy.get("max_concurrency"),
                               benchmark.get("duration") or 0.0, requests)
         level["body_temperature"] = ",".join(sorted(temperatures)) or None
+        # prompt tokens the server reported cached (usage.prompt_tokens_details): near 0 unless a
+        # run re-sends prompts it already served
+        level["cached_tokens_mean"] = sum(cached) / len(cached) if cached else None
         level["guidellm_totals"] = benchmark.get("metrics", {}).get("request_totals")
         levels.append(level)
     return levels

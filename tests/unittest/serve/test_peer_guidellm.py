@@ -72,7 +72,8 @@ def test_the_body_carries_temperature_0_only_when_greedy(guidellm, recorded, smo
     bodies.clear()
     args = argparse.Namespace(guidellm=str(guidellm), concurrency=[2], seconds=2)  # one level: GuideLLM is slow to start
     report = tmp_path / "report.json"
-    command = peer_serving.guidellm_command(args, url, model, smollm2_tokenizer_checkpoint, (32, 8), sampling, report)
+    command = peer_serving.guidellm_command(args, url, model, smollm2_tokenizer_checkpoint, (32, 8), sampling, report,
+                                            peer_serving.RUN_SEED)
     done = subprocess.run(command, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
     assert done.returncode == 0, done.stderr[-3000:] + done.stdout[-3000:]
@@ -88,3 +89,4 @@ def test_the_body_carries_temperature_0_only_when_greedy(guidellm, recorded, smo
         assert level["errored"] == 0 and level["completed"] >= 1 and level["output_tokens_per_s"] > 0
         assert level["body_temperature"] == ("0" if sampling == "greedy" else "omitted")
         assert level["itl_ms"]["p50"] > 0 and level["ttft_ms"]["p50"] > 0
+        assert level["cached_tokens_mean"] is not None

@@ -60,8 +60,11 @@ def test_samplings_alternate_and_only_greedy_sends_a_temperature(tmp_path):
     assert peer_serving.run_order(shapes, ["sampled", "greedy"]) == [
         ((1024, 128), "sampled"), ((1024, 128), "greedy"), ((1024, 1024), "greedy"), ((1024, 1024), "sampled")]
     args = argparse.Namespace(guidellm="python3 -m guidellm", concurrency=[1, 16, 64, 128], seconds=10)
-    for sampling, extras in (("greedy", {"body": {"temperature": 0}}), ("sampled", None)):
-        command = peer_serving.guidellm_command(args, "http://h:1", "m", tmp_path, (1024, 128), sampling, tmp_path / "r.json")
+    for seed, (sampling, extras) in enumerate((("greedy", {"body": {"temperature": 0}}), ("sampled", None))):
+        command = peer_serving.guidellm_command(args, "http://h:1", "m", tmp_path, (1024, 128), sampling,
+                                                tmp_path / "r.json", seed)
+        # each run its own prompts: a run re-sending another's would find them in the prefix cache
+        assert command[command.index("--seed") + 1] == f"kind=static,value={seed}"
         backend = json.loads(command[command.index("--backend") + 1])
         assert backend.get("extras") == extras and backend["request_format"] == "/v1/completions"
         assert "kind=concurrent,streams[0]=1,streams[1]=16,streams[2]=64,streams[3]=128" in command
@@ -70,7 +73,7 @@ def test_samplings_alternate_and_only_greedy_sends_a_temperature(tmp_path):
 
 def _guidellm_request(start: float, first: float | None, last: float | None, tokens: int, temperature) -> dict:
     body = {"prompt": "x", "max_tokens": 8} | ({} if temperature is None else {"temperature": temperature})
-    return {"output_tokens": tokens, "request_args": json.dumps({"body": body}),
+    return {"output_tokens": tokens, "request_args": json.dumps({"body": body}), "cached_tokens": 2,
             "info": {"timings": {"request_start": start, "first_token_iteration": first, "last_token_iteration": last}}}
 
 
@@ -90,7 +93,7 @@ def test_a_guidellm_level_counts_cut_requests_and_weights_itl_by_tokens():
     # per-request ITL 100 (x7 weight), 100 (x4), 250 (x2): the weighted median is 100 ms
     assert level["itl_ms"]["p50"] == pytest.approx(100.0) and level["itl_ms"]["p99"] == pytest.approx(250.0)
     assert level["decode_tokens_per_s"] == pytest.approx(20.0)
-    assert level["body_temperature"] == "0"
+    assert level["body_temperature"] == "0" and level["cached_tokens_mean"] == 2
     report["benchmarks"][0]["requests"] = {"successful": [_guidellm_request(0.0, 0.1, 0.2, 2, None)]}
     assert peer_summary.summarize_guidellm(report)[0]["body_temperature"] == "omitted"
 
