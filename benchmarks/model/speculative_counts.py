@@ -85,13 +85,18 @@ def count_rounds(model, prompts: list[list[int]], spec: SpeculativeConfig | None
         for request in requests:
             executor.enqueue_request(request)
         first_stats, first_launch, allocations_before = len(executor.iteration_stats), len(launches), step_allocations[0]
-        broken = peak_reserved = 0
+        broken = peak_reserved = steps = 0
+        first_token_steps = [None] * len(requests)  # the step after which each request had its first token
         while executor.has_work:
             flight = executor._in_flight
             if flight is not None and not flight.overlappable:
                 broken += 1
             executor.step()
             peak_reserved = max(peak_reserved, kv.sequences.reserved_blocks)
+            for index, request in enumerate(requests):
+                if first_token_steps[index] is None and request.first_token_time is not None:
+                    first_token_steps[index] = steps
+            steps += 1
         assert all(r.error is None for r in requests), [r.error for r in requests if r.error]
         stats = executor.iteration_stats[first_stats:]
         ran = launches[first_launch:]
@@ -111,6 +116,7 @@ def count_rounds(model, prompts: list[list[int]], spec: SpeculativeConfig | None
             "peak_reserved_blocks": peak_reserved,
             "batches": [(s.num_context_requests, s.num_generation_requests, s.forward_tokens) for s in stats],
             "outputs": [tuple(r.output_token_ids) for r in requests],
+            "first_token_steps": first_token_steps,
         })
     return results
 
@@ -119,7 +125,8 @@ def compare(speculative: list[dict], plain: list[dict]) -> list[dict]:
     """Per round: each count side by side, the iterations whose batch differs, whether outputs agree."""
     report = []
     for spec_round, plain_round in zip(speculative, plain):
-        counts = {key: (spec_round[key], plain_round[key]) for key in spec_round if key not in ("batches", "outputs")}
+        counts = {key: (spec_round[key], plain_round[key]) for key in spec_round
+                  if key not in ("batches", "outputs", "first_token_steps")}
         differing = [(i, a, b) for i, (a, b) in enumerate(zip(spec_round["batches"], plain_round["batches"])) if a != b]
         report.append({"counts": counts, "differing_batches": differing,
                        "outputs_equal": spec_round["outputs"] == plain_round["outputs"]})
