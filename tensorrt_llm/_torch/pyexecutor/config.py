@@ -255,8 +255,9 @@ class SpeculativeConfig:
     request's first generation step is a first-draft step of ``1 + max_draft_len`` positions.
 
     Speculation that does not pay can be turned off, as upstream's fields do:
-    ``max_concurrency`` skips the drafts of an iteration with more generation requests than
-    that (a large batch gains little from drafts and pays their positions), and
+    ``max_concurrency`` skips the drafts of an iteration with more active requests than that
+    (those still in their prompt included: a large batch gains little from drafts and pays their
+    positions), and
     ``acceptance_rate_threshold`` turns speculation off for good once the acceptance (accepted
     over verified drafts) over the last ``acceptance_rate_window_size`` iterations that verified
     drafts (8 unless given) falls below it. Then every request leaves speculation and runs as
@@ -267,7 +268,7 @@ class SpeculativeConfig:
     max_draft_len: int = 4  # draft tokens proposed per step (at most)
     # NGram: the longest suffix of the sequence looked up earlier in it (shorter ones are tried next)
     max_matching_ngram_size: int = 3
-    max_concurrency: int | None = None  # no drafts in an iteration with more generation requests; None: no limit
+    max_concurrency: int | None = None  # no drafts in an iteration with more active requests; None: no limit
     acceptance_rate_threshold: float | None = None  # speculation off for good below this acceptance; None: never
     acceptance_rate_window_size: int = 8  # iterations with drafts the threshold's acceptance is taken over
 

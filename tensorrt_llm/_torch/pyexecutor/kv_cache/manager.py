@@ -223,10 +223,12 @@ class KVCacheManager:
                 records.append(ClaimRecord(request, estimate, allocation.chunk.reused, request.prompt_len,
                                            allocation.onboarded * self.tokens_per_block))
         generation = scheduled.generation_requests
-        # Most steps need no block: a plain sequence whose blocks already cover its next
-        # position. Only the others allocate, in batch order.
+        # Most steps need no block: a one-beam step without drafts (plain, or speculative in an
+        # iteration without drafts) whose blocks already cover its next position. Only the
+        # others allocate, in batch order.
         room = self.sequences.step_room
-        growing = [r for r in generation if len(r.tokens) > room[r.request_id] or r.py_draft_tokens]
+        growing = [r for r in generation
+                   if len(r.tokens) > room[r.request_id] or r.py_draft_tokens or r.is_first_draft]
         if growing:
             short = set()
             for request in growing:

@@ -15,9 +15,10 @@ generated (g: the newest has no KV yet) and one draft (d) for the next forward::
   released; the others are private until a commit makes their full, computed blocks nodes.
 * Growth: a later chunk, or a generation step, needs positions up to its end (a generation
   step: the last token plus its drafts, :func:`generation_len`); :meth:`SequenceBlocks.grow`
-  allocates the blocks that covers, all or nothing. A plain request (one beam, no drafts) needs
-  a block once every ``tokens_per_block`` steps: ``step_room`` says, per request, up to where it
-  needs none, so a batch finds the few steps that allocate with one lookup each.
+  allocates the blocks that covers, all or nothing. A step of one beam without drafts (a plain
+  request's, or a speculative one's that runs no drafts this iteration) needs a block once every
+  ``tokens_per_block`` steps: ``step_room`` says, per one-beam request, up to where it needs none,
+  so a batch finds the few steps that allocate with one lookup each.
 * Beams (:mod:`.beam_tables`): from the first generation step, ``blocks`` is beam 0's table and
   ``beam_blocks`` the other beams' blocks not in it, each held once.
 * Charged when: a first chunk's allocation takes the whole prompt (its chunk window aside); the
@@ -88,6 +89,7 @@ class HeldBlocks:
     stamp: int = 0  # allocation order
     reserve: int = 0  # blocks it holds at completion (draft slots as at allocation)
     plain: bool = False  # one beam and no draft slots: a generation step needs len(tokens) positions
+    one_beam: bool = True  # its steps without drafts need len(tokens) positions (``step_room`` tracks capacity)
     capacity: int = 0  # positions ``blocks`` hold (len(blocks) * tokens_per_block)
     # block_id of each of ``blocks``, kept in step with it: a held block never changes slot,
     # so the table only changes where ``blocks`` does (append, commit to a canonical block).
@@ -117,8 +119,9 @@ class SequenceBlocks:
         self.pool = pool
         self.tokens_per_block = tokens_per_block
         self.held: dict[int, HeldBlocks] = {}
-        # request id -> the positions a generation step may reach with the blocks it holds: a
-        # plain sequence's capacity, -1 for the others (their every step allocates).
+        # request id -> the positions a generation step without drafts may reach with the blocks
+        # it holds: a one-beam sequence's capacity (speculative or not: a step without drafts
+        # needs what a plain one does), -1 for beam search (its every step allocates).
         self.step_room: dict[int, int] = {}
         self.reserved_blocks = 0
         self._stamps = itertools.count()
@@ -187,10 +190,11 @@ class SequenceBlocks:
             stamp=next(self._stamps),
             reserve=blocks_for_tokens(request, max_sequence_len(request), self.tokens_per_block),
             plain=request.beam_width == 1 and request.max_draft_len == 0,
+            one_beam=request.beam_width == 1,
             capacity=len(blocks) * self.tokens_per_block,
         )
         self.held[request.request_id] = seq
-        self.step_room[request.request_id] = seq.capacity if seq.plain else -1
+        self.step_room[request.request_id] = seq.capacity if seq.one_beam else -1
         self.reserved_blocks += max(0, seq.reserve - seq.num_held)
 
     def grow_step(self, request: LlmRequest) -> bool:
@@ -198,11 +202,9 @@ class SequenceBlocks:
         seq = self.held[request.request_id]
         if request.beam_width > 1:  # every beam writes its next position in a block of its own
             return self._grow_beams(request, seq)
-        # A request the drafter withdrew (Drafter.withdraw) is plain from now on: its steps
-        # take the fast path of prepare_resources again.
+        # A request the drafter withdrew (Drafter.withdraw) is plain from now on: no trim.
         if not seq.plain and not request.max_draft_len:
             seq.plain = True
-            self.step_room[request.request_id] = seq.capacity
         return self.grow(request, generation_len(request), seq)
 
     def grow(self, request: LlmRequest, needed_len: int, seq: HeldBlocks | None = None) -> bool:
@@ -228,7 +230,7 @@ class SequenceBlocks:
             blocks += fresh
             seq.table += [block.block_id for block in fresh]
             seq.capacity = len(blocks) * tpb
-            if seq.plain:
+            if seq.one_beam:
                 self.step_room[request.request_id] = seq.capacity
         if beam > 0:
             seq.beam_blocks += pool.allocate_many(beam)
@@ -321,11 +323,11 @@ class SequenceBlocks:
                 if filled:
                     commit_blocks(filled)
                     filled = []
-                self._trim(seq, len(tokens))  # blocks that held only rejected drafts
+                self._trim(request.request_id, seq, len(tokens))  # blocks that held only rejected drafts
         if filled:
             commit_blocks(filled)
 
-    def _trim(self, seq: HeldBlocks, length: int) -> None:
+    def _trim(self, request_id: int, seq: HeldBlocks, length: int) -> None:
         """Roll back draft slots: release the blocks past the first ``length`` positions.
 
         After a forward that verified drafts, the sequence's KV is valid up to ``num_computed``
@@ -339,7 +341,8 @@ class SequenceBlocks:
         rejected = seq.blocks[keep:]
         del seq.blocks[keep:]
         del seq.table[keep:]
-        seq.capacity = keep * self.tokens_per_block  # not plain (draft slots): its step room stays -1
+        seq.capacity = keep * self.tokens_per_block
+        self.step_room[request_id] = seq.capacity  # one beam: trimmed only after draft slots
         self.pool.release(rejected)
         self.reserved_blocks += max(0, seq.reserve - seq.num_held) - before
 
@@ -357,7 +360,7 @@ class SequenceBlocks:
         for request_id, seq in self.held.items():
             assert seq.table == [b.block_id for b in seq.blocks], f"request {request_id}: stale block table"
             assert seq.capacity == len(seq.blocks) * self.tokens_per_block, f"request {request_id}: stale capacity"
-            assert self.step_room[request_id] == (seq.capacity if seq.plain else -1), f"request {request_id}: stale room"
+            assert self.step_room[request_id] == (seq.capacity if seq.one_beam else -1), f"request {request_id}: stale room"
             if seq.beams is not None:
                 seq.beams.check()
                 distinct = seq.beams.distinct()

@@ -33,8 +33,9 @@ fills when the forward is launched, from the tokens the previous forward really 
 positions), and the drafts it verified come back with its tokens. Elsewhere it runs this step
 without drafts. Drafts are only ever proposed from tokens the model produced.
 
-Speculation that does not pay stops (``SpeculativeConfig``): above ``max_concurrency``
-generation requests an iteration gets no drafts, and once the acceptance over the last
+Speculation that does not pay stops (``SpeculativeConfig``): above ``max_concurrency`` active
+requests (those still in their prompt included, as upstream counts them) an iteration gets no
+drafts and its speculative requests run exactly as plain ones, and once the acceptance over the last
 ``acceptance_rate_window_size`` iterations with drafts is below ``acceptance_rate_threshold``
 (the executor reports each iteration's drafts to :meth:`Drafter.observe`) the drafter withdraws
 every request and admits no more.
@@ -135,10 +136,13 @@ class Drafter(abc.ABC):
         A request whose tokens are all known gets :meth:`propose`'s drafts. One whose previous
         forward is in flight gets ``room`` slots for the engine to fill where ``engine_proposes``
         (the engine drafts with :attr:`proposer`), else none (module docstring). Above
-        ``max_concurrency`` generation requests none gets drafts and each runs exactly as a plain
-        request does: one position, charged one, no draft slots (a first draft due now is dropped,
-        not padded to ``1 + max_draft_len``); the requests stay speculative. Once speculation is
-        off, every request is withdrawn.
+        ``max_concurrency`` active requests (``requests``: every request the executor holds, those
+        in their prompt included) none gets drafts and each runs exactly as a plain request does:
+        one position, charged one, no draft slots (a first draft due now is dropped, not padded to
+        ``1 + max_draft_len``); the requests stay speculative. Counting only generation requests
+        drafted the first requests of a burst while the rest were still in their prompts: a burst
+        far above the limit ran first-draft and drafting steps in its prefill iterations. Once
+        speculation is off, every request is withdrawn.
         """
         requests = list(requests)
         speculative = [request for request in requests if request.max_draft_len]
@@ -147,7 +151,7 @@ class Drafter(abc.ABC):
                 self.withdraw(request)
             return
         limit = self.config.max_concurrency
-        skip_drafts_this_iteration = limit is not None and sum(r.state is not _CONTEXT_INIT for r in requests) > limit
+        skip_drafts_this_iteration = limit is not None and len(requests) > limit
         for request in speculative:
             if request.state is _CONTEXT_INIT:
                 request.py_draft_tokens = []

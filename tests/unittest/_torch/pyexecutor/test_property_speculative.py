@@ -117,7 +117,7 @@ class Workload:
     period: int
     phase: int
     overlap: bool
-    max_concurrency: int | None  # SpeculativeConfig: no drafts above this many generation requests
+    max_concurrency: int | None  # SpeculativeConfig: no drafts above this many active requests
     acceptance: tuple[float, int] | None  # SpeculativeConfig: (acceptance_rate_threshold, window_size)
     warm: tuple[tuple[int, ...], ...]
     burst: tuple[tuple[tuple[int, ...], int, int | None], ...]  # (prompt, max_tokens, end_id index in the reference)

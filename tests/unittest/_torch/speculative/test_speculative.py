@@ -250,6 +250,21 @@ def test_above_max_concurrency_an_iteration_gets_no_drafts():
     assert all(r.max_draft_len == 2 for r in requests), "still speculative: only this iteration is skipped"
 
 
+def test_max_concurrency_counts_requests_still_in_their_prompt():
+    """A burst above the limit gets no drafts while most of it still prefills: the first requests
+    to reach generation run plain steps (upstream counts every active request)."""
+    drafter = _NoDrafter(SpeculativeConfig(max_draft_len=2, max_concurrency=2), 128)
+    generating = _generating(2)
+    prefilling = [LlmRequest([1, 2, 3], max_new_tokens=8) for _ in range(2)]
+    for request in prefilling:
+        assert drafter.admit(request)
+    drafter.prepare_draft_tokens(generating + prefilling)
+    assert [r.py_draft_tokens for r in generating] == [[], []]
+    assert not any(r.is_first_draft for r in generating), "plain steps: no first-draft padding"
+    drafter.prepare_draft_tokens(generating)  # the others finished: at the limit, drafts again
+    assert [r.py_draft_tokens for r in generating] == [[0, 0], [0, 0]]
+
+
 def test_a_window_of_low_acceptance_turns_speculation_off_for_good():
     config = SpeculativeConfig(max_draft_len=2, acceptance_rate_threshold=0.5, acceptance_rate_window_size=3)
     drafter = _NoDrafter(config, 128)
