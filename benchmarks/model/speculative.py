@@ -87,7 +87,9 @@ def run_once(llm: LLM, prompts: list, params: SamplingParams) -> dict:
     return {"outputs": outputs, "wall_s": wall}
 
 
-def measure(llm: LLM, prompts: list, params: SamplingParams) -> dict:
+def measure(llm: LLM, prompts: list, params: SamplingParams, max_concurrency: int | None = None) -> dict:
+    """One workload served once: speeds, acceptance, and where the wall time went by iteration
+    phase (``_phases``)."""
     before = len(llm.iteration_stats)
     run = run_once(llm, prompts, params)
     stats = llm.iteration_stats[before:]
@@ -109,7 +111,28 @@ def measure(llm: LLM, prompts: list, params: SamplingParams) -> dict:
         # tokens a generation request gets per forward it runs in (1 without speculation)
         "tokens_per_forward": (steps + accepted) / steps if steps else 0.0,
         "iteration_ms": statistics.median(iteration_ms) if iteration_ms else 0.0,
+        **_phases(stats, max_concurrency),
     }
+
+
+def _phases(stats: list, max_concurrency: int | None) -> dict:
+    """Host time (ms) by phase: iterations with more active requests than ``max_concurrency``
+    (a speculative config drafts nothing there: it should cost what plain decoding does), the
+    others, and those that verified drafts; with each phase's iteration count. The same phases
+    of the plain run say what each costs without speculation."""
+    limit = max_concurrency if max_concurrency is not None else float("inf")
+    phases = {"above_limit": [], "at_or_below_limit": [], "drafting": []}
+    for s in stats:
+        ms = 1000 * (s.end_time - s.start_time)
+        phases["above_limit" if s.num_active_requests > limit else "at_or_below_limit"].append(ms)
+        if s.num_draft_tokens:
+            phases["drafting"].append(ms)
+    result = {}
+    for name, times in phases.items():
+        result[f"{name}_iterations"] = len(times)
+        result[f"{name}_ms"] = sum(times)
+        result[f"{name}_median_ms"] = statistics.median(times) if times else 0.0
+    return result
 
 
 def _agreement(speculative: list[tuple], plain: list[tuple]) -> dict:
@@ -128,7 +151,7 @@ OVERLAP_MODES = {"on": False, "off": True, "default": None}  # -> disable_overla
 
 
 def _serve_rounds(llms: dict[str, LLM], prompts: list, params: SamplingParams, repeats: int, exact: bool,
-                  label: str) -> dict:
+                  label: str, max_concurrency: int | None = None) -> dict:
     """``repeats`` A/B rounds of one workload on the ``ngram`` and ``none`` LLMs: medians, the speedup
     (median of each round's ratio) and the worst round's output agreement."""
     rounds: dict[str, list[dict]] = {"ngram": [], "none": []}
@@ -136,7 +159,7 @@ def _serve_rounds(llms: dict[str, LLM], prompts: list, params: SamplingParams, r
     for repeat in range(repeats):
         order = ("ngram", "none") if repeat % 2 == 0 else ("none", "ngram")
         for name in order:
-            rounds[name].append(measure(llms[name], prompts, params))
+            rounds[name].append(measure(llms[name], prompts, params, max_concurrency))
         agreement = _agreement(rounds["ngram"][-1]["outputs"], rounds["none"][-1]["outputs"])
         agreements.append(agreement)
         if agreement["identical_requests"] < 1 and exact:  # recorded; main exits 1 once the JSON is written
@@ -234,7 +257,8 @@ def _run_mode(llms: dict[str, LLM], mode: str, args, batches: list[int], report:
         else:
             raise SystemExit(f"unknown workload {workload!r}")
         for key, prompts in cases:
-            result = _serve_rounds(llms, prompts, params, args.repeats, exact, f"{key}, overlap {mode}")
+            result = _serve_rounds(llms, prompts, params, args.repeats, exact, f"{key}, overlap {mode}",
+                                   args.max_concurrency)
             report["results"].setdefault(key, {})[mode] = result
             ngram, none = result["ngram"], result["none"]
             print(f"{key:16s} overlap {mode:7s}: acceptance {ngram['acceptance_rate']:.2f}, tokens/forward"
@@ -242,6 +266,11 @@ def _run_mode(llms: dict[str, LLM], mode: str, args, batches: list[int], report:
                   f" {none['output_tokens_per_s']:.1f} (x{result['speedup_output_tokens_per_s']:.2f}, median of"
                   f" {args.repeats} A/B rounds), ITL {ngram['itl_ms']:.1f} vs {none['itl_ms']:.1f} ms; outputs"
                   f" identical for {result['identical_requests']:.0%} of requests", flush=True)
+            print(f"{'':16s} host ms by phase (median of rounds), drafts vs plain: " + "; ".join(
+                f"{phase} {ngram[phase + '_ms']:.0f} vs {none[phase + '_ms']:.0f}"
+                f" ({ngram[phase + '_iterations']:.0f} vs {none[phase + '_iterations']:.0f} iterations,"
+                f" median {ngram[phase + '_median_ms']:.2f} vs {none[phase + '_median_ms']:.2f})"
+                for phase in ("above_limit", "at_or_below_limit", "drafting")), flush=True)
 
 
 def _summarise(report: dict, modes: list[str]) -> None:

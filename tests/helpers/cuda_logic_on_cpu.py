@@ -30,7 +30,7 @@ from tensorrt_llm._torch.pyexecutor.engine.in_flight import Drafting
 from tensorrt_llm._torch.pyexecutor.engine.torch_engine import CudaTorchModelEngine
 from tensorrt_llm._torch.speculative.device_drafting import TokenHistories
 
-__all__ = ["CudaLogicOnCpu", "LaunchRecord", "Served", "StandInEvent", "cuda_stand_ins", "serve"]
+__all__ = ["CudaLogicOnCpu", "LaunchRecord", "Served", "StandInEvent", "cuda_stand_ins", "recording_executor", "serve"]
 
 _order = itertools.count(1)
 
@@ -189,6 +189,20 @@ def _kernel_counted_once(counter: _Counter) -> Iterator[None]:
         triton_drafting._ngram_in_flight_kernel = kernel
 
 
+def recording_executor(model, config, *, fused: bool = False):
+    """An executor over :class:`CudaLogicOnCpu` for ``config`` whose engine records a
+    :class:`LaunchRecord` per launch (``executor.model_engine.records``); build and run it
+    inside :func:`cuda_stand_ins`."""
+    from tensorrt_llm._torch.pyexecutor import py_executor_creator
+
+    saved = py_executor_creator.TorchModelEngine
+    py_executor_creator.TorchModelEngine = type("Fused" if fused else "Torch", (_Recording,), {"fused": fused})
+    try:
+        return py_executor_creator.create_py_executor(config, model=model)
+    finally:
+        py_executor_creator.TorchModelEngine = saved
+
+
 def serve(model, prompts: list[list[int]], spec, *, overlap: bool, on_cpu_logic: bool, fused: bool = False,
           max_new_tokens: int = 40) -> Served:
     """Serve ``prompts`` greedily with ``model`` (speculative decoding with ``spec``, None: off):
@@ -201,15 +215,11 @@ def serve(model, prompts: list[list[int]], spec, *, overlap: bool, on_cpu_logic:
     config = ExecutorConfig(max_num_tokens=96, max_seq_len=256, max_batch_size=8, speculative_config=spec,
                             disable_overlap_scheduler=not overlap,
                             kv_cache_config=KvCacheConfig(tokens_per_block=4, num_blocks=512))
-    engine_class = type("Fused" if fused else "Torch", (_Recording,), {"fused": fused})
-    saved = py_executor_creator.TorchModelEngine
     with cuda_stand_ins() if on_cpu_logic else contextlib.nullcontext():
         if on_cpu_logic:
-            py_executor_creator.TorchModelEngine = engine_class  # the executor builds this one
-        try:
+            executor = recording_executor(model, config, fused=fused)
+        else:
             executor = py_executor_creator.create_py_executor(config, model=model)
-        finally:
-            py_executor_creator.TorchModelEngine = saved
         assert executor.overlap == overlap
         requests = [LlmRequest(input_token_ids=p, max_new_tokens=max_new_tokens) for p in prompts]
         for request in requests:
