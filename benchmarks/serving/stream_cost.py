@@ -37,10 +37,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 MODEL = "smollm2-135m-instruct"  # the simulated engine reads its config and tokenizer: no weights
-#: The forward's cost (SimulatedEngineConfig): decode steps of about 8 ms + 0.1 ms a row (an 8B
-#: model's order on one H100 at 128 rows), prefill at 100,000 tokens/s so the prompts of 128
+#: The forward's cost (SimulatedEngineConfig): decode steps of about 8 ms + 0.05 ms a row + the KV read (an 8B
+#: model's order on one H100: about 20 ms at 128 rows of 1,200 tokens), prefill at 100,000 tokens/s so the prompts of 128
 #: streams are in within a couple of seconds.
-SIMULATED = {"context_token_s": 1e-5}
+SIMULATED = {"context_token_s": 1e-5, "decode_token_s": 5e-5}
 _TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
 
 
