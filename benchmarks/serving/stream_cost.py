@@ -4,7 +4,7 @@ arithmetic: each forward sleeps a cost formula of its batch) under N concurrent 
 in-process on the same engine (the engine's ceiling).
 
     python -m benchmarks.serving.stream_cost [--streams 128] [--prompt-tokens 1024] [--output-tokens 256]
-        [--rounds 3] [--baseline-tree PATH] [--json OUT.json]
+        [--rounds 3] [--simulated '{"step_s": 0.002}'] [--baseline-tree PATH] [--json OUT.json]
 
 Each round runs, alternated: ``engine`` (``LLM.generate_async`` streams consumed on an event
 loop, in a child process), ``serve`` (this tree's ``trtllm-serve``), and with ``--baseline-tree``
@@ -157,11 +157,11 @@ def thread_cpu_s(pid: int) -> tuple[float, float]:
     return main, other
 
 
-def serve_argv(streams: int, prompt_tokens: int, output_tokens: int) -> list[str]:
+def serve_argv(streams: int, prompt_tokens: int, output_tokens: int, simulated: dict) -> list[str]:
     return [MODEL, "--port", "0", "--max_batch_size", str(streams),
             "--max_seq_len", str(prompt_tokens + output_tokens + 256),
             "--kv_cache_config.max_tokens", str(streams * (prompt_tokens + output_tokens + 256)),
-            *(arg for key, value in SIMULATED.items() for arg in (f"--simulated_engine.{key}", f"{value:.9f}"))]
+            *(arg for key, value in simulated.items() for arg in (f"--simulated_engine.{key}", f"{value:.9f}"))]
 
 
 def start_server(tree: Path, argv: list[str]) -> tuple[subprocess.Popen, str, int]:
@@ -182,7 +182,8 @@ def start_server(tree: Path, argv: list[str]) -> tuple[subprocess.Popen, str, in
 
 
 def run_served(tree: Path, args: argparse.Namespace, prompts: list[str], warmup: list[str]) -> dict:
-    proc, host, port = start_server(tree, serve_argv(args.streams, args.prompt_tokens, args.output_tokens))
+    proc, host, port = start_server(tree, serve_argv(args.streams, args.prompt_tokens, args.output_tokens,
+                                                         args.simulated))
     try:
         asyncio.run(drive(host, port, warmup, 8))  # imports, first-request paths, the tokenizer warm
         before = thread_cpu_s(proc.pid)
@@ -208,7 +209,7 @@ def engine_child() -> None:
     from tensorrt_llm.llmapi import LLM, SamplingParams
 
     config = json.load(sys.stdin)
-    llm = LLM(MODEL, simulated_engine=SIMULATED, max_batch_size=config["streams"],
+    llm = LLM(MODEL, simulated_engine=config["simulated"], max_batch_size=config["streams"],
               max_seq_len=config["prompt_tokens"] + config["output_tokens"] + 256,
               kv_cache_config={"max_tokens": config["streams"] * (config["prompt_tokens"] + config["output_tokens"] + 256)})
 
@@ -240,7 +241,8 @@ def engine_child() -> None:
 
 
 def run_engine(args: argparse.Namespace, prompts: list[str], warmup: list[str]) -> dict:
-    config = {"streams": args.streams, "prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens,
+    config = {"simulated": args.simulated, "streams": args.streams, "prompt_tokens": args.prompt_tokens,
+              "output_tokens": args.output_tokens,
               "prompts": prompts, "warmup": warmup}
     out = subprocess.run([sys.executable, "-m", "benchmarks.serving.stream_cost", "--engine-child"], input=json.dumps(config),
                          capture_output=True, text=True, check=True, cwd=Path(__file__).resolve().parents[2])
@@ -271,12 +273,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-tokens", type=int, default=1024)
     parser.add_argument("--output-tokens", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--simulated", type=json.loads, default={},
+                        help="SimulatedEngineConfig fields over the defaults here, as JSON (e.g. '{\"step_s\": 0.002}')")
     parser.add_argument("--baseline-tree", type=Path, default=None,
                         help="another checkout whose trtllm-serve runs alternated with this tree's")
     parser.add_argument("--no-engine", action="store_true", help="skip the in-process engine reference")
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--engine-child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    args.simulated = {**SIMULATED, **args.simulated}
     if args.engine_child:
         engine_child()
         return 0
@@ -291,8 +296,10 @@ def main(argv: list[str] | None = None) -> int:
             result = run_engine(args, prompts, warmup) if name == "engine" else run_served(trees[name], args, prompts,
                                                                                             warmup)
             results[name].append(result)
+        for name in order:
+            result = results[name][round_]
             ratio = ""
-            if name != "engine" and "engine" in results and len(results["engine"]) > round_:
+            if name != "engine" and "engine" in results:
                 ratio = f"  {result['output_tok_s'] / results['engine'][round_]['output_tok_s']:.2f}x engine"
             cost = (f"  loop {result['loop_us_per_token']:.1f} us/token, server {result['server_us_per_token']:.1f}"
                     f" us/token" if "loop_us_per_token" in result else "")
@@ -304,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
     print("medians:")
     for name, median in medians.items():
         print(f"  {name:8s} " + "  ".join(f"{k} {v:.4g}" for k, v in median.items()))
-    document = {"benchmark": "serving.stream_cost", "model": MODEL, "simulated_engine": SIMULATED,
+    document = {"benchmark": "serving.stream_cost", "model": MODEL, "simulated_engine": args.simulated,
                 "streams": args.streams, "prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens,
                 "rounds": args.rounds, "runs": results, "medians": medians}
     if args.json:

@@ -3,9 +3,9 @@
 :class:`Generation` consumes a request handle created on the event loop (each executor
 response crosses threads with ``loop.call_soon_threadsafe``: the loop never blocks on the
 executor) and yields :class:`Delta` values (one at a time, or in batches: all that arrived
-while the loop was busy, which a stream writes out together): the new token ids, the new text (the handle's
-incremental detokenizer never splits a UTF-8 character) with stop strings applied, and, on
-the last one, the finish reason. Whatever way it ends — finished, stop string, executor
+while the loop was busy, which a stream writes out together): the new token ids, the new
+text (the handle's incremental detokenizer never splits a UTF-8 character) with stop strings
+applied, and, on the last one, the finish reason. Whatever way it ends — finished, stop string, executor
 error, client gone — the request leaves the executor (``abort`` is idempotent) and its
 metrics are recorded once.
 """
