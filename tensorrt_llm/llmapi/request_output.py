@@ -254,6 +254,20 @@ class RequestOutputHandle:
             self._apply(await self._aevents.get())
             yield self.output
 
+    def poll(self) -> RequestOutput | None:
+        """The output with the next response that has already arrived folded in, or None when
+        none is waiting (or the output is finished); never waits. A consumer that was busy drains
+        what arrived meanwhile with it, each response folded in alone as ``async for`` / ``for``
+        would (a streaming server writes them out together: one write per wake-up, not per token)."""
+        if self.output.finished:
+            return None
+        try:
+            event = self._aevents.get_nowait() if self._loop is not None else self._events.get_nowait()
+        except (asyncio.QueueEmpty, queue.Empty):
+            return None
+        self._apply(event)
+        return self.output
+
     def result(self, timeout: float | None = None) -> RequestOutput:
         """Wait for the final output; raises RequestError if the request failed."""
         self._check_mode(asynchronous=False)

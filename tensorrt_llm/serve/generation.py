@@ -2,17 +2,19 @@
 
 :class:`Generation` consumes a request handle created on the event loop (each executor
 response crosses threads with ``loop.call_soon_threadsafe``: the loop never blocks on the
-executor) and yields :class:`Delta` values: the new token ids, the new text (the handle's
-incremental detokenizer never splits a UTF-8 character) with stop strings applied, and, on
-the last one, the finish reason. Whatever way it ends — finished, stop string, executor
+executor) and yields :class:`Delta` values (one at a time, or in batches: all that arrived
+while the loop was busy, which a stream writes out together): the new token ids, the new
+text (the handle's incremental detokenizer never splits a UTF-8 character) with stop strings
+applied, and, on the last one, the finish reason. Whatever way it ends — finished, stop string, executor
 error, client gone — the request leaves the executor (``abort`` is idempotent) and its
 metrics are recorded once.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import AsyncIterator
+from typing import AsyncIterator, Iterator
 
 from tensorrt_llm._torch.pyexecutor.sampling_config import TokenLogprob
 from tensorrt_llm.llmapi import RequestOutputHandle
@@ -132,33 +134,61 @@ class Generation:
             self.handle.abort()
 
     async def deltas(self) -> AsyncIterator[Delta]:
-        """Raises GenerationFailed when the executor fails the request."""
+        """Each delta as it comes (:meth:`delta_batches`, flattened). Raises GenerationFailed when
+        the executor fails the request."""
+        async with contextlib.aclosing(self.delta_batches()) as batches:
+            async for batch in batches:
+                for delta in batch:
+                    yield delta
+
+    async def delta_batches(self) -> AsyncIterator[Iterator[Delta]]:
+        """The deltas, grouped by wake-up: each batch holds the deltas of the executor response
+        that woke the loop and of every response that had arrived by then (a stream that fell
+        behind catches up in one write instead of one per token). A batch is lazy: each response
+        is folded into ``handle.output`` only when its deltas are asked for, so the request's
+        state (its usage so far) is, at each delta, what :meth:`deltas` shows at it. Exhaust each
+        batch before asking for the next. Iterating a batch raises GenerationFailed when the
+        executor fails the request (after the deltas of the responses before the failure)."""
         try:
             async for output in self.handle:
-                new = output.generated_tokens - self._counted
-                self._counted = output.generated_tokens
-                self._metrics.tokens(new, self.prompt_tokens)
-                if output.error:
-                    self._finish("error")
-                    raise GenerationFailed(output.error, 503 if output.error.startswith("ExecutorShutdown") else 500)
-                if self._ranked:
-                    if output.finished:
-                        for completion in output.outputs:
-                            yield self._whole(completion)
-                        self._finish(output.outputs[0].finish_reason)
-                        return
-                    continue
-                for completion in output.outputs:
-                    delta = self._delta(completion)
-                    if delta is not None:
-                        yield delta
-                if all(choice.finish_reason is not None for choice in self._choices):
-                    self._finish(self._choices[0].finish_reason)
+                yield self._caught_up(output)
+                if self.finished:
                     return
         finally:
             if not self.finished:  # the consumer went away (client disconnect) before the end
                 self._finish("cancelled")
                 self.handle.abort()
+
+    def _caught_up(self, output) -> Iterator[Delta]:
+        """The deltas of ``output``, then of each response already waiting (none is awaited)."""
+        while True:
+            yield from self._deltas_of(output)
+            if self.finished:
+                return
+            output = self.handle.poll()
+            if output is None:
+                return
+
+    def _deltas_of(self, output) -> Iterator[Delta]:
+        """What one executor response added; finishes the generation on its last."""
+        new = output.generated_tokens - self._counted
+        self._counted = output.generated_tokens
+        self._metrics.tokens(new, self.prompt_tokens)
+        if output.error:
+            self._finish("error")
+            raise GenerationFailed(output.error, 503 if output.error.startswith("ExecutorShutdown") else 500)
+        if self._ranked:
+            if output.finished:
+                for completion in output.outputs:
+                    yield self._whole(completion)
+                self._finish(output.outputs[0].finish_reason)
+            return
+        for completion in output.outputs:
+            delta = self._delta(completion)
+            if delta is not None:
+                yield delta
+        if all(choice.finish_reason is not None for choice in self._choices):
+            self._finish(self._choices[0].finish_reason)
 
     def _delta(self, completion) -> Delta | None:
         """What ``completion`` added since its last delta, or None."""

@@ -11,15 +11,16 @@ and vLLM serve such a request:
 * the request ends when every generation has ended; one that fails (or a client that leaves)
   cancels all the others, so the request fails whole and frees every KV block it held.
 
-It answers what the request path asks of a single generation (``deltas``, ``abort``,
+It answers what the request path asks of a single generation (``deltas``, ``delta_batches``, ``abort``,
 ``finished``, token counts), so the handlers stream and collect it the same way.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
-from typing import AsyncIterator, Sequence
+from typing import AsyncIterator, Iterator, Sequence
 
 from tensorrt_llm.serve.generation import Delta, Generation
 
@@ -64,6 +65,14 @@ class GenerationGroup:
     async def deltas(self) -> AsyncIterator[Delta]:
         """Every generation's deltas, as they come, each with its choice index in the request.
         Raises the first generation's GenerationFailed (the others are cancelled)."""
+        async with contextlib.aclosing(self.delta_batches()) as batches:
+            async for batch in batches:
+                for delta in batch:
+                    yield delta
+
+    async def delta_batches(self) -> AsyncIterator[Iterator[Delta]]:
+        """:meth:`deltas` grouped by wake-up, as ``Generation.delta_batches`` groups them: a batch
+        holds what the merge queue had when the loop got to it. Exhaust each before the next."""
         queue: asyncio.Queue = asyncio.Queue()  # (prompt, Delta | exception | _END)
 
         async def pump(prompt: int, generation: Generation) -> None:
@@ -76,19 +85,27 @@ class GenerationGroup:
                 queue.put_nowait((prompt, _END))
 
         pumps = [asyncio.create_task(pump(i, g)) for i, g in enumerate(self.generations)]
+        running = [len(pumps)]  # pumps not ended: counted down by the batches as they see _END
         try:
-            running = len(pumps)
-            while running:
-                prompt, item = await queue.get()
-                if item is _END:
-                    running -= 1
-                elif isinstance(item, Exception):
-                    raise item
-                else:
-                    yield dataclasses.replace(item, index=prompt * self.choices_per_prompt + item.index)
+            while running[0]:
+                yield self._merged(await queue.get(), queue, running)
         finally:
             # Ended, failed, or the consumer left: whatever still runs is cancelled. Cancelling a
             # pump closes its generation's deltas(), which records the metrics and aborts.
             for task in pumps:
                 task.cancel()
             self.abort()
+
+    def _merged(self, item: tuple, queue: asyncio.Queue, running: list[int]) -> Iterator[Delta]:
+        """``item``'s delta, then those of the items already on ``queue`` (none is awaited)."""
+        while True:
+            prompt, value = item
+            if value is _END:
+                running[0] -= 1
+            elif isinstance(value, Exception):
+                raise value
+            else:
+                yield dataclasses.replace(value, index=prompt * self.choices_per_prompt + value.index)
+            if not running[0] or queue.empty():
+                return
+            item = queue.get_nowait()

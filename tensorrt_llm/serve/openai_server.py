@@ -10,7 +10,7 @@ Request path::
          ``max_queue_size``: 503 with Retry-After), LLM.generate_async (executor
          validation: 400; dead or shut down executor: 503)
       -> Generation.deltas() on the event loop -> one JSON response, or SSE chunks ending
-         in ``data: [DONE]``
+         in ``data: [DONE]`` (the chunks of all deltas that arrived together: one write)
 
 Admission fails fast rather than queueing: a load balancer in front of several replicas
 reads a 503 with ``Retry-After`` as "send it elsewhere", where a request queued behind a
@@ -436,26 +436,34 @@ class OpenAIServer:
             preamble.clear()
 
         async def events() -> AsyncIterator[str]:
+            # One write per wake-up, not per event: the events of every delta that arrived while
+            # the loop was busy go out in one piece (each still its own ``data:`` event), and the
+            # last delta's go out with the usage chunk and [DONE]. A loop that falls behind under
+            # many streams then pays the send path (ASGI, h11, a socket write) once per batch.
             watcher = asyncio.create_task(_abort_on_disconnect(raw, generation))
+            pending: list[str] = []
             try:
-                async for delta in generation.deltas():
-                    for text in opening():
-                        yield text
-                    for response in _as_list(chunk(delta)):
-                        yield event(response)
-                for text in opening():  # a stream with no delta still opens
-                    yield text
+                async with contextlib.aclosing(generation.delta_batches()) as batches:
+                    async for batch in batches:
+                        for delta in batch:
+                            pending.extend(opening())
+                            pending.extend(event(response) for response in _as_list(chunk(delta)))
+                        if pending and not generation.finished:
+                            yield "".join(pending)
+                            pending.clear()
+                pending.extend(opening())  # a stream with no delta still opens
                 if usage_chunk is not None:
-                    yield _sse(usage_chunk(self._usage(generation)).model_dump_json())
-            except GenerationFailed as error:
-                yield _sse(json.dumps(error_body(error.status, error.message)))
+                    pending.append(_sse(usage_chunk(self._usage(generation)).model_dump_json()))
+            except GenerationFailed as error:  # after the events of the deltas before it
+                pending.append(_sse(json.dumps(error_body(error.status, error.message))))
             except Exception as error:  # noqa: BLE001 - a bug: the stream still ends, with the error
                 logger.exception("request %s: the stream failed", _request_ids(generation))
                 generation.abort()
-                yield _sse(json.dumps(error_body(500, f"internal error: {type(error).__name__}: {error}")))
+                pending.append(_sse(json.dumps(error_body(500, f"internal error: {type(error).__name__}: {error}"))))
             finally:
                 watcher.cancel()
-            yield _sse("[DONE]")
+            pending.append(_sse("[DONE]"))
+            yield "".join(pending)
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
