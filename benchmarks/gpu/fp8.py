@@ -13,11 +13,14 @@ Two sections, each writing ``OUT/gpu_fp8_<section>.json``:
   bytes of K/V read per second, for each pool's own kernel shape (``triton_paged_decode.config_for``)
   and a sweep of the others (tile, warps, stages, table read ahead, twice the splits), so that one
   run shows whether the default is the best shape on the machine. No model is built (~1 min).
+* ``layout``: the kernel with 8 KV heads against 1 (8 times the sequences: the same bytes), bf16 and
+  FP8: whether the FP8 kernel is held back by 128-byte runs of one head's row (``layout_section``).
 * ``replay``: the default scenario's replay on the engine (``recheck``) with the same pool bytes
   in bf16 (``--kv-blocks``) and in FP8 (twice the blocks; the host tier, given in bf16 blocks'
   bytes, holds twice the blocks too): prefix-hit tokens, deferrals, TTFT p50 / p99, output tok/s.
 
     python -m benchmarks.gpu.fp8 --out OUT --sections kernel         # ~1 min on an H200
+    python -m benchmarks.gpu.fp8 --out OUT --sections layout         # ~30 s
     python -m benchmarks.gpu.fp8 --out OUT --sections decode         # ~3 min on an H200
     python -m benchmarks.gpu.fp8 --out OUT --sections replay --requests 150 [--kv-blocks 1280]
     python -m benchmarks.gpu.fp8 --out OUT --quick                     # the CPU, tiny shapes: checks the script
@@ -209,6 +212,56 @@ def kernel_section(args, device: torch.device) -> dict:
     return result
 
 
+#: the layout question (``layout_section``): one KV head's row of a slot is a run of D x bytes
+#: an element in memory, the next slot's row 1 KV-head-row x Hkv further; with one KV head the
+#: rows of a block are one contiguous run. (kv dtype, KV heads, sequences): the same bytes and
+#: the same number of programs in each case.
+LAYOUT_CASES = (("bfloat16", 8, 64), ("fp8", 8, 64), ("bfloat16", 1, 512), ("fp8", 1, 512))
+
+
+def layout_section(args, device: torch.device) -> dict:
+    """Is the FP8 kernel held back by the pool's layout? The kernel over 8k positions a sequence,
+    group 4, head dim 128, blocks of 32 in a random order, each pool's default shape: with 8 KV
+    heads a position's row of one head is 256 bytes in bf16 and 128 in FP8 (the slot's other
+    heads lie between), with 1 KV head (8 times the sequences) a block's 32 rows are one run of
+    8 or 4 KiB. If FP8 reads near bf16's bandwidth with one KV head and not with eight, the
+    128-byte runs are what it lacks, and a head-major block layout is the next step."""
+    d, group, tpb, context = (16, 2, 16, 256) if args.quick else (128, 4, 32, 8192)
+    result: dict = {"head_dim": d, "group": group, "tokens_per_block": tpb, "context": context, "runs": []}
+    if args.quick:  # the CPU: the kernel needs a GPU and Triton (checks the script)
+        return result
+    from tensorrt_llm._torch.attention_backend.paged import decode_num_splits, num_sms
+    from tensorrt_llm._torch.attention_backend.triton_paged_decode import config_for, paged_decode_attention
+
+    for kv_dtype, hkv, batch in LAYOUT_CASES:
+        dtype = torch.bfloat16 if kv_dtype == "bfloat16" else torch.float8_e4m3fn
+        blocks = batch * context // tpb
+        tables = torch.randperm(blocks, device=device).to(torch.int32).view(batch, -1)
+        seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
+        rows = torch.arange(batch, device=device)
+        q = torch.randn(batch, hkv * group, d, device=device, dtype=torch.bfloat16)
+        out = torch.empty_like(q)
+        k = torch.randn(blocks * tpb, hkv, d, device=device).to(dtype)
+        v = torch.randn(blocks * tpb, hkv, d, device=device).to(dtype)
+        splits = decode_num_splits(batch, hkv, num_sms(device))
+
+        def call() -> None:
+            paged_decode_attention(q, k, v, out, rows, tables, seq_lens, tokens_per_block=tpb, scale=d**-0.5,
+                                   num_splits=splits, config=config_for(dtype), k_scale=0.5, v_scale=0.5)
+
+        timed = time_ms(call, device, warmup=3, repeats=15)
+        nbytes = 2 * k.numel() * k.element_size()
+        run = {"kv": kv_dtype, "kv_heads": hkv, "batch": batch, "splits": splits, "ms": timed["ms"],
+               "tb_s": nbytes / (timed["ms"] * 1e-3) / 1e12, "kv_bytes": nbytes,
+               "run_bytes": d * k.element_size() * (tpb if hkv == 1 else 1)}
+        result["runs"].append(run)
+        logger.info("layout %s, %d KV heads, %d sequences: %.3f ms, %.2f TB/s (runs of %d bytes)", kv_dtype, hkv,
+                    batch, run["ms"], run["tb_s"], run["run_bytes"])
+        del k, v, q, out
+        torch.cuda.empty_cache()
+    return result
+
+
 # ---- replay --------------------------------------------------------------------------------
 
 
@@ -273,7 +326,7 @@ def preconditions(args) -> list[str]:
     if not torch.cuda.is_available():
         return ["no CUDA GPU (use --quick to check the script on the CPU)"]
     free, _ = torch.cuda.mem_get_info()
-    need = 110 * 2**30 if "decode" in args.sections else 8 * 2**30 if args.sections == "kernel" else 40 * 2**30
+    need = 110 * 2**30 if "decode" in args.sections else 40 * 2**30 if "replay" in args.sections else 8 * 2**30
     if free < need:
         return [f"{free / 2**30:.0f} GiB free on the GPU, {need / 2**30:.0f} GiB needed"]
     return []
@@ -302,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
     device = torch.device("cuda" if torch.cuda.is_available() and not args.quick else "cpu")
-    sections = {"kernel": kernel_section, "decode": decode_section, "replay": replay_section}
+    sections = {"kernel": kernel_section, "layout": layout_section, "decode": decode_section, "replay": replay_section}
     for name in args.sections.split(","):
         start = time.perf_counter()
         result = sections[name](args, device)
@@ -319,6 +372,8 @@ def _summary(name: str, result: dict) -> dict:
                        "best_fp8": [e["best_fp8"]["config"], e["best_fp8"]["splits"], e["best_fp8"]["tb_s"]],
                        "best_bf16": [e["best_bfloat16"]["config"], e["best_bfloat16"]["splits"], e["best_bfloat16"]["tb_s"]]}
                 for case, e in result["cases"].items()}
+    if name == "layout":
+        return [f"{r['kv']} x{r['kv_heads']} heads: {r['ms']:.3f} ms, {r['tb_s']:.2f} TB/s" for r in result["runs"]]
     if name == "decode":
         return {case: {"bf16_ms": e["auto"]["device_ms"], "fp8_ms": e["fp8"]["device_ms"], "fp8/bf16": e["fp8_over_bf16"],
                        "fp8_x_roofline": e["fp8"]["x_roofline"], "kernel_fp8/bf16": e["kernel_fp8_over_bf16"]}
