@@ -32,6 +32,7 @@ import time
 
 import torch
 
+from benchmarks.model.decode_speed import executor_prefill
 from tensorrt_llm import LLM, SamplingParams
 from tensorrt_llm.llmapi import KvCacheConfig
 
@@ -78,15 +79,6 @@ def decode_step_ms(llm: LLM, prompts: list[list[int]], output_len: int) -> float
     return statistics.median(s.end_time - s.start_time for s in steps) * 1e3
 
 
-def prefill_ms(llm: LLM, prompt: list[int]) -> float:
-    before = len(llm.iteration_stats)
-    llm.generate([prompt], SamplingParams(max_tokens=1, ignore_eos=True))
-    chunks = [s for s in llm.iteration_stats[before:] if s.num_context_requests == 1]
-    if len(chunks) != 1 or chunks[0].forward_tokens != len(prompt):
-        raise RuntimeError(f"the {len(prompt)}-token prompt did not run as one chunk")
-    return (chunks[0].end_time - chunks[0].start_time) * 1e3
-
-
 def batch_equals_alone(llm: LLM, prompts: list[list[int]], output_len: int) -> bool:
     """The mode's promise on this run's prompts: the first one alone gets what it got in the batch."""
     params = SamplingParams(max_tokens=output_len, ignore_eos=True, logprobs=2)
@@ -113,7 +105,7 @@ def run(args: argparse.Namespace) -> dict:
                     decode[b][mode].append(decode_step_ms(llms[mode], prompts, args.output_len))
             prompt = random_prompts(vocab, 1, args.prefill_len, seed=10_000 + repeat)[0]
             for mode in order:
-                prefill[mode].append(prefill_ms(llms[mode], prompt))
+                prefill[mode].append(executor_prefill(llms[mode], prompt))
             print(f"repeat {repeat + 1}/{args.repeats}: " + ", ".join(
                 f"decode b{b} {decode[b]['default'][-1]:.1f}/{decode[b]['batch_invariant'][-1]:.1f} ms" for b in sizes)
                 + f", prefill {prefill['default'][-1]:.0f}/{prefill['batch_invariant'][-1]:.0f} ms (default/invariant)",

@@ -154,7 +154,8 @@ def executor_decode(llm: LLM, timer: ForwardTimer, prompts: list[list[int]], out
     return {"ms_per_step": step * 1e3, "forward_ms": forward * 1e3, "decode_iterations": len(steps)}
 
 
-def executor_prefill(llm: LLM, timer: ForwardTimer, prompt: list[int]) -> float:
+def executor_prefill(llm: LLM, prompt: list[int]) -> float:
+    """The ms of ``prompt``'s prefill through the executor, required to run as one chunk."""
     before = len(llm.iteration_stats)
     llm.generate([prompt], SamplingParams(max_tokens=1, ignore_eos=True))
     chunks = [s for s in llm.iteration_stats[before:] if s.num_context_requests == 1]
@@ -347,7 +348,7 @@ def run(args: argparse.Namespace, formats: list[Format], bandwidth: float) -> li
             prompt_ids = _prompts(tokenizer, 1, args.prefill_len, salt=99)[0]
             engine, dense_ms = [], []
             for _ in range(args.repeats):
-                engine.append(executor_prefill(s.llm, s.timer, prompt_ids))
+                engine.append(executor_prefill(s.llm, prompt_ids))
                 dense_ms.append(dense_prefill(s.model, prompt_ids))
             result["prefill"] = {"tokens": args.prefill_len, "ms": min(engine), "dense_ms": min(dense_ms),
                                  "vs_dense": min(engine) / min(dense_ms)}
