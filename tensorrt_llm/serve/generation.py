@@ -94,6 +94,15 @@ class _Choice:
         self.finish_reason: str | None = None
 
 
+async def flattened(batches: AsyncIterator[Iterator[Delta]]) -> AsyncIterator[Delta]:
+    """The deltas of ``batches`` (a ``delta_batches()``) one at a time; closing this closes
+    ``batches`` at once (its ``finally`` aborts a request whose consumer left)."""
+    async with contextlib.aclosing(batches):
+        async for batch in batches:
+            for delta in batch:
+                yield delta
+
+
 class Generation:
     """A submitted request seen from the event loop; iterate :meth:`deltas` once.
 
@@ -133,13 +142,10 @@ class Generation:
         if not self.finished:
             self.handle.abort()
 
-    async def deltas(self) -> AsyncIterator[Delta]:
+    def deltas(self) -> AsyncIterator[Delta]:
         """Each delta as it comes (:meth:`delta_batches`, flattened). Raises GenerationFailed when
         the executor fails the request."""
-        async with contextlib.aclosing(self.delta_batches()) as batches:
-            async for batch in batches:
-                for delta in batch:
-                    yield delta
+        return flattened(self.delta_batches())
 
     async def delta_batches(self) -> AsyncIterator[Iterator[Delta]]:
         """The deltas, grouped by wake-up: each batch holds the deltas of the executor response

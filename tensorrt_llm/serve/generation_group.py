@@ -18,11 +18,10 @@ It answers what the request path asks of a single generation (``deltas``, ``delt
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 from typing import AsyncIterator, Iterator, Sequence
 
-from tensorrt_llm.serve.generation import Delta, Generation
+from tensorrt_llm.serve.generation import Delta, Generation, flattened
 
 _END = object()  # a generation's last item on the merge queue
 
@@ -62,13 +61,10 @@ class GenerationGroup:
         for generation in self.generations:
             generation.abort()
 
-    async def deltas(self) -> AsyncIterator[Delta]:
+    def deltas(self) -> AsyncIterator[Delta]:
         """Every generation's deltas, as they come, each with its choice index in the request.
         Raises the first generation's GenerationFailed (the others are cancelled)."""
-        async with contextlib.aclosing(self.delta_batches()) as batches:
-            async for batch in batches:
-                for delta in batch:
-                    yield delta
+        return flattened(self.delta_batches())
 
     async def delta_batches(self) -> AsyncIterator[Iterator[Delta]]:
         """:meth:`deltas` grouped by wake-up, as ``Generation.delta_batches`` groups them: a batch
