@@ -99,19 +99,18 @@ async def warm_up(llm, tokenizer_ids: int, concurrency: int, prompt_lens: tuple[
     their first prefill chunks and long-context decode attention are then warm as well, and the
     run measured first pays no more than the others. Returns, per sampling, the share of
     generated ids the tokenizer lacks (padded ids: they decode to '')."""
-    counts = {sampling: [0, 0] for sampling in ("greedy", "sampled")}
+    generated: dict[str, list[int]] = {"greedy": [], "sampled": []}
     for length in prompt_lens:
         next_prompt = prompt_source(length, tokenizer_ids, seed=1)
-        for sampling, count in counts.items():
+        for sampling, ids in generated.items():
             handles = [llm.generate_async(next_prompt(), sampling_params(sampling, 8 + i)) for i in range(concurrency)]
             outputs = [await handle.aresult() for handle in handles]
-            ids = [t for output in outputs for t in output.outputs[0].token_ids]
-            count[0] += len(ids)
-            count[1] += sum(t >= tokenizer_ids for t in ids)
-    return shares_of(counts)
+            ids += [t for output in outputs for t in output.outputs[0].token_ids]
+    return shares_of(generated, tokenizer_ids)
 
 
-def shares_of(counts: dict[str, list[int]]) -> dict:
-    """``{sampling: [tokens, padded]}`` -> the record's ``{sampling: {tokens, padded_share}}``."""
-    return {sampling: {"tokens": tokens, "padded_share": padded / max(1, tokens)}
-            for sampling, (tokens, padded) in counts.items()}
+def shares_of(generated: dict[str, list[int]], tokenizer_ids: int) -> dict:
+    """Per sampling, the ids generated -> the record's ``{tokens, padded_share}``: how many, and
+    the share of them the tokenizer lacks (padded ids: they decode to '')."""
+    return {sampling: {"tokens": len(ids), "padded_share": sum(t >= tokenizer_ids for t in ids) / max(1, len(ids))}
+            for sampling, ids in generated.items()}

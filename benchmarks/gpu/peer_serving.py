@@ -174,12 +174,12 @@ async def warm_up_http(url: str, model: str, tokenizer_ids: int, concurrency: in
 
     from benchmarks.gpu.peer_engine import prompt_source, shares_of
 
-    counts = {sampling: [0, 0] for sampling in ("greedy", "sampled")}
+    generated: dict[str, list[int]] = {"greedy": [], "sampled": []}
     limits = httpx.Limits(max_connections=concurrency + 8)  # all at once (httpx's default pool is 100)
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
         for length in prompt_lens:
             next_prompt = prompt_source(length, tokenizer_ids, seed=1)
-            for sampling, count in counts.items():
+            for sampling, ids in generated.items():
                 extra = {"temperature": 0} if sampling == "greedy" else {}
                 bodies = [{"model": model, "prompt": next_prompt(), "max_tokens": 8 + i, "ignore_eos": True, **extra}
                           for i in range(concurrency)]
@@ -187,10 +187,8 @@ async def warm_up_http(url: str, model: str, tokenizer_ids: int, concurrency: in
                 failed = [a.text[:300] for a in answers if a.status_code != 200]
                 if failed:
                     raise RuntimeError(f"warm-up request failed: {failed[0]}")
-                ids = [t for a in answers for t in a.json()["choices"][0]["token_ids"]]
-                count[0] += len(ids)
-                count[1] += sum(t >= tokenizer_ids for t in ids)
-    return shares_of(counts)
+                ids += [t for a in answers for t in a.json()["choices"][0]["token_ids"]]
+    return shares_of(generated, tokenizer_ids)
 
 
 def _start(args) -> dict:
