@@ -81,27 +81,29 @@ class GenerationGroup:
                 queue.put_nowait((prompt, _END))
 
         pumps = [asyncio.create_task(pump(i, g)) for i, g in enumerate(self.generations)]
-        running = [len(pumps)]  # pumps not ended: counted down by the batches as they see _END
+        running = len(pumps)  # pumps not ended: counted down as the batches meet their _END
+
+        def merged(item: tuple) -> Iterator[Delta]:
+            """``item``'s delta, then those of the items already on the queue (none is awaited)."""
+            nonlocal running
+            while True:
+                prompt, value = item
+                if value is _END:
+                    running -= 1
+                elif isinstance(value, Exception):
+                    raise value
+                else:
+                    yield dataclasses.replace(value, index=prompt * self.choices_per_prompt + value.index)
+                if not running or queue.empty():
+                    return
+                item = queue.get_nowait()
+
         try:
-            while running[0]:
-                yield self._merged(await queue.get(), queue, running)
+            while running:
+                yield merged(await queue.get())
         finally:
             # Ended, failed, or the consumer left: whatever still runs is cancelled. Cancelling a
             # pump closes its generation's deltas(), which records the metrics and aborts.
             for task in pumps:
                 task.cancel()
             self.abort()
-
-    def _merged(self, item: tuple, queue: asyncio.Queue, running: list[int]) -> Iterator[Delta]:
-        """``item``'s delta, then those of the items already on ``queue`` (none is awaited)."""
-        while True:
-            prompt, value = item
-            if value is _END:
-                running[0] -= 1
-            elif isinstance(value, Exception):
-                raise value
-            else:
-                yield dataclasses.replace(value, index=prompt * self.choices_per_prompt + value.index)
-            if not running[0] or queue.empty():
-                return
-            item = queue.get_nowait()
