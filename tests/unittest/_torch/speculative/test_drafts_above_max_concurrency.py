@@ -24,30 +24,20 @@ import dataclasses
 import pytest
 
 from benchmarks.model.speculative_counts import compare, count_rounds
-from tensorrt_llm._torch.models.modeling_llama import MODEL_PRESETS
-from tensorrt_llm._torch.pyexecutor.config import SpeculativeConfig
-from tests.helpers import factories
+from tests.helpers.speculative_burst import (BUDGET, MAX_CONCURRENCY, MAX_TOKENS, NUM_REQUESTS, PROMPTS, SPEC, burst_model,
+                                             lengths_ending_together)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-NUM_REQUESTS, MAX_CONCURRENCY, PROMPT_LEN, BUDGET, MAX_TOKENS = 16, 4, 48, 112, 14
-# prompts that repeat a short unit: prompt lookup finds drafts in them (and tiny-random's outputs cycle)
-PROMPTS = [[(i * 7 + j % 6) % 400 + 1 for j in range(PROMPT_LEN)] for i in range(NUM_REQUESTS)]
-SPEC = SpeculativeConfig(max_draft_len=4, max_matching_ngram_size=3, max_concurrency=MAX_CONCURRENCY)
 
 
 @pytest.fixture(scope="module")
 def model():
-    return factories.served_model(dataclasses.replace(MODEL_PRESETS["tiny-random"], dtype="float32"))
+    return burst_model()
 
 
 def _lengths_ending_together(model) -> list[int]:
-    """Each request's max_new_tokens such that all finish in the same iteration: a request whose
-    first token comes k steps after the first one's generates k fewer."""
     (plain,) = count_rounds(model, PROMPTS, None, max_num_tokens=BUDGET, max_tokens=MAX_TOKENS, rounds=1)
-    first = plain["first_token_steps"]
-    assert max(first) - min(first) >= 3, f"the burst must start generating over several iterations: {first}"
-    return [MAX_TOKENS - (step - min(first)) for step in first]
+    return lengths_ending_together(plain["first_token_steps"])
 
 
 def test_a_burst_above_max_concurrency_runs_as_plain_decoding(model):

@@ -29,17 +29,15 @@ import dataclasses
 import sys
 
 import pytest
-from tests.helpers import cuda_logic_on_cpu, factories
+from tests.helpers import cuda_logic_on_cpu
+from tests.helpers.speculative_burst import (BUDGET, MAX_TOKENS, NUM_REQUESTS, PROMPTS, SPEC, burst_model,
+                                             lengths_ending_together)
 
-from tensorrt_llm._torch.models.modeling_llama import MODEL_PRESETS
 from tensorrt_llm._torch.pyexecutor.config import ExecutorConfig, KvCacheConfig, SpeculativeConfig
 from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequest
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-NUM_REQUESTS, MAX_CONCURRENCY, PROMPT_LEN, BUDGET, MAX_TOKENS = 16, 4, 48, 112, 14
-PROMPTS = [[(i * 7 + j % 6) % 400 + 1 for j in range(PROMPT_LEN)] for i in range(NUM_REQUESTS)]
-SPEC = SpeculativeConfig(max_draft_len=4, max_matching_ngram_size=3, max_concurrency=MAX_CONCURRENCY)
 # the drafter's pass over the requests, once an iteration (observe: once per completed forward)
 DRAFTER_PASS = {"sampling/drafter.py:prepare_draft_tokens", "sampling/drafter.py:<listcomp>",
                 "sampling/drafter.py:observe", "engine/interface.py:proposes_drafts"}
@@ -47,7 +45,7 @@ DRAFTER_PASS = {"sampling/drafter.py:prepare_draft_tokens", "sampling/drafter.py
 
 @pytest.fixture(scope="module")
 def model():
-    return factories.served_model(dataclasses.replace(MODEL_PRESETS["tiny-random"], dtype="float32"))
+    return burst_model()
 
 
 @dataclasses.dataclass
@@ -110,9 +108,7 @@ def _call_counter(counter: collections.Counter):
 
 
 def _lengths_ending_together(model) -> list[int]:
-    first = _serve(model, None, [MAX_TOKENS] * NUM_REQUESTS, count_calls=False).first_token_steps
-    assert max(first) - min(first) >= 3, f"the burst must start generating over several iterations: {first}"
-    return [MAX_TOKENS - (step - min(first)) for step in first]
+    return lengths_ending_together(_serve(model, None, [MAX_TOKENS] * NUM_REQUESTS, count_calls=False).first_token_steps)
 
 
 def test_each_iteration_above_max_concurrency_does_plain_decodings_host_work(model):
