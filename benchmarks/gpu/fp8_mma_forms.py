@@ -16,7 +16,10 @@ scores and the output are formed:
 * ``qk8_pv8``: as ``qk8``, and ``p`` (in [0, 1], times 448) times the FP8 V tile: no conversion at all;
 * ``t_widen``: transposed, so positions are the dot's M dimension (128 rows, the group is N = 16):
   ``k @ q^T`` and ``v^T @ p^T``, over widened K and V (Hopper's warpgroup MMA needs M a multiple of 64);
-* ``t_qk8``: transposed, the scores from the FP8 K tile and an e4m3 ``q``; V widened.
+* ``t_qk8``: transposed, the scores from the FP8 K tile and an e4m3 ``q``; V widened;
+* ``t_qk8x2``: as ``t_qk8`` with ``q`` as two e4m3 terms (hi + lo, ~8 significant bits), two dots;
+* ``t_qk8s``: the two terms as interleaved columns of one dot, split in registers: the softmax over
+  8 columns (the group of 4 padded to 8) instead of 16.
 
 Each form is checked against float32 attention over the dequantized pools (max abs error of the
 output; the quantized ``q`` forms add e4m3's rounding of q). A form that does not compile is
@@ -40,8 +43,8 @@ from benchmarks.gpu.common import time_ms
 
 logger = logging.getLogger("fp8_mma_forms")
 
-_LOG2E = 1.4426950408889634
-FORMS = ("widen", "qk8", "qk8_pv8", "t_widen", "t_qk8")
+_LOG2E = tl.constexpr(1.4426950408889634)  # a constexpr: a jitted function reads no other globals
+FORMS = ("widen", "qk8", "qk8_pv8", "t_widen", "t_qk8", "t_qk8x2", "t_qk8s")
 
 
 @triton.jit
@@ -133,6 +136,81 @@ def _forms_kernel(
         tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=offs_g[:, None] < GROUP)
 
 
+@triton.jit
+def _split_q_kernel(
+    Q, K, V, Out, tables, seq_lens,
+    stride_qt, stride_qh, stride_ks, stride_kh, stride_ot, stride_oh, stride_tb,
+    sm_scale, k_scale, v_scale,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, TPB: tl.constexpr, BLOCK_N: tl.constexpr, PACKED: tl.constexpr,
+):
+    """Transposed, the scores straight from the FP8 K tile, ``q`` as two e4m3 terms (hi + lo, each
+    with its own per-row scale: about 8 significant bits). ``PACKED``: hi and lo are interleaved
+    columns of one dot (column 2h, 2h + 1), split apart in registers, so the softmax runs over 8
+    columns instead of 16; else two dots over 16 columns each."""
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    seq_len = tl.load(seq_lens + seq)
+    offs_d = tl.arange(0, HEAD_DIM)
+    if PACKED:
+        offs_g = tl.arange(0, 8)
+    else:
+        offs_g = tl.arange(0, 16)
+    head = kv_head * GROUP + offs_g
+    q = tl.load(Q + seq * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+                mask=offs_g[:, None] < GROUP, other=0.0).to(tl.float32)  # (G8 or 16, D)
+    s_hi = tl.maximum(tl.max(tl.abs(q), axis=1), 1e-30) / 448.0
+    q_hi = (q / s_hi[:, None]).to(tl.float8e4nv)
+    rest = q - q_hi.to(tl.float32) * s_hi[:, None]
+    s_lo = tl.maximum(tl.max(tl.abs(rest), axis=1), 1e-30) / 448.0
+    q_lo = (rest / s_lo[:, None]).to(tl.float8e4nv)
+    c = sm_scale * k_scale * _LOG2E
+    s_hi = s_hi * c
+    s_lo = s_lo * c
+    if PACKED:
+        qq = tl.reshape(tl.permute(tl.join(q_hi, q_lo), (0, 2, 1)), (16, HEAD_DIM))  # row 2h + j
+        qt = tl.trans(qq)  # (D, 16)
+        m = tl.full([8], float("-inf"), dtype=tl.float32)
+        l = tl.zeros([8], dtype=tl.float32)
+        acc = tl.zeros([HEAD_DIM, 16], dtype=tl.float32)
+    else:
+        qt_hi = tl.trans(q_hi)
+        qt_lo = tl.trans(q_lo)
+        m = tl.full([16], float("-inf"), dtype=tl.float32)
+        l = tl.zeros([16], dtype=tl.float32)
+        acc = tl.zeros([HEAD_DIM, 16], dtype=tl.float32)
+    table = tables + seq * stride_tb
+    for n0 in tl.range(0, seq_len, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        valid = offs_n < seq_len
+        block = tl.load(table + offs_n // TPB, mask=valid, other=0)
+        slot = block.to(tl.int64) * TPB + offs_n % TPB
+        k = tl.load(K + slot[:, None] * stride_ks + kv_head * stride_kh + offs_d[None, :], mask=valid[:, None], other=0.0)
+        v = tl.load(V + slot[:, None] * stride_ks + kv_head * stride_kh + offs_d[None, :], mask=valid[:, None], other=0.0)
+        if PACKED:
+            hi, lo = tl.split(tl.reshape(tl.dot(k, qt), (BLOCK_N, 8, 2)))
+            st = hi * s_hi[None, :] + lo * s_lo[None, :]  # (BN, 8)
+        else:
+            st = tl.dot(k, qt_hi) * s_hi[None, :] + tl.dot(k, qt_lo) * s_lo[None, :]  # (BN, 16)
+        st = tl.where(valid[:, None], st, float("-inf"))
+        m_new = tl.maximum(m, tl.max(st, axis=0))
+        alpha = tl.exp2(m - m_new)
+        pt = tl.exp2(st - m_new[None, :])
+        l = l * alpha + tl.sum(pt, axis=0)
+        vt = tl.trans(v.to(tl.float16))  # (D, BN)
+        if PACKED:
+            p16 = tl.reshape(tl.join(pt, pt), (BLOCK_N, 16)).to(tl.float16)
+            a16 = tl.reshape(tl.join(alpha, alpha), (16,))
+            acc = acc * a16[None, :] + tl.dot(vt, p16)
+        else:
+            acc = acc * alpha[None, :] + tl.dot(vt, pt.to(tl.float16))
+        m = m_new
+    if PACKED:
+        acc, _ = tl.split(tl.reshape(acc, (HEAD_DIM, 8, 2)))
+    out = acc * v_scale / l[None, :]
+    o_ptrs = Out + seq * stride_ot + head[None, :] * stride_oh + offs_d[:, None]
+    tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=offs_g[None, :] < GROUP)
+
+
 def run_form(form: str, q, k, v, out, tables, seq_lens, tpb: int, k_scale: float, v_scale: float,
              block_n: int, num_warps: int, num_stages: int) -> None:
     batch, hq, d = q.shape
@@ -143,6 +221,15 @@ def run_form(form: str, q, k, v, out, tables, seq_lens, tpb: int, k_scale: float
                                config=DecodeConfig(block_n, num_warps, num_stages), k_scale=k_scale, v_scale=v_scale)
         return
     hkv = k.shape[1]
+    if form in ("t_qk8x2", "t_qk8s"):
+        _split_q_kernel[(batch, hkv)](
+            q, k, v, out, tables, seq_lens,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), out.stride(0), out.stride(1), tables.stride(0),
+            d ** -0.5, k_scale, v_scale,
+            GROUP=hq // hkv, HEAD_DIM=d, TPB=tpb, BLOCK_N=block_n, PACKED=form == "t_qk8s",
+            num_warps=num_warps, num_stages=num_stages,
+        )
+        return
     group = hq // hkv
     _forms_kernel[(batch, hkv)](
         q, k, v, out, tables, seq_lens,
@@ -173,15 +260,16 @@ def reference(q, k, v, tables, seq_lens, tpb, k_scale, v_scale, seqs) -> torch.T
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", default=None)
+    parser.add_argument("--device", default="cuda", help="cpu: under TRITON_INTERPRET=1, to check the script")
     parser.add_argument("--forms", default=",".join(FORMS))
     parser.add_argument("--shapes", default="64x8192,256x2048")
     parser.add_argument("--tiles", default="128:4:3,64:4:3,128:8:3,256:8:2", help="block_n:warps:stages, tried per form")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    device = torch.device("cuda")
+    device = torch.device(args.device)
     hq, hkv, d, tpb = 32, 8, 128, 32
     k_scale, v_scale = 0.5, 0.5
-    result: dict = {"device": torch.cuda.get_device_name(), "triton": triton.__version__, "cases": {}}
+    result: dict = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "triton": triton.__version__, "cases": {}}
     for shape in args.shapes.split(","):
         batch, context = map(int, shape.split("x"))
         blocks = batch * context // tpb
@@ -208,12 +296,13 @@ def main(argv: list[str] | None = None) -> dict:
                     try:
                         out.fill_(float("nan"))
                         call()
-                        torch.cuda.synchronize()
+                        if device.type == "cuda":
+                            torch.cuda.synchronize()
                         err = (out[[0, batch - 1]].float() - ref).abs().max().item()
                         timed = time_ms(call, device, warmup=3, repeats=15)
                     except Exception as error:  # noqa: BLE001 (a form or tile that does not compile)
-                        entry["error"] = f"{type(error).__name__}: {str(error)[:300]}"
-                        logger.info("%s %-8s %-8s %s: %s", shape, kv, form, tile, entry["error"][:160])
+                        entry["error"] = f"{type(error).__name__}: {str(error)[-600:]}"
+                        logger.info("%s %-8s %-8s %s: %s", shape, kv, form, tile, entry["error"][-300:])
                         runs.append(entry)
                         continue
                     entry.update(ms=timed["ms"], tb_s=nbytes / (timed["ms"] * 1e-3) / 1e12, max_abs_err=err,
@@ -222,7 +311,8 @@ def main(argv: list[str] | None = None) -> dict:
                                 entry["tb_s"], err)
                     runs.append(entry)
             del k, v
-            torch.cuda.empty_cache()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
         result["cases"][shape] = runs
     if args.json:
         with open(args.json, "w") as f:
