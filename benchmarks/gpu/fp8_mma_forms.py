@@ -19,7 +19,11 @@ scores and the output are formed:
 * ``t_qk8``: transposed, the scores from the FP8 K tile and an e4m3 ``q``; V widened;
 * ``t_qk8x2``: as ``t_qk8`` with ``q`` as two e4m3 terms (hi + lo, ~8 significant bits), two dots;
 * ``t_qk8s``: the two terms as interleaved columns of one dot, split in registers: the softmax over
-  8 columns (the group of 4 padded to 8) instead of 16.
+  8 columns (the group of 4 padded to 8) instead of 16; built with an 8-bit join and permute of
+  the two terms (wrong results on an H100 with Triton 3.6, 0.72 max error: kept as a finding);
+* ``t_qk8r``: as ``t_qk8s``, with the operand's rows built in place (row r: term r % 2 of head r // 2,
+  each head loaded twice), no 8-bit permute; the probabilities joined to 16 columns for ``V^T P^T``;
+* ``t_qk8r16``: as ``t_qk8r`` with the group padded to 16 (32 columns): no join of the probabilities.
 
 Each form is checked against float32 attention over the dequantized pools (max abs error of the
 output; the quantized ``q`` forms add e4m3's rounding of q). A form that does not compile is
@@ -44,7 +48,7 @@ from benchmarks.gpu.common import time_ms
 logger = logging.getLogger("fp8_mma_forms")
 
 _LOG2E = tl.constexpr(1.4426950408889634)  # a constexpr: a jitted function reads no other globals
-FORMS = ("widen", "qk8", "qk8_pv8", "t_widen", "t_qk8", "t_qk8x2", "t_qk8s")
+FORMS = ("widen", "qk8", "qk8_pv8", "t_widen", "t_qk8", "t_qk8x2", "t_qk8s", "t_qk8r", "t_qk8r16")
 
 
 @triton.jit
@@ -142,6 +146,7 @@ def _split_q_kernel(
     stride_qt, stride_qh, stride_ks, stride_kh, stride_ot, stride_oh, stride_tb,
     sm_scale, k_scale, v_scale,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, TPB: tl.constexpr, BLOCK_N: tl.constexpr, PACKED: tl.constexpr,
+    ROWS: tl.constexpr, GP: tl.constexpr,
 ):
     """Transposed, the scores straight from the FP8 K tile, ``q`` as two e4m3 terms (hi + lo, each
     with its own per-row scale: about 8 significant bits). ``PACKED``: hi and lo are interleaved
@@ -151,10 +156,7 @@ def _split_q_kernel(
     kv_head = tl.program_id(1)
     seq_len = tl.load(seq_lens + seq)
     offs_d = tl.arange(0, HEAD_DIM)
-    if PACKED:
-        offs_g = tl.arange(0, 8)
-    else:
-        offs_g = tl.arange(0, 16)
+    offs_g = tl.arange(0, GP)
     head = kv_head * GROUP + offs_g
     q = tl.load(Q + seq * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
                 mask=offs_g[:, None] < GROUP, other=0.0).to(tl.float32)  # (G8 or 16, D)
@@ -166,7 +168,23 @@ def _split_q_kernel(
     c = sm_scale * k_scale * _LOG2E
     s_hi = s_hi * c
     s_lo = s_lo * c
-    if PACKED:
+    if ROWS:  # row r of the operand is term r % 2 of head r // 2, built in place (each head loaded twice)
+        offs_r = tl.arange(0, 2 * GP)
+        is_lo = offs_r % 2 == 1
+        q2 = tl.load(Q + seq * stride_qt + (kv_head * GROUP + offs_r // 2)[:, None] * stride_qh + offs_d[None, :],
+                     mask=(offs_r // 2)[:, None] < GROUP, other=0.0).to(tl.float32)
+        r_hi = tl.maximum(tl.max(tl.abs(q2), axis=1), 1e-30) / 448.0
+        rest2 = q2 - (q2 / r_hi[:, None]).to(tl.float8e4nv).to(tl.float32) * r_hi[:, None]
+        r_lo = tl.maximum(tl.max(tl.abs(rest2), axis=1), 1e-30) / 448.0
+        qt = tl.trans(tl.where(is_lo[:, None], rest2 / r_lo[:, None], q2 / r_hi[:, None]).to(tl.float8e4nv))
+        col_scale = tl.where(is_lo, r_lo, r_hi) * c
+        m = tl.full([GP], float("-inf"), dtype=tl.float32)
+        l = tl.zeros([GP], dtype=tl.float32)
+        if PACKED:
+            acc = tl.zeros([HEAD_DIM, 2 * GP], dtype=tl.float32)
+        else:
+            acc = tl.zeros([HEAD_DIM, GP], dtype=tl.float32)
+    elif PACKED:
         qq = tl.reshape(tl.permute(tl.join(q_hi, q_lo), (0, 2, 1)), (16, HEAD_DIM))  # row 2h + j
         qt = tl.trans(qq)  # (D, 16)
         m = tl.full([8], float("-inf"), dtype=tl.float32)
@@ -186,7 +204,10 @@ def _split_q_kernel(
         slot = block.to(tl.int64) * TPB + offs_n % TPB
         k = tl.load(K + slot[:, None] * stride_ks + kv_head * stride_kh + offs_d[None, :], mask=valid[:, None], other=0.0)
         v = tl.load(V + slot[:, None] * stride_ks + kv_head * stride_kh + offs_d[None, :], mask=valid[:, None], other=0.0)
-        if PACKED:
+        if ROWS:
+            hi, lo = tl.split(tl.reshape(tl.dot(k, qt) * col_scale[None, :], (BLOCK_N, GP, 2)))
+            st = hi + lo
+        elif PACKED:
             hi, lo = tl.split(tl.reshape(tl.dot(k, qt), (BLOCK_N, 8, 2)))
             st = hi * s_hi[None, :] + lo * s_lo[None, :]  # (BN, 8)
         else:
@@ -198,14 +219,14 @@ def _split_q_kernel(
         l = l * alpha + tl.sum(pt, axis=0)
         vt = tl.trans(v.to(tl.float16))  # (D, BN)
         if PACKED:
-            p16 = tl.reshape(tl.join(pt, pt), (BLOCK_N, 16)).to(tl.float16)
-            a16 = tl.reshape(tl.join(alpha, alpha), (16,))
+            p16 = tl.reshape(tl.join(pt, pt), (BLOCK_N, 2 * GP)).to(tl.float16)
+            a16 = tl.reshape(tl.join(alpha, alpha), (2 * GP,))
             acc = acc * a16[None, :] + tl.dot(vt, p16)
         else:
             acc = acc * alpha[None, :] + tl.dot(vt, pt.to(tl.float16))
         m = m_new
     if PACKED:
-        acc, _ = tl.split(tl.reshape(acc, (HEAD_DIM, 8, 2)))
+        acc, _ = tl.split(tl.reshape(acc, (HEAD_DIM, GP, 2)))
     out = acc * v_scale / l[None, :]
     o_ptrs = Out + seq * stride_ot + head[None, :] * stride_oh + offs_d[:, None]
     tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=offs_g[None, :] < GROUP)
@@ -221,12 +242,13 @@ def run_form(form: str, q, k, v, out, tables, seq_lens, tpb: int, k_scale: float
                                config=DecodeConfig(block_n, num_warps, num_stages), k_scale=k_scale, v_scale=v_scale)
         return
     hkv = k.shape[1]
-    if form in ("t_qk8x2", "t_qk8s"):
+    if form in ("t_qk8x2", "t_qk8s", "t_qk8r", "t_qk8r16"):
         _split_q_kernel[(batch, hkv)](
             q, k, v, out, tables, seq_lens,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), out.stride(0), out.stride(1), tables.stride(0),
             d ** -0.5, k_scale, v_scale,
-            GROUP=hq // hkv, HEAD_DIM=d, TPB=tpb, BLOCK_N=block_n, PACKED=form == "t_qk8s",
+            GROUP=hq // hkv, HEAD_DIM=d, TPB=tpb, BLOCK_N=block_n, PACKED=form in ("t_qk8s", "t_qk8r"),
+            ROWS=form in ("t_qk8r", "t_qk8r16"), GP=16 if form in ("t_qk8x2", "t_qk8r16") else 8,
             num_warps=num_warps, num_stages=num_stages,
         )
         return

@@ -21,28 +21,42 @@ contiguous ranges whose partial softmax states are combined by a second kernel, 
 sequences still fill the GPU. The number of splits depends only on the batch size, never on the
 context lengths, so a CUDA graph captured for a batch size stays valid for any lengths.
 
-An FP8 pool (``kv_quant``) is read as it is stored, one byte an element, and has a kernel shape of
-its own (:data:`FP8_CONFIG`), because a tile of FP8 bytes carries twice the positions of a bf16
-tile and the widening must stay off the shared-memory path:
+An FP8 pool (``kv_quant``) is read as it is stored, one byte an element, with a kernel of its own
+(:func:`_fp8_scores_kernel`) and tile shape (:data:`FP8_CONFIG`: 128 positions a tile, so that each
+load moves as many bytes as a bf16 tile of 64).
 
-* tiles of 128 positions (bf16: 64), so that each load moves as many bytes as a bf16 tile;
-* the block table read one tile ahead (``TABLE_AHEAD``): the addresses of tile ``i + 1`` then do
-  not wait on a load of the same iteration, and Triton's pipeliner double-buffers the K tiles
-  (prefetch distance 2, two tiles of bytes in flight per program instead of one);
-* K and V widened a whole tile at a time to float16 in registers (``cvt.rn.f16x2.e4m3x2``, two
-  values an instruction; every e4m3 value is exact in float16), the dot products in float16 with
-  float32 accumulation: ``q`` times the softmax scale is rounded to float16 once per program
-  (|q| would need to pass 65504 * sqrt(head_dim) to overflow), ``k_scale`` (and log2 e) multiply
-  the scores of a tile and ``v_scale`` the output, once each: no per-element scale;
-* V widened before the dot, in the layout it was loaded in (``tl.trans(tl.trans(v).to(...))``,
-  below): left to itself Triton moves the cast after the shared-memory read of the dot operand,
-  and a transposed 8-bit operand is then read one byte per load (128 ``ld.shared.b8`` per thread
-  per tile in the compiled PTX; the widened fp16 tile is stored and read back with 16-byte stores
-  and ``ldmatrix.trans`` instead).
+**Scores from the FP8 tile.** A tile of FP8 bytes holds twice the positions of a bf16 tile, so the
+per-position work (widening, dot products, softmax) is twice as much per byte, and widening K and V
+to float16 before 16-bit dot products held the first FP8 kernel to 2.0-2.2 TB/s on an H100 where
+bf16 reads 2.8-2.9 (``benchmarks/gpu/fp8_mma_forms.py`` times the forms; the layout was ruled out
+by ``fp8 --sections layout``). The FP8 kernel therefore
 
-``benchmarks/gpu/fp8.py`` measures both against the bytes they read; ``decode_sweep`` there times
-the other shapes of :class:`DecodeConfig` on the same data. The 16-bit path is the kernel that was
-measured at 1.08x of its roofline (64 x 8k, H200); it reads its table in the loop.
+* takes the scores from the K tile as stored, with e4m3 tensor-core dot products
+  (:func:`fp8_scores_supported`: compute capability 8.9 or newer, else the pool is widened in
+  :func:`_decode_kernel`);
+* holds ``q`` as two e4m3 terms, ``hi + lo``, each scaled per head to e4m3's range: about 8
+  significant bits, against 4 for one term, whose rounding would add as much error to the scores
+  as K's own storage does;
+* turns the dot around, positions as its rows (M = 128, Hopper's warpgroup MMA) and heads as its
+  columns, the two terms of head g in columns 2g and 2g + 1. The MMA result keeps adjacent columns
+  in one thread, so adding the terms is a split in registers, and the softmax runs over the
+  group padded to 8 columns, not 16;
+* widens V (``cvt`` e4m3x2 to f16x2; every e4m3 value is exact in float16) for ``V^T P^T``, with
+  each head's probabilities in both of its columns (the MMA's N must be 16);
+* applies ``k_scale`` with the softmax scale and ``q``'s per-head scales once a tile of scores,
+  and ``v_scale`` once at the end: no per-element scale.
+
+Where e4m3 dot products are missing, :func:`_decode_kernel` widens a whole FP8 tile at a time to
+float16 in registers, ``q`` times the softmax scale rounded to float16 once per program. It widens
+V before the dot, in the layout it was loaded in (``tl.trans(tl.trans(v).to(...))``): left to
+itself Triton moves the cast after the shared-memory read of the dot operand, and a transposed
+8-bit operand is then read one byte per load. It can read the block table one tile ahead
+(``DecodeConfig.table_ahead``), which was measured to hurt on an H100.
+
+``benchmarks/gpu/fp8.py`` measures both against the bytes they read, and times the other shapes
+of :class:`DecodeConfig` on the same data. The 16-bit path is the kernel that was measured at 1.08x
+of its roofline (64 x 8k, H200); it reads its table in the loop. With float32 queries (the CPU
+tests' interpreter) an FP8 pool is widened to float32 in :func:`_decode_kernel`: exact.
 
 Importing this module needs Triton (it is guarded by the caller); running it needs a GPU, or
 ``TRITON_INTERPRET=1`` set before the import (the CPU tests).
@@ -50,11 +64,15 @@ Importing this module needs Triton (it is guarded by the caller); running it nee
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
-__all__ = ["DEFAULT_CONFIG", "FP8_CONFIG", "DecodeConfig", "config_for", "paged_decode_attention"]
+__all__ = [
+    "DEFAULT_CONFIG", "FP8_CONFIG", "DecodeConfig", "config_for", "fp8_scores_supported", "paged_decode_attention",
+]
 
 _LOG2E = 1.4426950408889634
 
@@ -78,6 +96,14 @@ DEFAULT_CONFIG = DecodeConfig()  # 16-bit pools
 # ahead was predicted to help and measured to hurt (H100, one layer of 64 x 8k: 1.86 TB/s with it,
 # 2.04 without; 256 x 2k: 1.76 / 2.02; benchmarks/results/gpu_profile/fp8_kernel_h100.json).
 FP8_CONFIG = DecodeConfig(block_n=128, num_warps=4, num_stages=3, table_ahead=False)
+
+
+@functools.lru_cache(maxsize=None)
+def fp8_scores_supported(device: torch.device) -> bool:
+    """Whether the scores of an FP8 pool come straight from its FP8 tiles on ``device``: e4m3
+    tensor-core dot products need compute capability 8.9 or newer (Ada, Hopper); Triton's CPU
+    interpreter runs them too. Elsewhere the pool is widened before 16-bit dot products."""
+    return device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 9)
 
 
 def config_for(pool_dtype: torch.dtype) -> DecodeConfig:
@@ -162,18 +188,101 @@ def _decode_kernel(
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m = m_new
 
-    head_ok = offs_g < GROUP
-    acc = acc * v_scale  # an FP8 pool's V scale (1.0 otherwise); the combine is linear in acc
+    # An FP8 pool's V scale (1.0 otherwise); the combine is linear in acc.
+    _write_state(acc * v_scale, m, l, Out, Acc, ML, row, seq, split, head, offs_g < GROUP, offs_d,
+                 stride_ot, stride_oh, HEAD_DIM, NUM_SPLITS, NUM_Q_HEADS)
+
+
+@triton.jit
+def _write_state(acc, m, l, Out, Acc, ML, row, seq, split, head, head_ok, offs_d,
+                 stride_ot, stride_oh, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, NUM_Q_HEADS: tl.constexpr):
+    """One split's result for the query heads ``head`` (rows of ``acc``): the output itself with
+    one split, else the partial state (unnormalised acc, running max m and sum l, log2 units)
+    that :func:`_combine_kernel` merges."""
     if NUM_SPLITS == 1:
         out = acc / l[:, None]
         o_ptrs = Out + row * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
         tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=head_ok[:, None])
     else:
-        # Partial state of this split: unnormalised acc, running max m and sum l (log2 units).
         base = (seq * NUM_Q_HEADS + head) * NUM_SPLITS + split  # (GP,)
         tl.store(Acc + base[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=head_ok[:, None])
         tl.store(ML + base * 2, m, mask=head_ok)
         tl.store(ML + base * 2 + 1, l, mask=head_ok)
+
+
+@triton.jit
+def _fp8_scores_kernel(
+    Q, K, V, Out, Acc, ML,
+    rows, tables, seq_lens,
+    stride_qt, stride_qh,
+    stride_ks, stride_kh,
+    stride_vs, stride_vh,
+    stride_ot, stride_oh,
+    stride_tb,
+    score_scale_log2, v_scale,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+    TOKENS_PER_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    NUM_Q_HEADS: tl.constexpr,
+):
+    """The FP8 pool's decode with the scores taken from the FP8 K tile as stored (module
+    docstring, "Scores from the FP8 tile"); grid and results as :func:`_decode_kernel`'s."""
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    seq_len = tl.load(seq_lens + seq)
+    per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * per_split
+    end = tl.minimum(start + per_split, seq_len)
+
+    offs_g = tl.arange(0, GROUP_PAD)
+    offs_d = tl.arange(0, HEAD_DIM)
+    head = kv_head * GROUP + offs_g
+    row = tl.load(rows + seq)
+    # q as two e4m3 terms, hi + lo, each scaled per head to e4m3's range: ~8 significant bits
+    # (one term alone has 4, and its rounding would add as much error as K's own). Row r of the
+    # dot's operand is term r % 2 of head r // 2: each head is loaded twice, and neither term is
+    # moved between rows (8-bit permutes), so the operand is built in place.
+    offs_r = tl.arange(0, 2 * GROUP_PAD)
+    is_lo = offs_r % 2 == 1
+    q2 = tl.load(Q + row * stride_qt + (kv_head * GROUP + offs_r // 2)[:, None] * stride_qh + offs_d[None, :],
+                 mask=(offs_r // 2)[:, None] < GROUP, other=0.0).to(tl.float32)  # (2GP, D)
+    s_hi = tl.maximum(tl.max(tl.abs(q2), axis=1), 1e-30) / 448.0
+    rest = q2 - (q2 / s_hi[:, None]).to(tl.float8e4nv).to(tl.float32) * s_hi[:, None]
+    s_lo = tl.maximum(tl.max(tl.abs(rest), axis=1), 1e-30) / 448.0
+    qt = tl.trans(tl.where(is_lo[:, None], rest / s_lo[:, None], q2 / s_hi[:, None]).to(tl.float8e4nv))  # (D, 2GP)
+    col_scale = tl.where(is_lo, s_lo, s_hi) * score_scale_log2  # (2GP,)
+
+    m = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
+    l = tl.zeros([GROUP_PAD], dtype=tl.float32)
+    acc = tl.zeros([HEAD_DIM, 2 * GROUP_PAD], dtype=tl.float32)  # (D, 2GP): each head twice
+    table = tables + seq * stride_tb
+    for n0 in tl.range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)  # (BN,) positions
+        valid = offs_n < end
+        block = tl.load(table + offs_n // TOKENS_PER_BLOCK, mask=valid, other=0)
+        slot = block.to(tl.int64) * TOKENS_PER_BLOCK + offs_n % TOKENS_PER_BLOCK  # (BN,)
+        k = tl.load(K + slot[:, None] * stride_ks + kv_head * stride_kh + offs_d[None, :],
+                    mask=valid[:, None], other=0.0)  # (BN, D) float8, as stored
+        # Positions are the dot's rows (M = BN), heads its columns: the two terms of each head are
+        # adjacent columns, which the MMA's result layout keeps in one thread, so the split is free.
+        hi, lo = tl.split(tl.reshape(tl.dot(k, qt) * col_scale[None, :], (BLOCK_N, GROUP_PAD, 2)))
+        st = tl.where(valid[:, None], hi + lo, float("-inf"))  # (BN, GP), log2 units
+        m_new = tl.maximum(m, tl.max(st, axis=0))
+        alpha = tl.exp2(m - m_new)
+        pt = tl.exp2(st - m_new[None, :])
+        l = l * alpha + tl.sum(pt, axis=0)
+        v = tl.load(V + slot[:, None] * stride_vs + kv_head * stride_vh + offs_d[None, :],
+                    mask=valid[:, None], other=0.0)  # (BN, D)
+        vt = tl.trans(v.to(tl.float16))  # (D, BN); every e4m3 value is exact in float16
+        p2 = tl.reshape(tl.join(pt, pt), (BLOCK_N, 2 * GROUP_PAD)).to(tl.float16)
+        alpha2 = tl.reshape(tl.join(alpha, alpha), (2 * GROUP_PAD,))
+        acc = acc * alpha2[None, :] + tl.dot(vt, p2)
+        m = m_new
+
+    acc, _ = tl.split(tl.reshape(acc, (HEAD_DIM, GROUP_PAD, 2)))  # (D, GP): one copy of each head
+    _write_state(tl.trans(acc) * v_scale, m, l, Out, Acc, ML, row, seq, split, head, offs_g < GROUP, offs_d,
+                 stride_ot, stride_oh, HEAD_DIM, NUM_SPLITS, NUM_Q_HEADS)
 
 
 @triton.jit
@@ -228,33 +337,47 @@ def paged_decode_attention(
     num_q_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_pool.shape[1]
     group = num_q_heads // num_kv_heads
-    group_pad = max(16, triton.next_power_of_2(group))
     ieee = q.dtype == torch.float32
     fp8 = k_pool.dtype == torch.float8_e4m3fn
     config = config or config_for(k_pool.dtype)
-    if fp8 and not ieee:  # the softmax scale goes into q, the scores carry k_scale (kernel)
-        q_scale, score_scale = scale, k_scale * _LOG2E
-    else:
-        q_scale, score_scale = 1.0, scale * k_scale * _LOG2E
     if num_splits > 1:
         acc = torch.empty((num_seqs * num_q_heads * num_splits, head_dim), dtype=torch.float32, device=q.device)
         ml = torch.empty((num_seqs * num_q_heads * num_splits, 2), dtype=torch.float32, device=q.device)
     else:
         acc = ml = out  # unused
-    _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
-        q, k_pool, v_pool, out, acc, ml,
-        rows, tables, seq_lens,
-        q.stride(0), q.stride(1),
-        k_pool.stride(0), k_pool.stride(1),
-        v_pool.stride(0), v_pool.stride(1),
-        out.stride(0), out.stride(1),
-        tables.stride(0),
-        q_scale, score_scale, v_scale,
-        GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim,
-        TOKENS_PER_BLOCK=tokens_per_block, BLOCK_N=config.block_n, NUM_SPLITS=num_splits,
-        NUM_Q_HEADS=num_q_heads, IEEE=ieee, FP8=fp8, TABLE_AHEAD=config.table_ahead,
-        num_warps=config.num_warps, num_stages=config.num_stages,
-    )
+    if fp8 and not ieee and fp8_scores_supported(q.device):
+        _fp8_scores_kernel[(num_seqs, num_kv_heads, num_splits)](
+            q, k_pool, v_pool, out, acc, ml,
+            rows, tables, seq_lens,
+            q.stride(0), q.stride(1),
+            k_pool.stride(0), k_pool.stride(1),
+            v_pool.stride(0), v_pool.stride(1),
+            out.stride(0), out.stride(1),
+            tables.stride(0),
+            scale * k_scale * _LOG2E, v_scale,
+            GROUP=group, GROUP_PAD=max(8, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
+            TOKENS_PER_BLOCK=tokens_per_block, BLOCK_N=config.block_n, NUM_SPLITS=num_splits,
+            NUM_Q_HEADS=num_q_heads, num_warps=config.num_warps, num_stages=config.num_stages,
+        )
+    else:
+        if fp8 and not ieee:  # the softmax scale goes into q, the scores carry k_scale (kernel)
+            q_scale, score_scale = scale, k_scale * _LOG2E
+        else:
+            q_scale, score_scale = 1.0, scale * k_scale * _LOG2E
+        _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
+            q, k_pool, v_pool, out, acc, ml,
+            rows, tables, seq_lens,
+            q.stride(0), q.stride(1),
+            k_pool.stride(0), k_pool.stride(1),
+            v_pool.stride(0), v_pool.stride(1),
+            out.stride(0), out.stride(1),
+            tables.stride(0),
+            q_scale, score_scale, v_scale,
+            GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
+            TOKENS_PER_BLOCK=tokens_per_block, BLOCK_N=config.block_n, NUM_SPLITS=num_splits,
+            NUM_Q_HEADS=num_q_heads, IEEE=ieee, FP8=fp8, TABLE_AHEAD=config.table_ahead,
+            num_warps=config.num_warps, num_stages=config.num_stages,
+        )
     if num_splits > 1:
         _combine_kernel[(num_seqs, num_q_heads)](
             out, acc, ml, rows,
