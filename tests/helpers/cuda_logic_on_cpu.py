@@ -166,10 +166,10 @@ class _Recording(CudaLogicOnCpu):
 
 @contextlib.contextmanager
 def _kernel_counted_once(counter: _Counter) -> Iterator[None]:
-    """The fused drafting kernel as one op (interpreted, it runs as many torch and numpy ops)."""
+    """The fused in-flight kernel as one op (interpreted, it runs as many torch and numpy ops)."""
     from tensorrt_llm._torch.speculative import triton_drafting
 
-    kernel = triton_drafting._ngram_in_flight_kernel
+    kernel = triton_drafting._in_flight_kernel
 
     class Once:
         def __getitem__(self, grid):
@@ -182,11 +182,11 @@ def _kernel_counted_once(counter: _Counter) -> Iterator[None]:
                     counter.paused = False
             return run
 
-    triton_drafting._ngram_in_flight_kernel = Once()
+    triton_drafting._in_flight_kernel = Once()
     try:
         yield
     finally:
-        triton_drafting._ngram_in_flight_kernel = kernel
+        triton_drafting._in_flight_kernel = kernel
 
 
 def recording_executor(model, config, *, fused: bool = False):
