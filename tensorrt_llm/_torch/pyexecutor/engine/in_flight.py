@@ -373,10 +373,14 @@ class InFlightStep:
         if self._entries:
             self.proposed = Proposed(dict(zip(self._entries, range(len(self._entries)))),
                                      drafting.proposer.max_draft_len, self._proposed_values())
-        if drafting is not None and drafting.fused:
+        if picks is None:  # the first launch: nothing in flight, nothing drafted
+            return
+        verification = picks.verification
+        if drafting is not None and drafting.ngram_size is not None and (
+                self._entries or verification is not None):  # fused; a plain fill stays two ops, as plain decoding's
             self._complete_fused(ids, positions, slots, seq_lens)
             return
-        bonus, runs, accepted = picks.accept() if picks is not None else (None, None, None)
+        bonus, runs, accepted = (picks.tokens, None, None) if verification is None else picks.accept()
         if self._entries:
             self._propose(ids, runs, accepted)
         if "fill_rows" in plan.at:
@@ -395,8 +399,6 @@ class InFlightStep:
         from tensorrt_llm._torch.speculative.triton_drafting import InFlightColumns, complete_in_flight
 
         plan, picks, drafting = self._plan, self._picks, self._drafting
-        if picks is None:  # the first launch: nothing in flight
-            return
         verification = picks.verification
         previous = None
         if verification is not None:
