@@ -12,7 +12,9 @@ imported); prints one JSON line:
   accepted, and that it wrote nothing else;
 * ``served``: the CUDA engine's launch logic on CPU tensors (``cuda_logic_on_cpu``) drafting with
   the kernel and with the proposer's torch form, overlap on: outputs against plain decoding,
-  acceptance, and the device ops of a drafting launch over a plain one (the kernel counted once).
+  acceptance, and the most device ops a drafting launch ran over a plain one in flight of its batch
+  (``cuda_logic_on_cpu.ops_over_plain``; the kernel and the model's forward counted once each), in
+  a batch of five requests and alone.
 """
 
 from __future__ import annotations
@@ -157,14 +159,19 @@ def run_served() -> dict:
     in_flight = serve(model, prompts, None, overlap=True, on_cpu_logic=True)
     torch_form = serve(model, prompts, spec, overlap=True, on_cpu_logic=True)
     fused = serve(model, prompts, spec, overlap=True, on_cpu_logic=True, fused=True)
-    plain_ops = min(launch.ops for launch in in_flight.launches if launch.uploads == 3)
+    plain_ops = max(launch.ops for launch in in_flight.launches if launch.uploads == 3)
     drafting = [launch for launch in fused.launches if launch.engine_drafts]
+    extra = cuda_logic_on_cpu.ops_over_plain(fused.launches, in_flight.launches)
+    alone = serve(model, prompts[:1], spec, overlap=True, on_cpu_logic=True, fused=True)  # batch 1
+    extra_alone = cuda_logic_on_cpu.ops_over_plain(
+        alone.launches, serve(model, prompts[:1], None, overlap=True, on_cpu_logic=True).launches)
     return {
         "outputs_equal": fused.outputs == plain.outputs and torch_form.outputs == plain.outputs,
         "acceptance": [fused.accepted, fused.verified],
         "acceptance_torch_form": [torch_form.accepted, torch_form.verified],
         "drafting_launches": len(drafting), "plain_ops": plain_ops,
-        "extra_ops": max(launch.ops for launch in drafting) - plain_ops,
+        "extra_ops": max(extra) if len(extra) > 10 else None,
+        "extra_ops_batch_1": max(extra_alone) if len(extra_alone) > 10 else None,
         "uploads": sorted({launch.uploads for launch in drafting}), "syncs": sum(launch.syncs for launch in drafting),
         "staging_waits": fused.staging_waits,
     }
