@@ -40,6 +40,7 @@ two ops for the fill and eight for the move. Nothing synchronises with the host.
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
@@ -49,7 +50,7 @@ import torch
 from tensorrt_llm._torch.pyexecutor.engine.inputs import PAD_TOKEN_ID, ForwardInputs
 from tensorrt_llm._torch.pyexecutor.engine.logit_rows import DraftSpan
 from tensorrt_llm._torch.speculative.device_drafting import TokenHistories
-from tensorrt_llm._torch.speculative.device_verification import accept_on_device, move_back_, positions_after_acceptance
+from tensorrt_llm._torch.speculative.device_verification import accept_on_device, move_back_
 from tensorrt_llm._torch.speculative.proposer import DraftProposer
 
 __all__ = ["DevicePicks", "Drafting", "InFlightStep", "Proposed", "Verification", "drafting_for"]
@@ -157,28 +158,37 @@ def _ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
 
 class _Packed:
     """Named int64 columns packed into one host array: one upload, then views on the device (each
-    made when first asked: the fused kernel reads offsets and asks for none)."""
+    made when first asked: the fused kernel reads offsets and asks for none). Columns are kept as
+    one Python list until :meth:`array`: a launch plans a few dozen values, where a NumPy call
+    apiece would cost more than the values."""
 
-    __slots__ = ("_parts", "size", "at", "device", "_views")
+    __slots__ = ("_flat", "at", "device", "_views")
 
     def __init__(self) -> None:
-        self._parts: list[np.ndarray] = []
-        self.size = 0
+        self._flat: list[int] = []
         self.at: dict[str, tuple[int, tuple[int, ...]]] = {}  # name -> (offset, shape)
         self.device: torch.Tensor | None = None
         self._views: dict[str, torch.Tensor] = {}
 
-    def add(self, name: str, values) -> None:
-        values = np.asarray(values, dtype=np.int64)
-        self.at[name] = (self.size, values.shape)
-        self._parts.append(values.reshape(-1))
-        self.size += values.size
+    @property
+    def size(self) -> int:
+        return len(self._flat)
+
+    def add(self, name: str, values, shape: tuple[int, ...] | None = None) -> None:
+        """``values``: a NumPy array (its shape), or a flat list of ints of ``shape`` (default: its length)."""
+        if isinstance(values, np.ndarray):
+            shape = values.shape
+            values = values.ravel().tolist()
+        elif shape is None:
+            shape = (len(values),)
+        self.at[name] = (len(self._flat), shape)
+        self._flat += values
 
     def offset(self, name: str) -> int:
         return self.at[name][0]
 
     def array(self) -> np.ndarray:
-        return np.concatenate(self._parts) if len(self._parts) > 1 else self._parts[0]
+        return np.array(self._flat, dtype=np.int64)
 
     def upload(self, device: torch.Tensor) -> None:
         """``device``: :meth:`array` on the device."""
@@ -188,7 +198,7 @@ class _Packed:
         view = self._views.get(name)
         if view is None:
             at, shape = self.at[name]
-            view = self.device[at : at + int(np.prod(shape, dtype=np.int64))]
+            view = self.device[at : at + math.prod(shape)]
             if len(shape) > 1:
                 view = view.view(shape)
             self._views[name] = view
@@ -246,8 +256,8 @@ class InFlightStep:
                     tokens_per_block: int) -> tuple[int, int]:
         """The rows of each in-flight request whose forward in flight has draft slots (it is laid
         out as if that forward accepted them all), and for each row its position if that forward
-        accepts none and its KV slot for every count it may accept
-        (``device_verification.positions_after_acceptance``)."""
+        accepts none and its KV slot for every count it may accept (the rule of
+        ``device_verification.positions_after_acceptance``). Returns (rows, candidates per row)."""
         slots = inputs.in_flight_slots
         moved = [(flat, inputs.num_new_tokens[i], slots[i], self._source(inputs.requests[i].request_id), i)
                  for flat, i in inputs.in_flight if slots.get(i, 0) > 0]
@@ -255,26 +265,36 @@ class InFlightStep:
             return 0, 0
         if self._picks.verification is None:
             raise RuntimeError("a forward is built on drafts in flight, but the forward before verified none")
-        firsts, counts, verified, owners, indices = (np.asarray(column, dtype=np.int64) for column in zip(*moved))
-        rows = _ranges(firsts, counts)  # (X,) every row of each
-        table_of = np.repeat(np.arange(len(moved)), counts)  # (X,) its request among the moved ones
         tables = inputs.block_tables
-        blocks = np.zeros((len(moved), max(len(tables[i]) for i in indices)), dtype=np.int64)
-        for q, i in enumerate(indices):
-            blocks[q, : len(tables[i])] = tables[i]
-        base, candidates = positions_after_acceptance(positions[rows], verified[table_of], blocks, table_of,
-                                                      tokens_per_block)
+        width = 1 + max(column[2] for column in moved)  # candidates per row: every count accepted, 0 .. max
+        rows, owners, bases, candidates = [], [], [], []
+        for flat, count, verified, owner, i in moved:  # a few rows each: plain Python beats NumPy's calls
+            table = tables[i]
+            for row, built in enumerate(positions[flat : flat + count].tolist(), flat):
+                base = built - verified
+                rows.append(row)
+                owners.append(owner)
+                bases.append(base)
+                for position in range(base, base + width):
+                    position = min(position, built)  # past the row's own slots: as built
+                    candidates.append(table[position // tokens_per_block] * tokens_per_block
+                                      + position % tokens_per_block)
         plan = self._plan
         plan.add("move_rows", rows)
         if rows_are_sequences:
             plan.add("move_sequences", rows)
         else:  # each row is a decode sequence of its own: its place among the eager plan's decodes
-            sequences = np.searchsorted(np.cumsum(new), rows, side="right")
-            plan.add("move_sequences", (np.cumsum(np.asarray(new) == 1) - 1)[sequences])
-        plan.add("move_owners", owners[table_of])
-        plan.add("move_base", base)
-        plan.add("move_slots", candidates)
-        return candidates.shape
+            decode_of, flat, decodes = {}, 0, 0
+            for count in new:
+                if count == 1:
+                    decode_of[flat] = decodes
+                    decodes += 1
+                flat += count
+            plan.add("move_sequences", [decode_of[row] for row in rows])
+        plan.add("move_owners", owners)
+        plan.add("move_base", bases)
+        plan.add("move_slots", candidates, (len(rows), width))
+        return len(rows), width
 
     def _plan_drafts(self, inputs: ForwardInputs) -> list[int]:
         """Each engine-drafted step's history row, what the host uploads into it, its known length,
@@ -288,9 +308,9 @@ class InFlightStep:
             raise RuntimeError("a step has draft slots for the engine to fill, but the engine has no draft_proposer")
         requests = [inputs.requests[e.index] for e in entries]
         ids = [r.request_id for r in requests]
-        known = np.fromiter((e.known for e in entries), dtype=np.int64, count=len(entries))
-        room = np.fromiter((e.slots for e in entries), dtype=np.int64, count=len(entries))
-        first = np.fromiter((e.first_row for e in entries), dtype=np.int64, count=len(entries))
+        known = [e.known for e in entries]
+        room = [e.slots for e in entries]
+        first = [e.first_row for e in entries]
         histories = drafting.histories
         placement = histories.place(ids, [r.tokens for r in requests], known)
         plan = self._plan
@@ -300,10 +320,14 @@ class InFlightStep:
         plan.add("room", room)
         plan.add("first", first)
         if drafting.fused:  # the kernel reads the uploads entry by entry
-            counts = placement.upload_count
+            counts = placement.upload_count.tolist()
             plan.add("upload_start", placement.upload_start)
             plan.add("upload_count", counts)
-            plan.add("upload_offset", plan.size + len(entries) + np.cumsum(counts) - counts)  # the tokens follow
+            offsets, offset = [], plan.size + len(entries)  # the tokens follow the offsets
+            for count in counts:
+                offsets.append(offset)
+                offset += count
+            plan.add("upload_offset", offsets)
             plan.add("upload_tokens", placement.upload_tokens)
         else:
             if placement.upload_tokens.size:
@@ -311,12 +335,15 @@ class InFlightStep:
                 plan.add("upload_tokens", placement.upload_tokens)
             verification = self._picks.verification
             width = verification.width if verification is not None else 1
-            plan.add("append_index", (placement.rows * histories.width + known)[:, None] + np.arange(width))
-            self._longest = min(int(known.max()) + width, histories.width)
-            plan.add("draft_rows", _ranges(first, room))
-            plan.add("draft_taken", _ranges(np.arange(len(entries)) * drafting.proposer.max_draft_len, room))
-        plan.add("proposals", np.full((len(entries), drafting.proposer.max_draft_len), -1, dtype=np.int64))
-        plan.add("counts", np.zeros(len(entries), dtype=np.int64))
+            known_ = np.asarray(known, dtype=np.int64)
+            plan.add("append_index", (placement.rows * histories.width + known_)[:, None] + np.arange(width))
+            self._longest = min(int(known_.max()) + width, histories.width)
+            plan.add("draft_rows", _ranges(np.asarray(first, dtype=np.int64), np.asarray(room, dtype=np.int64)))
+            plan.add("draft_taken", _ranges(np.arange(len(entries)) * drafting.proposer.max_draft_len,
+                                            np.asarray(room, dtype=np.int64)))
+        width = drafting.proposer.max_draft_len
+        plan.add("proposals", [-1] * (len(entries) * width), (len(entries), width))
+        plan.add("counts", [0] * len(entries))
         return ids
 
     def _plan_verification(self, drafts: list[DraftSpan], verified: dict[int, list[int]]) -> tuple[int, int] | None:
@@ -328,27 +355,27 @@ class InFlightStep:
         if not drafts:
             return None
         num, width = len(self._index), 1 + max(count for *_, count in drafts)
-        spans = np.asarray([span[1:] for span in drafts], dtype=np.int64)  # (S, 3): sampling index, first row, count
-        steps = np.arange(width - 1)
-        target_rows = np.repeat(np.arange(num, dtype=np.int64)[:, None], width, axis=1)
-        target_rows[spans[:, 0], 1:] = spans[:, 1, None] + np.minimum(steps, spans[:, 2, None] - 1)
         plan = self._plan
-        none = plan.size + target_rows.size + num * (width - 1)  # the host's drafts follow: a -1, then theirs
-        where = np.full((num, width - 1), none, dtype=np.int64)
+        target_rows = [m for m in range(num) for _ in range(width)]  # (M, W) flat: the sampling row alone
+        none = plan.size + num * width + num * (width - 1)  # the host's drafts follow: a -1, then theirs
+        where = [none] * (num * (width - 1))  # (M, W - 1) flat
         per_entry = self._drafting.proposer.max_draft_len if self._entries else 0
         proposals = plan.offset("proposals") if self._entries else 0
         position = dict(zip(self._entries, range(len(self._entries))))
         host: list[int] = [-1]
-        for rid, index, _, count in drafts:
+        for rid, index, first, count in drafts:
+            at = index * width + 1
+            target_rows[at : at + width - 1] = [first + min(j, count - 1) for j in range(width - 1)]
+            at = index * (width - 1)
             e = position.get(rid)
             if e is not None:
-                where[index, :count] = proposals + e * per_entry + steps[:count]
+                where[at : at + count] = range(proposals + e * per_entry, proposals + e * per_entry + count)
             else:
-                own = verified.get(rid, ())[:count]
-                where[index, : len(own)] = none + len(host) + steps[: len(own)]
+                own = list(verified.get(rid, ())[:count])
+                where[at : at + len(own)] = range(none + len(host), none + len(host) + len(own))
                 host += own
-        plan.add("target_rows", target_rows)
-        plan.add("draft_where", where)
+        plan.add("target_rows", target_rows, (num, width))
+        plan.add("draft_where", where, (num, width - 1))
         plan.add("host_drafts", host)
         return num, width
 
