@@ -14,7 +14,7 @@ imported); prints one JSON line:
   the kernel and with the proposer's torch form, overlap on: outputs against plain decoding,
   acceptance, and the most device ops a drafting launch ran over a plain one in flight of its batch
   (``cuda_logic_on_cpu.ops_over_plain``; the kernel and the model's forward counted once each), in
-  a batch of five requests and alone.
+  a batch of five requests and alone; and the two forms alternated launch by launch.
 """
 
 from __future__ import annotations
@@ -162,11 +162,14 @@ def run_served() -> dict:
     plain_ops = max(launch.ops for launch in in_flight.launches if launch.uploads == 3)
     drafting = [launch for launch in fused.launches if launch.engine_drafts]
     extra = cuda_logic_on_cpu.ops_over_plain(fused.launches, in_flight.launches)
+    mixed = _alternating_forms(lambda: serve(model, prompts, spec, overlap=True, on_cpu_logic=True, fused=True))
     alone = serve(model, prompts[:1], spec, overlap=True, on_cpu_logic=True, fused=True)  # batch 1
     extra_alone = cuda_logic_on_cpu.ops_over_plain(
         alone.launches, serve(model, prompts[:1], None, overlap=True, on_cpu_logic=True).launches)
     return {
         "outputs_equal": fused.outputs == plain.outputs and torch_form.outputs == plain.outputs,
+        "mixed_outputs_equal": mixed.outputs == plain.outputs,
+        "acceptance_mixed": [mixed.accepted, mixed.verified],
         "acceptance": [fused.accepted, fused.verified],
         "acceptance_torch_form": [torch_form.accepted, torch_form.verified],
         "drafting_launches": len(drafting), "plain_ops": plain_ops,
@@ -175,6 +178,26 @@ def run_served() -> dict:
         "uploads": sorted({launch.uploads for launch in drafting}), "syncs": sum(launch.syncs for launch in drafting),
         "staging_waits": fused.staging_waits,
     }
+
+
+def _alternating_forms(run):
+    """``run()`` with the engine drafting in the fused kernel and in the torch form launch by launch
+    (as ``benchmarks.gpu.draft_step_profile`` alternates them window by window): each launch reads
+    the previous one's drafts and verification whichever form wrote them."""
+    from tests.helpers import cuda_logic_on_cpu
+
+    launch = cuda_logic_on_cpu._Recording.launch
+
+    def alternating(engine, inputs):
+        drafting = engine._drafting
+        drafting.ngram_size = engine.draft_proposer.max_matching_ngram_size if len(engine.records) % 2 else None
+        return launch(engine, inputs)
+
+    cuda_logic_on_cpu._Recording.launch = alternating
+    try:
+        return run()
+    finally:
+        cuda_logic_on_cpu._Recording.launch = launch
 
 
 def main() -> None:
