@@ -30,8 +30,8 @@ from tensorrt_llm._torch.pyexecutor.engine.in_flight import Drafting
 from tensorrt_llm._torch.pyexecutor.engine.torch_engine import CudaTorchModelEngine
 from tensorrt_llm._torch.speculative.device_drafting import TokenHistories
 
-__all__ = ["CudaLogicOnCpu", "LaunchRecord", "Served", "StandInEvent", "cuda_stand_ins", "ops_over_plain", "recording_executor",
-           "serve"]
+__all__ = ["CudaLogicOnCpu", "LaunchRecord", "Served", "StandInEvent", "cuda_stand_ins", "ops_over_plain",
+           "recording_executor", "serve"]
 
 _order = itertools.count(1)
 

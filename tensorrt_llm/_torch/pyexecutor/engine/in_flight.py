@@ -135,7 +135,8 @@ class Drafting:
         try:
             warm_up(self.histories.tokens.device, self.proposer.max_draft_len, self.ngram_size, PAD_TOKEN_ID)
         except Exception:  # a compiler that refuses the kernel: the torch form is slower, not wrong
-            logger.exception("the fused n-gram drafting kernel does not compile here: drafting in torch instead")
+            logger.exception("the fused in-flight kernel (n-gram drafts) does not compile here: "
+                             "drafting in torch instead")
             self.ngram_size = None
 
 
