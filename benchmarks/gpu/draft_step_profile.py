@@ -16,6 +16,8 @@ repetitive prompt (the engine's defaults: CUDA graphs, overlap on), and prints:
   CUDA runtime call that can block the host (``cudaStreamSynchronize``, ``cudaEventSynchronize``,
   ``cudaDeviceSynchronize``, a blocking ``cudaMemcpy``, ``cudaHostAlloc`` / ``cudaMallocHost``,
   ``cudaFree``), with its count;
+* the same launch and copy counts per step for ``--steps`` plain steps, and the difference (a
+  drafting step's device ops over a plain one's: the goal is at most ~6);
 * the staging's waits (``PinnedStaging.num_waits``; 0 expected).
 
     PYTHONPATH=. python3 -m benchmarks.gpu.draft_step_profile --model PATH [--dtype bfloat16] [--batch 1]
@@ -172,6 +174,24 @@ def main(argv: list[str] | None = None) -> dict:
           f"completion): {profile_line['kernel_launches_per_step']:.1f} kernel/graph launches, "
           f"{profile_line['async_copies_per_step']:.1f} async copies; blocking calls: "
           f"{profile_line['blocking_calls'] or 'none'}; staging waits {report['staging_waits']}", flush=True)
+    with torch.profiler.profile(activities=activities) as profile:  # the same counts for plain steps
+        plain_steps = len(run(plain, prompts, args, timer, args.steps, "plain"))
+    calls = {event.key: event.count for event in profile.key_averages()}
+    report["profile_plain"] = {
+        "steps": plain_steps,
+        "kernel_launches_per_step": sum(calls.get(name, 0) for name in LAUNCHES) / plain_steps,
+        "async_copies_per_step": sum(calls.get(name, 0) for name in COPIES) / plain_steps,
+    }
+    plain_line = report["profile_plain"]
+
+    def device_ops(line: dict) -> float:
+        return line["kernel_launches_per_step"] + line["async_copies_per_step"]
+
+    report["drafting_device_ops_over_plain"] = device_ops(profile_line) - device_ops(plain_line)
+    print(f"per plain step (profiled, {plain_steps} steps, the whole iteration): "
+          f"{plain_line['kernel_launches_per_step']:.1f} kernel/graph launches, "
+          f"{plain_line['async_copies_per_step']:.1f} async copies; a drafting step's device ops over a plain "
+          f"one: {report['drafting_device_ops_over_plain']:+.1f}", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)

@@ -30,7 +30,8 @@ from tensorrt_llm._torch.pyexecutor.engine.in_flight import Drafting
 from tensorrt_llm._torch.pyexecutor.engine.torch_engine import CudaTorchModelEngine
 from tensorrt_llm._torch.speculative.device_drafting import TokenHistories
 
-__all__ = ["CudaLogicOnCpu", "LaunchRecord", "Served", "StandInEvent", "cuda_stand_ins", "recording_executor", "serve"]
+__all__ = ["CudaLogicOnCpu", "LaunchRecord", "Served", "StandInEvent", "cuda_stand_ins", "ops_over_plain",
+           "recording_executor", "serve"]
 
 _order = itertools.count(1)
 
@@ -101,13 +102,17 @@ _SYNCS = {"aten._local_scalar_dense", "aten.nonzero", "aten.masked_select", "ate
 @dataclass
 class LaunchRecord:
     """What one ``launch`` asked of the device: ``ops`` (aten ops that are not views: kernels on a
-    GPU; the fused drafting kernel counts as one), ``uploads`` (host arrays shipped through the
-    staging), ``syncs`` (ops that read a device value on the host: ``item``, ``nonzero``, ...)."""
+    GPU; the model's forward counts as one, as a decode graph's replay does there, and so does the
+    fused in-flight kernel), ``uploads`` (host arrays shipped through the staging), ``syncs`` (ops
+    that read a device value on the host: ``item``, ``nonzero``, ...), ``requests`` (the batch's),
+    ``histories_grew`` (the device token histories doubled their rows: two ops more, once in a while)."""
 
     engine_drafts: int
     ops: int
     uploads: int
     syncs: int
+    requests: int = 0
+    histories_grew: bool = False
 
 
 @dataclass
@@ -158,18 +163,42 @@ class _Recording(CudaLogicOnCpu):
     def launch(self, inputs):
         self._uploads = 0
         counter = _Counter()
-        with counter, _kernel_counted_once(counter) if self.fused else contextlib.nullcontext():
+        kernel = _kernel_counted_once(counter) if self.fused else contextlib.nullcontext()
+        rows = self._drafting.histories.tokens.shape[0] if self._drafting is not None else 0
+        with counter, kernel, _counted_once(self.model, "forward_with_plan", counter):
             pending = super().launch(inputs)
-        self.records.append(LaunchRecord(len(inputs.engine_drafts), counter.ops, self._uploads, counter.syncs))
+        grew = self._drafting is not None and self._drafting.histories.tokens.shape[0] != rows
+        self.records.append(LaunchRecord(len(inputs.engine_drafts), counter.ops, self._uploads, counter.syncs,
+                                         len(inputs.requests), grew))
         return pending
 
 
 @contextlib.contextmanager
+def _counted_once(owner, name: str, counter: _Counter) -> Iterator[None]:
+    """``owner.name(...)`` as one op while the block runs (what it runs inside is not counted)."""
+    method = getattr(owner, name)
+
+    def once(*args, **kwargs):
+        counter.ops += 1
+        counter.paused = True
+        try:
+            return method(*args, **kwargs)
+        finally:
+            counter.paused = False
+
+    setattr(owner, name, once)  # an instance attribute over the method, for this launch only
+    try:
+        yield
+    finally:
+        delattr(owner, name)
+
+
+@contextlib.contextmanager
 def _kernel_counted_once(counter: _Counter) -> Iterator[None]:
-    """The fused drafting kernel as one op (interpreted, it runs as many torch and numpy ops)."""
+    """The fused in-flight kernel as one op (interpreted, it runs as many torch and numpy ops)."""
     from tensorrt_llm._torch.speculative import triton_drafting
 
-    kernel = triton_drafting._ngram_in_flight_kernel
+    kernel = triton_drafting._in_flight_kernel
 
     class Once:
         def __getitem__(self, grid):
@@ -182,11 +211,23 @@ def _kernel_counted_once(counter: _Counter) -> Iterator[None]:
                     counter.paused = False
             return run
 
-    triton_drafting._ngram_in_flight_kernel = Once()
+    triton_drafting._in_flight_kernel = Once()
     try:
         yield
     finally:
-        triton_drafting._ngram_in_flight_kernel = kernel
+        triton_drafting._in_flight_kernel = kernel
+
+
+def ops_over_plain(drafted: list[LaunchRecord], plain: list[LaunchRecord]) -> list[int]:
+    """For each drafting launch of ``drafted`` (histories not grown), its device ops over the most
+    a launch of ``plain`` (speculation off, overlap on) with inputs in flight ran at the same batch
+    size (batch sizes plain never ran in flight are left out)."""
+    most: dict[int, int] = {}
+    for launch in plain:
+        if launch.uploads == 3:  # ids, positions, the in-flight array: a decode step in flight
+            most[launch.requests] = max(most.get(launch.requests, 0), launch.ops)
+    return [launch.ops - most[launch.requests] for launch in drafted
+            if launch.engine_drafts and not launch.histories_grew and launch.requests in most]
 
 
 def recording_executor(model, config, *, fused: bool = False):

@@ -21,7 +21,10 @@ host does the same to the request's tokens when n completes (``completion.Comple
 
 Nothing here waits for the device or reads a value back: the engine launches these few small
 kernels between two forwards (or before a graph replay), and the host never learns the
-acceptance before ``CudaForward.result()`` brings the picks back as usual.
+acceptance before ``CudaForward.result()`` brings the picks back as usual. These are the torch
+forms (any proposer, and the CPU); for the n-gram proposer on CUDA the acceptance and the move
+run inside the launch's one Triton kernel (``triton_drafting.complete_in_flight``), by the same
+rules, and the tests hold the two to each other.
 """
 
 from __future__ import annotations

@@ -16,25 +16,31 @@ reads a value back::
                                    draft) and where its drafts are (proposed here, or the host's)
     device, before n+1  step(ids, positions, slots, seq_lens), over the forward's own tensors (a
                         decode graph's static buffers, or the eager forward's):
+                          accept   n's verification: how many drafts each of n's sampling rows
+                                   accepted, and the token after them (a row without drafts
+                                   accepts none: its run is its pick)
                           drafts   history += the host's uploads and n's run; the proposer over it
                                    -> the drafts, into n+1's slots (PAD past each count)
-                          fill     each in-flight input <- its request's pick in n
+                          fill     each in-flight input <- its request's token after its run in n
                           move     a request that verified k drafts in n and accepted a: its rows
                                    back by k - a (positions, KV slots, attended lengths)
-    device, after n+1   step.verify(tokens) -> DevicePicks: greedy acceptance of every sampling row
-                        (a row without drafts accepts none: its run is its pick), what n+2 takes
+    device, after n+1   nothing: step.verify(tokens) -> DevicePicks, n+1's picks and where its
+                        verification is planned; n+2's launch accepts them (above)
 
 What a drafting step costs the host is launches, not arithmetic (a small model's step is
-host-bound): per drafting launch one upload, the drafts in one Triton kernel for the n-gram
-proposer on CUDA (``speculative.triton_drafting``; any other proposer, and the CPU, run the torch
-form: ``DraftProposer.propose_batch`` over the gathered histories), two ops for the fill, eight
-for the move and six for the verification; nothing synchronises with the host. The CPU test
-``test_device_drafting.py`` counts them.
+host-bound). For the n-gram proposer on CUDA all of "before n+1" is ONE Triton kernel
+(``speculative.triton_drafting.complete_in_flight``): a drafting launch costs one upload and one
+kernel, as a plain launch in flight costs one upload and two ops (its fill), and the drafts come
+back in the picks' one copy. Any other proposer, and the CPU, run the torch form: the acceptance
+(``DevicePicks.accept``, six ops), ``DraftProposer.propose_batch`` over the gathered histories,
+two ops for the fill and eight for the move. Nothing synchronises with the host. The CPU tests
+``test_device_drafting.py`` count them.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
@@ -44,35 +50,65 @@ import torch
 from tensorrt_llm._torch.pyexecutor.engine.inputs import PAD_TOKEN_ID, ForwardInputs
 from tensorrt_llm._torch.pyexecutor.engine.logit_rows import DraftSpan
 from tensorrt_llm._torch.speculative.device_drafting import TokenHistories
-from tensorrt_llm._torch.speculative.device_verification import accept_on_device, move_back_, positions_after_acceptance
+from tensorrt_llm._torch.speculative.device_verification import accept_on_device, move_back_
 from tensorrt_llm._torch.speculative.proposer import DraftProposer
 
-__all__ = ["DevicePicks", "Drafting", "InFlightStep", "Proposed", "drafting_for"]
+__all__ = ["DevicePicks", "Drafting", "InFlightStep", "Proposed", "Verification", "drafting_for"]
 
 logger = logging.getLogger(__name__)
 
 ToDevice = Callable[[np.ndarray], torch.Tensor]
 
 
-class DevicePicks(NamedTuple):
-    """A launch's picks on the device, for the next launch: ``tokens[index[rid]]`` is request
-    ``rid``'s pick (for one that verified drafts, the token after those it accepted). After a
-    launch that verified drafts, ``runs[m, :accepted[m] + 1]`` is what sampling request ``m`` got
-    (its accepted drafts, then that token; a request without drafts: its pick alone); after one
-    without, ``runs`` and ``accepted`` are None and every request got its pick alone."""
+class Verification(NamedTuple):
+    """Where a launch's verification is planned, on the device: ``plan`` (its uploaded int64
+    array) holds the (M, W) target rows of its sampling requests from ``target_at`` and, from
+    ``where_at``, (M, W - 1) indices into ``plan`` itself of the drafts each verified (the engine's
+    proposals and the host's drafts are in it too; past a request's count, a -1 in it)."""
 
-    index: dict[int, int]
-    tokens: torch.Tensor  # (>= M,)
-    runs: torch.Tensor | None  # (M, W)
-    accepted: torch.Tensor | None  # (M,) int64
+    plan: torch.Tensor
+    target_at: int
+    where_at: int
+    num: int  # M
+    width: int  # W
+
+
+class DevicePicks:
+    """A launch's picks on the device, for the next launch: ``tokens`` (one per logit row), the
+    sampling request ``rid``'s at ``tokens[index[rid]]``, and the launch's ``verification`` (None:
+    it verified no drafts). The acceptance is not computed when the forward ends but where the next
+    launch needs it: in the fused kernel (``triton_drafting``), or in torch by :meth:`accept`."""
+
+    __slots__ = ("index", "tokens", "verification", "_accepted")
+
+    def __init__(self, index: dict[int, int], tokens: torch.Tensor, verification: Verification | None) -> None:
+        self.index = index
+        self.tokens = tokens
+        self.verification = verification
+        self._accepted = None
+
+    def accept(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """``(bonus (M,), runs (M, W), accepted (M,))`` in torch (once; launched on first call):
+        sampling request ``m``'s token after the drafts it accepted, ``runs[m, :accepted[m] + 1]``
+        what it got (its accepted drafts, then that token). Without a verification: the picks,
+        None, None (every request got its pick alone)."""
+        if self.verification is None:
+            return self.tokens, None, None
+        if self._accepted is None:
+            plan, target_at, where_at, num, width = self.verification
+            target_rows = plan[target_at : target_at + num * width].view(num, width)
+            drafts = plan.index_select(0, plan[where_at : where_at + num * (width - 1)]).view(num, width - 1)
+            runs, accepted = accept_on_device(self.tokens, target_rows, drafts)  # (M, W), (M,)
+            self._accepted = runs.gather(1, accepted[:, None]).view(-1), runs, accepted
+        return self._accepted
 
 
 class Proposed(NamedTuple):
     """The drafts a launch proposed on the device for its engine-drafted steps."""
 
     position: dict[int, int]  # request id -> its row below
-    drafts: torch.Tensor  # (E, max_draft_len) int64, -1 past each count
-    counts: torch.Tensor  # (E,) int64
+    width: int  # K
+    values: torch.Tensor  # (E * K + E,) int64: the (E, K) drafts, -1 past each count, then the (E,) counts
 
 
 @dataclass(slots=True)
@@ -99,7 +135,8 @@ class Drafting:
         try:
             warm_up(self.histories.tokens.device, self.proposer.max_draft_len, self.ngram_size, PAD_TOKEN_ID)
         except Exception:  # a compiler that refuses the kernel: the torch form is slower, not wrong
-            logger.exception("the fused n-gram drafting kernel does not compile here: drafting in torch instead")
+            logger.exception("the fused in-flight kernel (n-gram drafts) does not compile here: "
+                             "drafting in torch instead")
             self.ngram_size = None
 
 
@@ -121,37 +158,51 @@ def _ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
 
 
 class _Packed:
-    """Named int64 columns packed into one host array: one upload, then views on the device (all
-    made by one ``split``; a column of more than one dimension is reshaped when first asked)."""
+    """Named int64 columns packed into one host array: one upload, then views on the device (each
+    made when first asked: the fused kernel reads offsets and asks for none). Columns are kept as
+    one Python list until :meth:`array`: a launch plans a few dozen values, where a NumPy call
+    apiece would cost more than the values."""
 
-    __slots__ = ("_parts", "size", "at", "device", "_views")
+    __slots__ = ("_flat", "at", "device", "_views")
 
     def __init__(self) -> None:
-        self._parts: list[np.ndarray] = []
-        self.size = 0
+        self._flat: list[int] = []
         self.at: dict[str, tuple[int, tuple[int, ...]]] = {}  # name -> (offset, shape)
         self.device: torch.Tensor | None = None
         self._views: dict[str, torch.Tensor] = {}
 
-    def add(self, name: str, values) -> None:
-        values = np.asarray(values, dtype=np.int64)
-        self.at[name] = (self.size, values.shape)
-        self._parts.append(values.reshape(-1))
-        self.size += values.size
+    @property
+    def size(self) -> int:
+        return len(self._flat)
+
+    def add(self, name: str, values, shape: tuple[int, ...] | None = None) -> None:
+        """``values``: a NumPy array (its shape), or a flat list of ints of ``shape`` (default: its length)."""
+        if isinstance(values, np.ndarray):
+            shape = values.shape
+            values = values.ravel().tolist()
+        elif shape is None:
+            shape = (len(values),)
+        self.at[name] = (len(self._flat), shape)
+        self._flat += values
+
+    def offset(self, name: str) -> int:
+        return self.at[name][0]
 
     def array(self) -> np.ndarray:
-        return np.concatenate(self._parts) if len(self._parts) > 1 else self._parts[0]
+        return np.array(self._flat, dtype=np.int64)
 
     def upload(self, device: torch.Tensor) -> None:
         """``device``: :meth:`array` on the device."""
         self.device = device
-        self._views = dict(zip(self.at, device.split([part.size for part in self._parts])))
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        view = self._views[name]
-        shape = self.at[name][1]
-        if len(shape) > 1 and view.dim() == 1:
-            view = self._views[name] = view.view(shape)
+        view = self._views.get(name)
+        if view is None:
+            at, shape = self.at[name]
+            view = self.device[at : at + math.prod(shape)]
+            if len(shape) > 1:
+                view = view.view(shape)
+            self._views[name] = view
         return view
 
 
@@ -178,8 +229,9 @@ class InFlightStep:
         self._plan = plan = _Packed()
         self.proposed: Proposed | None = None
         self._index = dict(zip(sampling, range(len(sampling))))
+        self._num_fill = len(inputs.in_flight)
         self._plan_fill(inputs)
-        self._moves = self._plan_moves(inputs, new, positions, rows_are_sequences, tokens_per_block)
+        self._moves = self._plan_moves(inputs, new, positions, rows_are_sequences, tokens_per_block)  # rows, width
         self._entries = self._plan_drafts(inputs)
         self._verify_shape = self._plan_verification(drafts, verified or {})
         if logit_rows is not None:
@@ -202,38 +254,48 @@ class InFlightStep:
         self._plan.add("fill_source", [self._source(requests[i].request_id) for _, i in inputs.in_flight])
 
     def _plan_moves(self, inputs: ForwardInputs, new: list[int], positions: np.ndarray, rows_are_sequences: bool,
-                    tokens_per_block: int) -> bool:
+                    tokens_per_block: int) -> tuple[int, int]:
         """The rows of each in-flight request whose forward in flight has draft slots (it is laid
         out as if that forward accepted them all), and for each row its position if that forward
-        accepts none and its KV slot for every count it may accept
-        (``device_verification.positions_after_acceptance``)."""
+        accepts none and its KV slot for every count it may accept (the rule of
+        ``device_verification.positions_after_acceptance``). Returns (rows, candidates per row)."""
         slots = inputs.in_flight_slots
         moved = [(flat, inputs.num_new_tokens[i], slots[i], self._source(inputs.requests[i].request_id), i)
                  for flat, i in inputs.in_flight if slots.get(i, 0) > 0]
         if not moved:
-            return False
-        if self._picks.accepted is None:
+            return 0, 0
+        if self._picks.verification is None:
             raise RuntimeError("a forward is built on drafts in flight, but the forward before verified none")
-        firsts, counts, verified, owners, indices = (np.asarray(column, dtype=np.int64) for column in zip(*moved))
-        rows = _ranges(firsts, counts)  # (X,) every row of each
-        table_of = np.repeat(np.arange(len(moved)), counts)  # (X,) its request among the moved ones
         tables = inputs.block_tables
-        blocks = np.zeros((len(moved), max(len(tables[i]) for i in indices)), dtype=np.int64)
-        for q, i in enumerate(indices):
-            blocks[q, : len(tables[i])] = tables[i]
-        base, candidates = positions_after_acceptance(positions[rows], verified[table_of], blocks, table_of,
-                                                      tokens_per_block)
+        width = 1 + max(column[2] for column in moved)  # candidates per row: every count accepted, 0 .. max
+        rows, owners, bases, candidates = [], [], [], []
+        for flat, count, verified, owner, i in moved:  # a few rows each: plain Python beats NumPy's calls
+            table = tables[i]
+            for row, built in enumerate(positions[flat : flat + count].tolist(), flat):
+                base = built - verified
+                rows.append(row)
+                owners.append(owner)
+                bases.append(base)
+                for position in range(base, base + width):
+                    position = min(position, built)  # past the row's own slots: as built
+                    candidates.append(table[position // tokens_per_block] * tokens_per_block
+                                      + position % tokens_per_block)
         plan = self._plan
         plan.add("move_rows", rows)
         if rows_are_sequences:
             plan.add("move_sequences", rows)
         else:  # each row is a decode sequence of its own: its place among the eager plan's decodes
-            sequences = np.searchsorted(np.cumsum(new), rows, side="right")
-            plan.add("move_sequences", (np.cumsum(np.asarray(new) == 1) - 1)[sequences])
-        plan.add("move_owners", owners[table_of])
-        plan.add("move_base", base)
-        plan.add("move_slots", candidates)
-        return True
+            decode_of, flat, decodes = {}, 0, 0
+            for count in new:
+                if count == 1:
+                    decode_of[flat] = decodes
+                    decodes += 1
+                flat += count
+            plan.add("move_sequences", [decode_of[row] for row in rows])
+        plan.add("move_owners", owners)
+        plan.add("move_base", bases)
+        plan.add("move_slots", candidates, (len(rows), width))
+        return len(rows), width
 
     def _plan_drafts(self, inputs: ForwardInputs) -> list[int]:
         """Each engine-drafted step's history row, what the host uploads into it, its known length,
@@ -247,9 +309,9 @@ class InFlightStep:
             raise RuntimeError("a step has draft slots for the engine to fill, but the engine has no draft_proposer")
         requests = [inputs.requests[e.index] for e in entries]
         ids = [r.request_id for r in requests]
-        known = np.fromiter((e.known for e in entries), dtype=np.int64, count=len(entries))
-        room = np.fromiter((e.slots for e in entries), dtype=np.int64, count=len(entries))
-        first = np.fromiter((e.first_row for e in entries), dtype=np.int64, count=len(entries))
+        known = [e.known for e in entries]
+        room = [e.slots for e in entries]
+        first = [e.first_row for e in entries]
         histories = drafting.histories
         placement = histories.place(ids, [r.tokens for r in requests], known)
         plan = self._plan
@@ -258,56 +320,64 @@ class InFlightStep:
         plan.add("source", [self._source(rid) for rid in ids])
         plan.add("room", room)
         plan.add("first", first)
-        if drafting.fused:  # the kernel reads the uploads entry by entry, and writes its counts here
-            counts = placement.upload_count
+        if drafting.fused:  # the kernel reads the uploads entry by entry
+            counts = placement.upload_count.tolist()
             plan.add("upload_start", placement.upload_start)
             plan.add("upload_count", counts)
-            plan.add("upload_offset", plan.size + len(entries) + np.cumsum(counts) - counts)  # the tokens follow
+            offsets, offset = [], plan.size + len(entries)  # the tokens follow the offsets
+            for count in counts:
+                offsets.append(offset)
+                offset += count
+            plan.add("upload_offset", offsets)
             plan.add("upload_tokens", placement.upload_tokens)
-            plan.add("counts", np.zeros(len(entries), dtype=np.int64))
         else:
             if placement.upload_tokens.size:
                 plan.add("upload_index", placement.upload_index(histories.width))
                 plan.add("upload_tokens", placement.upload_tokens)
-            width = self._picks.runs.shape[1] if self._picks.runs is not None else 1
-            plan.add("append_index", (placement.rows * histories.width + known)[:, None] + np.arange(width))
-            self._longest = min(int(known.max()) + width, histories.width)
-            plan.add("draft_rows", _ranges(first, room))
-            plan.add("draft_taken", _ranges(np.arange(len(entries)) * drafting.proposer.max_draft_len, room))
+            verification = self._picks.verification
+            width = verification.width if verification is not None else 1
+            known_ = np.asarray(known, dtype=np.int64)
+            plan.add("append_index", (placement.rows * histories.width + known_)[:, None] + np.arange(width))
+            self._longest = min(int(known_.max()) + width, histories.width)
+            plan.add("draft_rows", _ranges(np.asarray(first, dtype=np.int64), np.asarray(room, dtype=np.int64)))
+            plan.add("draft_taken", _ranges(np.arange(len(entries)) * drafting.proposer.max_draft_len,
+                                            np.asarray(room, dtype=np.int64)))
+        width = drafting.proposer.max_draft_len
+        plan.add("proposals", [-1] * (len(entries) * width), (len(entries), width))
+        plan.add("counts", [0] * len(entries))
         return ids
 
     def _plan_verification(self, drafts: list[DraftSpan], verified: dict[int, list[int]]) -> tuple[int, int] | None:
         """For every sampling request, its target rows (its sampling row, then its draft rows,
-        padded by repeating the last) and where each of its drafts is: among the drafts proposed
-        here (E rows of K), else among the host's (``verified``), else -1 (its count is over).
-        Returns the (M, W) shape, or None (no drafts: the picks are the tokens as they are)."""
+        padded by repeating the last) and where each of its drafts is in this plan: among the
+        drafts proposed here (E rows of K), else among the host's (``verified``), else at a -1
+        (its count is over). Returns the (M, W) shape, or None (no drafts: the picks are the
+        tokens as they are)."""
         if not drafts:
             return None
         num, width = len(self._index), 1 + max(count for *_, count in drafts)
-        spans = np.asarray([span[1:] for span in drafts], dtype=np.int64)  # (S, 3): sampling index, first row, count
-        steps = np.arange(width - 1)
-        target_rows = np.repeat(np.arange(num, dtype=np.int64)[:, None], width, axis=1)
-        target_rows[spans[:, 0], 1:] = spans[:, 1, None] + np.minimum(steps, spans[:, 2, None] - 1)
-        # the drafts' source: [the E x K drafts proposed here, -1, the host's drafts]
+        plan = self._plan
+        target_rows = [m for m in range(num) for _ in range(width)]  # (M, W) flat: the sampling row alone
+        none = plan.size + num * width + num * (width - 1)  # the host's drafts follow: a -1, then theirs
+        where = [none] * (num * (width - 1))  # (M, W - 1) flat
         per_entry = self._drafting.proposer.max_draft_len if self._entries else 0
-        none = len(self._entries) * per_entry
-        where = np.full((num, width - 1), none, dtype=np.int64)
+        proposals = plan.offset("proposals") if self._entries else 0
         position = dict(zip(self._entries, range(len(self._entries))))
         host: list[int] = [-1]
-        for rid, index, _, count in drafts:
+        for rid, index, first, count in drafts:
+            at = index * width + 1
+            target_rows[at : at + width - 1] = [first + min(j, count - 1) for j in range(width - 1)]
+            at = index * (width - 1)
             e = position.get(rid)
             if e is not None:
-                where[index, :count] = e * per_entry + steps[:count]
+                where[at : at + count] = range(proposals + e * per_entry, proposals + e * per_entry + count)
             else:
-                own = verified.get(rid, ())[:count]
-                where[index, : len(own)] = none + len(host) + steps[: len(own)]
+                own = list(verified.get(rid, ())[:count])
+                where[at : at + len(own)] = range(none + len(host), none + len(host) + len(own))
                 host += own
-        plan = self._plan
-        plan.add("target_rows", target_rows)
-        plan.add("draft_where", where)
-        if self._drafting is not None and self._drafting.fused and self._entries:
-            plan.add("proposals", np.zeros((len(self._entries), per_entry), dtype=np.int64))  # the kernel's
-        plan.add("host_drafts", host)  # right after the proposals: one source, no concatenation
+        plan.add("target_rows", target_rows, (num, width))
+        plan.add("draft_where", where, (num, width - 1))
+        plan.add("host_drafts", host)
         return num, width
 
     @property
@@ -321,63 +391,81 @@ class InFlightStep:
         if self._array is not None:
             self._plan.upload(to_device(self._array))
 
-    def __call__(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, seq_lens: torch.Tensor) -> None:
+    def __call__(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                 seq_lens: torch.Tensor | None) -> None:
         """Write what the forward could not know over its ``ids``, ``positions``, KV ``slots`` (by
-        flat row) and attended lengths ``seq_lens`` (by the sequences the plan was made for)."""
-        plan, picks = self._plan, self._picks
-        if self._entries:
-            self._propose(ids)
-        if "fill_rows" in plan.at:
-            ids.index_copy_(0, plan["fill_rows"], picks.tokens.index_select(0, plan["fill_source"]))
-        if self._moves:
-            accepted = picks.accepted.index_select(0, plan["move_owners"])  # (X,) drafts its forward accepted
-            move_back_(positions, slots, seq_lens, plan["move_rows"], plan["move_sequences"], plan["move_base"],
-                       plan["move_slots"], accepted)
-
-    def _propose(self, ids: torch.Tensor) -> None:
+        flat row) and attended lengths ``seq_lens`` (by the sequences the plan was made for): in
+        one kernel where the drafting is fused (``triton_drafting.complete_in_flight``), else in
+        torch (the previous launch's acceptance first, ``DevicePicks.accept``)."""
         plan, picks, drafting = self._plan, self._picks, self._drafting
-        histories = drafting.histories
-        position = dict(zip(self._entries, range(len(self._entries))))
-        if drafting.fused:
-            from tensorrt_llm._torch.speculative.triton_drafting import propose_ngram_in_flight
-
-            propose_ngram_in_flight(histories.tokens, plan.device, {name: at for name, (at, _) in plan.at.items()},
-                                    picks.runs if picks.runs is not None else picks.tokens, picks.accepted, ids,
-                                    len(self._entries), drafting.proposer.max_draft_len, drafting.ngram_size,
-                                    PAD_TOKEN_ID)
-            self.proposed = Proposed(position, plan["proposals"], plan["counts"])
+        if self._entries:
+            self.proposed = Proposed(dict(zip(self._entries, range(len(self._entries)))),
+                                     drafting.proposer.max_draft_len, self._proposed_values())
+        if picks is None:  # the first launch: nothing in flight, nothing drafted
             return
+        verification = picks.verification
+        if drafting is not None and drafting.ngram_size is not None and (
+                self._entries or verification is not None):  # fused; a plain fill stays two ops, as plain decoding's
+            self._complete_fused(ids, positions, slots, seq_lens)
+            return
+        bonus, runs, accepted = (picks.tokens, None, None) if verification is None else picks.accept()
+        if self._entries:
+            self._propose(ids, runs, accepted)
+        if "fill_rows" in plan.at:
+            ids.index_copy_(0, plan["fill_rows"], bonus.index_select(0, plan["fill_source"]))
+        if self._moves[0]:
+            move_back_(positions, slots, seq_lens, plan["move_rows"], plan["move_sequences"], plan["move_base"],
+                       plan["move_slots"], accepted.index_select(0, plan["move_owners"]))
+
+    def _proposed_values(self) -> torch.Tensor:
+        """The proposals and their counts, adjacent in the plan: one view."""
+        at = self._plan.offset("proposals")
+        return self._plan.device[at : self._plan.offset("counts") + len(self._entries)]
+
+    def _complete_fused(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                        seq_lens: torch.Tensor | None) -> None:
+        from tensorrt_llm._torch.speculative.triton_drafting import InFlightColumns, complete_in_flight
+
+        plan, picks, drafting = self._plan, self._picks, self._drafting
+        verification = picks.verification
+        previous = None
+        if verification is not None:
+            previous = (verification.plan, verification.target_at, verification.where_at, verification.width)
+        if seq_lens is None:  # no decode sequence: no row moves (the kernel wants an int32 column anyway)
+            seq_lens = torch.ones(1, dtype=torch.int32, device=ids.device)
+        sizes = InFlightColumns(self._num_fill, self._moves[0], self._moves[1], len(self._entries))
+        complete_in_flight(drafting.histories.tokens, plan.device, {name: at for name, (at, _) in plan.at.items()},
+                           sizes, previous, picks.tokens, ids, positions, slots, seq_lens,
+                           drafting.proposer.max_draft_len, drafting.ngram_size, PAD_TOKEN_ID)
+
+    def _propose(self, ids: torch.Tensor, runs: torch.Tensor | None, accepted: torch.Tensor | None) -> None:
+        """The torch form of the drafting: the uploads and the previous launch's ``runs`` into the
+        histories, ``propose_batch`` over them, the drafts into the forward's slots and the plan."""
+        plan, drafting = self._plan, self._drafting
+        histories = drafting.histories
         if "upload_index" in plan.at:
             histories.write(plan["upload_index"], plan["upload_tokens"])
         source = plan["source"]
-        if picks.runs is not None:
-            histories.write(plan["append_index"], picks.runs.index_select(0, source))
-            lengths = plan["known"] + picks.accepted.index_select(0, source) + 1
+        if runs is not None:
+            histories.write(plan["append_index"], runs.index_select(0, source))
+            lengths = plan["known"] + accepted.index_select(0, source) + 1
         else:
-            histories.write(plan["append_index"], picks.tokens.index_select(0, source))
+            histories.write(plan["append_index"], self._picks.tokens.index_select(0, source))
             lengths = plan["known"] + 1
         drafts, counts = drafting.proposer.propose_batch(histories.gather(plan["rows"], self._longest), lengths,
                                                          plan["room"])
         values = drafts.view(-1).index_select(0, plan["draft_taken"]).clamp(min=PAD_TOKEN_ID)
         ids.index_copy_(0, plan["draft_rows"], values)
-        self.proposed = Proposed(position, drafts, counts)
+        plan["proposals"].copy_(drafts)  # where the verification and the copy back read them
+        plan["counts"].copy_(counts)
 
     def verify(self, tokens: torch.Tensor) -> DevicePicks:
-        """What the next launch takes from this one, from the forward's picks ``tokens`` (one per
-        logit row, on the device): every sampling request's greedy acceptance
-        (``device_verification.accept_on_device``) of the drafts it verified. Nothing is read back."""
-        if self._verify_shape is None:
-            return DevicePicks(self._index, tokens, None, None)
-        num, width = self._verify_shape
-        plan = self._plan
-        source = plan["host_drafts"]
-        if self.proposed is not None:
-            if "proposals" in plan.at:  # the kernel wrote them just before the host's
-                offset = plan.at["proposals"][0]
-                source = plan.device[offset : plan.at["host_drafts"][0] + len(source)]
-            else:
-                source = torch.cat((self.proposed.drafts.view(-1), source))
-        drafts = source.index_select(0, plan["draft_where"].view(-1)).view(num, width - 1)  # -1: no draft
-        targets, accepted = accept_on_device(tokens, plan["target_rows"], drafts)  # (M, W), (M,)
-        bonus = targets.gather(1, accepted[:, None]).view(-1)  # (M,) the token after the accepted drafts
-        return DevicePicks(self._index, bonus, targets, accepted)
+        """What the next launch takes from this one: the forward's picks ``tokens`` (one per logit
+        row, on the device) and where this plan's verification is; the acceptance itself is left to
+        the next launch (``DevicePicks``). Launches nothing."""
+        verification = None
+        if self._verify_shape is not None:
+            plan = self._plan
+            verification = Verification(plan.device, plan.offset("target_rows"), plan.offset("draft_where"),
+                                        *self._verify_shape)
+        return DevicePicks(self._index, tokens, verification)

@@ -390,7 +390,7 @@ class CudaTorchModelEngine(TorchModelEngine):
                     start = _record_event()
                 logits, tokens, result = self._forward_eager(plan, ids, positions, rows, in_flight, columns)
             if in_flight is None:
-                self._device_picks = DevicePicks(dict(zip(sampling, range(len(sampling)))), tokens, None, None)
+                self._device_picks = DevicePicks(dict(zip(sampling, range(len(sampling)))), tokens, None)
             else:
                 self._device_picks = in_flight.verify(tokens)
         proposed = in_flight.proposed if in_flight is not None else None
@@ -469,7 +469,7 @@ class CudaForward:
         along (ids below 2**53 are exact in it)."""
         self._prompt_logits = prompt_logits
         self._verified = verified_drafts
-        self._proposed = None if proposed is None else (proposed.position, proposed.drafts.shape[1])
+        self._proposed = None if proposed is None else (proposed.position, proposed.width)
         self._output: ForwardOutput | None = None
         self.num_tokens = 0  # positions in the forward
         self._start = start
@@ -484,8 +484,8 @@ class CudaForward:
         if tokens.numel():
             # one copy carries the picks and the finiteness check: -1 for a row with NaN or inf
             parts.append(torch.where(torch.isfinite(logits).all(dim=-1), tokens, torch.full_like(tokens, -1)))
-        if proposed is not None:  # the drafts proposed on the device, then their counts
-            parts += [proposed.drafts.reshape(-1), proposed.counts]
+        if proposed is not None:  # the drafts proposed on the device, then their counts (one view)
+            parts.append(proposed.values)
         if tokens.numel() and logprobs is not None and logprobs.logprob is not None:
             n = len(request_ids)
             parts = [part.double() for part in parts] + [logprobs.logprob[:n].double()]

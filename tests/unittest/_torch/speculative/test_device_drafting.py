@@ -116,7 +116,9 @@ def test_a_drafting_launch_ships_one_array_more_than_nothing_and_never_waits(mod
     copies: everything the device needs for the in-flight inputs, the move-back, the drafting and
     the verification rides in one array (``engine.in_flight``), no value is read back, and no
     staging buffer is reused while the launch that filled it may still run. (Before, such a step
-    shipped 13 more arrays and ran 70 more device ops than a plain one.)"""
+    shipped 13 more arrays and ran 70 more device ops than a plain one.) In the proposer's torch
+    form (the CPU's, and CUDA's where the kernel does not compile) the previous launch's acceptance,
+    the proposal, the fill and the move cost 69 device ops more than a plain launch of the batch."""
     plain = cuda_logic_on_cpu.serve(model, PROMPTS, None, overlap=True, on_cpu_logic=True)
     drafted = cuda_logic_on_cpu.serve(model, PROMPTS, SPEC, overlap=True, on_cpu_logic=True)
     steady = [launch for launch in plain.launches if launch.uploads == 3]  # ids, positions, the in-flight array
@@ -126,10 +128,9 @@ def test_a_drafting_launch_ships_one_array_more_than_nothing_and_never_waits(mod
     assert {launch.uploads for launch in drafting} == {3}, drafting
     assert all(launch.syncs == 0 for launch in plain.launches + drafted.launches)
     assert plain.staging_waits == 0 and drafted.staging_waits == 0
-    # the torch form of the proposal (the CPU's; CUDA runs it as one kernel: the interpreted test)
-    extra = max(launch.ops for launch in drafting) - min(launch.ops for launch in steady)
-    print(f"device ops per launch: plain {min(launch.ops for launch in steady)}, drafting +{extra}")
-    assert extra <= 75
+    extra = cuda_logic_on_cpu.ops_over_plain(drafted.launches, plain.launches)
+    print(f"device ops per launch: plain {max(launch.ops for launch in steady)}, drafting (torch form) +{max(extra)}")
+    assert len(extra) > 10 and max(extra) <= 69, extra
 
 
 def test_the_stand_in_staging_counts_a_buffer_reused_too_soon():
@@ -153,10 +154,14 @@ def test_the_stand_in_staging_counts_a_buffer_reused_too_soon():
 def test_the_fused_drafting_kernel_is_the_reference_interpreted():
     """The n-gram drafting kernel CUDA runs (``speculative/triton_drafting.py``) under Triton's CPU
     interpreter, in a fresh process (TRITON_INTERPRET must be set before Triton is first
-    imported): its drafts, counts, history rows and draft slots are the numpy reference's on random
-    cases; and the CUDA engine's launch logic drafting with it gives plain decoding's tokens, the
-    torch form's acceptance, and a drafting launch at most 20 device ops (the kernel one of them)
-    and no copy more than a plain launch in flight."""
+    imported): on random cases its acceptance of the previous launch, fills, moves, drafts, counts,
+    history rows and draft slots are the reference's; and the CUDA engine's launch logic drafting
+    with it gives plain decoding's tokens, the torch form's acceptance, and a drafting launch no copy
+    and at most one device op more than a plain launch in flight of the same batch (the kernel, one
+    op, replaces the fill's two; the copy back takes the drafts along; the op more is the logit
+    rows' reorder of a batch above one: none alone). Before the acceptance, fill and move joined the kernel, a
+    drafting launch ran 16 ops more. The two forms alternated launch by launch (as the GPU profile
+    alternates them) give the same tokens and acceptance."""
     pytest.importorskip("triton")
     script = Path(__file__).parents[3] / "helpers" / "interpreted_drafting.py"
     env = {**os.environ, "TRITON_INTERPRET": "1"}
@@ -166,7 +171,9 @@ def test_the_fused_drafting_kernel_is_the_reference_interpreted():
     assert len(results["cases"]) == 30 and all(case["ok"] for case in results["cases"]), results["cases"]
     served = results["served"]
     print(served)
-    assert served["outputs_equal"], served
+    assert served["outputs_equal"] and served["mixed_outputs_equal"], served
+    assert served["acceptance_mixed"] == served["acceptance"], served  # each form reads what the other wrote
     assert served["acceptance"] == served["acceptance_torch_form"] and served["acceptance"][0] > 0, served
-    assert served["drafting_launches"] > 10 and served["extra_ops"] <= 20, served
+    assert served["drafting_launches"] > 10 and served["extra_ops"] <= 1, served
+    assert served["extra_ops_batch_1"] <= 0, served  # one request: its rows need no reorder
     assert served["uploads"] == [3] and served["syncs"] == 0 and served["staging_waits"] == 0, served
