@@ -22,8 +22,7 @@ sequences still fill the GPU. The number of splits depends only on the batch siz
 context lengths, so a CUDA graph captured for a batch size stays valid for any lengths.
 
 An FP8 pool (``kv_quant``) is read as it is stored, one byte an element, with a kernel of its own
-(:func:`_fp8_scores_kernel`) and tile shape (:data:`FP8_CONFIG`: 128 positions a tile, so that each
-load moves as many bytes as a bf16 tile of 64).
+(:func:`_fp8_scores_kernel`) and tile shape (:data:`FP8_CONFIG`).
 
 **Scores from the FP8 tile.** A tile of FP8 bytes holds twice the positions of a bf16 tile, so the
 per-position work (widening, dot products, softmax) is twice as much per byte, and widening K and V
@@ -32,12 +31,12 @@ bf16 reads 2.8-2.9 (``benchmarks/gpu/fp8_mma_forms.py`` times the forms; the lay
 by ``fp8 --sections layout``). The FP8 kernel therefore
 
 * takes the scores from the K tile as stored, with e4m3 tensor-core dot products
-  (:func:`fp8_scores_supported`: compute capability 8.9 or newer, else the pool is widened in
-  :func:`_decode_kernel`);
+  (:func:`fp8_scores_supported`: compute capability 8.9 or newer and a head dimension a multiple
+  of 32, else the pool is widened in :func:`_decode_kernel`);
 * holds ``q`` as two e4m3 terms, ``hi + lo``, each scaled per head to e4m3's range: about 8
   significant bits, against 4 for one term, whose rounding would add as much error to the scores
   as K's own storage does;
-* turns the dot around, positions as its rows (M = 128, Hopper's warpgroup MMA) and heads as its
+* turns the dot around, positions as its rows (M = ``block_n``) and heads as its
   columns, the two terms of head g in columns 2g and 2g + 1. The MMA result keeps adjacent columns
   in one thread, so adding the terms is a split in registers, and the softmax runs over the
   group padded to 8 columns, not 16;
@@ -71,7 +70,8 @@ import triton
 import triton.language as tl
 
 __all__ = [
-    "DEFAULT_CONFIG", "FP8_CONFIG", "DecodeConfig", "config_for", "fp8_scores_supported", "paged_decode_attention",
+    "DEFAULT_CONFIG", "FP8_CONFIG", "WIDENED_FP8_CONFIG", "DecodeConfig", "config_for", "fp8_scores_supported",
+    "paged_decode_attention",
 ]
 
 _LOG2E = 1.4426950408889634
@@ -92,10 +92,13 @@ class DecodeConfig:
 
 
 DEFAULT_CONFIG = DecodeConfig()  # 16-bit pools
-# FP8 pools: 128-position tiles carry a 64-position bf16 tile's bytes. Reading the block table a tile
-# ahead was predicted to help and measured to hurt (H100, one layer of 64 x 8k: 1.86 TB/s with it,
-# 2.04 without; 256 x 2k: 1.76 / 2.02; benchmarks/results/gpu_profile/fp8_kernel_h100.json).
-FP8_CONFIG = DecodeConfig(block_n=128, num_warps=4, num_stages=3, table_ahead=False)
+# FP8 pools (scores from the FP8 tile): measured on an H200 over one layer of 64 x 8k and 256 x 2k
+# (benchmarks/gpu/fp8_mma_forms.py), 64-position tiles and two stages read the most bytes a second.
+FP8_CONFIG = DecodeConfig(block_n=64, num_warps=4, num_stages=2, table_ahead=False)
+# An FP8 pool widened for 16-bit dot products (no e4m3 dot products): 128-position tiles carry a
+# 64-position bf16 tile's bytes. Reading the block table a tile ahead was predicted to help and
+# measured to hurt (H100, one layer of 64 x 8k: 1.86 TB/s with it, 2.04 without).
+WIDENED_FP8_CONFIG = DecodeConfig(block_n=128, num_warps=4, num_stages=3, table_ahead=False)
 
 
 @functools.lru_cache(maxsize=None)
@@ -328,7 +331,7 @@ def paged_decode_attention(
     q, out: (T, Hq, D); k_pool, v_pool: (num_slots, Hkv, D) with unit stride on D, in q's dtype or
     float8_e4m3fn (read as ``k * k_scale``, ``v * v_scale``); rows: (B,) int64; tables: (B, W)
     int32; seq_lens: (B,) int32, each >= 1. ``num_splits`` a power of two. ``config``: the kernel
-    shape (default: :func:`config_for` the pool's dtype).
+    shape (default: :func:`config_for` the pool's dtype; :data:`WIDENED_FP8_CONFIG` for an FP8 pool widened).
     No host synchronisation: safe to capture in a CUDA graph.
     """
     num_seqs = rows.shape[0]
@@ -339,13 +342,15 @@ def paged_decode_attention(
     group = num_q_heads // num_kv_heads
     ieee = q.dtype == torch.float32
     fp8 = k_pool.dtype == torch.float8_e4m3fn
-    config = config or config_for(k_pool.dtype)
+    # e4m3 dot products take 32 elements of the head dimension at a time (the interpreter any)
+    scores8 = fp8 and not ieee and fp8_scores_supported(q.device) and (head_dim % 32 == 0 or q.device.type != "cuda")
+    config = config or (WIDENED_FP8_CONFIG if fp8 and not scores8 else config_for(k_pool.dtype))
     if num_splits > 1:
         acc = torch.empty((num_seqs * num_q_heads * num_splits, head_dim), dtype=torch.float32, device=q.device)
         ml = torch.empty((num_seqs * num_q_heads * num_splits, 2), dtype=torch.float32, device=q.device)
     else:
         acc = ml = out  # unused
-    if fp8 and not ieee and fp8_scores_supported(q.device):
+    if scores8:
         _fp8_scores_kernel[(num_seqs, num_kv_heads, num_splits)](
             q, k_pool, v_pool, out, acc, ml,
             rows, tables, seq_lens,

@@ -262,4 +262,7 @@ def test_fused_decoder_layers_compute_what_the_plain_ones_do(kv_dtype: str) -> N
     prompts = _prompts()
     fused_tokens = _generate(fused, prompts, graphs=True, kv_dtype=kv_dtype)
     plain_tokens = _generate(plain, prompts, graphs=True, kv_dtype=kv_dtype, fuse=False)
-    assert sum(a == b for a, b in zip(fused_tokens, plain_tokens)) >= len(prompts) - 1
+    # The random model's greedy picks have near-ties, and over an FP8 pool each path stores its own
+    # bf16 K/V rounded to 3 mantissa bits: a tie may flip (the hidden states above are the strict
+    # check). bf16 pools: all but one of six equal; FP8: all but two.
+    assert sum(a == b for a, b in zip(fused_tokens, plain_tokens)) >= len(prompts) - (1 if kv_dtype == "auto" else 2)
