@@ -17,8 +17,10 @@ Variants (``--variants``, comma-separated; each one feature or several joined by
     center-k(v) a per-layer, per-head mean (calibration) subtracted from k (and v, added back to the
                 output): exact in real arithmetic, softmax ignores a shift common to all keys
     sink        the first position of each sequence kept exact (the attention sink)
-    bf16        K and V rounded to bf16 instead of FP8: how much any rounding moves a paragraph
+    bf16        K and V rounded to bf16 instead of FP8: how much any rounding moves a paragraph (on
+                a bf16 model no rounding at all, so ``rrot-kv+bf16`` is the rotation's own arithmetic)
     int8-tok    K and V as int8 with a scale per token and head (not FP8: a reference)
+    int8-layer  K and V as int8 with a scale per layer (calibration max x 2 / 127; not FP8: a reference)
 
 Besides each paragraph's perplexity change, it prints the RMS change of a token's log-probability
 and the mean KL divergence from the unquantized cache over all paragraphs: a paragraph of ~65
@@ -40,10 +42,11 @@ import torch
 
 from benchmarks.model.perplexity import HELD_OUT_PARAGRAPHS, PARAGRAPHS, paged_perplexity, paragraph_ids
 from tensorrt_llm._torch.attention_backend.kv_quant import dequantize, quantize
-from tensorrt_llm._torch.models.kv_calibration import calibration_token_ids, power_of_two_scale
+from tensorrt_llm._torch.models.kv_calibration import HEADROOM, calibration_token_ids, power_of_two_scale
 from tensorrt_llm._torch.modules.attention import Attention
 
-FEATURES = ("none", "rot-k", "rot-kv", "rrot-k", "rrot-kv", "center-k", "center-kv", "sink", "bf16", "int8-tok")
+FEATURES = ("none", "rot-k", "rot-kv", "rrot-k", "rrot-kv", "center-k", "center-kv", "sink", "bf16", "int8-tok",
+            "int8-layer")
 
 
 def hadamard(n: int) -> torch.Tensor:
@@ -63,7 +66,7 @@ class Variant:
         features = set(name.split("+"))
         unknown = features - set(FEATURES)
         if unknown:
-            raise SystemExit(f"unknown variant feature(s) {sorted(unknown)}: one of {', '.join(FEATURES)}")
+            raise ValueError(f"unknown variant feature(s) {sorted(unknown)}: one of {', '.join(FEATURES)}")
         self.name = name
         self.rot_k = bool(features & {"rot-k", "rot-kv", "rrot-k", "rrot-kv"})
         self.rot_v = bool(features & {"rot-kv", "rrot-kv"})
@@ -72,6 +75,7 @@ class Variant:
         self.sink = "sink" in features
         self.bf16 = "bf16" in features
         self.int8_token = "int8-tok" in features
+        self.int8_layer = "int8-layer" in features
         matrix = hadamard(head_dim)
         if features & {"rrot-k", "rrot-kv"}:
             signs = torch.randint(0, 2, (head_dim,), generator=torch.Generator().manual_seed(seed)) * 2 - 1
@@ -125,6 +129,8 @@ class Variant:
             return k, v
         if self.int8_token:
             kq, vq = int8_per_token(k), int8_per_token(v)
+        elif self.int8_layer:  # the calibration's largest magnitude x 2 (FP8's headroom) is 127
+            kq, vq = (int8_with_scale(x, m * HEADROOM / 127) for x, m in zip((k, v), self.maxima[layer]))
         elif self.bf16:
             kq, vq = k.to(torch.bfloat16).to(k.dtype), v.to(torch.bfloat16).to(v.dtype)
         else:
@@ -139,6 +145,11 @@ def int8_per_token(x: torch.Tensor) -> torch.Tensor:
     """x (T, H, D) through int8 with a scale per token and head (absmax / 127): not an FP8 cache,
     a reference for what 8 bits with a finer scale would keep (it needs a scale stored per row)."""
     scale = x.abs().amax(-1, keepdim=True).clamp_min(1e-30) / 127  # (T, H, 1)
+    return (x / scale).round().clamp(-127, 127) * scale
+
+
+def int8_with_scale(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """x through int8 with one scale (a layer's: TensorRT-LLM's INT8 KV cache), saturated."""
     return (x / scale).round().clamp(-127, 127) * scale
 
 
@@ -238,6 +249,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--check-real", action="store_true", help="also run the plain variant on a real FP8 pool")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
+    for name in args.variants.split(","):
+        Variant(name, 2, torch.float32)  # a ValueError naming an unknown feature, before the model loads
     loaded = load_model(args.model, dtype=args.dtype, device=torch.device("cpu"))
     model, tokenizer = loaded.model, loaded.tokenizer
     names = [f"suite {i + 1}" for i in range(len(PARAGRAPHS))] + [f"held-out {i + 1}" for i in
