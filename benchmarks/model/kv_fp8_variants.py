@@ -1,0 +1,291 @@
+"""FP8 KV cache variants, per paragraph: which scheme keeps perplexity within 1% on every paragraph.
+
+An experiment harness, not the serving path: each variant wraps the model's ``Attention.attend``
+(after RoPE, before the paged backend) with a transform of q, k, v and its inverse on the output,
+and simulates the FP8 cache by storing ``dequantize(quantize(x))`` in a pool of the model's dtype
+(exact: every e4m3 value times a power-of-two scale is exact in bf16 and float32, so this is what
+an FP8 pool returns; ``--check-real`` compares the plain variant against a real FP8 pool). Scales
+are derived per variant from the transformed values (``kv_calibration``'s rule: max |x| x 2 / 448
+rounded up to a power of two, over the built-in calibration text), or 1.0 (``unit``).
+
+Variants (``--variants``, comma-separated; each one feature or several joined by ``+``):
+
+    none        FP8 K and V as stored today
+    rot-k       q and k through an orthonormal Hadamard matrix H (D x D): q H . k H = q . k
+    rot-kv      the same, and v H (the output o H, turned back by H^T)
+    rrot-k(v)   the same with H times a seeded random +-1 diagonal (QuaRot's randomized Hadamard)
+    center-k(v) a per-layer, per-head mean (calibration) subtracted from k (and v, added back to the
+                output): exact in real arithmetic, softmax ignores a shift common to all keys
+    sink        the first position of each sequence kept exact (the attention sink)
+    bf16        K and V rounded to bf16 instead of FP8: how much any rounding moves a paragraph (on
+                a bf16 model no rounding at all, so ``rrot-kv+bf16`` is the rotation's own arithmetic)
+    int8-tok    K and V as int8 with a scale per token and head (not FP8: a reference)
+    int8-layer  K and V as int8 with a scale per layer (calibration max x 2 / 127; not FP8: a reference)
+
+Besides each paragraph's perplexity change, it prints the RMS change of a token's log-probability
+and the mean KL divergence from the unquantized cache over all paragraphs: a paragraph of ~65
+tokens averages ~65 such changes, so its perplexity moves by about RMS / sqrt(65) either way.
+
+    python -m benchmarks.model.kv_fp8_variants [--dtype float32] [--kv-scales derived]
+        [--variants none,rot-k,rot-kv] [--chunk-size 16] [--json OUT.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+from typing import Callable
+
+import torch
+
+from benchmarks.model.perplexity import HELD_OUT_PARAGRAPHS, PARAGRAPHS, paged_perplexity, paragraph_ids
+from tensorrt_llm._torch.attention_backend.kv_quant import dequantize, quantize
+from tensorrt_llm._torch.models.kv_calibration import HEADROOM, calibration_token_ids, power_of_two_scale
+from tensorrt_llm._torch.modules.attention import Attention
+
+FEATURES = ("none", "rot-k", "rot-kv", "rrot-k", "rrot-kv", "center-k", "center-kv", "sink", "bf16", "int8-tok",
+            "int8-layer")
+
+
+def hadamard(n: int) -> torch.Tensor:
+    """The n x n Sylvester Hadamard matrix over sqrt(n) (orthonormal, symmetric); n a power of two."""
+    if n < 1 or n & (n - 1):
+        raise ValueError(f"a Sylvester Hadamard matrix needs a power of two, got {n}")
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h / math.sqrt(n)
+
+
+class Variant:
+    """One variant (features joined by ``+``) with its per-layer scales and means once calibrated."""
+
+    def __init__(self, name: str, head_dim: int, dtype: torch.dtype, seed: int = 0) -> None:
+        features = set(name.split("+"))
+        unknown = features - set(FEATURES)
+        if unknown:
+            raise ValueError(f"unknown variant feature(s) {sorted(unknown)}: one of {', '.join(FEATURES)}")
+        self.name = name
+        self.rot_k = bool(features & {"rot-k", "rot-kv", "rrot-k", "rrot-kv"})
+        self.rot_v = bool(features & {"rot-kv", "rrot-kv"})
+        self.center_k = bool(features & {"center-k", "center-kv"})
+        self.center_v = "center-kv" in features
+        self.sink = "sink" in features
+        self.bf16 = "bf16" in features
+        self.int8_token = "int8-tok" in features
+        self.int8_layer = "int8-layer" in features
+        matrix = hadamard(head_dim)
+        if features & {"rrot-k", "rrot-kv"}:
+            signs = torch.randint(0, 2, (head_dim,), generator=torch.Generator().manual_seed(seed)) * 2 - 1
+            matrix = signs.double()[:, None] * matrix  # diag(s) H: still orthonormal
+        self.matrix = matrix.to(dtype)
+        self.phase = "mean"  # "mean" -> "max" -> "run"
+        self.sums: dict[int, list] = {}
+        self.means: dict[int, tuple] = {}
+        self.maxima: dict[int, list[float]] = {}
+        self.scales: list[tuple[float, float]] = []
+        self.first_position = False  # whether row 0 of this call's k is position 0 (set by the caller)
+
+    def transform(self, layer: int, q, k, v):
+        h = self.matrix
+        if self.rot_k:
+            q, k = q @ h, k @ h  # (T, H, D) @ (D, D)
+        if self.rot_v:
+            v = v @ h
+        if self.phase == "mean":
+            s = self.sums.setdefault(layer, [0, 0, 0])
+            s[0], s[1], s[2] = s[0] + k.double().sum(0), s[1] + v.double().sum(0), s[2] + k.shape[0]
+        elif layer in self.means:
+            mk, mv = self.means[layer]
+            k, v = k - mk, v - mv
+        return q, k, v
+
+    def restore(self, layer: int, y):
+        if layer in self.means and self.center_v:
+            mv = self.means[layer][1]  # (Hkv, D)
+            y = y + mv.repeat_interleave(y.shape[1] // mv.shape[0], 0)
+        return y @ self.matrix.T if self.rot_v else y
+
+    def end_phase(self, dtype) -> None:
+        if self.phase == "mean":
+            for layer, (sk, sv, n) in self.sums.items():
+                if self.center_k or self.center_v:
+                    mk = (sk / n).to(dtype) if self.center_k else torch.zeros_like(sk, dtype=dtype)
+                    mv = (sv / n).to(dtype) if self.center_v else torch.zeros_like(sv, dtype=dtype)
+                    self.means[layer] = (mk, mv)
+            self.maxima = {}
+            self.phase = "max"
+        elif self.phase == "max":
+            self.scales = [tuple(power_of_two_scale(m) for m in self.maxima[i]) for i in range(len(self.maxima))]
+            self.phase = "run"
+
+    def store(self, layer: int, k, v):
+        """k, v as the cache would return them."""
+        if self.phase != "run":  # calibration: record the largest magnitudes
+            seen = self.maxima.setdefault(layer, [0.0, 0.0])
+            seen[0], seen[1] = max(seen[0], float(k.abs().max())), max(seen[1], float(v.abs().max()))
+            return k, v
+        if self.int8_token:
+            kq, vq = int8_per_token(k), int8_per_token(v)
+        elif self.int8_layer:  # the calibration's largest magnitude x 2 (FP8's headroom) is 127
+            kq, vq = (int8_with_scale(x, m * HEADROOM / 127) for x, m in zip((k, v), self.maxima[layer]))
+        elif self.bf16:
+            kq, vq = k.to(torch.bfloat16).to(k.dtype), v.to(torch.bfloat16).to(v.dtype)
+        else:
+            ks, vs = self.scales[layer]
+            kq, vq = dequantize(quantize(k, ks), ks, k.dtype), dequantize(quantize(v, vs), vs, v.dtype)
+        if self.sink and self.first_position:
+            kq[0], vq[0] = k[0], v[0]
+        return kq, vq
+
+
+def int8_per_token(x: torch.Tensor) -> torch.Tensor:
+    """x (T, H, D) through int8 with a scale per token and head (absmax / 127): not an FP8 cache,
+    a reference for what 8 bits with a finer scale would keep (it needs a scale stored per row)."""
+    scale = x.abs().amax(-1, keepdim=True).clamp_min(1e-30) / 127  # (T, H, 1)
+    return (x / scale).round().clamp(-127, 127) * scale
+
+
+def int8_with_scale(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """x through int8 with one scale (a layer's: TensorRT-LLM's INT8 KV cache), saturated."""
+    return (x / scale).round().clamp(-127, 127) * scale
+
+
+@contextlib.contextmanager
+def wrapped_attention(model, variant: Variant):
+    """Route every ``Attention.attend`` of ``model`` through ``variant``."""
+    index = {id(layer.self_attn): i for i, layer in enumerate(model.model.layers)}
+    original: Callable = Attention.attend
+
+    def attend(self, q, k, v, paged):
+        layer = index[id(self)]
+        q, k, v = variant.transform(layer, q, k, v)
+        k, v = variant.store(layer, k, v)
+        return variant.restore(layer, original(self, q, k, v, paged))
+
+    Attention.attend = attend
+    try:
+        yield
+    finally:
+        Attention.attend = original
+
+
+@torch.inference_mode()
+def calibrate(model, variant: Variant, tokenizer, unit: bool) -> None:
+    sequences, _ = calibration_token_ids(tokenizer, model.config.vocab_size)
+    for _ in range(2):  # the means, then the largest magnitudes of the centred values
+        with wrapped_attention(model, variant):
+            for ids in sequences:
+                model.forward_full(torch.tensor(ids, dtype=torch.long))
+        variant.end_phase(model.config.torch_dtype)
+    if unit:
+        variant.scales = [(1.0, 1.0)] * len(model.model.layers)
+
+
+@torch.inference_mode()
+def chunked_log_probs(model, ids: list[int], chunk_size: int) -> torch.Tensor:
+    """Log-probabilities (L-1, vocab), float64, of each next token, the sequence prefilled in
+    chunks over a pool of the model's dtype (``paged_perplexity``'s forward)."""
+    from tensorrt_llm._torch.attention_backend.backend import plan_builder
+
+    tpb, length = 16, len(ids)
+    tokens = torch.tensor(ids, dtype=torch.long)
+    num_blocks = -(-length // tpb)
+    shape = model.kv_cache_shape(num_blocks, tpb)
+    dtype = model.config.torch_dtype
+    k_cache = [torch.zeros(shape, dtype=dtype) for _ in model.model.layers]
+    v_cache = [torch.zeros(shape, dtype=dtype) for _ in model.model.layers]
+    rows = []
+    for start in range(0, length, chunk_size):
+        stop = min(length, start + chunk_size)
+        builder = plan_builder("cpu", tokens_per_block=tpb, num_blocks=num_blocks,
+                               num_kv_heads=model.num_local_kv_heads, dtype=dtype)
+        plan = builder.build([stop - start], [start], [list(range(num_blocks))])
+        hidden = model.forward_with_plan(tokens[start:stop], torch.arange(start, stop), plan, k_cache, v_cache)
+        rows.append(torch.log_softmax(model.compute_logits(hidden).double(), dim=-1))
+    return torch.cat(rows)[: length - 1]  # (L-1, vocab)
+
+
+def variant_log_probs(model, variant: Variant, ids: list[int], chunk_size: int) -> torch.Tensor:
+    """:func:`chunked_log_probs` with every stored K/V as the variant stores it."""
+    calls = {"n": 0}
+    original_store = variant.store
+
+    def store(layer, k, v):
+        # The first chunk's first call per layer holds position 0 in row 0 (one sequence a run).
+        variant.first_position = calls["n"] < len(model.model.layers)
+        calls["n"] += 1
+        return original_store(layer, k, v)
+
+    variant.store = store
+    try:
+        with wrapped_attention(model, variant):
+            return chunked_log_probs(model, ids, chunk_size)
+    finally:
+        variant.store = original_store
+
+
+def compare(reference: torch.Tensor, other: torch.Tensor, ids: list[int]) -> dict:
+    """Perplexity change (%), RMS change of the next token's log-probability, mean KL(reference || other)."""
+    target = torch.tensor(ids[1:])[:, None]
+    ref, oth = reference.gather(1, target)[:, 0], other.gather(1, target)[:, 0]  # (L-1,)
+    kl = (reference.exp() * (reference - other)).sum(-1)  # (L-1,)
+    return {"delta_pct": 100 * (math.exp(float(ref.mean() - oth.mean())) - 1),
+            "rms_dlogp": float((oth - ref).pow(2).mean().sqrt()), "kl": float(kl.mean())}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    from tensorrt_llm.llmapi.llm_utils import load_model
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--kv-scales", default="derived", choices=("unit", "derived"))
+    parser.add_argument("--variants", default="none,rot-k,rot-kv")
+    parser.add_argument("--chunk-size", type=int, default=16)
+    parser.add_argument("--seed", type=int, default=0, help="the random signs of rrot-*")
+    parser.add_argument("--check-real", action="store_true", help="also run the plain variant on a real FP8 pool")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    for name in args.variants.split(","):
+        Variant(name, 2, torch.float32)  # a ValueError naming an unknown feature, before the model loads
+    loaded = load_model(args.model, dtype=args.dtype, device=torch.device("cpu"))
+    model, tokenizer = loaded.model, loaded.tokenizer
+    names = [f"suite {i + 1}" for i in range(len(PARAGRAPHS))] + [f"held-out {i + 1}" for i in
+                                                                   range(len(HELD_OUT_PARAGRAPHS))]
+    texts = paragraph_ids(tokenizer, PARAGRAPHS) + paragraph_ids(tokenizer, HELD_OUT_PARAGRAPHS)
+    base = [chunked_log_probs(model, t, args.chunk_size) for t in texts]
+    report = {"config": vars(args), "paragraphs": names, "variants": {}}
+    print(f"{args.dtype}, scales {args.kv_scales}, chunks of {args.chunk_size}; per paragraph: perplexity change; "
+          "then the worst |change|, RMS change of a token's log-prob and mean KL over all paragraphs")
+    print(f"{'variant':<22} " + " ".join(f"{n:>10}" for n in names) + "    max |d|   rms dlogp   KL")
+    for name in args.variants.split(","):
+        variant = Variant(name, model.config.head_dim, model.config.torch_dtype, args.seed)
+        calibrate(model, variant, tokenizer, args.kv_scales == "unit")
+        results = [compare(b, variant_log_probs(model, variant, t, args.chunk_size), t) for b, t in zip(base, texts)]
+        deltas = [r["delta_pct"] for r in results]
+        weights = [len(t) - 1 for t in texts]
+        rms = math.sqrt(sum(r["rms_dlogp"] ** 2 * w for r, w in zip(results, weights)) / sum(weights))
+        kl = sum(r["kl"] * w for r, w in zip(results, weights)) / sum(weights)
+        report["variants"][name] = {"per_paragraph": results, "rms_dlogp": rms, "kl": kl}
+        print(f"{name:<22} " + " ".join(f"{d:>+9.2f}%" for d in deltas)
+              + f"   {max(map(abs, deltas)):6.2f}%   {rms:.4f}   {kl:.5f}", flush=True)
+    if args.check_real:
+        from tensorrt_llm._torch.attention_backend.kv_quant import KvScales
+
+        variant = Variant("none", model.config.head_dim, model.config.torch_dtype)
+        calibrate(model, variant, tokenizer, args.kv_scales == "unit")
+        scales = KvScales(tuple(s[0] for s in variant.scales), tuple(s[1] for s in variant.scales))
+        real = [paged_perplexity(model, [t], kv_cache_dtype_name="fp8", chunk_size=args.chunk_size, kv_scales=scales)
+                for t in texts]
+        print(f"{'real fp8 (perplexity)':<22} " + " ".join(f"{v:>10.3f}" for v in real))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+    return report
+
+
+if __name__ == "__main__":
+    main()
