@@ -116,6 +116,16 @@ def config_for(pool_dtype: torch.dtype) -> DecodeConfig:
 
 
 @triton.jit
+def _split_range(seq_lens, seq, split, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Positions ``[start, end)`` of sequence ``seq`` that split ``split`` reads: contiguous ranges of
+    whole tiles (the last may be empty; its partial state then weighs nothing in the combine)."""
+    seq_len = tl.load(seq_lens + seq)
+    per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * per_split
+    return start, tl.minimum(start + per_split, seq_len)
+
+
+@triton.jit
 def _decode_kernel(
     Q, K, V, Out, Acc, ML,
     rows, tables, seq_lens,
@@ -132,11 +142,7 @@ def _decode_kernel(
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-
-    seq_len = tl.load(seq_lens + seq)
-    per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    start = split * per_split
-    end = tl.minimum(start + per_split, seq_len)
+    start, end = _split_range(seq_lens, seq, split, NUM_SPLITS, BLOCK_N)
 
     offs_g = tl.arange(0, GROUP_PAD)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -232,11 +238,7 @@ def _fp8_scores_kernel(
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-
-    seq_len = tl.load(seq_lens + seq)
-    per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    start = split * per_split
-    end = tl.minimum(start + per_split, seq_len)
+    start, end = _split_range(seq_lens, seq, split, NUM_SPLITS, BLOCK_N)
 
     offs_g = tl.arange(0, GROUP_PAD)
     offs_d = tl.arange(0, HEAD_DIM)
