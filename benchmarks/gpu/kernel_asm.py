@@ -6,7 +6,11 @@ the H100's and H200's) on any machine where it is installed (not a dependency of
 ``pip install triton`` into your own environment); ``cuobjdump``, which Triton's package carries,
 reads the registers off the cubin. What to look for (``docs/gpu.md``, the FP8 decode kernel): an
 FP8 kernel with ``ld.shared.b8`` reads a transposed 8-bit operand a byte at a time, and one whose
-loop waits with ``async_wait num = 0`` keeps a single tile in flight::
+loop waits with ``async_wait num = 0`` keeps a single tile in flight (the K tile's addresses come
+from a block-table load, so every shape prefetches one tile ahead, in any number of stages). For
+the FP8 scores kernel: ``wgmma`` counts Hopper's warpgroup MMAs (``mma_sync`` the older ones),
+``cvt.e4m3`` the e4m3x2 widenings in the PTX (V's only), ``barriers`` the CTA-wide barriers; the
+registers bound how many programs share a multiprocessor (65536 / (registers x 128 threads))::
 
     python -m benchmarks.gpu.kernel_asm [--json OUT.json]
 """
@@ -20,28 +24,34 @@ import subprocess
 import sys
 from pathlib import Path
 
-SHAPES = {  # name: (pool element type, DecodeConfig fields), Llama-3.1-8B's and Nemo's heads (32 / 8 of 128)
-    "bf16 (DEFAULT_CONFIG)": ("bf16", dict(block_n=64, num_warps=4, num_stages=3, table_ahead=False)),
-    "fp8 (FP8_CONFIG)": ("fp8e4nv", dict(block_n=128, num_warps=4, num_stages=3, table_ahead=True)),
-    "fp8 at the bf16 tile": ("fp8e4nv", dict(block_n=64, num_warps=4, num_stages=3, table_ahead=False)),
+SHAPES = {  # name: (kernel, pool element type, DecodeConfig fields), Llama-3.1-8B's and Nemo's heads (32 / 8 of 128)
+    "bf16 (DEFAULT_CONFIG)": ("widened", "bf16", dict(block_n=64, num_warps=4, num_stages=3, table_ahead=False)),
+    "fp8 scores (FP8_CONFIG)": ("fp8_scores", "fp8e4nv", dict(block_n=64, num_warps=4, num_stages=2, table_ahead=False)),
+    "fp8 widened (WIDENED_FP8_CONFIG)": ("widened", "fp8e4nv",
+                                         dict(block_n=128, num_warps=4, num_stages=3, table_ahead=False)),
 }
 
 
-def compile_decode(pool: str, config: dict, *, num_splits: int = 1) -> dict:
+def compile_decode(kind: str, pool: str, config: dict, *, num_splits: int = 1) -> dict:
+    """``kind``: ``widened`` (``_decode_kernel``, 16-bit dots) or ``fp8_scores`` (``_fp8_scores_kernel``)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from tensorrt_llm._torch.attention_backend.triton_paged_decode import _decode_kernel
+    from tensorrt_llm._torch.attention_backend import triton_paged_decode
 
-    names = _decode_kernel.arg_names
     pointers = {"Q": "*bf16", "K": f"*{pool}", "V": f"*{pool}", "Out": "*bf16", "Acc": "*fp32", "ML": "*fp32",
                 "rows": "*i64", "tables": "*i32", "seq_lens": "*i32"}
-    constants = dict(GROUP=4, GROUP_PAD=16, HEAD_DIM=128, TOKENS_PER_BLOCK=32, BLOCK_N=config["block_n"],
-                     NUM_SPLITS=num_splits, NUM_Q_HEADS=32, IEEE=False, FP8=pool != "bf16",
-                     TABLE_AHEAD=config["table_ahead"])
+    constants = dict(GROUP=4, HEAD_DIM=128, TOKENS_PER_BLOCK=32, BLOCK_N=config["block_n"], NUM_SPLITS=num_splits,
+                     NUM_Q_HEADS=32)
+    if kind == "fp8_scores":
+        fn = triton_paged_decode._fp8_scores_kernel
+        constants.update(GROUP_PAD=8)
+    else:
+        fn = triton_paged_decode._decode_kernel
+        constants.update(GROUP_PAD=16, IEEE=False, FP8=pool != "bf16", TABLE_AHEAD=config["table_ahead"])
     signature, constexprs, attrs = {}, {}, {}
-    for i, name in enumerate(names):
+    for i, name in enumerate(fn.arg_names):
         if name in constants:
             signature[name], constexprs[(i,)] = "constexpr", constants[name]
         elif name in pointers:
@@ -52,7 +62,7 @@ def compile_decode(pool: str, config: dict, *, num_splits: int = 1) -> dict:
             signature[name] = "i32"
             if name.startswith("stride"):
                 attrs[(i,)] = [["tt.divisibility", 16]]
-    kernel = triton.compile(ASTSource(fn=_decode_kernel, signature=signature, constexprs=constexprs, attrs=attrs),
+    kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
                             target=GPUTarget("cuda", 90, 32),
                             options=dict(num_warps=config["num_warps"], num_stages=config["num_stages"]))
     ptx, ttgir = kernel.asm["ptx"], kernel.asm["ttgir"]
@@ -61,6 +71,10 @@ def compile_decode(pool: str, config: dict, *, num_splits: int = 1) -> dict:
         "registers": _registers(kernel.asm["cubin"]),
         "ld_shared_b8": len(re.findall(r"ld\.shared\.b8", ptx)),
         "ldmatrix": len(re.findall(r"ldmatrix", ptx)),
+        "wgmma": len(re.findall(r"wgmma\.mma_async", ptx)),
+        "mma_sync": len(re.findall(r"mma\.sync", ptx)),
+        "cvt_e4m3": len(re.findall(r"cvt\.rn\.f16x2\.e4m3x2", ptx)),
+        "barriers": len(re.findall(r"bar\.sync|barrier\.sync", ptx)),
         "async_wait_in_loop": re.findall(r"async_wait.*?\{num = (\d+)", ttgir),
         "k_buffers": sorted(set(re.findall(r"memdesc<(\d+)x\d+x128xf8E4M3FN|memdesc<(\d+)x\d+x128xbf16", ttgir))),
     }
@@ -92,10 +106,12 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         print("not run: Triton is not installed here (pip install triton into your own environment)", file=sys.stderr)
         return 2
-    report = {name: {"pool": pool, **config, **compile_decode(pool, config)} for name, (pool, config) in SHAPES.items()}
+    report = {name: {"kernel": kind, "pool": pool, **config, **compile_decode(kind, pool, config)}
+              for name, (kind, pool, config) in SHAPES.items()}
     for name, r in report.items():
-        print(f"{name:30s} {r['registers']} registers, {r['shared_bytes'] / 1024:.0f} KB shared, "
-              f"{r['ld_shared_b8']} ld.shared.b8, {r['ldmatrix']} ldmatrix, waits {r['async_wait_in_loop']}")
+        print(f"{name:34s} {r['registers']} registers, {r['shared_bytes'] / 1024:.0f} KB shared, "
+              f"{r['ld_shared_b8']} ld.shared.b8, {r['ldmatrix']} ldmatrix, {r['wgmma']} wgmma, {r['mma_sync']} mma.sync, "
+              f"{r['cvt_e4m3']} cvt.e4m3, {r['barriers']} barriers, waits {r['async_wait_in_loop']}")
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
     return 0
