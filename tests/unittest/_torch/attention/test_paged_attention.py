@@ -12,11 +12,7 @@ on CPU pools), itself held to ``forward_full`` by ``test_modeling_llama``.
 
 from __future__ import annotations
 
-import json
-import os
 import random
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -24,8 +20,8 @@ import torch
 from hypothesis import given, note, settings
 from hypothesis import strategies as st
 
+from tests.helpers.triton_interpreter import run_interpreted
 from tensorrt_llm._torch.attention_backend import build_plan
-from tensorrt_llm._torch.attention_backend.kernels import reference_decode_attention
 from tensorrt_llm._torch.models import AttentionMetadata, LlamaConfig, LlamaForCausalLM
 
 TOL = 1e-9  # float64: the two paths differ only by summation order
@@ -140,12 +136,7 @@ def test_triton_kernels_match_references_interpreted() -> None:
     """The Triton kernels (paged decode, context, RoPE; decode and context over FP8 K/V too) under
     Triton's CPU interpreter, in a fresh process: TRITON_INTERPRET must be set before Triton is
     first imported (torch may import it early)."""
-    pytest.importorskip("triton")
-    script = Path(__file__).parents[3] / "helpers" / "interpreted_kernels.py"
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    results = json.loads(done.stdout.strip().splitlines()[-1])
+    results = run_interpreted(Path(__file__).parents[3] / "helpers" / "interpreted_kernels.py")
     assert len(results) == 33
     for case in results:
         assert case["untouched_rows_nan"], case

@@ -13,10 +13,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
-import subprocess
-import sys
 from array import array
 from pathlib import Path
 
@@ -26,6 +22,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tests.helpers import cuda_logic_on_cpu, factories
+from tests.helpers.triton_interpreter import run_interpreted
 
 from tensorrt_llm._torch.attention_backend.staging import PinnedStaging
 from tensorrt_llm._torch.models.modeling_llama import MODEL_PRESETS
@@ -162,12 +159,7 @@ def test_the_fused_drafting_kernel_is_the_reference_interpreted():
     rows' reorder of a batch above one: none alone). Before the acceptance, fill and move joined the kernel, a
     drafting launch ran 16 ops more. The two forms alternated launch by launch (as the GPU profile
     alternates them) give the same tokens and acceptance."""
-    pytest.importorskip("triton")
-    script = Path(__file__).parents[3] / "helpers" / "interpreted_drafting.py"
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    results = json.loads(done.stdout.strip().splitlines()[-1])
+    results = run_interpreted(Path(__file__).parents[3] / "helpers" / "interpreted_drafting.py")
     assert len(results["cases"]) == 30 and all(case["ok"] for case in results["cases"]), results["cases"]
     served = results["served"]
     print(served)
