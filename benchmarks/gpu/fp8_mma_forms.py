@@ -23,7 +23,11 @@ scores and the output are formed:
   the two terms (wrong results on an H100 with Triton 3.6, 0.72 max error: kept as a finding);
 * ``t_qk8r``: as ``t_qk8s``, with the operand's rows built in place (row r: term r % 2 of head r // 2,
   each head loaded twice), no 8-bit permute; the probabilities joined to 16 columns for ``V^T P^T``;
-* ``t_qk8r16``: as ``t_qk8r`` with the group padded to 16 (32 columns): no join of the probabilities.
+* ``t_qk8r16``: as ``t_qk8r`` with the group padded to 16 (32 columns): no join of the probabilities;
+* ``t_qk8r_split``: as ``t_qk8r`` with a loop start the compiler cannot know (0 at run time), as the
+  shipped kernel's split has; ``t_qk8r_split_u``: the same with the positions as unsigned. If the
+  first is as slow as ``shipped`` and the second as fast as ``t_qk8r``, the signed divisions of a
+  position by the block size are the shipped kernel's gap (``docs/gpu.md``).
 
 Each form is checked against float32 attention over the dequantized pools (max abs error of the
 output; the quantized ``q`` forms add e4m3's rounding of q). A form that does not compile is
@@ -48,7 +52,8 @@ from benchmarks.gpu.common import time_ms
 logger = logging.getLogger("fp8_mma_forms")
 
 _LOG2E = tl.constexpr(1.4426950408889634)  # a constexpr: a jitted function reads no other globals
-FORMS = ("widen", "qk8", "qk8_pv8", "t_widen", "t_qk8", "t_qk8x2", "t_qk8s", "t_qk8r", "t_qk8r16")
+FORMS = ("widen", "qk8", "qk8_pv8", "t_widen", "t_qk8", "t_qk8x2", "t_qk8s", "t_qk8r", "t_qk8r16", "t_qk8r_split",
+         "t_qk8r_split_u")
 
 
 @triton.jit
@@ -146,7 +151,7 @@ def _split_q_kernel(
     stride_qt, stride_qh, stride_ks, stride_kh, stride_ot, stride_oh, stride_tb,
     sm_scale, k_scale, v_scale,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, TPB: tl.constexpr, BLOCK_N: tl.constexpr, PACKED: tl.constexpr,
-    ROWS: tl.constexpr, GP: tl.constexpr,
+    ROWS: tl.constexpr, GP: tl.constexpr, SPLIT_START: tl.constexpr, UNSIGNED: tl.constexpr,
 ):
     """Transposed, the scores straight from the FP8 K tile, ``q`` as two e4m3 terms (hi + lo, each
     with its own per-row scale: about 8 significant bits). ``PACKED``: hi and lo are interleaved
@@ -197,11 +202,19 @@ def _split_q_kernel(
         l = tl.zeros([16], dtype=tl.float32)
         acc = tl.zeros([HEAD_DIM, 16], dtype=tl.float32)
     table = tables + seq * stride_tb
-    for n0 in tl.range(0, seq_len, BLOCK_N):
+    start = 0
+    if SPLIT_START:  # a start the compiler cannot know (the shipped kernel's split): 0 at run time
+        start = tl.program_id(2) * tl.cdiv(seq_len, BLOCK_N) * BLOCK_N
+    for n0 in tl.range(start, seq_len, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         valid = offs_n < seq_len
-        block = tl.load(table + offs_n // TPB, mask=valid, other=0)
-        slot = block.to(tl.int64) * TPB + offs_n % TPB
+        if UNSIGNED:  # positions as unsigned: block and offset are a shift and a mask
+            pos = offs_n.to(tl.uint32)
+            block = tl.load(table + pos // TPB, mask=valid, other=0)
+            slot = block.to(tl.int64) * TPB + (pos % TPB).to(tl.int64)
+        else:
+            block = tl.load(table + offs_n // TPB, mask=valid, other=0)
+            slot = block.to(tl.int64) * TPB + offs_n % TPB
         k = tl.load(K + slot[:, None] * stride_ks + kv_head * stride_kh + offs_d[None, :], mask=valid[:, None], other=0.0)
         v = tl.load(V + slot[:, None] * stride_ks + kv_head * stride_kh + offs_d[None, :], mask=valid[:, None], other=0.0)
         if ROWS:
@@ -242,13 +255,15 @@ def run_form(form: str, q, k, v, out, tables, seq_lens, tpb: int, k_scale: float
                                config=DecodeConfig(block_n, num_warps, num_stages), k_scale=k_scale, v_scale=v_scale)
         return
     hkv = k.shape[1]
-    if form in ("t_qk8x2", "t_qk8s", "t_qk8r", "t_qk8r16"):
+    if form in ("t_qk8x2", "t_qk8s", "t_qk8r", "t_qk8r16", "t_qk8r_split", "t_qk8r_split_u"):
         _split_q_kernel[(batch, hkv)](
             q, k, v, out, tables, seq_lens,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), out.stride(0), out.stride(1), tables.stride(0),
             d ** -0.5, k_scale, v_scale,
-            GROUP=hq // hkv, HEAD_DIM=d, TPB=tpb, BLOCK_N=block_n, PACKED=form in ("t_qk8s", "t_qk8r"),
-            ROWS=form in ("t_qk8r", "t_qk8r16"), GP=16 if form in ("t_qk8x2", "t_qk8r16") else 8,
+            GROUP=hq // hkv, HEAD_DIM=d, TPB=tpb, BLOCK_N=block_n,
+            PACKED=form in ("t_qk8s", "t_qk8r", "t_qk8r_split", "t_qk8r_split_u"),
+            ROWS=form.startswith("t_qk8r"), GP=16 if form in ("t_qk8x2", "t_qk8r16") else 8,
+            SPLIT_START=form.startswith("t_qk8r_split"), UNSIGNED=form == "t_qk8r_split_u",
             num_warps=num_warps, num_stages=num_stages,
         )
         return
