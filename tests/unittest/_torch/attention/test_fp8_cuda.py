@@ -52,10 +52,12 @@ def _batch(rng: random.Random, num_blocks: int, tpb: int, max_ctx: int):
 
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
-@pytest.mark.parametrize("heads", [(32, 8, 128), (4, 2, 16)])
+@pytest.mark.parametrize("heads", [(32, 8, 128), (4, 2, 16), (12, 4, 64), (16, 1, 128), (8, 8, 64)])
 def test_fp8_layer_attention_matches_the_float64_reference_over_the_same_bytes(dtype, tol, heads) -> None:
     """Mixed batches over FP8 pools with per-layer scales: the Triton decode kernel (and, in bf16,
-    the Triton context kernel) reading FP8 against the CPU's float64 attention over the same bytes."""
+    the Triton context kernel) reading FP8 against the CPU's float64 attention over the same bytes.
+    In bf16 the decode kernel takes the scores from the FP8 tile over query groups of 4, 3, 16 and
+    1; a head dimension of 16 takes the widened kernel."""
     hq, hkv, d = heads
     tpb, num_blocks = 32, 400
     scales = KvScales((1.0, 0.5), (1.0, 4.0))  # layer 1's
