@@ -21,6 +21,8 @@ serve = pytest.importorskip("ray.serve")
 httpx = pytest.importorskip("httpx")
 
 from tensorrt_llm.serve.ray_serve import build_app  # noqa: E402
+from tensorrt_llm.serve.ray_serve.prefix_index import request_keys  # noqa: E402
+from tensorrt_llm.serve.ray_serve.registry import NAMESPACE, registry_name  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -69,6 +71,16 @@ def _complete(url: str, prompt: list[int], max_tokens: int = 4) -> httpx.Respons
     return httpx.post(f"{url}/v1/completions", json={"prompt": prompt, "max_tokens": max_tokens}, timeout=60)
 
 
+def _wait_cached(prompt: list[int], replica: str) -> None:
+    """Until the router's registry holds every full block of ``prompt`` on ``replica``: the replica
+    pushes its events every report_period_s / 4, later on a loaded machine, and a request routed
+    before they arrive is balanced instead."""
+    registry = ray.get_actor(registry_name(APP), namespace=NAMESPACE)
+    keys = request_keys(prompt, TPB)
+    _wait_for(lambda: ray.get(registry.match.remote(keys, [replica]), timeout=10)[replica] == len(keys),
+              "the prompt's blocks registered on its replica")
+
+
 def _prompt(seed: int, length: int = 80) -> list[int]:
     return [1 + (seed * 131 + i * 17) % 500 for i in range(length)]
 
@@ -80,7 +92,7 @@ def test_a_cached_prefix_brings_its_requests_back_to_its_replica(cluster):
     first = _complete(cluster, prompt)
     assert first.status_code == 200, first.text
     home = first.headers["x-trtllm-replica"]
-    time.sleep(0.5)  # the replica pushes its events every report_period_s / 4
+    _wait_cached(prompt, home)
     for turn in range(4):
         follow_up = prompt + _prompt(100 + turn, 20)
         response = _complete(cluster, follow_up)
@@ -93,7 +105,7 @@ def test_a_hot_prefix_spills_over_the_load_bound(cluster):
     them until it is one request ahead of the other, which then takes its share."""
     prompt = _prompt(2)
     home = _complete(cluster, prompt).headers["x-trtllm-replica"]
-    time.sleep(0.5)
+    _wait_cached(prompt, home)
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         responses = list(pool.map(lambda i: _complete(cluster, prompt + [7 + i] * 3, max_tokens=40), range(8)))
     served = [r.headers["x-trtllm-replica"] for r in responses]
