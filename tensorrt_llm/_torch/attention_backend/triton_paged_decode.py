@@ -352,39 +352,24 @@ def paged_decode_attention(
         ml = torch.empty((num_seqs * num_q_heads * num_splits, 2), dtype=torch.float32, device=q.device)
     else:
         acc = ml = out  # unused
+    grid = (num_seqs, num_kv_heads, num_splits)
+    tensors = (q, k_pool, v_pool, out, acc, ml, rows, tables, seq_lens,
+               q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
+               out.stride(0), out.stride(1), tables.stride(0))
+    shape = dict(GROUP=group, HEAD_DIM=head_dim, TOKENS_PER_BLOCK=tokens_per_block, BLOCK_N=config.block_n,
+                 NUM_SPLITS=num_splits, NUM_Q_HEADS=num_q_heads, num_warps=config.num_warps,
+                 num_stages=config.num_stages)
     if scores8:
-        _fp8_scores_kernel[(num_seqs, num_kv_heads, num_splits)](
-            q, k_pool, v_pool, out, acc, ml,
-            rows, tables, seq_lens,
-            q.stride(0), q.stride(1),
-            k_pool.stride(0), k_pool.stride(1),
-            v_pool.stride(0), v_pool.stride(1),
-            out.stride(0), out.stride(1),
-            tables.stride(0),
-            scale * k_scale * _LOG2E, v_scale,
-            GROUP=group, GROUP_PAD=max(8, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-            TOKENS_PER_BLOCK=tokens_per_block, BLOCK_N=config.block_n, NUM_SPLITS=num_splits,
-            NUM_Q_HEADS=num_q_heads, num_warps=config.num_warps, num_stages=config.num_stages,
-        )
+        _fp8_scores_kernel[grid](*tensors, scale * k_scale * _LOG2E, v_scale,
+                                 GROUP_PAD=max(8, triton.next_power_of_2(group)), **shape)
     else:
         if fp8 and not ieee:  # the softmax scale goes into q, the scores carry k_scale (kernel)
             q_scale, score_scale = scale, k_scale * _LOG2E
         else:
             q_scale, score_scale = 1.0, scale * k_scale * _LOG2E
-        _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
-            q, k_pool, v_pool, out, acc, ml,
-            rows, tables, seq_lens,
-            q.stride(0), q.stride(1),
-            k_pool.stride(0), k_pool.stride(1),
-            v_pool.stride(0), v_pool.stride(1),
-            out.stride(0), out.stride(1),
-            tables.stride(0),
-            q_scale, score_scale, v_scale,
-            GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-            TOKENS_PER_BLOCK=tokens_per_block, BLOCK_N=config.block_n, NUM_SPLITS=num_splits,
-            NUM_Q_HEADS=num_q_heads, IEEE=ieee, FP8=fp8, TABLE_AHEAD=config.table_ahead,
-            num_warps=config.num_warps, num_stages=config.num_stages,
-        )
+        _decode_kernel[grid](*tensors, q_scale, score_scale, v_scale,
+                             GROUP_PAD=max(16, triton.next_power_of_2(group)), IEEE=ieee, FP8=fp8,
+                             TABLE_AHEAD=config.table_ahead, **shape)
     if num_splits > 1:
         _combine_kernel[(num_seqs, num_q_heads)](
             out, acc, ml, rows,
