@@ -29,7 +29,8 @@ rules, and the tests hold the two to each other.
 
 from __future__ import annotations
 
-import numpy as np
+from typing import Sequence
+
 import torch
 
 __all__ = ["accept_on_device", "move_back_", "positions_after_acceptance"]
@@ -51,17 +52,22 @@ def accept_on_device(
 
 
 def positions_after_acceptance(
-    built: np.ndarray, slots: np.ndarray, tables: np.ndarray, table_of: np.ndarray, tokens_per_block: int
-) -> tuple[np.ndarray, np.ndarray]:
-    """On the host, for X rows of a forward laid out as if the forward before accepted all of
-    its request's ``slots`` (X,) drafts (``built`` (X,) their positions then): each row's position
-    if it accepts none, and its KV slot for each count ``a`` in ``0 .. max(slots)`` it may accept
-    ((X, max + 1) int64; past a row's own slots, the slot as built). ``tables`` (Q, W) holds the
-    block tables, row ``x`` reading ``tables[table_of[x]]``."""
-    base = built - slots
-    positions = np.minimum(base[:, None] + np.arange(int(slots.max()) + 1), built[:, None])  # (X, max + 1)
-    blocks = tables[table_of[:, None], positions // tokens_per_block]
-    return base, blocks * tokens_per_block + positions % tokens_per_block
+    built: Sequence[int], slots: int, table: Sequence[int], width: int, tokens_per_block: int
+) -> tuple[list[int], list[int]]:
+    """On the host, for the rows of one request laid out as if the forward before accepted all
+    ``slots`` of its drafts (``built``: their positions then): each row's position if it accepts
+    none, and, row after row, its KV slot for each count ``a`` in ``0 .. width - 1`` it may accept
+    (``width`` > ``slots``; past the row's own slots, the slot as built), read through its block
+    ``table``. Plain Python: a request has a few rows, where a NumPy call apiece would cost more
+    than the values."""
+    base, candidates = [], []
+    for position in built:
+        first = position - slots
+        base.append(first)
+        for at in range(first, first + width):
+            at = min(at, position)
+            candidates.append(table[at // tokens_per_block] * tokens_per_block + at % tokens_per_block)
+    return base, candidates
 
 
 def move_back_(
@@ -76,8 +82,8 @@ def move_back_(
 ) -> None:
     """Move flat ``rows`` (X,) of a forward to where ``accepted`` (X,) drafts of the forward
     before leave them, in place: their ``positions`` and KV ``slots`` (indexed by flat row) and
-    the attended length in ``seq_lens`` of their decode ``sequences`` (X,). ``base``,
-    ``candidates``: :func:`positions_after_acceptance`'s."""
+    the attended length in ``seq_lens`` of their decode ``sequences`` (X,). ``base`` (X,),
+    ``candidates`` (X, width): :func:`positions_after_acceptance`'s, row by row."""
     moved = base + accepted  # (X,)
     positions.index_copy_(0, rows, moved)
     seq_lens.index_copy_(0, sequences, (moved + 1).to(seq_lens.dtype))

@@ -50,7 +50,7 @@ import torch
 from tensorrt_llm._torch.pyexecutor.engine.inputs import PAD_TOKEN_ID, ForwardInputs
 from tensorrt_llm._torch.pyexecutor.engine.logit_rows import DraftSpan
 from tensorrt_llm._torch.speculative.device_drafting import TokenHistories
-from tensorrt_llm._torch.speculative.device_verification import accept_on_device, move_back_
+from tensorrt_llm._torch.speculative.device_verification import accept_on_device, move_back_, positions_after_acceptance
 from tensorrt_llm._torch.speculative.proposer import DraftProposer
 
 __all__ = ["DevicePicks", "Drafting", "InFlightStep", "Proposed", "Verification", "drafting_for"]
@@ -257,8 +257,8 @@ class InFlightStep:
                     tokens_per_block: int) -> tuple[int, int]:
         """The rows of each in-flight request whose forward in flight has draft slots (it is laid
         out as if that forward accepted them all), and for each row its position if that forward
-        accepts none and its KV slot for every count it may accept (the rule of
-        ``device_verification.positions_after_acceptance``). Returns (rows, candidates per row)."""
+        accepts none and its KV slot for every count it may accept
+        (``device_verification.positions_after_acceptance``). Returns (rows, candidates per row)."""
         slots = inputs.in_flight_slots
         moved = [(flat, inputs.num_new_tokens[i], slots[i], self._source(inputs.requests[i].request_id), i)
                  for flat, i in inputs.in_flight if slots.get(i, 0) > 0]
@@ -269,17 +269,13 @@ class InFlightStep:
         tables = inputs.block_tables
         width = 1 + max(column[2] for column in moved)  # candidates per row: every count accepted, 0 .. max
         rows, owners, bases, candidates = [], [], [], []
-        for flat, count, verified, owner, i in moved:  # a few rows each: plain Python beats NumPy's calls
-            table = tables[i]
-            for row, built in enumerate(positions[flat : flat + count].tolist(), flat):
-                base = built - verified
-                rows.append(row)
-                owners.append(owner)
-                bases.append(base)
-                for position in range(base, base + width):
-                    position = min(position, built)  # past the row's own slots: as built
-                    candidates.append(table[position // tokens_per_block] * tokens_per_block
-                                      + position % tokens_per_block)
+        for flat, count, verified, owner, i in moved:
+            base, slots_of = positions_after_acceptance(positions[flat : flat + count].tolist(), verified,
+                                                        tables[i], width, tokens_per_block)
+            rows += range(flat, flat + count)
+            owners += [owner] * count
+            bases += base
+            candidates += slots_of
         plan = self._plan
         plan.add("move_rows", rows)
         if rows_are_sequences:

@@ -172,13 +172,14 @@ def test_moving_a_forward_back_equals_building_it_where_the_drafts_stopped(rejec
 
     plan, positions = forward((0, 0))
     rows = np.arange(4, 12)  # the flat rows of requests 2 and 3: the eager plan's decode sequences 1 .. 8
-    table_of = np.repeat([0, 1], 4)
-    verified = np.full(8, 3)  # each verified 3 drafts in the forward before
-    blocks = np.array([tables[2], tables[3] + [0]])
-    base, candidates = positions_after_acceptance(positions.numpy()[rows], verified, blocks, table_of, tpb)
+    base, candidates = [], []
+    for flat, table in ((4, tables[2]), (8, tables[3])):  # each verified 3 drafts in the forward before
+        request_base, request_slots = positions_after_acceptance(positions[flat : flat + 4].tolist(), 3, table, 4, tpb)
+        base += request_base
+        candidates += request_slots
     accepted = torch.tensor([3 - rejected[0]] * 4 + [3 - rejected[1]] * 4)
     move_back_(positions, plan.new_slots, plan.decode.seq_lens, torch.from_numpy(rows), torch.arange(1, 9),
-               torch.from_numpy(base), torch.from_numpy(candidates), accepted)
+               torch.tensor(base), torch.tensor(candidates).view(8, 4), accepted)
     truth, true_positions = forward(rejected)
     assert torch.equal(positions, true_positions)
     assert torch.equal(plan.new_slots, truth.new_slots)
