@@ -399,12 +399,11 @@ class InFlightStep:
                                      drafting.proposer.max_draft_len, self._proposed_values())
         if picks is None:  # the first launch: nothing in flight, nothing drafted
             return
-        verification = picks.verification
-        if drafting is not None and drafting.ngram_size is not None and (
-                self._entries or verification is not None):  # fused; a plain fill stays two ops, as plain decoding's
+        fused = drafting is not None and drafting.ngram_size is not None
+        if fused and (self._entries or picks.verification is not None):  # a plain fill stays plain decoding's two ops
             self._complete_fused(ids, positions, slots, seq_lens)
             return
-        bonus, runs, accepted = (picks.tokens, None, None) if verification is None else picks.accept()
+        bonus, runs, accepted = picks.accept()  # without a verification: the picks, launching nothing
         if self._entries:
             self._propose(ids, runs, accepted)
         if "fill_rows" in plan.at:
