@@ -40,7 +40,9 @@ from typing import Callable
 
 import torch
 
-from benchmarks.model.perplexity import HELD_OUT_PARAGRAPHS, PARAGRAPHS, paged_perplexity, paragraph_ids
+from benchmarks.model.perplexity import (
+    HELD_OUT_PARAGRAPHS, PARAGRAPHS, paged_log_probs, paged_perplexity, paragraph_ids,
+)
 from tensorrt_llm._torch.attention_backend.kv_quant import dequantize, quantize
 from tensorrt_llm._torch.models.kv_calibration import HEADROOM, calibration_token_ids, power_of_two_scale
 from tensorrt_llm._torch.modules.attention import Attention
@@ -184,32 +186,9 @@ def calibrate(model, variant: Variant, tokenizer, unit: bool) -> None:
         variant.scales = [(1.0, 1.0)] * len(model.model.layers)
 
 
-@torch.inference_mode()
-def chunked_log_probs(model, ids: list[int], chunk_size: int) -> torch.Tensor:
-    """Log-probabilities (L-1, vocab), float64, of each next token, the sequence prefilled in
-    chunks over a pool of the model's dtype (``paged_perplexity``'s forward)."""
-    from tensorrt_llm._torch.attention_backend.backend import plan_builder
-
-    tpb, length = 16, len(ids)
-    tokens = torch.tensor(ids, dtype=torch.long)
-    num_blocks = -(-length // tpb)
-    shape = model.kv_cache_shape(num_blocks, tpb)
-    dtype = model.config.torch_dtype
-    k_cache = [torch.zeros(shape, dtype=dtype) for _ in model.model.layers]
-    v_cache = [torch.zeros(shape, dtype=dtype) for _ in model.model.layers]
-    rows = []
-    for start in range(0, length, chunk_size):
-        stop = min(length, start + chunk_size)
-        builder = plan_builder("cpu", tokens_per_block=tpb, num_blocks=num_blocks,
-                               num_kv_heads=model.num_local_kv_heads, dtype=dtype)
-        plan = builder.build([stop - start], [start], [list(range(num_blocks))])
-        hidden = model.forward_with_plan(tokens[start:stop], torch.arange(start, stop), plan, k_cache, v_cache)
-        rows.append(torch.log_softmax(model.compute_logits(hidden).double(), dim=-1))
-    return torch.cat(rows)[: length - 1]  # (L-1, vocab)
-
-
 def variant_log_probs(model, variant: Variant, ids: list[int], chunk_size: int) -> torch.Tensor:
-    """:func:`chunked_log_probs` with every stored K/V as the variant stores it."""
+    """``perplexity.paged_log_probs`` over a pool of the model's dtype, with every stored K/V as the
+    variant stores it."""
     calls = {"n": 0}
     original_store = variant.store
 
@@ -222,7 +201,7 @@ def variant_log_probs(model, variant: Variant, ids: list[int], chunk_size: int) 
     variant.store = store
     try:
         with wrapped_attention(model, variant):
-            return chunked_log_probs(model, ids, chunk_size)
+            return paged_log_probs(model, ids, chunk_size=chunk_size)
     finally:
         variant.store = original_store
 
@@ -256,7 +235,7 @@ def main(argv: list[str] | None = None) -> dict:
     names = [f"suite {i + 1}" for i in range(len(PARAGRAPHS))] + [f"held-out {i + 1}" for i in
                                                                    range(len(HELD_OUT_PARAGRAPHS))]
     texts = paragraph_ids(tokenizer, PARAGRAPHS) + paragraph_ids(tokenizer, HELD_OUT_PARAGRAPHS)
-    base = [chunked_log_probs(model, t, args.chunk_size) for t in texts]
+    base = [paged_log_probs(model, t, chunk_size=args.chunk_size) for t in texts]
     report = {"config": vars(args), "paragraphs": names, "variants": {}}
     print(f"{args.dtype}, scales {args.kv_scales}, chunks of {args.chunk_size}; per paragraph: perplexity change; "
           "then the worst |change|, RMS change of a token's log-prob and mean KL over all paragraphs")

@@ -83,44 +83,55 @@ def paragraph_ids(tokenizer, paragraphs: Sequence[str] = PARAGRAPHS) -> list[lis
 
 
 @torch.inference_mode()
-def paged_perplexity(
-    model, token_sequences: Sequence[Sequence[int]], *, kv_cache_dtype_name: str = "auto", chunk_size: int | None = None,
+def paged_log_probs(
+    model, sequence: Sequence[int], *, kv_cache_dtype_name: str = "auto", chunk_size: int | None = None,
     tokens_per_block: int = 16, kv_scales=None,
-) -> float:
-    """:func:`perplexity` through the paged forward (``LlamaForCausalLM.forward``: what the
-    engines run), each sequence prefilled in chunks of ``chunk_size`` tokens (None: one chunk)
-    over pools of ``kv_cache_dtype_name`` ("auto": the model's dtype; "fp8": float8_e4m3fn with
-    ``kv_scales``, a ``KvScales``; None: 1.0). Every chunk after the first reads its prefix back from
-    the pool, and an FP8 pool is read as stored everywhere, so the result measures the cache's
-    precision, not the chunking."""
+) -> torch.Tensor:
+    """(L - 1, vocab) float64 log-probabilities of each next token of ``sequence`` through the
+    paged forward (``LlamaForCausalLM.forward``: what the engines run), prefilled in chunks of
+    ``chunk_size`` tokens (None: one chunk) over pools of ``kv_cache_dtype_name`` ("auto": the
+    model's dtype; "fp8": float8_e4m3fn with ``kv_scales``, a ``KvScales``; None: 1.0). Every
+    chunk after the first reads its prefix back from the pool, and an FP8 pool is read as stored
+    everywhere, so the result measures the cache's precision, not the chunking."""
     from tensorrt_llm._torch.attention_backend.backend import plan_builder
 
     dtype = kv_cache_dtype(kv_cache_dtype_name, model.config.torch_dtype)
     device = model.device
+    ids = torch.tensor(list(sequence), dtype=torch.long, device=device)  # (L,)
+    length = len(ids)
+    num_blocks = -(-length // tokens_per_block)
+    shape = model.kv_cache_shape(num_blocks, tokens_per_block)
+    k_cache = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(model.config.num_layers)]
+    v_cache = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(model.config.num_layers)]
+    table = list(range(num_blocks))
+    step = chunk_size or length
+    rows = []
+    for start in range(0, length, step):
+        stop = min(length, start + step)
+        builder = plan_builder(device, tokens_per_block=tokens_per_block, num_blocks=num_blocks,
+                               num_kv_heads=model.num_local_kv_heads, dtype=model.config.torch_dtype,
+                               kv_scales=kv_scales if dtype != model.config.torch_dtype else None)
+        plan = builder.build([stop - start], [start], [table])
+        positions = torch.arange(start, stop, dtype=torch.long, device=device)
+        hidden = model.forward_with_plan(ids[start:stop], positions, plan, k_cache, v_cache)  # (stop - start, hidden)
+        predicted = min(stop, length - 1) - start  # rows that predict a token of the sequence
+        if predicted > 0:
+            rows.append(torch.log_softmax(model.compute_logits(hidden[:predicted]).double(), dim=-1))
+    return torch.cat(rows)
+
+
+def paged_perplexity(
+    model, token_sequences: Sequence[Sequence[int]], *, kv_cache_dtype_name: str = "auto", chunk_size: int | None = None,
+    tokens_per_block: int = 16, kv_scales=None,
+) -> float:
+    """:func:`perplexity` through :func:`paged_log_probs` (its arguments), over every sequence."""
     total_nll, count = 0.0, 0
     for sequence in token_sequences:
-        ids = torch.tensor(list(sequence), dtype=torch.long, device=device)  # (L,)
-        length = len(ids)
-        num_blocks = -(-length // tokens_per_block)
-        shape = model.kv_cache_shape(num_blocks, tokens_per_block)
-        k_cache = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(model.config.num_layers)]
-        v_cache = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(model.config.num_layers)]
-        table = list(range(num_blocks))
-        step = chunk_size or length
-        for start in range(0, length, step):
-            stop = min(length, start + step)
-            builder = plan_builder(device, tokens_per_block=tokens_per_block, num_blocks=num_blocks,
-                                   num_kv_heads=model.num_local_kv_heads, dtype=model.config.torch_dtype,
-                                   kv_scales=kv_scales if dtype != model.config.torch_dtype else None)
-            plan = builder.build([stop - start], [start], [table])
-            positions = torch.arange(start, stop, dtype=torch.long, device=device)
-            hidden = model.forward_with_plan(ids[start:stop], positions, plan, k_cache, v_cache)  # (stop - start, hidden)
-            predicted = min(stop, length - 1) - start  # rows that predict a token of the sequence
-            if predicted <= 0:
-                continue
-            log_probs = torch.log_softmax(model.compute_logits(hidden[:predicted]).double(), dim=-1)
-            total_nll -= float(log_probs.gather(1, ids[start + 1 : start + 1 + predicted, None]).sum())
-            count += predicted
+        log_probs = paged_log_probs(model, sequence, kv_cache_dtype_name=kv_cache_dtype_name, chunk_size=chunk_size,
+                                    tokens_per_block=tokens_per_block, kv_scales=kv_scales)
+        targets = torch.tensor(list(sequence[1:]), dtype=torch.long, device=log_probs.device)
+        total_nll -= float(log_probs.gather(1, targets[:, None]).sum())
+        count += len(targets)
     return math.exp(total_nll / count)
 
 

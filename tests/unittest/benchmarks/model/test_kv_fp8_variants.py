@@ -8,7 +8,8 @@ import dataclasses
 import pytest
 import torch
 
-from benchmarks.model.kv_fp8_variants import Variant, calibrate, chunked_log_probs, hadamard, variant_log_probs
+from benchmarks.model.kv_fp8_variants import Variant, calibrate, hadamard, variant_log_probs
+from benchmarks.model.perplexity import paged_log_probs
 from tensorrt_llm._torch.attention_backend.kv_quant import KvScales
 from tensorrt_llm._torch.models.modeling_llama import MODEL_PRESETS, LlamaForCausalLM
 
@@ -35,7 +36,7 @@ def test_the_transforms_change_nothing_without_quantization(name: str):
     variant = Variant(name, model.config.head_dim, torch.float64, seed=1)
     calibrate(model, variant, None, unit=False)
     variant.store = lambda layer, k, v: (k, v)  # the transforms alone
-    plain = chunked_log_probs(model, IDS, 5)
+    plain = paged_log_probs(model, IDS, chunk_size=5)
     assert torch.allclose(variant_log_probs(model, variant, IDS, 5), plain, atol=1e-10)
 
 
