@@ -126,6 +126,17 @@ def _split_range(seq_lens, seq, split, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.con
 
 
 @triton.jit
+def _slots(table, offs_n, valid, TOKENS_PER_BLOCK: tl.constexpr):
+    """Pool slots of positions ``offs_n`` (masked by ``valid``) through one sequence's block table.
+    The positions are taken as unsigned: a split's start is not known to be non-negative, and signed
+    ``//`` and ``%`` by the block size compile to a shift with sign fix-ups (11 ``shr.s32`` and 8
+    ``sub.s32`` more in the FP8 kernel's loop), where unsigned ones are a shift and a mask."""
+    pos = offs_n.to(tl.uint32)
+    block = tl.load(table + pos // TOKENS_PER_BLOCK, mask=valid, other=0)
+    return block.to(tl.int64) * TOKENS_PER_BLOCK + (pos % TOKENS_PER_BLOCK).to(tl.int64)
+
+
+@triton.jit
 def _decode_kernel(
     Q, K, V, Out, Acc, ML,
     rows, tables, seq_lens,
@@ -265,8 +276,7 @@ def _fp8_scores_kernel(
     for n0 in tl.range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)  # (BN,) positions
         valid = offs_n < end
-        block = tl.load(table + offs_n // TOKENS_PER_BLOCK, mask=valid, other=0)
-        slot = block.to(tl.int64) * TOKENS_PER_BLOCK + offs_n % TOKENS_PER_BLOCK  # (BN,)
+        slot = _slots(table, offs_n, valid, TOKENS_PER_BLOCK)  # (BN,)
         k = tl.load(K + slot[:, None] * stride_ks + kv_head * stride_kh + offs_d[None, :],
                     mask=valid[:, None], other=0.0)  # (BN, D) float8, as stored
         # Positions are the dot's rows (M = BN), heads its columns: the two terms of each head are
