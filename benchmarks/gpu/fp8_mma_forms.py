@@ -27,7 +27,12 @@ scores and the output are formed:
 * ``t_qk8r_split``: as ``t_qk8r`` with a loop start the compiler cannot know (0 at run time), as the
   shipped kernel's split has; ``t_qk8r_split_u``: the same with the positions as unsigned. If the
   first is as slow as ``shipped`` and the second as fast as ``t_qk8r``, the signed divisions of a
-  position by the block size are the shipped kernel's gap (``docs/gpu.md``).
+  position by the block size are the shipped kernel's gap (``docs/gpu.md``);
+* ceilings, not attention (their error is meaningless): ``t_qk8r_vbytes`` is ``t_qk8r_split_u``
+  with V's bytes loaded as 32-bit words and folded by XOR instead of widened and multiplied, the
+  time the kernel would take if ``V^T P^T`` cost nothing; ``t_qk8r_nov`` reads no V at all (the K
+  half's own time, its TB/s still counted over K and V). Together they say whether the per-position
+  work left is V's side (widening, the layout change of ``V^T``, the second dot) or the scores'.
 
 Each form is checked against float32 attention over the dequantized pools (max abs error of the
 output; the quantized ``q`` forms add e4m3's rounding of q). A form that does not compile is
@@ -53,7 +58,7 @@ logger = logging.getLogger("fp8_mma_forms")
 
 _LOG2E = tl.constexpr(1.4426950408889634)  # a constexpr: a jitted function reads no other globals
 FORMS = ("widen", "qk8", "qk8_pv8", "t_widen", "t_qk8", "t_qk8x2", "t_qk8s", "t_qk8r", "t_qk8r16", "t_qk8r_split",
-         "t_qk8r_split_u")
+         "t_qk8r_split_u", "t_qk8r_vbytes", "t_qk8r_nov")
 
 
 @triton.jit
@@ -152,11 +157,13 @@ def _split_q_kernel(
     sm_scale, k_scale, v_scale,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, TPB: tl.constexpr, BLOCK_N: tl.constexpr, PACKED: tl.constexpr,
     ROWS: tl.constexpr, GP: tl.constexpr, SPLIT_START: tl.constexpr, UNSIGNED: tl.constexpr,
+    V_WORK: tl.constexpr = 0,
 ):
     """Transposed, the scores straight from the FP8 K tile, ``q`` as two e4m3 terms (hi + lo, each
     with its own per-row scale: about 8 significant bits). ``PACKED``: hi and lo are interleaved
     columns of one dot (column 2h, 2h + 1), split apart in registers, so the softmax runs over 8
-    columns instead of 16; else two dots over 16 columns each."""
+    columns instead of 16; else two dots over 16 columns each. ``V_WORK``: 0 attention; 1 V's bytes
+    folded by XOR (no widening, no second dot); 2 no V (the ceilings in the module docstring)."""
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     seq_len = tl.load(seq_lens + seq)
@@ -201,6 +208,8 @@ def _split_q_kernel(
         m = tl.full([16], float("-inf"), dtype=tl.float32)
         l = tl.zeros([16], dtype=tl.float32)
         acc = tl.zeros([HEAD_DIM, 16], dtype=tl.float32)
+    offs_w = tl.arange(0, HEAD_DIM // 4)
+    v_fold = tl.zeros([HEAD_DIM // 4], dtype=tl.int32)
     table = tables + seq * stride_tb
     start = 0
     if SPLIT_START:  # a start the compiler cannot know (the shipped kernel's split): 0 at run time
@@ -216,7 +225,13 @@ def _split_q_kernel(
             block = tl.load(table + offs_n // TPB, mask=valid, other=0)
             slot = block.to(tl.int64) * TPB + offs_n % TPB
         k = tl.load(K + slot[:, None] * stride_ks + kv_head * stride_kh + offs_d[None, :], mask=valid[:, None], other=0.0)
-        v = tl.load(V + slot[:, None] * stride_ks + kv_head * stride_kh + offs_d[None, :], mask=valid[:, None], other=0.0)
+        if V_WORK == 0:
+            v = tl.load(V + slot[:, None] * stride_ks + kv_head * stride_kh + offs_d[None, :], mask=valid[:, None],
+                        other=0.0)
+        elif V_WORK == 1:  # the same bytes as 32-bit words (4 elements each), folded, never widened
+            words = tl.load(V.to(tl.pointer_type(tl.int32)) + slot[:, None] * (stride_ks // 4)
+                            + kv_head * (stride_kh // 4) + offs_w[None, :], mask=valid[:, None], other=0)
+            v_fold = v_fold ^ tl.xor_sum(words, axis=0)
         if ROWS:
             hi, lo = tl.split(tl.reshape(tl.dot(k, qt) * col_scale[None, :], (BLOCK_N, GP, 2)))
             st = hi + lo
@@ -230,17 +245,22 @@ def _split_q_kernel(
         alpha = tl.exp2(m - m_new)
         pt = tl.exp2(st - m_new[None, :])
         l = l * alpha + tl.sum(pt, axis=0)
-        vt = tl.trans(v.to(tl.float16))  # (D, BN)
-        if PACKED:
+        if V_WORK != 0:  # a ceiling: acc only rescaled, no V^T P^T
+            acc = acc * tl.reshape(tl.join(alpha, alpha), (2 * GP,))[None, :]
+        elif PACKED:
+            vt = tl.trans(v.to(tl.float16))  # (D, BN)
             p16 = tl.reshape(tl.join(pt, pt), (BLOCK_N, 2 * GP)).to(tl.float16)
             a16 = tl.reshape(tl.join(alpha, alpha), (2 * GP,))
             acc = acc * a16[None, :] + tl.dot(vt, p16)
         else:
+            vt = tl.trans(v.to(tl.float16))  # (D, BN)
             acc = acc * alpha[None, :] + tl.dot(vt, pt.to(tl.float16))
         m = m_new
     if PACKED:
         acc, _ = tl.split(tl.reshape(acc, (HEAD_DIM, GP, 2)))
     out = acc * v_scale / l[None, :]
+    if V_WORK == 1:  # keeps V's loads: a fold that is never exactly -1 at run time adds nothing
+        out += tl.sum(tl.where(v_fold == -1, 1.0, 0.0), axis=0)
     o_ptrs = Out + seq * stride_ot + head[None, :] * stride_oh + offs_d[:, None]
     tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=offs_g[None, :] < GROUP)
 
@@ -255,15 +275,17 @@ def run_form(form: str, q, k, v, out, tables, seq_lens, tpb: int, k_scale: float
                                config=DecodeConfig(block_n, num_warps, num_stages), k_scale=k_scale, v_scale=v_scale)
         return
     hkv = k.shape[1]
-    if form in ("t_qk8x2", "t_qk8s", "t_qk8r", "t_qk8r16", "t_qk8r_split", "t_qk8r_split_u"):
+    if form in ("t_qk8x2", "t_qk8s", "t_qk8r", "t_qk8r16") or form.startswith(("t_qk8r_split", "t_qk8r_v", "t_qk8r_n")):
         _split_q_kernel[(batch, hkv)](
             q, k, v, out, tables, seq_lens,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), out.stride(0), out.stride(1), tables.stride(0),
             d ** -0.5, k_scale, v_scale,
             GROUP=hq // hkv, HEAD_DIM=d, TPB=tpb, BLOCK_N=block_n,
-            PACKED=form in ("t_qk8s", "t_qk8r", "t_qk8r_split", "t_qk8r_split_u"),
+            PACKED=form in ("t_qk8s", "t_qk8r", "t_qk8r_split", "t_qk8r_split_u", "t_qk8r_vbytes", "t_qk8r_nov"),
             ROWS=form.startswith("t_qk8r"), GP=16 if form in ("t_qk8x2", "t_qk8r16") else 8,
-            SPLIT_START=form.startswith("t_qk8r_split"), UNSIGNED=form == "t_qk8r_split_u",
+            SPLIT_START=form.startswith(("t_qk8r_split", "t_qk8r_v", "t_qk8r_n")),
+            UNSIGNED=form in ("t_qk8r_split_u", "t_qk8r_vbytes", "t_qk8r_nov"),
+            V_WORK={"t_qk8r_vbytes": 1, "t_qk8r_nov": 2}.get(form, 0),
             num_warps=num_warps, num_stages=num_stages,
         )
         return

@@ -201,8 +201,9 @@ case $phase in
     }
     start_s=$SECONDS
     step 100 fp8_kernel "$PY" -m benchmarks.gpu.fp8 --out "$out" --sections kernel
-    # the FP8 kernel against a lean copy of its form, with the split's unknown start, signed and unsigned
-    step 60 fp8_forms "$PY" -m benchmarks.gpu.fp8_mma_forms --forms t_qk8r,t_qk8r_split,t_qk8r_split_u \
+    # the FP8 kernel against a lean copy of its form, with the split's unknown start, signed and unsigned, and the
+    # ceilings without V's conversion and dot (fp8_mma_forms)
+    step 80 fp8_forms "$PY" -m benchmarks.gpu.fp8_mma_forms --forms t_qk8r,t_qk8r_split,t_qk8r_split_u,t_qk8r_vbytes,t_qk8r_nov \
       --tiles 64:4:2 --json "$out/fp8_mma_forms.json"
     step 150 pytest "$PY" -m pytest tests/unittest/_torch/attention/test_fp8_cuda.py -q -rs -p no:cacheprovider \
       -k "twice_the_blocks or kv_write or fused_decoder"
