@@ -210,7 +210,7 @@ case $phase in
     step 150 decode_profile "$PY" -m benchmarks.gpu.decode_profile --out "$out" --batches 1,16,64,256 --profile 1,64
     step 100 decode_profile_fp8 "$PY" -m benchmarks.gpu.decode_profile --out "$out" --batches 64,256 --profile "" \
       --kv-cache-dtype fp8
-    step 150 engine_fp8 "$PY" -m benchmarks.gpu.engine_fp8 --out "$out" --concurrency 1,16,64 --seconds 10
+    step 150 engine_fp8 "$PY" -m benchmarks.gpu.engine_fp8 --out "$out" --concurrency 1,16,64 --seconds 5 --rounds 3
     step 90 decode_profile_unfused "$PY" -m benchmarks.gpu.decode_profile --out "$out" --batches 1,64 --profile "" --unfused
     "$PY" -m benchmarks.gpu.roofline_summary "$out" | tee "$out/summary.txt"
     pack
