@@ -32,7 +32,11 @@ scores and the output are formed:
   with V's bytes loaded as 32-bit words and folded by XOR instead of widened and multiplied, the
   time the kernel would take if ``V^T P^T`` cost nothing; ``t_qk8r_nov`` reads no V at all (the K
   half's own time, its TB/s still counted over K and V). Together they say whether the per-position
-  work left is V's side (widening, the layout change of ``V^T``, the second dot) or the scores'.
+  work left is V's side (widening, the layout change of ``V^T``, the second dot) or the scores';
+* ``t_qk8r_lazyl``: ``t_qk8r_split_u`` with the softmax's sum kept per position (a ``(BN, 8)``
+  tile rescaled like ``acc``) and summed once at the end: positions are the dot's rows, spread
+  over the warps, so a sum over them per tile is a reduction across warps through shared memory
+  and a barrier; this leaves one (the maximum) a tile instead of two.
 
 Each form is checked against float32 attention over the dequantized pools (max abs error of the
 output; the quantized ``q`` forms add e4m3's rounding of q). A form that does not compile is
@@ -58,7 +62,7 @@ logger = logging.getLogger("fp8_mma_forms")
 
 _LOG2E = tl.constexpr(1.4426950408889634)  # a constexpr: a jitted function reads no other globals
 FORMS = ("widen", "qk8", "qk8_pv8", "t_widen", "t_qk8", "t_qk8x2", "t_qk8s", "t_qk8r", "t_qk8r16", "t_qk8r_split",
-         "t_qk8r_split_u", "t_qk8r_vbytes", "t_qk8r_nov")
+         "t_qk8r_split_u", "t_qk8r_vbytes", "t_qk8r_nov", "t_qk8r_lazyl")
 
 
 @triton.jit
@@ -157,7 +161,7 @@ def _split_q_kernel(
     sm_scale, k_scale, v_scale,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, TPB: tl.constexpr, BLOCK_N: tl.constexpr, PACKED: tl.constexpr,
     ROWS: tl.constexpr, GP: tl.constexpr, SPLIT_START: tl.constexpr, UNSIGNED: tl.constexpr,
-    V_WORK: tl.constexpr = 0,
+    V_WORK: tl.constexpr = 0, LAZY_L: tl.constexpr = False,
 ):
     """Transposed, the scores straight from the FP8 K tile, ``q`` as two e4m3 terms (hi + lo, each
     with its own per-row scale: about 8 significant bits). ``PACKED``: hi and lo are interleaved
@@ -209,6 +213,7 @@ def _split_q_kernel(
         l = tl.zeros([16], dtype=tl.float32)
         acc = tl.zeros([HEAD_DIM, 16], dtype=tl.float32)
     offs_w = tl.arange(0, HEAD_DIM // 4)
+    l_rows = tl.zeros([BLOCK_N, GP], dtype=tl.float32)  # LAZY_L: the sum per position, reduced at the end
     v_fold = tl.zeros([HEAD_DIM // 4], dtype=tl.int32)
     table = tables + seq * stride_tb
     start = 0
@@ -244,7 +249,10 @@ def _split_q_kernel(
         m_new = tl.maximum(m, tl.max(st, axis=0))
         alpha = tl.exp2(m - m_new)
         pt = tl.exp2(st - m_new[None, :])
-        l = l * alpha + tl.sum(pt, axis=0)
+        if LAZY_L:
+            l_rows = l_rows * alpha[None, :] + pt
+        else:
+            l = l * alpha + tl.sum(pt, axis=0)
         if V_WORK != 0:  # a ceiling: acc only rescaled, no V^T P^T
             acc = acc * tl.reshape(tl.join(alpha, alpha), (2 * GP,))[None, :]
         elif PACKED:
@@ -256,6 +264,8 @@ def _split_q_kernel(
             vt = tl.trans(v.to(tl.float16))  # (D, BN)
             acc = acc * alpha[None, :] + tl.dot(vt, pt.to(tl.float16))
         m = m_new
+    if LAZY_L:
+        l = tl.sum(l_rows, axis=0)
     if PACKED:
         acc, _ = tl.split(tl.reshape(acc, (HEAD_DIM, GP, 2)))
     out = acc * v_scale / l[None, :]
@@ -275,17 +285,18 @@ def run_form(form: str, q, k, v, out, tables, seq_lens, tpb: int, k_scale: float
                                config=DecodeConfig(block_n, num_warps, num_stages), k_scale=k_scale, v_scale=v_scale)
         return
     hkv = k.shape[1]
-    if form in ("t_qk8x2", "t_qk8s", "t_qk8r", "t_qk8r16") or form.startswith(("t_qk8r_split", "t_qk8r_v", "t_qk8r_n")):
+    if form in ("t_qk8x2", "t_qk8s", "t_qk8r", "t_qk8r16") or form.startswith(("t_qk8r_split", "t_qk8r_v", "t_qk8r_n", "t_qk8r_l")):
         _split_q_kernel[(batch, hkv)](
             q, k, v, out, tables, seq_lens,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), out.stride(0), out.stride(1), tables.stride(0),
             d ** -0.5, k_scale, v_scale,
             GROUP=hq // hkv, HEAD_DIM=d, TPB=tpb, BLOCK_N=block_n,
-            PACKED=form in ("t_qk8s", "t_qk8r", "t_qk8r_split", "t_qk8r_split_u", "t_qk8r_vbytes", "t_qk8r_nov"),
+            PACKED=form in ("t_qk8s", "t_qk8r", "t_qk8r_split", "t_qk8r_split_u", "t_qk8r_vbytes", "t_qk8r_nov",
+                            "t_qk8r_lazyl"),
             ROWS=form.startswith("t_qk8r"), GP=16 if form in ("t_qk8x2", "t_qk8r16") else 8,
-            SPLIT_START=form.startswith(("t_qk8r_split", "t_qk8r_v", "t_qk8r_n")),
-            UNSIGNED=form in ("t_qk8r_split_u", "t_qk8r_vbytes", "t_qk8r_nov"),
-            V_WORK={"t_qk8r_vbytes": 1, "t_qk8r_nov": 2}.get(form, 0),
+            SPLIT_START=form.startswith(("t_qk8r_split", "t_qk8r_v", "t_qk8r_n", "t_qk8r_l")),
+            UNSIGNED=form in ("t_qk8r_split_u", "t_qk8r_vbytes", "t_qk8r_nov", "t_qk8r_lazyl"),
+            V_WORK={"t_qk8r_vbytes": 1, "t_qk8r_nov": 2}.get(form, 0), LAZY_L=form == "t_qk8r_lazyl",
             num_warps=num_warps, num_stages=num_stages,
         )
         return
