@@ -40,7 +40,7 @@ to bring every paragraph within 1%. About 30 + 6 runs a variant for a 30-layer m
     python -m benchmarks.model.kv_fp8_variants [--dtype float32] [--kv-scales derived]
         [--variants none,rot-k,rot-kv] [--exact-layers 0,29] [--chunk-size 16] [--json OUT.json]
     python -m benchmarks.model.kv_fp8_variants --sweep-layers [--variants none,rrot-kv]
-        [--keep-exact 1,2,4,8] [--json OUT.json]
+        [--keep-exact 1,2,4,8] [--json OUT.json] [--plot OUT.png]
 """
 
 from __future__ import annotations
@@ -310,6 +310,31 @@ def sweep_layers(model, variant: Variant, base, texts, chunk_size: int, keep_exa
     return out
 
 
+def plot_sweep(variants: dict, path: str) -> None:
+    """A bar per layer: its single-layer KL for each swept variant (``sweep_layers``'s results), with
+    each variant's all-layer KL as a line to compare the sum against."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(10, 4))
+    width = 0.8 / len(variants)
+    for i, (name, sweep) in enumerate(variants.items()):
+        layers = [s["layer"] for s in sweep["single_layer"]]
+        bars = ax.bar([x + (i - (len(variants) - 1) / 2) * width for x in layers],
+                      [s["kl"] for s in sweep["single_layer"]], width, label=f"{name}: layer alone quantized")
+        ax.axhline(sweep["all"]["kl"] / len(layers), color=bars.patches[0].get_facecolor(), linestyle="--",
+                   linewidth=1, label=f"{name}: all layers' KL / {len(layers)}")
+    ax.set_xlabel("layer")
+    ax.set_ylabel("mean KL from the unquantized cache")
+    ax.set_title("FP8 KV cache error per layer (each layer alone in FP8, the others exact)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def layer_list(text: str) -> list[int]:
     """``"0,1,29"`` as ints; '' as none."""
     try:
@@ -332,6 +357,7 @@ def main(argv: list[str] | None = None) -> dict:
                         help="per layer: each layer alone quantized, K / V alone, the worst layers kept exact")
     parser.add_argument("--keep-exact", type=layer_list, default=[1, 2, 4, 8],
                         help="with --sweep-layers: how many of the largest single-layer KLs to keep exact")
+    parser.add_argument("--plot", default=None, help="with --sweep-layers: a bar chart of the per-layer KL (PNG)")
     parser.add_argument("--chunk-size", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0, help="the random signs of rrot-*")
     parser.add_argument("--check-real", action="store_true", help="also run the plain variant on a real FP8 pool")
@@ -339,6 +365,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     if args.sweep_layers and args.exact_layers:
         parser.error("--sweep-layers chooses the exact layers itself; leave out --exact-layers")
+    if args.plot and not args.sweep_layers:
+        parser.error("--plot draws the per-layer sweep: add --sweep-layers")
     for name in args.variants.split(","):
         # A ValueError naming an unknown feature or a bad layer, before the model loads.
         Variant(name, 2, torch.float32, exact_layers=frozenset(args.exact_layers))
@@ -376,6 +404,8 @@ def main(argv: list[str] | None = None) -> dict:
         real = [paged_perplexity(model, [t], kv_cache_dtype_name="fp8", chunk_size=args.chunk_size, kv_scales=scales)
                 for t in texts]
         print(f"{'real fp8 (perplexity)':<22} " + " ".join(f"{v:>10.3f}" for v in real))
+    if args.plot and args.sweep_layers:
+        plot_sweep(report["variants"], args.plot)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
