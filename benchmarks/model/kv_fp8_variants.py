@@ -20,6 +20,8 @@ Variants (``--variants``, comma-separated; each one feature or several joined by
     bf16        K and V rounded to bf16 instead of FP8: how much any rounding moves a paragraph (on
                 a bf16 model no rounding at all, so ``rrot-kv+bf16`` is the rotation's own arithmetic)
     int8-tok    K and V as int8 with a scale per token and head (not FP8: a reference)
+    fp8-tok     K and V as FP8 with a scale per token and head (absmax / 448, vLLM's
+                ``fp8_per_token_head``): the same 3 mantissa bits, no value below e4m3's normal range
     int8-layer  K and V as int8 with a scale per layer (calibration max x 2 / 127; not FP8: a reference)
     k-only      only K goes through the variant's rounding; V is stored exact (v-only: the converse)
 
@@ -61,7 +63,7 @@ from tensorrt_llm._torch.attention_backend.kv_quant import dequantize, quantize
 from tensorrt_llm._torch.models.kv_calibration import HEADROOM, calibration_token_ids, power_of_two_scale
 from tensorrt_llm._torch.modules.attention import Attention
 
-FEATURES = ("none", "rot-k", "rot-kv", "rrot-k", "rrot-kv", "center-k", "center-kv", "sink", "bf16", "int8-tok",
+FEATURES = ("none", "rot-k", "rot-kv", "rrot-k", "rrot-kv", "center-k", "center-kv", "sink", "bf16", "int8-tok", "fp8-tok",
             "int8-layer", "k-only", "v-only")
 
 
@@ -99,6 +101,7 @@ class Variant:
         self.sink = "sink" in features
         self.bf16 = "bf16" in features
         self.int8_token = "int8-tok" in features
+        self.fp8_token = "fp8-tok" in features
         self.int8_layer = "int8-layer" in features
         matrix = hadamard(head_dim)
         if features & {"rrot-k", "rrot-kv"}:
@@ -170,6 +173,8 @@ class Variant:
             return k, v
         if self.int8_token:
             kq, vq = int8_per_token(k), int8_per_token(v)
+        elif self.fp8_token:
+            kq, vq = fp8_per_token(k), fp8_per_token(v)
         elif self.int8_layer:  # the calibration's largest magnitude x 2 (FP8's headroom) is 127
             kq, vq = (int8_with_scale(x, m * HEADROOM / 127) for x, m in zip((k, v), self.maxima[layer]))
         elif self.bf16:
@@ -187,6 +192,14 @@ def int8_per_token(x: torch.Tensor) -> torch.Tensor:
     a reference for what 8 bits with a finer scale would keep (it needs a scale stored per row)."""
     scale = x.abs().amax(-1, keepdim=True).clamp_min(1e-30) / 127  # (T, H, 1)
     return (x / scale).round().clamp(-127, 127) * scale
+
+
+def fp8_per_token(x: torch.Tensor) -> torch.Tensor:
+    """x (T, H, D) through e4m3 with a scale per token and head (absmax / 448): each row's largest
+    value at e4m3's largest, so none of a row falls below its normal range (a layer's scale leaves
+    the rows of small norm there); the relative rounding of the rest is e4m3's as before."""
+    scale = x.abs().amax(-1, keepdim=True).clamp_min(1e-30).float() / 448  # (T, H, 1)
+    return ((x.float() / scale).to(torch.float8_e4m3fn).float() * scale).to(x.dtype)
 
 
 def int8_with_scale(x: torch.Tensor, scale: float) -> torch.Tensor:
