@@ -31,6 +31,20 @@ import torch
 from benchmarks.gpu.peer_serving import parse_shapes
 
 
+def iteration_summary(stats, since: float) -> dict:
+    """The executor's iterations that started at ``since`` (``time.monotonic``) or later: how many,
+    their summed and median wall time, split into those that ran a context chunk (mixed) and those
+    that only decoded, and the idle ones (nothing to forward). Says where one engine's level time
+    goes against the other's: more iterations, or longer ones of which kind."""
+    rows = [s for s in stats if s.start_time >= since and s.end_time]
+    out = {}
+    for kind, keep in (("mixed", lambda s: s.num_context_requests > 0), ("decode", lambda s: s.busy and
+                       s.num_context_requests == 0), ("idle", lambda s: not s.busy)):
+        times = [(s.end_time - s.start_time) * 1e3 for s in rows if keep(s)]
+        out[kind] = {"n": len(times), "sum_ms": sum(times), "median_ms": statistics.median(times) if times else 0.0}
+    return out
+
+
 def drive_levels(llm, isl: int, osl: int, concurrency_levels: list[int], seconds: float, rng: random.Random,
                  vocab: int, label: str) -> list[dict]:
     """Each level: ``concurrency`` threads keep one request each in flight through ``llm`` for
@@ -41,7 +55,8 @@ def drive_levels(llm, isl: int, osl: int, concurrency_levels: list[int], seconds
     levels = []
     for concurrency in concurrency_levels:
         tokens, done, lock = [0], [0], threading.Lock()
-        stop = time.monotonic() + seconds
+        since = time.monotonic()
+        stop = since + seconds
         began = time.perf_counter()
 
         def worker() -> None:
@@ -59,9 +74,12 @@ def drive_levels(llm, isl: int, osl: int, concurrency_levels: list[int], seconds
         for thread in threads:
             thread.join()
         wall = time.perf_counter() - began
+        iterations = iteration_summary(llm.iteration_stats, since)
         levels.append({"concurrency": concurrency, "requests": done[0], "output_tokens": tokens[0],
-                       "wall_s": wall, "output_tokens_per_s": tokens[0] / wall})
-        print(f"{label} {isl}/{osl} c={concurrency}: {tokens[0] / wall:.0f} tok/s", flush=True)
+                       "wall_s": wall, "output_tokens_per_s": tokens[0] / wall, "iterations": iterations})
+        steps = ", ".join(f"{kind} {v['n']} x {v['median_ms']:.2f} ms ({v['sum_ms'] / 1e3:.2f} s)"
+                          for kind, v in iterations.items())
+        print(f"{label} {isl}/{osl} c={concurrency}: {tokens[0] / wall:.0f} tok/s; iterations: {steps}", flush=True)
     return levels
 
 
@@ -94,6 +112,7 @@ def run(args) -> dict:
                 for kv in (("auto", "fp8") if r % 2 == 0 else ("fp8", "auto")):
                     result, = drive_levels(engines[kv], isl, osl, [level], args.seconds, rng, vocab, f"engine {kv}")
                     runs[kv].append(result["output_tokens_per_s"])
+                    record.setdefault("iterations", []).append({"kv": kv, "concurrency": level, **result["iterations"]})
             entry = {kv: statistics.median(values) for kv, values in runs.items()}
             entry["fp8_over_bf16"] = entry["fp8"] / entry["auto"] if entry["auto"] else float("nan")
             entry["rounds"] = runs
