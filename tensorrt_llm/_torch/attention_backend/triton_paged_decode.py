@@ -270,7 +270,10 @@ def _fp8_scores_kernel(
     col_scale = tl.where(is_lo, s_lo, s_hi) * score_scale_log2  # (2GP,)
 
     m = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
-    l = tl.zeros([GROUP_PAD], dtype=tl.float32)
+    # The softmax's sum per position, summed over positions once at the end: positions are the
+    # dot's rows, spread over the warps, so a sum over them is a reduction across warps (shared
+    # memory and a barrier); kept per position, a tile pays for one such reduction (the maximum).
+    l_rows = tl.zeros([BLOCK_N, GROUP_PAD], dtype=tl.float32)
     acc = tl.zeros([HEAD_DIM, 2 * GROUP_PAD], dtype=tl.float32)  # (D, 2GP): each head twice
     table = tables + seq * stride_tb
     for n0 in tl.range(start, end, BLOCK_N):
@@ -286,7 +289,7 @@ def _fp8_scores_kernel(
         m_new = tl.maximum(m, tl.max(st, axis=0))
         alpha = tl.exp2(m - m_new)
         pt = tl.exp2(st - m_new[None, :])
-        l = l * alpha + tl.sum(pt, axis=0)
+        l_rows = l_rows * alpha[None, :] + pt
         v = tl.load(V + slot[:, None] * stride_vs + kv_head * stride_vh + offs_d[None, :],
                     mask=valid[:, None], other=0.0)  # (BN, D)
         vt = tl.trans(v.to(tl.float16))  # (D, BN); every e4m3 value is exact in float16
@@ -296,6 +299,7 @@ def _fp8_scores_kernel(
         m = m_new
 
     acc, _ = tl.split(tl.reshape(acc, (HEAD_DIM, GROUP_PAD, 2)))  # (D, GP): one copy of each head
+    l = tl.sum(l_rows, axis=0)
     _write_state(tl.trans(acc) * v_scale, m, l, Out, Acc, ML, row, seq, split, head, offs_g < GROUP, offs_d,
                  stride_ot, stride_oh, HEAD_DIM, NUM_SPLITS, NUM_Q_HEADS)
 
