@@ -29,35 +29,16 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_ms(fn: Callable[[], object], device: torch.device, *, warmup: int = 2, repeats: int = 5) -> dict:
-    """Median (and min, max) milliseconds of ``fn``, each run timed alone."""
-    for _ in range(warmup):
-        fn()
-    synchronize(device)
-    samples = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            samples.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            samples.append((time.perf_counter() - t0) * 1e3)
-    return {"ms": statistics.median(samples), "min_ms": min(samples), "max_ms": max(samples), "n": repeats}
+def time_ms(fn: Callable[[], object], device: torch.device, *, warmup: int = 2, repeats: int = 5,
+            calls: int = 1) -> dict:
+    """Median (and min, max) milliseconds of one call of ``fn``: each run times ``calls`` calls
+    queued back to back between two events (the host clock after them on the CPU) and divides.
 
-
-def time_queued_ms(fn: Callable[[], object], device: torch.device, *, calls: int = 20, warmup: int = 3,
-                   repeats: int = 5) -> dict:
-    """Median (and min, max) milliseconds of one call of ``fn`` when ``calls`` of them are queued back
-    to back between two events: the device time of a kernel as a CUDA graph or a running decode
-    loop sees it. :func:`time_ms` times each call alone, so the host's cost of launching it (tens of
-    microseconds of Python and Triton's dispatch, while the device waits) is in its figure: 5-10% of
-    a 0.4 ms kernel, more of a faster one, which biases a fast kernel's ratio to a slow one upwards.
-    Here only the first launch of a run is waited for, a ``1 / calls`` share."""
+    With ``calls=1`` each call is timed alone, so the host's cost of launching it (tens of
+    microseconds of Python and Triton's dispatch, while the device waits) is in the figure: 5-10%
+    of a 0.4 ms kernel, more of a faster one, which biases a fast kernel's ratio to a slow one
+    upwards. :func:`time_queued_ms` queues 20, so that only the first launch is waited for: a
+    kernel's device time, as a CUDA graph or a running decode loop sees it."""
     for _ in range(warmup):
         fn()
     synchronize(device)
@@ -78,6 +59,12 @@ def time_queued_ms(fn: Callable[[], object], device: torch.device, *, calls: int
             samples.append((time.perf_counter() - t0) * 1e3 / calls)
     return {"ms": statistics.median(samples), "min_ms": min(samples), "max_ms": max(samples), "n": repeats,
             "calls": calls}
+
+
+def time_queued_ms(fn: Callable[[], object], device: torch.device, *, calls: int = 20, warmup: int = 3,
+                   repeats: int = 5) -> dict:
+    """:func:`time_ms` with ``calls`` (20) calls queued a run: a kernel's device time."""
+    return time_ms(fn, device, warmup=warmup, repeats=repeats, calls=calls)
 
 
 def measure_ceilings(device: torch.device) -> dict:
