@@ -43,8 +43,8 @@ logger = logging.getLogger(__name__)
 # Kernel name -> group, first match wins (cuBLAS / CUTLASS GEMMs, our Triton kernels, torch's elementwise).
 GROUPS = (
     ("memcpy/memset", re.compile(r"^mem(cpy|set)", re.I)),  # the step's input copies (not kernels of the graph)
-    ("attention", re.compile(r"_decode_kernel|_combine_kernel|_context_kernel|paged_decode|decode_attention|_attn|flash|"
-                             r"reduce_splits", re.I)),
+    ("attention", re.compile(r"_decode_kernel|_fp8_scores_kernel|_combine_kernel|_context_kernel|paged_decode|"
+                             r"decode_attention|_attn|flash|reduce_splits", re.I)),
     ("gemm", re.compile(r"gemm|sm90_xmma|cutlass|cublas|ampere_|sm80_|nvjet|splitk", re.I)),
     ("rope + kv write", re.compile(r"rope|rotary|index_put|scatter|index_copy|indexing_backward|put_", re.I)),
     ("norm", re.compile(r"rms|norm|rsqrt", re.I)),
