@@ -33,7 +33,7 @@ from benchmarks.gpu.peer_serving import parse_shapes
 
 def iteration_summary(stats, since: float) -> dict:
     """The executor's iterations that started at ``since`` (``time.monotonic``) or later: how many,
-    their summed and median wall time, split into those that ran a context chunk (mixed) and those
+    their summed, median and longest wall time, split into those that ran a context chunk (mixed) and those
     that only decoded, and the idle ones (nothing to forward). Says where one engine's level time
     goes against the other's: more iterations, or longer ones of which kind."""
     rows = [s for s in stats if s.start_time >= since and s.end_time]
@@ -41,7 +41,8 @@ def iteration_summary(stats, since: float) -> dict:
     for kind, keep in (("mixed", lambda s: s.num_context_requests > 0), ("decode", lambda s: s.busy and
                        s.num_context_requests == 0), ("idle", lambda s: not s.busy)):
         times = [(s.end_time - s.start_time) * 1e3 for s in rows if keep(s)]
-        out[kind] = {"n": len(times), "sum_ms": sum(times), "median_ms": statistics.median(times) if times else 0.0}
+        out[kind] = {"n": len(times), "sum_ms": sum(times), "median_ms": statistics.median(times) if times else 0.0,
+                     "max_ms": max(times, default=0.0)}  # a Triton compile inside the level shows here
     return out
 
 
@@ -77,7 +78,7 @@ def drive_levels(llm, isl: int, osl: int, concurrency_levels: list[int], seconds
         iterations = iteration_summary(llm.iteration_stats, since)
         levels.append({"concurrency": concurrency, "requests": done[0], "output_tokens": tokens[0],
                        "wall_s": wall, "output_tokens_per_s": tokens[0] / wall, "iterations": iterations})
-        steps = ", ".join(f"{kind} {v['n']} x {v['median_ms']:.2f} ms ({v['sum_ms'] / 1e3:.2f} s)"
+        steps = ", ".join(f"{kind} {v['n']} x {v['median_ms']:.2f} ms (max {v['max_ms']:.0f} ms, {v['sum_ms'] / 1e3:.2f} s)"
                           for kind, v in iterations.items())
         print(f"{label} {isl}/{osl} c={concurrency}: {tokens[0] / wall:.0f} tok/s; iterations: {steps}", flush=True)
     return levels
