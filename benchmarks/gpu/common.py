@@ -2,7 +2,8 @@
 
 Timing: CUDA events around the region, warm-up
 first, the median of several runs (:func:`time_ms` each call alone, launch included;
-:func:`time_queued_ms` calls queued back to back, a kernel's device time); on the CPU (``--dry-run``, to check the scripts without a
+:func:`time_queued_ms` calls queued back to back, a kernel's device time); on the CPU
+(``--dry-run``, to check the scripts without a
 GPU) the host clock after the work is done.
 """
 

@@ -78,7 +78,8 @@ def drive_levels(llm, isl: int, osl: int, concurrency_levels: list[int], seconds
         iterations = iteration_summary(llm.iteration_stats, since)
         levels.append({"concurrency": concurrency, "requests": done[0], "output_tokens": tokens[0],
                        "wall_s": wall, "output_tokens_per_s": tokens[0] / wall, "iterations": iterations})
-        steps = ", ".join(f"{kind} {v['n']} x {v['median_ms']:.2f} ms (max {v['max_ms']:.0f} ms, {v['sum_ms'] / 1e3:.2f} s)"
+        steps = ", ".join(f"{kind} {v['n']} x {v['median_ms']:.2f} ms (max {v['max_ms']:.0f} ms, "
+                          f"{v['sum_ms'] / 1e3:.2f} s)"
                           for kind, v in iterations.items())
         print(f"{label} {isl}/{osl} c={concurrency}: {tokens[0] / wall:.0f} tok/s; iterations: {steps}", flush=True)
     return levels

@@ -285,7 +285,8 @@ def run_form(form: str, q, k, v, out, tables, seq_lens, tpb: int, k_scale: float
                                config=DecodeConfig(block_n, num_warps, num_stages), k_scale=k_scale, v_scale=v_scale)
         return
     hkv = k.shape[1]
-    if form in ("t_qk8x2", "t_qk8s", "t_qk8r", "t_qk8r16") or form.startswith(("t_qk8r_split", "t_qk8r_v", "t_qk8r_n", "t_qk8r_l")):
+    if form in ("t_qk8x2", "t_qk8s", "t_qk8r", "t_qk8r16") or form.startswith(
+            ("t_qk8r_split", "t_qk8r_v", "t_qk8r_n", "t_qk8r_l")):
         _split_q_kernel[(batch, hkv)](
             q, k, v, out, tables, seq_lens,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), out.stride(0), out.stride(1), tables.stride(0),

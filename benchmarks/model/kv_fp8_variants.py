@@ -63,7 +63,8 @@ from tensorrt_llm._torch.attention_backend.kv_quant import dequantize, quantize
 from tensorrt_llm._torch.models.kv_calibration import HEADROOM, calibration_token_ids, power_of_two_scale
 from tensorrt_llm._torch.modules.attention import Attention
 
-FEATURES = ("none", "rot-k", "rot-kv", "rrot-k", "rrot-kv", "center-k", "center-kv", "sink", "bf16", "int8-tok", "fp8-tok",
+FEATURES = ("none", "rot-k", "rot-kv", "rrot-k", "rrot-kv", "center-k", "center-kv", "sink", "bf16", "int8-tok",
+            "fp8-tok",
             "int8-layer", "k-only", "v-only")
 
 
