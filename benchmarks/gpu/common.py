@@ -1,10 +1,9 @@
 """Shared pieces of the GPU benchmarks: timing, ceilings, synthetic forwards, roofline accounting.
 
-Timing: CUDA events around the region, warm-up
-first, the median of several runs (:func:`time_ms` each call alone, launch included;
-:func:`time_queued_ms` calls queued back to back, a kernel's device time); on the CPU
-(``--dry-run``, to check the scripts without a
-GPU) the host clock after the work is done.
+Timing: CUDA events around the region, warm-up first, the median of several runs (:func:`time_ms`
+each call alone, launch included; :func:`time_queued_ms` calls queued back to back, a kernel's
+device time); on the CPU (``--dry-run``, to check the scripts without a GPU) the host clock after
+the work is done.
 """
 
 from __future__ import annotations

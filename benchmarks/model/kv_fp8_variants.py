@@ -64,8 +64,7 @@ from tensorrt_llm._torch.models.kv_calibration import HEADROOM, calibration_toke
 from tensorrt_llm._torch.modules.attention import Attention
 
 FEATURES = ("none", "rot-k", "rot-kv", "rrot-k", "rrot-kv", "center-k", "center-kv", "sink", "bf16", "int8-tok",
-            "fp8-tok",
-            "int8-layer", "k-only", "v-only")
+            "fp8-tok", "int8-layer", "k-only", "v-only")
 
 
 def hadamard(n: int) -> torch.Tensor:
