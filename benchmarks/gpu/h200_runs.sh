@@ -29,6 +29,11 @@
 #                                                                    64/256 profiled at 1 and 64; FP8 at 64 and 256), the
 #                                                                    in-process engine FP8 vs bf16 at c=1/16/64, the unfused
 #                                                                    layers at batch 1 and 64 if time is left; a table last
+#   fp8-engine            []                                ~4 min   the in-process engine FP8 vs bf16 at c=16/64, each level's
+#                                                                    iterations (mixed / decode-only / idle: count, median,
+#                                                                    longest), then the FP8 kernel section (queued timing) and the
+#                                                                    lean copy against the per-position sum: where FP8's c=16
+#                                                                    deficit goes
 #   peer-bf16, peer-fp8   [.carry/peer-site.tar.xz .carry/smollm2-tokenizer]  [SECONDS [VOCAB [SHAPES]]]  ~7 min
 #                                                                    Llama-3.1-8B-shaped checkpoint (128,256 rows; VOCAB=tokenizer:
 #                                                                    49,152) written on the machine, trtllm-serve, GuideLLM 0.8.1
@@ -213,6 +218,16 @@ case $phase in
     step 150 engine_fp8 "$PY" -m benchmarks.gpu.engine_fp8 --out "$out" --concurrency 1,16,64 --seconds 5 --rounds 3
     step 90 decode_profile_unfused "$PY" -m benchmarks.gpu.decode_profile --out "$out" --batches 1,64 --profile "" --unfused
     "$PY" -m benchmarks.gpu.roofline_summary "$out" | tee "$out/summary.txt"
+    pack
+    ;;
+  fp8-engine)
+    gpu
+    timeout 200 "$PY" -m benchmarks.gpu.engine_fp8 --out "$out" --concurrency 16,64 --seconds 5 --rounds 3 \
+      > "$out/engine_fp8.log" 2>&1; echo "engine_fp8 exit $?"; tail -30 "$out/engine_fp8.log"
+    timeout 90 "$PY" -m benchmarks.gpu.fp8 --out "$out" --sections kernel > "$out/fp8_kernel.log" 2>&1
+    echo "fp8 kernel exit $?"; tail -6 "$out/fp8_kernel.log"
+    timeout 60 "$PY" -m benchmarks.gpu.fp8_mma_forms --forms t_qk8r_split_u,t_qk8r_lazyl --tiles 64:4:2 \
+      --json "$out/fp8_mma_forms.json" > "$out/fp8_forms.log" 2>&1; echo "forms exit $?"; tail -6 "$out/fp8_forms.log"
     pack
     ;;
   fp8-replay)
