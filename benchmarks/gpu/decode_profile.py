@@ -94,7 +94,7 @@ def step_times(engine: TorchModelEngine, inputs, repeats: int) -> list[float]:
 
 def profile_steps(engine: TorchModelEngine, inputs, steps: int) -> dict:
     """Kernel time per group over ``steps`` launches (graph replays), and the idle time between
-    the first kernel and the last not covered by any kernel."""
+    the first kernel and the last not covered by any kernel (:func:`kernel_breakdown`)."""
     from torch.profiler import ProfilerActivity, profile
 
     for _ in range(3):
@@ -104,7 +104,15 @@ def profile_steps(engine: TorchModelEngine, inputs, steps: int) -> dict:
         for _ in range(steps):
             engine.launch(inputs).result()
         torch.cuda.synchronize()
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return {"steps": steps, **kernel_breakdown(prof.events(), steps)}
+
+
+def kernel_breakdown(events, steps: int) -> dict:
+    """The CUDA kernels among a profiler's ``events``, per step (divided by ``steps``): their summed
+    time, by group (:data:`GROUPS`) and by name (the 25 longest), how many were launched, and the
+    GPU's idle time between the first kernel and the last (time no kernel covers)."""
+    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    steps = max(steps, 1)
     by_group: dict[str, float] = collections.defaultdict(float)
     by_name: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])
     launches: dict[str, int] = collections.defaultdict(int)
@@ -130,7 +138,6 @@ def profile_steps(engine: TorchModelEngine, inputs, steps: int) -> dict:
     total = sum(by_group.values())
     top = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:25]
     return {
-        "steps": steps,
         "kernel_us_per_step": total / steps,
         "span_us_per_step": (last - first) / steps,
         "idle_us_per_step": ((last - first) - busy) / steps,

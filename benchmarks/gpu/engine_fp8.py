@@ -8,11 +8,15 @@ flight for ``--seconds`` (``drive_levels``), the two engines alternating level b
 level (``--rounds`` times), so that drift on the machine falls on both::
 
     PYTHONPATH=. python3 -m benchmarks.gpu.engine_fp8 --out OUT [--concurrency 1,16,64]
-        [--shape 1024/128] [--seconds 10] [--rounds 1]
+        [--shape 1024/128] [--seconds 10] [--rounds 1] [--profile-level 16 [--profile-seconds 1.5]]
     python -m benchmarks.gpu.engine_fp8 --out OUT --dry-run       # the CPU, tiny-random: checks the script
 
 Writes ``OUT/engine_fp8.json``: per level, each engine's output tokens/s (the median over rounds)
-and FP8 over bf16. The goal: FP8 at least as fast as bf16 at every level.
+and FP8 over bf16, and each round's executor iterations (:func:`iteration_summary`). The goal: FP8
+at least as fast as bf16 at every level. ``--profile-level C`` adds, after that level's rounds, one
+more run of each engine at C under the torch profiler (``--profile-seconds``, not in the medians):
+the kernels per busy iteration by group and name (``decode_profile.kernel_breakdown``), in
+``profiles``.
 """
 
 from __future__ import annotations
@@ -85,6 +89,25 @@ def drive_levels(llm, isl: int, osl: int, concurrency_levels: list[int], seconds
     return levels
 
 
+def profiled_level(llm, isl: int, osl: int, concurrency: int, seconds: float, rng: random.Random, vocab: int,
+                   label: str) -> dict:
+    """One more level at ``concurrency`` under the torch profiler: its iterations, and the CUDA
+    kernels (every thread's: the executor's own included) per busy iteration."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from benchmarks.gpu.decode_profile import kernel_breakdown
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof:
+        level, = drive_levels(llm, isl, osl, [concurrency], seconds, rng, vocab, label)
+    busy = level["iterations"]["mixed"]["n"] + level["iterations"]["decode"]["n"]
+    breakdown = kernel_breakdown(prof.events(), busy)
+    groups = ", ".join(f"{g} {us / 1e3:.2f}" for g, us in list(breakdown["groups_us_per_step"].items())[:6])
+    print(f"{label} c={concurrency}: per busy iteration {breakdown['kernel_us_per_step'] / 1e3:.2f} ms of kernels "
+          f"({groups} ms), GPU idle {breakdown['idle_us_per_step'] / 1e3:.2f} ms", flush=True)
+    return {"level": level, "busy_iterations": busy, **breakdown}
+
+
 def run(args) -> dict:
     from tensorrt_llm._torch.pyexecutor.config import KvCacheConfig
     from tensorrt_llm.llmapi.llm import LLM
@@ -115,6 +138,9 @@ def run(args) -> dict:
                     result, = drive_levels(engines[kv], isl, osl, [level], args.seconds, rng, vocab, f"engine {kv}")
                     runs[kv].append(result["output_tokens_per_s"])
                     record.setdefault("iterations", []).append({"kv": kv, "concurrency": level, **result["iterations"]})
+            if level == args.profile_level:
+                record["profiles"] = {kv: profiled_level(engines[kv], isl, osl, level, args.profile_seconds, rng, vocab,
+                                                         f"profiled {kv}") for kv in ("auto", "fp8")}
             entry = {kv: statistics.median(values) for kv, values in runs.items()}
             entry["fp8_over_bf16"] = entry["fp8"] / entry["auto"] if entry["auto"] else float("nan")
             entry["rounds"] = runs
@@ -135,10 +161,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", default="1,16,64", type=lambda s: [int(c) for c in s.split(",")])
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--profile-level", type=int, default=None, help="a concurrency level to profile once more")
+    parser.add_argument("--profile-seconds", type=float, default=1.5)
     parser.add_argument("--dry-run", action="store_true")
     args = parser.parse_args(argv)
     if args.dry_run:
         args.shape, args.concurrency, args.seconds = "16/4", [1, 2], 0.5
+        args.profile_level = 2 if args.profile_level is not None else None
+        args.profile_seconds = min(args.profile_seconds, 0.5)
     elif not torch.cuda.is_available():
         print("not run: no CUDA GPU (--dry-run checks the script on the CPU)", file=sys.stderr)
         return 2

@@ -31,7 +31,8 @@
 #                                                                    layers at batch 1 and 64 if time is left; a table last
 #   fp8-engine            []                                ~4 min   the in-process engine FP8 vs bf16 at c=16/64, each level's
 #                                                                    iterations (mixed / decode-only / idle: count, median,
-#                                                                    longest), then the FP8 kernel section (queued timing) and the
+#                                                                    longest), one more 1.5-s run of each at c=16 under the profiler
+#                                                                    (kernels per iteration), then the FP8 kernel (queued timing) and the
 #                                                                    lean copy against the per-position sum: where FP8's c=16
 #                                                                    deficit goes
 #   peer-bf16, peer-fp8   [.carry/peer-site.tar.xz .carry/smollm2-tokenizer]  [SECONDS [VOCAB [SHAPES]]]  ~7 min
@@ -222,7 +223,7 @@ case $phase in
     ;;
   fp8-engine)
     gpu
-    timeout 200 "$PY" -m benchmarks.gpu.engine_fp8 --out "$out" --concurrency 16,64 --seconds 5 --rounds 3 \
+    timeout 230 "$PY" -m benchmarks.gpu.engine_fp8 --out "$out" --concurrency 16,64 --seconds 5 --rounds 3 --profile-level 16 \
       > "$out/engine_fp8.log" 2>&1; echo "engine_fp8 exit $?"; tail -30 "$out/engine_fp8.log"
     timeout 90 "$PY" -m benchmarks.gpu.fp8 --out "$out" --sections kernel > "$out/fp8_kernel.log" 2>&1
     echo "fp8 kernel exit $?"; tail -6 "$out/fp8_kernel.log"
