@@ -79,7 +79,8 @@ def _router(settings: RayServeConfig, tokens_per_block: int) -> dict:
             request_router_class=PrefixAwareRequestRouter,
             request_router_kwargs={"tokens_per_block": tokens_per_block, "max_load_gap": bound.max_load_gap,
                                    "max_in_flight": bound.max_in_flight,
-                                   "min_match_blocks": bound.min_match_blocks})}
+                                   "min_match_blocks": bound.min_match_blocks,
+                                   "match_timeout_s": settings.match_timeout_s})}
     if settings.router == "round_robin":
         return {"request_router_config": RequestRouterConfig(request_router_class=RoundRobinRequestRouter)}
     return {}

@@ -28,6 +28,8 @@ class RayServeConfig:
     max_load_gap: int = 4
     max_in_flight: int | None = None  # prefix_aware: a replica with this many requests in flight is skipped
     min_match_blocks: int = 1  # prefix_aware: a shorter cached prefix (in blocks) does not steer a request
+    # prefix_aware: how long a routing decision waits for the registry's match; past it the request is balanced
+    match_timeout_s: float = 0.5
     replica_num_cpus: float = 1.0  # CPUs Ray reserves for each LLM replica (Ray's default is 1)
     ingress_num_cpus: float = 0.5  # CPUs Ray reserves for each ingress replica
     ingress_replicas: int = 1  # replicas of the HTTP ingress (tokenizes for routing, relays the answer)
@@ -48,7 +50,7 @@ class RayServeConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
                 raise ValueError(f"{name} must be a number >= 0, got {value!r}")
-        for name in ("health_check_period_s", "health_check_timeout_s", "report_period_s"):
+        for name in ("health_check_period_s", "health_check_timeout_s", "report_period_s", "match_timeout_s"):
             _positive(name, getattr(self, name))
 
     @property

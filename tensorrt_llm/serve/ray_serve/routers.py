@@ -26,9 +26,6 @@ from tensorrt_llm.serve.ray_serve.wire import RoutedRequest
 
 logger = logging.getLogger(__name__)
 
-#: How long a routing decision waits for the registry's answer before it routes without it.
-MATCH_TIMEOUT_S = 0.5
-
 
 def replica_name(replica_id: ReplicaID) -> str:
     """The string a replica is known by in the registry and in its answers' ``x-trtllm-replica``."""
@@ -69,16 +66,17 @@ class PrefixAwareRequestRouter(_CountingRouter):
     """Sends a request to the replica with the longest cached prefix of its prompt, within the
     load bound; otherwise power of two choices (``routing.prefix_aware_choice``). The cached
     prefixes come from the application's registry actor (built from the replicas' KV cache
-    events), asked once per decision; when it does not answer in ``MATCH_TIMEOUT_S``, the
-    request is balanced instead."""
+    events), asked once per decision; when it does not answer in ``match_timeout_s``
+    (``RayServeConfig.match_timeout_s``), the request is balanced instead."""
 
     def initialize_state(self, *, tokens_per_block: int,
                          max_load_gap: int = 4, max_in_flight: int | None = None, min_match_blocks: int = 1,
-                         seed: int | None = None) -> None:
+                         match_timeout_s: float = 0.5, seed: int | None = None) -> None:
         self._start_counting()
         self.bound = LoadBound(max_load_gap=max_load_gap, max_in_flight=max_in_flight,
                                min_match_blocks=min_match_blocks)
         self.tokens_per_block = tokens_per_block
+        self.match_timeout_s = match_timeout_s
         self._registry = None
         self._rng = random.Random(seed)
 
@@ -98,7 +96,7 @@ class PrefixAwareRequestRouter(_CountingRouter):
         try:
             if self._registry is None:
                 self._registry = ray.get_actor(registry_name(self.app_name), namespace=NAMESPACE)
-            return await asyncio.wait_for(self._registry.match.remote(keys, replicas), MATCH_TIMEOUT_S)
+            return await asyncio.wait_for(self._registry.match.remote(keys, replicas), self.match_timeout_s)
         except ValueError:  # not created yet (the ingress creates it): nothing is known to be cached
             return {}
         except Exception as error:  # noqa: BLE001 - the registry died or is slow: route without it

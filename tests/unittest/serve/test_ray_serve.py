@@ -43,7 +43,9 @@ def cluster():
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     port = _free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    app = build_app(model="tiny-random", num_replicas=2, router="prefix_aware", max_load_gap=1,
+    # match_timeout_s: the tests check the routing rule; on a starved 2-core machine the registry's answer
+    # can take longer than the default 0.5 s, and a request routed without it is balanced instead
+    app = build_app(model="tiny-random", num_replicas=2, router="prefix_aware", max_load_gap=1, match_timeout_s=10.0,
                     replica_num_cpus=0.5, ingress_num_cpus=0.5, report_period_s=0.2, health_check_period_s=1.0,
                     llm={"simulated_engine": SIMULATED, "max_seq_len": 1024,
                          "kv_cache_config": {"tokens_per_block": TPB, "num_blocks": 512}})

@@ -153,4 +153,6 @@ def test_build_app_refuses_bad_settings_by_name():
         build_app(model="tiny-random", server={"apikey": "x"})
     with pytest.raises(ValueError, match="event_buffer_max_size must be > 0"):
         build_app(model="tiny-random", llm={"kv_cache_config": {"event_buffer_max_size": 0}})
+    with pytest.raises(ValueError, match="match_timeout_s must be a number > 0"):
+        build_app(model="tiny-random", match_timeout_s=0)
     build_app({"model": "tiny-random", "num_replicas": "3", "max_in_flight": "8"})  # serve run's strings, as YAML
