@@ -104,16 +104,23 @@ def test_a_cached_prefix_brings_its_requests_back_to_its_replica(cluster):
 
 def test_a_hot_prefix_spills_over_the_load_bound(cluster):
     """Eight concurrent requests on one cached prefix, max_load_gap=1: the prefix's replica takes
-    them until it is one request ahead of the other, which then takes its share."""
+    them until it is two requests ahead of the other (so at least the first two), which then takes
+    its share. How the rest split is not fixed: once a spilled request has run on the other
+    replica, that replica holds the prefix too, and the router balances between the two holders
+    (how many arrive before that depends on the machine's speed). Every request the home replica
+    serves reuses the prefix."""
     prompt = _prompt(2)
     home = _complete(cluster, prompt).headers["x-trtllm-replica"]
     _wait_cached(prompt, home)
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         responses = list(pool.map(lambda i: _complete(cluster, prompt + [7 + i] * 3, max_tokens=40), range(8)))
+    assert all(r.status_code == 200 for r in responses), [r.text for r in responses if r.status_code != 200]
     served = [r.headers["x-trtllm-replica"] for r in responses]
-    assert all(r.status_code == 200 for r in responses)
-    assert len(set(served)) == 2, served
-    assert served.count(home) >= 4, served  # the prefix still steers the most
+    assert len(set(served)) == 2, served  # it spilled
+    assert served.count(home) >= 2, served  # the first two go home: the bound lets it run one ahead
+    at_home = [r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] for r in responses
+               if r.headers["x-trtllm-replica"] == home]
+    assert all(cached >= 80 for cached in at_home), at_home  # the prompt's 5 full blocks of 16
 
 
 def test_streaming_and_errors_through_the_proxy_are_the_servers(cluster):
