@@ -275,6 +275,22 @@ def _split_q_kernel(
     tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=offs_g[None, :] < GROUP)
 
 
+# The forms _split_q_kernel runs, each as its constexpr flags (what each form is: the module docstring).
+_ROWS = dict(PACKED=True, ROWS=True, GP=8, SPLIT_START=False, UNSIGNED=False)
+_SPLIT_U = {**_ROWS, "SPLIT_START": True, "UNSIGNED": True}
+_SPLIT_Q_FORMS = {
+    "t_qk8x2": {**_ROWS, "PACKED": False, "ROWS": False, "GP": 16},
+    "t_qk8s": {**_ROWS, "ROWS": False},
+    "t_qk8r": _ROWS,
+    "t_qk8r16": {**_ROWS, "PACKED": False, "GP": 16},
+    "t_qk8r_split": {**_ROWS, "SPLIT_START": True},
+    "t_qk8r_split_u": _SPLIT_U,
+    "t_qk8r_vbytes": {**_SPLIT_U, "V_WORK": 1},
+    "t_qk8r_nov": {**_SPLIT_U, "V_WORK": 2},
+    "t_qk8r_lazyl": {**_SPLIT_U, "LAZY_L": True},
+}
+
+
 def run_form(form: str, q, k, v, out, tables, seq_lens, tpb: int, k_scale: float, v_scale: float,
              block_n: int, num_warps: int, num_stages: int) -> None:
     batch, hq, d = q.shape
@@ -285,19 +301,12 @@ def run_form(form: str, q, k, v, out, tables, seq_lens, tpb: int, k_scale: float
                                config=DecodeConfig(block_n, num_warps, num_stages), k_scale=k_scale, v_scale=v_scale)
         return
     hkv = k.shape[1]
-    if form in ("t_qk8x2", "t_qk8s", "t_qk8r", "t_qk8r16") or form.startswith(
-            ("t_qk8r_split", "t_qk8r_v", "t_qk8r_n", "t_qk8r_l")):
+    if form in _SPLIT_Q_FORMS:
         _split_q_kernel[(batch, hkv)](
             q, k, v, out, tables, seq_lens,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), out.stride(0), out.stride(1), tables.stride(0),
             d ** -0.5, k_scale, v_scale,
-            GROUP=hq // hkv, HEAD_DIM=d, TPB=tpb, BLOCK_N=block_n,
-            PACKED=form in ("t_qk8s", "t_qk8r", "t_qk8r_split", "t_qk8r_split_u", "t_qk8r_vbytes", "t_qk8r_nov",
-                            "t_qk8r_lazyl"),
-            ROWS=form.startswith("t_qk8r"), GP=16 if form in ("t_qk8x2", "t_qk8r16") else 8,
-            SPLIT_START=form.startswith(("t_qk8r_split", "t_qk8r_v", "t_qk8r_n", "t_qk8r_l")),
-            UNSIGNED=form in ("t_qk8r_split_u", "t_qk8r_vbytes", "t_qk8r_nov", "t_qk8r_lazyl"),
-            V_WORK={"t_qk8r_vbytes": 1, "t_qk8r_nov": 2}.get(form, 0), LAZY_L=form == "t_qk8r_lazyl",
+            GROUP=hq // hkv, HEAD_DIM=d, TPB=tpb, BLOCK_N=block_n, **_SPLIT_Q_FORMS[form],
             num_warps=num_warps, num_stages=num_stages,
         )
         return
