@@ -103,8 +103,8 @@ def kernel_bandwidth(model: LlamaForCausalLM, shape: ForwardShape, kv_dtype: str
     rows = torch.arange(batch, device=device)
     splits = decode_num_splits(batch, config.num_kv_heads, num_sms(device))
     timed = time_queued_ms(lambda: decode_attention(q, k, v, out, rows, tables, seq_lens, tokens_per_block=tpb,
-                                             scale=config.head_dim**-0.5, num_splits=splits), device,
-                    warmup=3, repeats=10)
+                                                    scale=config.head_dim**-0.5, num_splits=splits), device,
+                           warmup=3, repeats=10)
     nbytes = 2 * batch * context * config.num_kv_heads * config.head_dim * k.element_size()
     return {**timed, "kv_bytes": nbytes, "tb_s": nbytes / (timed["ms"] * 1e-3) / 1e12}
 

@@ -417,7 +417,7 @@ def main(argv: list[str] | None = None) -> dict:
         real = [paged_perplexity(model, [t], kv_cache_dtype_name="fp8", chunk_size=args.chunk_size, kv_scales=scales)
                 for t in texts]
         print(f"{'real fp8 (perplexity)':<22} " + " ".join(f"{v:>10.3f}" for v in real))
-    if args.plot and args.sweep_layers:
+    if args.plot:  # only with --sweep-layers (checked above)
         plot_sweep(report["variants"], args.plot)
     if args.json:
         with open(args.json, "w") as f:

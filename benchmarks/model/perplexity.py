@@ -104,13 +104,13 @@ def paged_log_probs(
     k_cache = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(model.config.num_layers)]
     v_cache = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(model.config.num_layers)]
     table = list(range(num_blocks))
+    builder = plan_builder(device, tokens_per_block=tokens_per_block, num_blocks=num_blocks,
+                           num_kv_heads=model.num_local_kv_heads, dtype=model.config.torch_dtype,
+                           kv_scales=kv_scales if dtype != model.config.torch_dtype else None)
     step = chunk_size or length
     rows = []
     for start in range(0, length, step):
         stop = min(length, start + step)
-        builder = plan_builder(device, tokens_per_block=tokens_per_block, num_blocks=num_blocks,
-                               num_kv_heads=model.num_local_kv_heads, dtype=model.config.torch_dtype,
-                               kv_scales=kv_scales if dtype != model.config.torch_dtype else None)
         plan = builder.build([stop - start], [start], [table])
         positions = torch.arange(start, stop, dtype=torch.long, device=device)
         hidden = model.forward_with_plan(ids[start:stop], positions, plan, k_cache, v_cache)  # (stop - start, hidden)

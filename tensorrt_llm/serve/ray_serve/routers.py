@@ -69,9 +69,9 @@ class PrefixAwareRequestRouter(_CountingRouter):
     events), asked once per decision; when it does not answer in ``match_timeout_s``
     (``RayServeConfig.match_timeout_s``), the request is balanced instead."""
 
-    def initialize_state(self, *, tokens_per_block: int,
+    def initialize_state(self, *, tokens_per_block: int, match_timeout_s: float,
                          max_load_gap: int = 4, max_in_flight: int | None = None, min_match_blocks: int = 1,
-                         match_timeout_s: float = 0.5, seed: int | None = None) -> None:
+                         seed: int | None = None) -> None:
         self._start_counting()
         self.bound = LoadBound(max_load_gap=max_load_gap, max_in_flight=max_in_flight,
                                min_match_blocks=min_match_blocks)
