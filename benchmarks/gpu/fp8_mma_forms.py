@@ -51,12 +51,14 @@ import argparse
 import json
 import logging
 import math
+import os
 
 import torch
 import triton
 import triton.language as tl
 
 from benchmarks.gpu.common import time_queued_ms
+from benchmarks.gpu.interpreter import fix_numpy_2_4
 
 logger = logging.getLogger("fp8_mma_forms")
 
@@ -347,6 +349,14 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     device = torch.device(args.device)
+    if device.type == "cpu":
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            parser.error("--device cpu runs the forms under Triton's interpreter: set TRITON_INTERPRET=1")
+        fix_numpy_2_4()
+    # The interpreter has no bfloat16 arithmetic (numpy's dot of the raw bits is garbage), so the
+    # check runs the 16-bit cases in float16; and it times nothing worth repeating.
+    wide = "bfloat16" if device.type == "cuda" else "float16"
+    repeats = dict(warmup=3, repeats=7) if device.type == "cuda" else dict(calls=1, warmup=0, repeats=1)
     hq, hkv, d, tpb = 32, 8, 128, 32
     k_scale, v_scale = 0.5, 0.5
     result: dict = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "triton": triton.__version__, "cases": {}}
@@ -356,16 +366,16 @@ def main(argv: list[str] | None = None) -> dict:
         torch.manual_seed(0)
         tables = torch.randperm(blocks, device=device).to(torch.int32).view(batch, -1)
         seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
-        q = torch.randn(batch, hq, d, device=device, dtype=torch.bfloat16)
+        q = torch.randn(batch, hq, d, device=device, dtype=getattr(torch, wide))
         out = torch.empty_like(q)
         runs = []
-        for kv in ("bfloat16", "fp8"):
-            dtype = torch.bfloat16 if kv == "bfloat16" else torch.float8_e4m3fn
+        for kv in (wide, "fp8"):
+            dtype = q.dtype if kv == wide else torch.float8_e4m3fn
             k = (torch.randn(blocks * tpb, hkv, d, device=device) * 2).to(dtype)
             v = (torch.randn(blocks * tpb, hkv, d, device=device) * 2).to(dtype)
             nbytes = 2 * k.numel() * k.element_size()
             ref = reference(q, k, v, tables, seq_lens, tpb, k_scale, v_scale, [0, batch - 1])
-            forms = ["shipped", "widen", "t_widen"] if kv == "bfloat16" else ["shipped"] + args.forms.split(",")
+            forms = ["shipped", "widen", "t_widen"] if kv == wide else ["shipped"] + args.forms.split(",")
             for form in forms:
                 for tile in args.tiles.split(","):
                     block_n, warps, stages = map(int, tile.split(":"))
@@ -379,7 +389,7 @@ def main(argv: list[str] | None = None) -> dict:
                         if device.type == "cuda":
                             torch.cuda.synchronize()
                         err = (out[[0, batch - 1]].float() - ref).abs().max().item()
-                        timed = time_queued_ms(call, device, warmup=3, repeats=7)  # launches hidden
+                        timed = time_queued_ms(call, device, **repeats)  # launches hidden
                     except Exception as error:  # noqa: BLE001 (a form or tile that does not compile)
                         entry["error"] = f"{type(error).__name__}: {str(error)[-600:]}"
                         logger.info("%s %-8s %-8s %s: %s", shape, kv, form, tile, entry["error"][-300:])

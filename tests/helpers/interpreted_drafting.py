@@ -31,7 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: tests.helpers
 
-from tests.helpers.interpreted_kernels import _fix_interpreter_for_numpy_2_4  # noqa: E402
+from benchmarks.gpu.interpreter import fix_numpy_2_4  # noqa: E402
 
 _DRAFT = ("rows", "known", "source", "room", "first", "upload_start", "upload_count", "upload_offset")
 
@@ -202,7 +202,7 @@ def _alternating_forms(run):
 
 def main() -> None:
     assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
-    _fix_interpreter_for_numpy_2_4()
+    fix_numpy_2_4()
     print(json.dumps({"cases": [run_case(seed) for seed in range(30)], "served": run_served()}))
 
 

@@ -14,19 +14,7 @@ import sys
 
 import torch
 
-
-def _fix_interpreter_for_numpy_2_4() -> None:
-    # Triton's interpreter turns a loaded scalar (a 1-element array) into a loop bound with
-    # int(array), which NumPy >= 2.4 refuses; read the element instead.
-    import triton.runtime.interpreter as interpreter
-
-    original = interpreter._patch_lang_tensor
-
-    def patched(tensor, scope):
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    interpreter._patch_lang_tensor = patched
+from benchmarks.gpu.interpreter import fix_numpy_2_4
 
 
 def run_case(num_splits: int, hq: int, hkv: int, fp8: bool = False, half: bool = False, table_ahead: bool | None = None,
@@ -247,7 +235,7 @@ def main() -> int:
     if os.environ.get("TRITON_INTERPRET") != "1":
         print("set TRITON_INTERPRET=1", file=sys.stderr)
         return 2
-    _fix_interpreter_for_numpy_2_4()
+    fix_numpy_2_4()
     results = [run_case(s, hq, hkv) for s in (1, 2, 4) for hq, hkv in ((4, 2), (8, 1))]
     results += [run_context_case(bm, bn, hq, hkv) for bm, bn in ((16, 16), (32, 16), (16, 32)) for hq, hkv in ((4, 2), (3, 3))]
     results += [run_rope_case(hq, hkv, d) for hq, hkv, d in ((4, 2, 16), (3, 1, 8))]
