@@ -9,6 +9,7 @@ network to pass where nothing of ours is wrong.
 
 from __future__ import annotations
 
+import fcntl
 import subprocess
 import sys
 from pathlib import Path
@@ -31,6 +32,17 @@ def tool_venv(requirement: str, *, see_project_packages: bool = False) -> Path:
     stamp = venv / ".installed"
     if stamp.exists():
         return venv
+    venv.parent.mkdir(parents=True, exist_ok=True)
+    # One installer at a time: two test runs sharing the project's venv (or the workers of one) may
+    # ask for the same tool at once, and a second ``venv --clear`` would wipe the first's install.
+    with open(venv.parent / f"{venv.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not stamp.exists():
+            _install(requirement, venv, see_project_packages)
+    return venv
+
+
+def _install(requirement: str, venv: Path, see_project_packages: bool) -> None:
     subprocess.run([sys.executable, "-m", "venv", "--clear", str(venv)], check=True, timeout=300)
     if see_project_packages:
         site = next((venv / "lib").glob("python*/site-packages"))
@@ -41,5 +53,4 @@ def tool_venv(requirement: str, *, see_project_packages: bool = False) -> Path:
     if done.returncode != 0 and any(words in done.stderr for words in _UNREACHABLE):
         pytest.skip(f"the package registry cannot be reached to install {requirement}: {done.stderr.strip()[-300:]}")
     assert done.returncode == 0, f"pip install {requirement} failed:\n{done.stderr[-3000:]}"
-    stamp.touch()
-    return venv
+    (venv / ".installed").touch()
