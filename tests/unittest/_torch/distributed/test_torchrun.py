@@ -85,6 +85,19 @@ class TwoHosts:
         return response.json()["choices"][0]["token_ids"]
 
     def stop(self) -> None:
+        # torchrun starts its rank in a session of its own: killing an agent's group leaves its rank
+        # running (rank 0 would serve on, its follower gone, for ever), so the ranks go first.
+        for node in self.nodes:
+            try:
+                ranks = [int(pid) for pid in Path(f"/proc/{node.pid}/task/{node.pid}/children").read_text().split()]
+            except OSError:
+                ranks = []
+            for pid in ranks:
+                for sig in (signal.SIGCONT, signal.SIGKILL):
+                    try:
+                        os.kill(pid, sig)
+                    except ProcessLookupError:
+                        pass
         for node in self.nodes:
             try:
                 os.killpg(node.pid, signal.SIGCONT)
