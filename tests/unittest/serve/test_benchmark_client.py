@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 import pytest
+from tests.helpers.guidellm_runs import run_guidellm
 from tests.helpers.tool_venvs import tool_venv
 
 GUIDELLM = "guidellm==0.8.1"
@@ -91,7 +92,7 @@ def test_guidellm_streams_without_a_failed_request(guidellm, tokenizer_dir, serv
         "--disable-progress",
     ]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
+    done = run_guidellm(command, env)
     tables = done.stdout[done.stdout.find("Request Latency Statistics") - 2:]
     print(f"\nGuideLLM {route}:\n{tables[:3000]}")
     assert done.returncode == 0, done.stderr[-3000:] + done.stdout[-3000:]

@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import threading
 import time
 
@@ -17,6 +16,7 @@ import uvicorn
 
 from benchmarks.gpu import peer_serving
 from benchmarks.gpu.peer_summary import summarize_guidellm
+from tests.helpers.guidellm_runs import run_guidellm
 from tests.unittest.serve.test_benchmark_client import guidellm  # noqa: F401 - the fixture
 
 from tensorrt_llm.llmapi import LLM, KvCacheConfig
@@ -74,8 +74,7 @@ def test_the_body_carries_temperature_0_only_when_greedy(guidellm, recorded, smo
     report = tmp_path / "report.json"
     command = peer_serving.guidellm_command(args, url, model, smollm2_tokenizer_checkpoint, (32, 8), sampling, report,
                                             peer_serving.RUN_SEED)
-    done = subprocess.run(command, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
+    done = run_guidellm(command, {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
     assert done.returncode == 0, done.stderr[-3000:] + done.stdout[-3000:]
     generated = [body for body in bodies if body.get("max_tokens") == 8]  # the runs' requests
     assert len(generated) >= 2 and all(body["ignore_eos"] for body in generated)
