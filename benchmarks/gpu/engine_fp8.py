@@ -3,9 +3,19 @@
 ``LLM("llama-3.1-8b-random", device="cuda")`` (random bf16 weights drawn on the GPU: no checkpoint,
 no tokenizer), twice: one with ``kv_cache_config.dtype`` auto (bf16), one with fp8, each with the
 same number of blocks (enough for every level: the pool is not what is compared). ISL random
-token ids, OSL tokens with ``ignore_eos``, greedy; each level keeps ``concurrency`` requests in
-flight for ``--seconds`` (``drive_levels``), the two engines alternating level by
-level (``--rounds`` times), so that drift on the machine falls on both::
+token ids, OSL tokens with ``ignore_eos``, greedy; ``concurrency`` workers keep one request each in
+flight (``drive_levels``).
+
+**The same work for both engines.** Each level first runs each engine for ``--seconds`` (a warm-up:
+compiles, not in the figures), then ``--rounds`` times each engine, alternating which goes first so
+that drift on the machine falls on both, runs a fixed number of requests per worker: as many as
+the bf16 warm-up finished. A window of fixed length would not do: with ``ignore_eos`` every
+request has the same length, so the workers' requests start and end in waves, the number of
+waves that start before the window closes is a whole number, and the last one's drain (its batch
+shrinking to nothing) is in the wall time or not. At c = 16 with 5-s windows this moved an
+engine's output tokens/s by 10% from one round to the next with the same iteration times (the
+FP8 engine's 0.91x of bf16 at c = 16 on an H100, whose decode iterations were 4% faster than
+bf16's and mixed ones as fast)::
 
     PYTHONPATH=. python3 -m benchmarks.gpu.engine_fp8 --out OUT [--concurrency 1,16,64]
         [--shape 1024/128] [--seconds 10] [--rounds 1] [--profile-level 16 [--profile-seconds 1.5]]
@@ -51,9 +61,11 @@ def iteration_summary(stats, since: float) -> dict:
 
 
 def drive_levels(llm, isl: int, osl: int, concurrency_levels: list[int], seconds: float, rng: random.Random,
-                 vocab: int, label: str) -> list[dict]:
-    """Each level: ``concurrency`` threads keep one request each in flight through ``llm`` for
-    ``seconds`` (ISL random token ids, OSL tokens with ``ignore_eos``); output tokens/s per level."""
+                 vocab: int, label: str, requests_per_worker: int | None = None) -> list[dict]:
+    """Each level: ``concurrency`` threads keep one request each in flight through ``llm`` (ISL
+    random token ids, OSL tokens with ``ignore_eos``), each for ``seconds`` or, when
+    ``requests_per_worker`` is given, for exactly that many requests (the same work whatever the
+    engine's speed); output tokens/s per level (tokens of finished requests over the wall time)."""
     from tensorrt_llm.llmapi.llm import SamplingParams
 
     params = SamplingParams(max_tokens=osl, ignore_eos=True)
@@ -65,7 +77,9 @@ def drive_levels(llm, isl: int, osl: int, concurrency_levels: list[int], seconds
         began = time.perf_counter()
 
         def worker() -> None:
-            while time.monotonic() < stop:
+            count = 0
+            while (count < requests_per_worker) if requests_per_worker else (time.monotonic() < stop):
+                count += 1
                 with lock:
                     prompt = [rng.randrange(1, vocab) for _ in range(isl)]
                 output = llm.generate(prompt, params)
@@ -80,7 +94,8 @@ def drive_levels(llm, isl: int, osl: int, concurrency_levels: list[int], seconds
             thread.join()
         wall = time.perf_counter() - began
         iterations = iteration_summary(llm.iteration_stats, since)
-        levels.append({"concurrency": concurrency, "requests": done[0], "output_tokens": tokens[0],
+        levels.append({"concurrency": concurrency, "requests": done[0], "requests_per_worker": requests_per_worker,
+                       "output_tokens": tokens[0],
                        "wall_s": wall, "output_tokens_per_s": tokens[0] / wall, "iterations": iterations})
         steps = ", ".join(f"{kind} {v['n']} x {v['median_ms']:.2f} ms (max {v['max_ms']:.0f} ms, "
                           f"{v['sum_ms'] / 1e3:.2f} s)"
@@ -132,18 +147,26 @@ def run(args) -> dict:
         vocab = min(engines["auto"].model_config.vocab_size, 32000)
         rng = random.Random(0)
         for level in args.concurrency:
+            warm = {kv: drive_levels(engines[kv], isl, osl, [level], args.seconds, rng, vocab, f"warm-up {kv}")[0]
+                    for kv in ("auto", "fp8")}
+            per_worker = max(1, warm["auto"]["requests"] // level)
             runs: dict[str, list[float]] = {"auto": [], "fp8": []}
             for r in range(args.rounds):
                 for kv in (("auto", "fp8") if r % 2 == 0 else ("fp8", "auto")):
-                    result, = drive_levels(engines[kv], isl, osl, [level], args.seconds, rng, vocab, f"engine {kv}")
+                    result, = drive_levels(engines[kv], isl, osl, [level], args.seconds, rng, vocab, f"engine {kv}",
+                                           requests_per_worker=per_worker)
                     runs[kv].append(result["output_tokens_per_s"])
-                    record.setdefault("iterations", []).append({"kv": kv, "concurrency": level, **result["iterations"]})
+                    record.setdefault("iterations", []).append(
+                        {"kv": kv, "concurrency": level, "round": r, "requests": result["requests"],
+                         "output_tokens": result["output_tokens"], "wall_s": result["wall_s"], **result["iterations"]})
             if level == args.profile_level:
                 record["profiles"] = {kv: profiled_level(engines[kv], isl, osl, level, args.profile_seconds, rng, vocab,
                                                          f"profiled {kv}") for kv in ("auto", "fp8")}
             entry = {kv: statistics.median(values) for kv, values in runs.items()}
             entry["fp8_over_bf16"] = entry["fp8"] / entry["auto"] if entry["auto"] else float("nan")
             entry["rounds"] = runs
+            entry["requests_per_worker"] = per_worker
+            entry["warm_up_tokens_per_s"] = {kv: w["output_tokens_per_s"] for kv, w in warm.items()}
             record["levels"][str(level)] = entry
             print(f"c={level}: bf16 {entry['auto']:.0f} tok/s, FP8 {entry['fp8']:.0f} tok/s, "
                   f"FP8/bf16 {entry['fp8_over_bf16']:.3f}", flush=True)

@@ -223,11 +223,11 @@ case $phase in
     ;;
   fp8-engine)
     gpu
-    timeout 230 "$PY" -m benchmarks.gpu.engine_fp8 --out "$out" --concurrency 16,64 --seconds 5 --rounds 3 --profile-level 16 \
+    timeout 230 "$PY" -m benchmarks.gpu.engine_fp8 --out "$out" --concurrency 1,16,64 --seconds 5 --rounds 2 --profile-level 16 \
       > "$out/engine_fp8.log" 2>&1; echo "engine_fp8 exit $?"; tail -30 "$out/engine_fp8.log"
     timeout 90 "$PY" -m benchmarks.gpu.fp8 --out "$out" --sections kernel > "$out/fp8_kernel.log" 2>&1
     echo "fp8 kernel exit $?"; tail -6 "$out/fp8_kernel.log"
-    timeout 60 "$PY" -m benchmarks.gpu.fp8_mma_forms --forms t_qk8r_split_u,t_qk8r_lazyl --tiles 64:4:2 \
+    timeout 60 "$PY" -m benchmarks.gpu.fp8_mma_forms --forms t_qk8r_lazyl --tiles 64:4:2,64:4:3 \
       --json "$out/fp8_mma_forms.json" > "$out/fp8_forms.log" 2>&1; echo "forms exit $?"; tail -6 "$out/fp8_forms.log"
     pack
     ;;

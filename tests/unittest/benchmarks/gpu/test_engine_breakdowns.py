@@ -4,13 +4,17 @@ feed them the same fields)."""
 
 from __future__ import annotations
 
+import random
+import threading
+import time
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from benchmarks.gpu.decode_profile import kernel_breakdown
-from benchmarks.gpu.engine_fp8 import iteration_summary
+from benchmarks.gpu.engine_fp8 import drive_levels, iteration_summary
 
 
 @dataclass
@@ -79,3 +83,33 @@ def test_kernels_are_summed_per_step_by_group_and_name_and_gaps_count_as_idle():
 def test_a_window_without_kernels_reports_zeros():
     out = kernel_breakdown([], steps=0)
     assert out["kernel_us_per_step"] == 0 and out["idle_us_per_step"] == 0 and out["top_kernels"] == []
+
+
+class WaveEngine:
+    """An engine stand-in whose requests each take ``seconds``, however many run at once."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds, self.iteration_stats, self.prompts, self.lock = seconds, [], [], threading.Lock()
+
+    def generate(self, prompt, params):
+        with self.lock:
+            self.prompts.append(len(prompt))
+        time.sleep(self.seconds)
+        return SimpleNamespace(outputs=[SimpleNamespace(token_ids=[0] * params.max_tokens)])
+
+
+def test_a_fixed_number_of_requests_per_worker_is_the_same_work_whatever_the_window():
+    engine = WaveEngine(0.05)
+    level, = drive_levels(engine, 8, 4, [3], seconds=0.0, rng=random.Random(0), vocab=100, label="fixed",
+                          requests_per_worker=2)
+    assert level["requests"] == 6 and level["output_tokens"] == 24 and level["requests_per_worker"] == 2
+    assert engine.prompts == [8] * 6
+    # two waves of 50 ms: about 24 tokens over 0.1 s, whatever the window would have cut
+    assert 0.1 <= level["wall_s"] < 1.0
+
+
+def test_a_window_finishes_every_request_it_started():
+    engine = WaveEngine(0.05)
+    level, = drive_levels(engine, 8, 4, [2], seconds=0.12, rng=random.Random(0), vocab=100, label="window")
+    assert level["requests"] >= 4 and level["output_tokens"] == 4 * level["requests"]
+    assert level["requests_per_worker"] is None
