@@ -26,7 +26,7 @@ from pathlib import Path
 
 SHAPES = {  # name: (kernel, pool element type, DecodeConfig fields), Llama-3.1-8B's and Nemo's heads (32 / 8 of 128)
     "bf16 (DEFAULT_CONFIG)": ("widened", "bf16", dict(block_n=64, num_warps=4, num_stages=3, table_ahead=False)),
-    "fp8 scores (FP8_CONFIG)": ("fp8_scores", "fp8e4nv", dict(block_n=64, num_warps=4, num_stages=2, table_ahead=False)),
+    "fp8 scores (FP8_CONFIG)": ("fp8_scores", "fp8e4nv", dict(block_n=64, num_warps=4, num_stages=3, table_ahead=False)),
     "fp8 widened (WIDENED_FP8_CONFIG)": ("widened", "fp8e4nv",
                                          dict(block_n=128, num_warps=4, num_stages=3, table_ahead=False)),
 }

@@ -92,9 +92,12 @@ class DecodeConfig:
 
 
 DEFAULT_CONFIG = DecodeConfig()  # 16-bit pools
-# FP8 pools (scores from the FP8 tile): measured on an H200 over one layer of 64 x 8k and 256 x 2k
-# (benchmarks/gpu/fp8_mma_forms.py), 64-position tiles and two stages read the most bytes a second.
-FP8_CONFIG = DecodeConfig(block_n=64, num_warps=4, num_stages=2, table_ahead=False)
+# FP8 pools (scores from the FP8 tile): 64-position tiles read the most bytes a second (an H200 and
+# H100s, one layer of 64 x 8k and 256 x 2k: benchmarks/gpu/fp8_mma_forms.py). Three stages: 3% ahead
+# of two on two H100s with the calls queued (0.397 against 0.411 ms at 64 x 8k, 0.404 against 0.416
+# at 256 x 2k); the H200 run that chose two timed each call alone, on an earlier kernel, and had
+# the two within 2%.
+FP8_CONFIG = DecodeConfig(block_n=64, num_warps=4, num_stages=3, table_ahead=False)
 # An FP8 pool widened for 16-bit dot products (no e4m3 dot products): 128-position tiles carry a
 # 64-position bf16 tile's bytes. Reading the block table a tile ahead was predicted to help and
 # measured to hurt (H100, one layer of 64 x 8k: 1.86 TB/s with it, 2.04 without).
