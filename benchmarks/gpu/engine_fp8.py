@@ -13,7 +13,7 @@ the bf16 warm-up finished. A window of fixed length would not do: with ``ignore_
 request has the same length, so the workers' requests start and end in waves, the number of
 waves that start before the window closes is a whole number, and the last one's drain (its batch
 shrinking to nothing) is in the wall time or not. At c = 16 with 5-s windows this moved an
-engine's output tokens/s by 10% from one round to the next with the same iteration times (the
+engine's output tokens/s by 9% from one round to the next with the same iteration times (the
 FP8 engine's 0.91x of bf16 at c = 16 on an H100, whose decode iterations were 4% faster than
 bf16's and mixed ones as fast)::
 
