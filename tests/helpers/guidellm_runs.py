@@ -30,7 +30,10 @@ def run_guidellm(command: list[str], env: dict[str, str], *, timeout_s: float = 
         try:
             out, err = process.communicate(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
+            try:
+                os.killpg(process.pid, signal.SIGKILL)
+            except ProcessLookupError:  # it ended just as the wait did: its output is still read
+                pass
             out, err = process.communicate()
             stalls.append(f"--- stalled after {timeout_s:.0f} s ---\n{err[-1500:]}\n{out[-1500:]}")
             continue
