@@ -32,10 +32,11 @@ def run_guidellm(command: list[str], env: dict[str, str], *, timeout_s: float = 
         except subprocess.TimeoutExpired:
             try:
                 os.killpg(process.pid, signal.SIGKILL)
-            except ProcessLookupError:  # it ended just as the wait did: its output is still read
+            except ProcessLookupError:  # the whole group ended just as the wait ran out
                 pass
             out, err = process.communicate()
-            stalls.append(f"--- stalled after {timeout_s:.0f} s ---\n{err[-1500:]}\n{out[-1500:]}")
-            continue
+            if process.returncode == -signal.SIGKILL:
+                stalls.append(f"--- stalled after {timeout_s:.0f} s ---\n{err[-1500:]}\n{out[-1500:]}")
+                continue
         return subprocess.CompletedProcess(command, process.returncode, out, err)
     raise AssertionError(f"GuideLLM stalled {attempts} times in a row:\n" + "\n".join(stalls))
