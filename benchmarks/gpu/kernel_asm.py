@@ -24,12 +24,20 @@ import subprocess
 import sys
 from pathlib import Path
 
-SHAPES = {  # name: (kernel, pool element type, DecodeConfig fields), Llama-3.1-8B's and Nemo's heads (32 / 8 of 128)
-    "bf16 (DEFAULT_CONFIG)": ("widened", "bf16", dict(block_n=64, num_warps=4, num_stages=3, table_ahead=False)),
-    "fp8 scores (FP8_CONFIG)": ("fp8_scores", "fp8e4nv", dict(block_n=64, num_warps=4, num_stages=3, table_ahead=False)),
-    "fp8 widened (WIDENED_FP8_CONFIG)": ("widened", "fp8e4nv",
-                                         dict(block_n=128, num_warps=4, num_stages=3, table_ahead=False)),
+SHAPES = {  # name: (kernel, pool element type, the DecodeConfig that ships), Llama-3.1-8B's and Nemo's heads (32 / 8 of 128)
+    "bf16 (DEFAULT_CONFIG)": ("widened", "bf16", "DEFAULT_CONFIG"),
+    "fp8 scores (FP8_CONFIG)": ("fp8_scores", "fp8e4nv", "FP8_CONFIG"),
+    "fp8 widened (WIDENED_FP8_CONFIG)": ("widened", "fp8e4nv", "WIDENED_FP8_CONFIG"),
 }
+
+
+def shipped_config(name: str) -> dict:
+    """The fields of ``triton_paged_decode``'s config ``name``, as the kernel ships it."""
+    from tensorrt_llm._torch.attention_backend import triton_paged_decode
+
+    config = getattr(triton_paged_decode, name)
+    return dict(block_n=config.block_n, num_warps=config.num_warps, num_stages=config.num_stages,
+                table_ahead=config.table_ahead)
 
 
 def compile_decode(kind: str, pool: str, config: dict, *, num_splits: int = 1) -> dict:
@@ -106,8 +114,9 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         print("not run: Triton is not installed here (pip install triton into your own environment)", file=sys.stderr)
         return 2
-    report = {name: {"kernel": kind, "pool": pool, **config, **compile_decode(kind, pool, config)}
-              for name, (kind, pool, config) in SHAPES.items()}
+    configs = {name: shipped_config(config_name) for name, (_, _, config_name) in SHAPES.items()}
+    report = {name: {"kernel": kind, "pool": pool, **configs[name], **compile_decode(kind, pool, configs[name])}
+              for name, (kind, pool, _) in SHAPES.items()}
     for name, r in report.items():
         print(f"{name:34s} {r['registers']} registers, {r['shared_bytes'] / 1024:.0f} KB shared, "
               f"{r['ld_shared_b8']} ld.shared.b8, {r['ldmatrix']} ldmatrix, {r['wgmma']} wgmma, {r['mma_sync']} mma.sync, "
