@@ -69,10 +69,17 @@ class TwoHosts:
 
     def worker_pid(self, node: int) -> int:
         """The rank process torchrun started on ``node`` (its agent's child)."""
-        pid = self.nodes[node].pid
-        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+        children = self._ranks(node)
         assert len(children) == 1, children
-        return int(children[0])
+        return children[0]
+
+    def _ranks(self, node: int) -> list[int]:
+        """The agent's children on ``node``: its rank, or none once the agent has gone."""
+        pid = self.nodes[node].pid
+        try:
+            return [int(child) for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+        except OSError:
+            return []
 
     def health(self) -> tuple[int, dict]:
         response = httpx.get(f"{self.url}/health", timeout=5)
@@ -87,12 +94,8 @@ class TwoHosts:
     def stop(self) -> None:
         # torchrun starts its rank in a session of its own: killing an agent's group leaves its rank
         # running (rank 0 would serve on, its follower gone, for ever), so the ranks go first.
-        for node in self.nodes:
-            try:
-                ranks = [int(pid) for pid in Path(f"/proc/{node.pid}/task/{node.pid}/children").read_text().split()]
-            except OSError:
-                ranks = []
-            for pid in ranks:
+        for node in range(len(self.nodes)):
+            for pid in self._ranks(node):
                 for sig in (signal.SIGCONT, signal.SIGKILL):
                     try:
                         os.kill(pid, sig)
