@@ -39,10 +39,12 @@ def tool_venv(requirement: str, *, see_project_packages: bool = False) -> Path:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not stamp.exists():
             _install(requirement, venv, see_project_packages)
+            stamp.touch()
     return venv
 
 
 def _install(requirement: str, venv: Path, see_project_packages: bool) -> None:
+    """A fresh ``venv`` with ``requirement`` in it; skips the test where the registry is unreachable."""
     subprocess.run([sys.executable, "-m", "venv", "--clear", str(venv)], check=True, timeout=300)
     if see_project_packages:
         site = next((venv / "lib").glob("python*/site-packages"))
@@ -53,4 +55,3 @@ def _install(requirement: str, venv: Path, see_project_packages: bool) -> None:
     if done.returncode != 0 and any(words in done.stderr for words in _UNREACHABLE):
         pytest.skip(f"the package registry cannot be reached to install {requirement}: {done.stderr.strip()[-300:]}")
     assert done.returncode == 0, f"pip install {requirement} failed:\n{done.stderr[-3000:]}"
-    (venv / ".installed").touch()
