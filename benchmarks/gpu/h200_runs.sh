@@ -29,12 +29,13 @@
 #                                                                    64/256 profiled at 1 and 64; FP8 at 64 and 256), the
 #                                                                    in-process engine FP8 vs bf16 at c=1/16/64, the unfused
 #                                                                    layers at batch 1 and 64 if time is left; a table last
-#   fp8-engine            []                                ~4 min   the in-process engine FP8 vs bf16 at c=16/64, each level's
-#                                                                    iterations (mixed / decode-only / idle: count, median,
-#                                                                    longest), one more 1.5-s run of each at c=16 under the profiler
-#                                                                    (kernels per iteration), then the FP8 kernel (queued timing) and the
-#                                                                    lean copy against the per-position sum: where FP8's c=16
-#                                                                    deficit goes
+#   fp8-engine            []                                ~4 min   the in-process engine FP8 vs bf16 at c=1/16/64 on the same
+#                                                                    work (a 5-s warm-up each, then 2 alternating rounds of a fixed
+#                                                                    number of requests per worker), each run's iterations (mixed /
+#                                                                    decode-only / idle), one more 1.5-s run of each at c=16 under the
+#                                                                    profiler (kernels per iteration), then the FP8 kernel (queued
+#                                                                    timing) and the shipped kernel and the per-position-sum form in
+#                                                                    two and three stages
 #   peer-bf16, peer-fp8   [.carry/peer-site.tar.xz .carry/smollm2-tokenizer]  [SECONDS [VOCAB [SHAPES]]]  ~7 min
 #                                                                    Llama-3.1-8B-shaped checkpoint (128,256 rows; VOCAB=tokenizer:
 #                                                                    49,152) written on the machine, trtllm-serve, GuideLLM 0.8.1

@@ -1,8 +1,9 @@
 """GuideLLM's ``run`` as the suite drives it: a bounded wait, and one more attempt after a stall.
 
 GuideLLM can stall for good once its benchmark's constraint is reached, its worker processes
-waiting on one another with no request in flight (reported upstream for 0.3 and 0.7:
-vllm-project/guidellm issues 431 and 1152). Seen here once with 0.8.1 on a loaded 2-core machine:
+waiting on one another with no request in flight (reported on GuideLLM's tracker for 0.3 and 0.7:
+"Possible hang/deadlock in-between a rate change", "Ensure requests are forcefully killed a
+certain amount of time after benchmark completes"). Seen here once with 0.8.1 on a loaded 2-core machine:
 the two-second run's requests all served, the server idle with no connection open, the client's
 workers on a futex until the test's 10-minute timeout. A stall is the client's, not the server's,
 so it is killed with its workers and run once more; two stalls in a row fail the test with what
