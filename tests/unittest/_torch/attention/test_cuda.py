@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from tests.helpers.factories import make_config, make_request
+from tests.helpers.paged_batches import random_paged_batch, rel_err
 from tensorrt_llm._torch.attention_backend import build_plan
 from tensorrt_llm._torch.models import MODEL_PRESETS, LlamaConfig, LlamaForCausalLM
 from tensorrt_llm._torch.pyexecutor.config import CudaGraphConfig
@@ -24,29 +25,6 @@ from tensorrt_llm._torch.pyexecutor.py_executor_creator import create_py_executo
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 CUDA = torch.device("cuda")
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out, ref = out.double().cpu(), ref.double().cpu()
-    assert not torch.isnan(out).any(), "an output row was never written"
-    return float((out - ref).norm() / ref.norm())
-
-
-def _random_batch(rng: random.Random, num_blocks: int, tpb: int, max_ctx: int):
-    requests = []
-    for _ in range(rng.randrange(1, 7)):
-        kind = rng.random()
-        if kind < 0.4:
-            requests.append((rng.randrange(0, max_ctx), 1))  # decode
-        elif kind < 0.7:
-            requests.append((0, rng.randrange(2, 300)))  # fresh prefill
-        else:
-            requests.append((rng.randrange(1, max_ctx), rng.randrange(2, 200)))  # chunk over a prefix
-    rng.shuffle(requests)
-    free = list(range(num_blocks))
-    rng.shuffle(free)
-    tables = [[free.pop() for _ in range(-(-(c + n) // tpb))] for c, n in requests]
-    return requests, tables
 
 
 def _layer_error(new, cached, tables, heads, num_blocks, tpb, dtype, seed) -> float:
@@ -77,7 +55,8 @@ def test_layer_attention_matches_float64_reference(dtype, tol, heads) -> None:
     tpb, num_blocks = 32, 600
     rng = random.Random(heads[0] + heads[2])
     for trial in range(6):
-        requests, tables = _random_batch(rng, num_blocks, tpb, max_ctx=3000)
+        requests, tables = random_paged_batch(rng, num_blocks, tpb, max_ctx=3000, sizes=(1, 7), decode_share=0.4,
+                                             shuffle=True)
         new, cached = [n for _, n in requests], [c for c, _ in requests]
         err = _layer_error(new, cached, tables, heads, num_blocks, tpb, dtype, seed=trial)
         assert err < tol, f"trial {trial}: {requests} rel err {err:.2e}"

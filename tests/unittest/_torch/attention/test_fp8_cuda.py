@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from tests.helpers.factories import make_config, make_request
+from tests.helpers.paged_batches import random_paged_batch, rel_err
 from tensorrt_llm._torch.attention_backend import KvScales, build_plan
 from tensorrt_llm._torch.attention_backend.cpu_paged import build_cpu_plan
 from tensorrt_llm._torch.attention_backend.kv_quant import FP8, quantize
@@ -27,28 +28,6 @@ from tensorrt_llm._torch.pyexecutor.py_executor_creator import create_py_executo
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 CUDA = torch.device("cuda")
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out, ref = out.double().cpu(), ref.double().cpu()
-    assert not torch.isnan(out).any(), "an output row was never written"
-    return float((out - ref).norm() / ref.norm())
-
-
-def _batch(rng: random.Random, num_blocks: int, tpb: int, max_ctx: int):
-    requests = []
-    for _ in range(rng.randrange(2, 8)):
-        kind = rng.random()
-        if kind < 0.5:
-            requests.append((rng.randrange(0, max_ctx), 1))  # decode
-        elif kind < 0.7:
-            requests.append((0, rng.randrange(2, 300)))  # fresh prefill
-        else:
-            requests.append((rng.randrange(1, max_ctx), rng.randrange(2, 200)))  # chunk over a prefix
-    free = list(range(num_blocks))
-    rng.shuffle(free)
-    tables = [[free.pop() for _ in range(-(-(c + n) // tpb))] for c, n in requests]
-    return requests, tables
 
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
@@ -63,7 +42,8 @@ def test_fp8_layer_attention_matches_the_float64_reference_over_the_same_bytes(d
     scales = KvScales((1.0, 0.5), (1.0, 4.0))  # layer 1's
     rng = random.Random(hq + d)
     for trial in range(5):
-        requests, tables = _batch(rng, num_blocks, tpb, max_ctx=2000)
+        requests, tables = random_paged_batch(rng, num_blocks, tpb, max_ctx=2000, sizes=(2, 8), decode_share=0.5,
+                                             shuffle=False)
         new, cached = [n for _, n in requests], [c for c, _ in requests]
         gen = torch.Generator().manual_seed(trial)
         t = sum(new)
