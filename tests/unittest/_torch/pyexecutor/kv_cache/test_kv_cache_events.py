@@ -24,10 +24,11 @@ import pytest
 from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+from tests.helpers.executor_machines import ArrivalRules
 from tests.helpers.factories import make_config, make_kv_cache_manager, make_request, make_sim_executor, run_alone
 from tests.helpers.invariants import ExecutorChecker
 from tests.helpers.kv_event_index import ReplayedIndex, describe_difference, pool_index
-from tests.helpers.strategies import Prompt, RequestSpec, Setting, examples, kv_settings, request_specs
+from tests.helpers.strategies import Prompt, Setting, examples, kv_settings, request_specs
 
 from tensorrt_llm._torch.pyexecutor.kv_cache.events import (
     AllBlocksCleared,
@@ -50,7 +51,7 @@ def with_events(setting: Setting, policy: str, buffer: int, offload_ahead: int):
     return dataclasses.replace(config, kv_cache_config=kv)
 
 
-class EventsMachine(RuleBasedStateMachine):
+class EventsMachine(ArrivalRules):
     """Random traffic and resets against one executor whose pool emits events; the replayed
     index equals the pool's reusable set after every rule."""
 
@@ -58,10 +59,6 @@ class EventsMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.checker: ExecutorChecker | None = None
-        self.setting: Setting | None = None
-        self.earlier: list[Prompt] = []
-        self.ids = itertools.count()
         self.index = ReplayedIndex()
         self.resets = 0
 
@@ -75,21 +72,6 @@ class EventsMachine(RuleBasedStateMachine):
     @property
     def kv(self):
         return self.checker.executor.kv_cache_manager
-
-    def _submit(self, spec: RequestSpec) -> None:
-        self.earlier.append(spec.prompt)
-        self.checker.submit(spec.build(next(self.ids)))
-
-    @rule(data=st.data())
-    def arrive(self, data) -> None:
-        self._submit(data.draw(request_specs(self.setting, tuple(self.earlier)), label="request"))
-
-    @rule(data=st.data())
-    def arrive_identical(self, data) -> None:
-        if not self.earlier:
-            return self.arrive(data)
-        prompt = data.draw(st.sampled_from(self.earlier), label="repeat of")
-        self._submit(RequestSpec(prompt, max_new_tokens=data.draw(st.integers(1, 4), label="max_new_tokens")))
 
     @rule(data=st.data(), size=st.integers(2, 5))
     def burst(self, data, size: int) -> None:

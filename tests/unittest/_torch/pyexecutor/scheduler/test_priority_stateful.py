@@ -19,13 +19,14 @@ import dataclasses
 
 from hypothesis import event, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import initialize, rule
+from hypothesis.stateful import initialize
 from tests.helpers.invariants import ExecutorChecker, check_priority_order, priority_snapshot
-from tests.helpers.strategies import RequestSpec, Setting, examples, kv_settings, request_specs
-from test_stateful_executor import ExecutorMachine
+from tests.helpers.strategies import RequestSpec, Setting, examples, kv_settings
+from tests.helpers.executor_machines import ExecutorMachine
 
 from tests.helpers.factories import make_sim_executor
 from tensorrt_llm._torch.pyexecutor.config import SchedulerConfig
+from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequest
 from tensorrt_llm._torch.pyexecutor.priority import PriorityOrder
 
 PRIORITIES = st.sampled_from((0.0, 0.1, 0.5, 0.9, 1.0))
@@ -67,25 +68,11 @@ class PriorityExecutorMachine(ExecutorMachine):
         self.checker = PriorityChecker(make_sim_executor(config, overlap=self.overlap), order=PriorityOrder(aging),
                                        cooldown=cooldown if preemption else None)
 
-    def _submit_with(self, spec: RequestSpec, priority: float) -> None:
-        self.earlier.append(spec.prompt)
-        request = spec.build(next(self.ids))
-        request.priority = priority
+    def _request(self, spec: RequestSpec, data) -> LlmRequest:
+        request = super()._request(spec, data)
+        request.priority = data.draw(PRIORITIES, label="priority")
         request.arrival_time = float(self.checker.steps + 1)  # the machine's clock: one unit per step
-        self.checker.submit(request)
-
-    @rule(data=st.data())
-    def arrive(self, data) -> None:
-        spec = data.draw(request_specs(self.setting, tuple(self.earlier)), label="request")
-        self._submit_with(spec, data.draw(PRIORITIES, label="priority"))
-
-    @rule(data=st.data())
-    def arrive_identical(self, data) -> None:
-        if not self.earlier:
-            return self.arrive(data)
-        prompt = data.draw(st.sampled_from(self.earlier), label="repeat of")
-        spec = RequestSpec(prompt, max_new_tokens=data.draw(st.integers(1, 4), label="max_new_tokens"))
-        self._submit_with(spec, data.draw(PRIORITIES, label="priority"))
+        return request
 
     def teardown(self) -> None:
         super().teardown()
