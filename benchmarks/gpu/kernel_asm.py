@@ -7,7 +7,8 @@ the H100's and H200's) on any machine where it is installed (not a dependency of
 reads the registers off the cubin. What to look for (``docs/gpu.md``, the FP8 decode kernel): an
 FP8 kernel with ``ld.shared.b8`` reads a transposed 8-bit operand a byte at a time, and one whose
 loop waits with ``async_wait num = 0`` keeps a single tile in flight (the K tile's addresses come
-from a block-table load, so every shape prefetches one tile ahead, in any number of stages). For
+from a block-table load, so every shape prefetches one tile ahead, in any number of stages, unless
+the table is read a tile ahead: ``DecodeConfig.table_ahead``). For
 the FP8 scores kernel: ``wgmma`` counts Hopper's warpgroup MMAs (``mma_sync`` the older ones),
 ``cvt.e4m3`` the e4m3x2 widenings in the PTX (V's only), ``barriers`` the CTA-wide barriers; the
 registers bound how many programs share a multiprocessor (65536 / (registers x 128 threads))::
@@ -24,10 +25,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-SHAPES = {  # name: (kernel, pool element type, the DecodeConfig that ships), Llama-3.1-8B's and Nemo's heads (32 / 8 of 128)
-    "bf16 (DEFAULT_CONFIG)": ("widened", "bf16", "DEFAULT_CONFIG"),
-    "fp8 scores (FP8_CONFIG)": ("fp8_scores", "fp8e4nv", "FP8_CONFIG"),
-    "fp8 widened (WIDENED_FP8_CONFIG)": ("widened", "fp8e4nv", "WIDENED_FP8_CONFIG"),
+SHAPES = {  # name: (kernel, pool element type, the DecodeConfig that ships, fields changed from it); the heads
+    # of Llama-3.1-8B and Nemo (32 / 8 of 128)
+    "bf16 (DEFAULT_CONFIG)": ("widened", "bf16", "DEFAULT_CONFIG", {}),
+    "fp8 scores (FP8_CONFIG)": ("fp8_scores", "fp8e4nv", "FP8_CONFIG", {}),
+    "fp8 widened (WIDENED_FP8_CONFIG)": ("widened", "fp8e4nv", "WIDENED_FP8_CONFIG", {}),
+    # the shapes the GPU sweep times beside FP8_CONFIG with the table read a tile ahead
+    "fp8 scores, table ahead": ("fp8_scores", "fp8e4nv", "FP8_CONFIG", {"table_ahead": True}),
+    "fp8 scores, table ahead, 4 stages": ("fp8_scores", "fp8e4nv", "FP8_CONFIG", {"table_ahead": True, "num_stages": 4}),
 }
 
 
@@ -51,13 +56,13 @@ def compile_decode(kind: str, pool: str, config: dict, *, num_splits: int = 1) -
     pointers = {"Q": "*bf16", "K": f"*{pool}", "V": f"*{pool}", "Out": "*bf16", "Acc": "*fp32", "ML": "*fp32",
                 "rows": "*i64", "tables": "*i32", "seq_lens": "*i32"}
     constants = dict(GROUP=4, HEAD_DIM=128, TOKENS_PER_BLOCK=32, BLOCK_N=config["block_n"], NUM_SPLITS=num_splits,
-                     NUM_Q_HEADS=32)
+                     NUM_Q_HEADS=32, TABLE_AHEAD=config["table_ahead"])
     if kind == "fp8_scores":
         fn = triton_paged_decode._fp8_scores_kernel
         constants.update(GROUP_PAD=8)
     else:
         fn = triton_paged_decode._decode_kernel
-        constants.update(GROUP_PAD=16, IEEE=False, FP8=pool != "bf16", TABLE_AHEAD=config["table_ahead"])
+        constants.update(GROUP_PAD=16, IEEE=False, FP8=pool != "bf16")
     signature, constexprs, attrs = {}, {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in constants:
@@ -114,9 +119,9 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         print("not run: Triton is not installed here (pip install triton into your own environment)", file=sys.stderr)
         return 2
-    configs = {name: shipped_config(config_name) for name, (_, _, config_name) in SHAPES.items()}
+    configs = {name: {**shipped_config(config_name), **changed} for name, (_, _, config_name, changed) in SHAPES.items()}
     report = {name: {"kernel": kind, "pool": pool, **configs[name], **compile_decode(kind, pool, configs[name])}
-              for name, (kind, pool, _) in SHAPES.items()}
+              for name, (kind, pool, _, _) in SHAPES.items()}
     for name, r in report.items():
         print(f"{name:34s} {r['registers']} registers, {r['shared_bytes'] / 1024:.0f} KB shared, "
               f"{r['ld_shared_b8']} ld.shared.b8, {r['ldmatrix']} ldmatrix, {r['wgmma']} wgmma, {r['mma_sync']} mma.sync, "

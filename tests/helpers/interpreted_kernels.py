@@ -245,6 +245,8 @@ def main() -> int:
     results += [run_case(s, 4, 2, fp8=True, half=True) for s in (1, 2)]
     results += [run_case(s, 8, 1, table_ahead=True, block_n=16) for s in (1, 4)]
     results += [run_case(s, 4, 2, fp8=True, half=half, block_n=16) for s in (1, 4) for half in (False, True)]
+    # the FP8 scores kernel with its table read ahead (the shape the GPU sweep times beside the default)
+    results += [run_case(s, 4, 2, fp8=True, half=True, table_ahead=True, block_n=16) for s in (1, 4)]
     # The FP8 scores kernel over other query groups: one head a KV head, an odd group (padded to 8
     # columns), and 16 (two columns a head over 32).
     results += [run_case(s, hq, hkv, fp8=True, half=True) for s, (hq, hkv) in ((1, (2, 2)), (2, (6, 2)), (4, (16, 1)))]

@@ -49,8 +49,15 @@ Where e4m3 dot products are missing, :func:`_decode_kernel` widens a whole FP8 t
 float16 in registers, ``q`` times the softmax scale rounded to float16 once per program. It widens
 V before the dot, in the layout it was loaded in (``tl.trans(tl.trans(v).to(...))``): left to
 itself Triton moves the cast after the shared-memory read of the dot operand, and a transposed
-8-bit operand is then read one byte per load. It can read the block table one tile ahead
-(``DecodeConfig.table_ahead``), which was measured to hurt on an H100.
+8-bit operand is then read one byte per load.
+
+Both kernels can read the block table one tile ahead (``DecodeConfig.table_ahead``), which was
+measured to hurt the widened kernel on an H100. The K tile's addresses then come from the previous
+iteration, not from a load in this one, so Triton's pipeliner keeps more than one tile in flight:
+compiled for sm_90, the scores kernel in three stages waits for all but one copy (``async_wait``
+1, where it waits for all without), at 162 registers instead of 127, since V's register loads are
+pipelined too (``benchmarks/gpu/kernel_asm.py``). ``fp8 --sections kernel`` times it beside the
+default; it ships off until a GPU has shown it faster.
 
 ``benchmarks/gpu/fp8.py`` measures both against the bytes they read, and times the other shapes
 of :class:`DecodeConfig` on the same data. The 16-bit path is the kernel that was measured at 1.08x
@@ -129,14 +136,18 @@ def _split_range(seq_lens, seq, split, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.con
 
 
 @triton.jit
-def _slots(table, offs_n, valid, TOKENS_PER_BLOCK: tl.constexpr):
-    """Pool slots of positions ``offs_n`` (masked by ``valid``) through one sequence's block table.
+def _block_ids(table, offs_n, valid, TOKENS_PER_BLOCK: tl.constexpr):
+    """Block ids of positions ``offs_n`` (masked by ``valid``: 0) from one sequence's block table.
     The positions are taken as unsigned: a split's start is not known to be non-negative, and signed
     ``//`` and ``%`` by the block size compile to a shift with sign fix-ups (11 ``shr.s32`` and 8
     ``sub.s32`` more in the FP8 kernel's loop), where unsigned ones are a shift and a mask."""
-    pos = offs_n.to(tl.uint32)
-    block = tl.load(table + pos // TOKENS_PER_BLOCK, mask=valid, other=0)
-    return block.to(tl.int64) * TOKENS_PER_BLOCK + (pos % TOKENS_PER_BLOCK).to(tl.int64)
+    return tl.load(table + offs_n.to(tl.uint32) // TOKENS_PER_BLOCK, mask=valid, other=0)
+
+
+@triton.jit
+def _slots_in(block, offs_n, TOKENS_PER_BLOCK: tl.constexpr):
+    """Pool slots of positions ``offs_n`` in their blocks ``block`` (:func:`_block_ids`)."""
+    return block.to(tl.int64) * TOKENS_PER_BLOCK + (offs_n.to(tl.uint32) % TOKENS_PER_BLOCK).to(tl.int64)
 
 
 @triton.jit
@@ -245,7 +256,7 @@ def _fp8_scores_kernel(
     score_scale_log2, v_scale,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     TOKENS_PER_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    NUM_Q_HEADS: tl.constexpr,
+    NUM_Q_HEADS: tl.constexpr, TABLE_AHEAD: tl.constexpr,
 ):
     """The FP8 pool's decode with the scores taken from the FP8 K tile as stored (module
     docstring, "Scores from the FP8 tile"); grid and results as :func:`_decode_kernel`'s."""
@@ -279,10 +290,19 @@ def _fp8_scores_kernel(
     l_rows = tl.zeros([BLOCK_N, GROUP_PAD], dtype=tl.float32)
     acc = tl.zeros([HEAD_DIM, 2 * GROUP_PAD], dtype=tl.float32)  # (D, 2GP): each head twice
     table = tables + seq * stride_tb
+    if TABLE_AHEAD:  # the first tile's block ids, before the loop (module docstring)
+        first = start + tl.arange(0, BLOCK_N)
+        block_ahead = _block_ids(table, first, first < end, TOKENS_PER_BLOCK)
     for n0 in tl.range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)  # (BN,) positions
         valid = offs_n < end
-        slot = _slots(table, offs_n, valid, TOKENS_PER_BLOCK)  # (BN,)
+        if TABLE_AHEAD:
+            block = block_ahead
+            ahead = offs_n + BLOCK_N
+            block_ahead = _block_ids(table, ahead, ahead < end, TOKENS_PER_BLOCK)
+        else:
+            block = _block_ids(table, offs_n, valid, TOKENS_PER_BLOCK)
+        slot = _slots_in(block, offs_n, TOKENS_PER_BLOCK)  # (BN,)
         k = tl.load(K + slot[:, None] * stride_ks + kv_head * stride_kh + offs_d[None, :],
                     mask=valid[:, None], other=0.0)  # (BN, D) float8, as stored
         # Positions are the dot's rows (M = BN), heads its columns: the two terms of each head are
@@ -378,7 +398,8 @@ def paged_decode_attention(
                  num_stages=config.num_stages)
     if scores8:
         _fp8_scores_kernel[grid](*tensors, scale * k_scale * _LOG2E, v_scale,
-                                 GROUP_PAD=max(8, triton.next_power_of_2(group)), **shape)
+                                 GROUP_PAD=max(8, triton.next_power_of_2(group)), TABLE_AHEAD=config.table_ahead,
+                                 **shape)
     else:
         if fp8 and not ieee:  # the softmax scale goes into q, the scores carry k_scale (kernel)
             q_scale, score_scale = scale, k_scale * _LOG2E
