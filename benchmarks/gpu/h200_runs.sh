@@ -10,6 +10,10 @@
 #
 # PHASE (device call's carry in brackets; expected duration):
 #   cuda-tests            []                                ~5 min   the CUDA tests (FP8, drafts, graphs, beams, attention)
+#   fp8-kernel            []                                ~7 min   the FP8 decode kernel against bf16 with its sweep (queued
+#                                                                    timing; the table read ahead in 3 and 4 stages among the
+#                                                                    shapes), then the CUDA tests in what is left of 9 minutes:
+#                                                                    the first call on a machine that may not come twice
 #   stage-smollm2         [.carry/smollm2-a.part]           ~10 s    half of SmolLM2's GGUF to /tmp/stage (the working tree
 #                                                                    travels in at most 64 MiB; the file is 94 MiB)
 #   speculative           [.carry/gguf .carry/smollm2-b.part] ~2.5 min right after stage-smollm2 (the machine keeps /tmp
@@ -148,6 +152,13 @@ gpu() {  # the preconditions every phase shares
   nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader | tee "$out/gpu.txt"
 }
 
+cuda_tests() {  # cuda_tests SECONDS: the CUDA tests (FP8, drafts, graphs, beams, attention, device sampling)
+  timeout "$1" "$PY" -m pytest tests/unittest/_torch/attention/test_fp8_cuda.py tests/unittest/_torch/speculative/test_speculative_cuda.py \
+    tests/unittest/_torch/attention/test_cuda.py tests/unittest/_torch/pyexecutor/sampling/test_beam_search_cuda.py \
+    tests/unittest/_torch/pyexecutor/sampling/test_device_sampling_cuda.py \
+    -q -rs -p no:cacheprovider --durations=8 2>&1 | tee "$out/pytest_cuda.log" | tail -25
+}
+
 pack() {  # PHASE's files as one tarball beside them
   tar czf "$out/$phase.tar.gz" -C "$out" --exclude "*.tar.gz" . && ls -la "$out"
 }
@@ -155,10 +166,14 @@ pack() {  # PHASE's files as one tarball beside them
 case $phase in
   cuda-tests)
     gpu
-    timeout 540 "$PY" -m pytest tests/unittest/_torch/attention/test_fp8_cuda.py tests/unittest/_torch/speculative/test_speculative_cuda.py \
-      tests/unittest/_torch/attention/test_cuda.py tests/unittest/_torch/pyexecutor/sampling/test_beam_search_cuda.py \
-      tests/unittest/_torch/pyexecutor/sampling/test_device_sampling_cuda.py \
-      -q -rs -p no:cacheprovider --durations=8 2>&1 | tee "$out/pytest_cuda.log" | tail -25
+    cuda_tests 540
+    ;;
+  fp8-kernel)
+    gpu
+    timeout 150 "$PY" -m benchmarks.gpu.fp8 --out "$out" --sections kernel > "$out/fp8_kernel.log" 2>&1
+    echo "fp8 kernel exit $?"; tail -30 "$out/fp8_kernel.log"
+    cuda_tests 380
+    pack
     ;;
   stage-smollm2)
     [ -f .carry/smollm2-a.part ] || { echo "carry .carry/smollm2-a.part (bash $0 fetch makes it)"; exit 2; }
