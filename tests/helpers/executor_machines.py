@@ -1,11 +1,12 @@
-"""The executor state machines the stateful tests share (DESIGN.md §3): their arrival rules, and
+"""The executor state machines the stateful tests share (DESIGN.md §3): their traffic rules, and
 the machine of arrivals, bursts, steps and cancellations that the policy and priority tests run.
 
-:class:`ArrivalRules`: a subclass's ``initialize`` sets ``self.setting`` (the
+:class:`TrafficRules`: a subclass's ``initialize`` sets ``self.setting`` (the
 :class:`~tests.helpers.strategies.Setting` whose pool the prompts are drawn for) and ``self.checker``
 (an :class:`~tests.helpers.invariants.ExecutorChecker`); the rules then submit fresh prompts drawn
 against every prompt seen so far (shared prefixes, extensions, beams, drafts:
-:func:`~tests.helpers.strategies.request_specs`) and identical repeats of earlier ones.
+:func:`~tests.helpers.strategies.request_specs`), identical repeats of earlier ones, and cancel
+any request submitted.
 """
 
 from __future__ import annotations
@@ -23,9 +24,9 @@ from tests.helpers.invariants import ExecutorChecker
 from tests.helpers.strategies import Prompt, RequestSpec, Setting, kv_settings, request_specs
 
 
-class ArrivalRules(RuleBasedStateMachine):
-    """``arrive`` and ``arrive_identical``; ``_request`` is where a subclass draws more of a request
-    (after its spec, so the draws of the rules themselves stay in the same order)."""
+class TrafficRules(RuleBasedStateMachine):
+    """``arrive``, ``arrive_identical`` and ``cancel``; ``_request`` is where a subclass draws more of
+    a request (after its spec, so the draws of the rules themselves stay in the same order)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -53,8 +54,15 @@ class ArrivalRules(RuleBasedStateMachine):
         prompt = data.draw(st.sampled_from(self.earlier), label="repeat of")
         self._submit(RequestSpec(prompt, max_new_tokens=data.draw(st.integers(1, 4), label="max_new_tokens")), data)
 
+    @rule(data=st.data())
+    def cancel(self, data) -> None:
+        if not self.checker.submitted:
+            return
+        request_id = data.draw(st.sampled_from(sorted(self.checker.submitted)), label="cancel")
+        self.checker.cancel(request_id)
 
-class ExecutorMachine(ArrivalRules):
+
+class ExecutorMachine(TrafficRules):
     """Arrivals, bursts, steps and cancellations against one executor; invariants after every step."""
 
     policy = "recheck"
@@ -78,13 +86,6 @@ class ExecutorMachine(ArrivalRules):
     def run(self, steps: int) -> None:
         for _ in range(steps):
             self.checker.step()
-
-    @rule(data=st.data())
-    def cancel(self, data) -> None:
-        if not self.checker.submitted:
-            return
-        request_id = data.draw(st.sampled_from(sorted(self.checker.submitted)), label="cancel")
-        self.checker.cancel(request_id)
 
     def teardown(self) -> None:
         if self.checker is None:

@@ -24,7 +24,7 @@ import pytest
 from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
-from tests.helpers.executor_machines import ArrivalRules
+from tests.helpers.executor_machines import TrafficRules
 from tests.helpers.factories import make_config, make_kv_cache_manager, make_request, make_sim_executor, run_alone
 from tests.helpers.invariants import ExecutorChecker
 from tests.helpers.kv_event_index import ReplayedIndex, describe_difference, pool_index
@@ -51,7 +51,7 @@ def with_events(setting: Setting, policy: str, buffer: int, offload_ahead: int):
     return dataclasses.replace(config, kv_cache_config=kv)
 
 
-class EventsMachine(ArrivalRules):
+class EventsMachine(TrafficRules):
     """Random traffic and resets against one executor whose pool emits events; the replayed
     index equals the pool's reusable set after every rule."""
 
@@ -82,11 +82,6 @@ class EventsMachine(ArrivalRules):
     def run(self, steps: int) -> None:
         for _ in range(steps):
             self.checker.step()
-
-    @rule(data=st.data())
-    def cancel(self, data) -> None:
-        if self.checker.submitted:
-            self.checker.cancel(data.draw(st.sampled_from(sorted(self.checker.submitted)), label="cancel"))
 
     @rule()
     def reset(self) -> None:
