@@ -26,11 +26,12 @@ from tests.helpers.decisive import assert_decisive
 THOROUGH = os.environ.get("HYPOTHESIS_PROFILE") == "thorough"
 SCHEMAS_PER_EXAMPLE = 8
 NEIGHBOUR = "Count from one to ten:"
+MAX_SEQ_LEN = 1024
 
 
 @pytest.fixture(scope="module")
 def guided_llm():
-    llm = LLM("smollm2-135m-instruct", max_seq_len=1024, max_num_tokens=1024, max_batch_size=16,
+    llm = LLM("smollm2-135m-instruct", max_seq_len=MAX_SEQ_LEN, max_num_tokens=1024, max_batch_size=16,
               disable_overlap_scheduler=False, kv_cache_config=KvCacheConfig(tokens_per_block=16, num_blocks=256))
     assert llm.executor.overlap
     alone = llm.generate(NEIGHBOUR, SamplingParams(max_tokens=12, ignore_eos=True, logprobs=2)).outputs[0]
@@ -43,16 +44,29 @@ def chat_ids(llm: LLM, messages) -> list[int]:
     return llm.tokenizer.encode(llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
 
 
+def fitting_schema(llm: LLM, rng) -> tuple[dict, list[int]]:
+    """A random schema, and its prompt, whose prompt and longest valid document fit ``MAX_SEQ_LEN``.
+    A request that could not (prompt + max_tokens > max_seq_len) is refused when it is submitted, by
+    design and tested with the executor's validation, so such a schema is drawn again."""
+    for _ in range(50):
+        schema = random_schema(rng)
+        prompt = chat_ids(llm, schema_prompt(schema))
+        if len(prompt) + max_output_bytes(schema) + 1 <= MAX_SEQ_LEN:
+            return schema, prompt
+    raise AssertionError(f"random_schema drew 50 schemas too long for max_seq_len {MAX_SEQ_LEN}")
+
+
 @settings(max_examples=25 if THOROUGH else 3)
 @given(rng=st.randoms(use_true_random=False), temperature=st.sampled_from([0.0, 0.8]))
 def test_property_every_guided_output_parses_and_validates(guided_llm, rng, temperature):
     llm, alone = guided_llm
-    schemas = [random_schema(rng) for _ in range(SCHEMAS_PER_EXAMPLE)]
+    drawn = [fitting_schema(llm, rng) for _ in range(SCHEMAS_PER_EXAMPLE)]
+    schemas = [schema for schema, _ in drawn]
     handles = [
-        llm.generate_async(chat_ids(llm, schema_prompt(schema)), SamplingParams(
+        llm.generate_async(prompt, SamplingParams(
             max_tokens=max_output_bytes(schema) + 1, temperature=temperature, seed=index,
             guided_decoding=GuidedDecodingParams(json=schema)))
-        for index, schema in enumerate(schemas)
+        for index, (schema, prompt) in enumerate(drawn)
     ]
     neighbour = llm.generate_async(NEIGHBOUR, SamplingParams(max_tokens=12, ignore_eos=True))
     for schema, handle in zip(schemas, handles):
