@@ -19,10 +19,11 @@ import subprocess
 __all__ = ["run_guidellm"]
 
 
-def run_guidellm(command: list[str], env: dict[str, str], *, timeout_s: float = 180.0,
-                 attempts: int = 2) -> subprocess.CompletedProcess:
+def run_guidellm(command: list[str], *, timeout_s: float = 180.0, attempts: int = 2) -> subprocess.CompletedProcess:
     """``command`` (a ``guidellm run``) to its end, each attempt at most ``timeout_s`` (a normal
-    run of the suite's takes 10-20 s); its output as ``subprocess.run`` gives it."""
+    run of the suite's takes 10-20 s); its output as ``subprocess.run`` gives it. It runs offline:
+    the suite's tokenizers are local directories."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     stalls = []
     for _ in range(attempts):
         # a session of its own, so that a stalled run's worker processes go with it

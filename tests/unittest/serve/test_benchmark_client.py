@@ -13,7 +13,6 @@ when every request failed, so its JSON report is what is read).
 from __future__ import annotations
 
 import json
-import os
 import queue
 import re
 import signal
@@ -91,8 +90,7 @@ def test_guidellm_streams_without_a_failed_request(guidellm, tokenizer_dir, serv
         "--output", f"kind=json,path={report}", "--output", "kind=console",
         "--disable-progress",
     ]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    done = run_guidellm(command, env)
+    done = run_guidellm(command)
     tables = done.stdout[done.stdout.find("Request Latency Statistics") - 2:]
     print(f"\nGuideLLM {route}:\n{tables[:3000]}")
     assert done.returncode == 0, done.stderr[-3000:] + done.stdout[-3000:]

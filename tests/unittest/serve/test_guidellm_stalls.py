@@ -36,14 +36,13 @@ def _alive(pid: int) -> bool:
 
 
 def test_a_run_that_ends_is_returned_as_it_ended():
-    done = run_guidellm([sys.executable, "-c", "print('report'); raise SystemExit(3)"], dict(os.environ))
+    done = run_guidellm([sys.executable, "-c", "print('report'); raise SystemExit(3)"])
     assert done.returncode == 3 and done.stdout == "report\n"
 
 
 def test_a_stalled_run_is_killed_with_its_children_and_run_again(tmp_path):
     marker, child_pid = tmp_path / "ran", tmp_path / "child"
-    done = run_guidellm([sys.executable, "-c", STALL_ONCE, str(marker), str(child_pid)], dict(os.environ),
-                        timeout_s=5.0)
+    done = run_guidellm([sys.executable, "-c", STALL_ONCE, str(marker), str(child_pid)], timeout_s=5.0)
     assert done.returncode == 0 and done.stdout == "done\n"
     pid = int(child_pid.read_text())
     deadline = time.monotonic() + 10
@@ -55,5 +54,5 @@ def test_a_stalled_run_is_killed_with_its_children_and_run_again(tmp_path):
 def test_two_stalls_in_a_row_fail_with_what_each_printed():
     command = [sys.executable, "-c", "print('waiting', flush=True); import time; time.sleep(60)"]
     with pytest.raises(AssertionError, match="stalled 2 times") as failure:
-        run_guidellm(command, dict(os.environ), timeout_s=1.0)
+        run_guidellm(command, timeout_s=1.0)
     assert str(failure.value).count("waiting") == 2
