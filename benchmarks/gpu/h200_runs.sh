@@ -159,6 +159,11 @@ cuda_tests() {  # cuda_tests SECONDS: the CUDA tests (FP8, drafts, graphs, beams
     -q -rs -p no:cacheprovider --durations=8 2>&1 | tee "$out/pytest_cuda.log" | tail -25
 }
 
+fp8_kernel() {  # fp8_kernel SECONDS LINES: the FP8 decode kernel against bf16 and its sweep, the log's last LINES
+  timeout "$1" "$PY" -m benchmarks.gpu.fp8 --out "$out" --sections kernel > "$out/fp8_kernel.log" 2>&1
+  echo "fp8 kernel exit $?"; tail -"$2" "$out/fp8_kernel.log"
+}
+
 pack() {  # PHASE's files as one tarball beside them
   tar czf "$out/$phase.tar.gz" -C "$out" --exclude "*.tar.gz" . && ls -la "$out"
 }
@@ -170,8 +175,7 @@ case $phase in
     ;;
   fp8-kernel)
     gpu
-    timeout 150 "$PY" -m benchmarks.gpu.fp8 --out "$out" --sections kernel > "$out/fp8_kernel.log" 2>&1
-    echo "fp8 kernel exit $?"; tail -30 "$out/fp8_kernel.log"
+    fp8_kernel 150 30
     cuda_tests 380
     pack
     ;;
@@ -241,8 +245,7 @@ case $phase in
     gpu
     timeout 230 "$PY" -m benchmarks.gpu.engine_fp8 --out "$out" --concurrency 1,16,64 --seconds 5 --rounds 2 --profile-level 16 \
       > "$out/engine_fp8.log" 2>&1; echo "engine_fp8 exit $?"; tail -30 "$out/engine_fp8.log"
-    timeout 90 "$PY" -m benchmarks.gpu.fp8 --out "$out" --sections kernel > "$out/fp8_kernel.log" 2>&1
-    echo "fp8 kernel exit $?"; tail -6 "$out/fp8_kernel.log"
+    fp8_kernel 90 6
     timeout 60 "$PY" -m benchmarks.gpu.fp8_mma_forms --forms t_qk8r_lazyl --tiles 64:4:2,64:4:3 \
       --json "$out/fp8_mma_forms.json" > "$out/fp8_forms.log" 2>&1; echo "forms exit $?"; tail -6 "$out/fp8_forms.log"
     pack
