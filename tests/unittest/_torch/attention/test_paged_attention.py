@@ -135,9 +135,8 @@ def test_plan_refuses_tables_that_would_corrupt_the_pool(new, cached, tables, ma
 def test_triton_kernels_match_references_interpreted() -> None:
     """The Triton kernels (paged decode, context, RoPE; decode and context over FP8 K/V too, the
     FP8 scores kernel over query groups of 1, 2, 3 and 16 and with its block table read a tile
-    ahead) under Triton's CPU interpreter, in a
-    fresh process: TRITON_INTERPRET must be set before Triton is first imported (torch may import
-    it early)."""
+    ahead) under Triton's CPU interpreter, in a fresh process: TRITON_INTERPRET must be set before
+    Triton is first imported (torch may import it early)."""
     results = run_interpreted(Path(__file__).parents[3] / "helpers" / "interpreted_kernels.py")
     assert len(results) == 38
     for case in results:
