@@ -1,7 +1,7 @@
 """The executor state machines the stateful tests share (DESIGN.md §3): their traffic rules, and
 the machine of arrivals, bursts, steps and cancellations that the policy and priority tests run.
 
-:class:`TrafficRules`: a subclass's ``initialize`` sets ``self.setting`` (the
+:class:`TrafficRules` (over :class:`TrafficState`): a subclass's ``initialize`` sets ``self.setting`` (the
 :class:`~tests.helpers.strategies.Setting` whose pool the prompts are drawn for) and ``self.checker``
 (an :class:`~tests.helpers.invariants.ExecutorChecker`); the rules then submit fresh prompts drawn
 against every prompt seen so far (shared prefixes, extensions, beams, drafts:
@@ -24,9 +24,10 @@ from tests.helpers.invariants import ExecutorChecker
 from tests.helpers.strategies import Prompt, RequestSpec, Setting, kv_settings, request_specs
 
 
-class TrafficRules(RuleBasedStateMachine):
-    """``arrive``, ``arrive_identical`` and ``cancel``; ``_request`` is where a subclass draws more of
-    a request (after its spec, so the draws of the rules themselves stay in the same order)."""
+class TrafficState(RuleBasedStateMachine):
+    """What a machine that submits requests keeps: its setting, its checker, the prompts seen and
+    the next request id; ``_submit`` builds and submits a request, ``_request`` is where a subclass
+    draws more of one (after its spec, so the draws of the rules themselves stay in the same order)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -42,6 +43,10 @@ class TrafficRules(RuleBasedStateMachine):
     def _submit(self, spec: RequestSpec, data) -> None:
         self.earlier.append(spec.prompt)
         self.checker.submit(self._request(spec, data))
+
+
+class TrafficRules(TrafficState):
+    """``arrive``, ``arrive_identical`` and ``cancel``."""
 
     @rule(data=st.data())
     def arrive(self, data) -> None:

@@ -16,19 +16,18 @@ is in order, and what it lost is counted, exactly.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import subprocess
 import sys
 
 import pytest
 from hypothesis import event, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
-from tests.helpers.executor_machines import TrafficRules
+from hypothesis.stateful import initialize, invariant, rule
+from tests.helpers.executor_machines import TrafficRules, TrafficState
 from tests.helpers.factories import make_config, make_kv_cache_manager, make_request, make_sim_executor, run_alone
 from tests.helpers.invariants import ExecutorChecker
 from tests.helpers.kv_event_index import ReplayedIndex, describe_difference, pool_index
-from tests.helpers.strategies import Prompt, Setting, examples, kv_settings, request_specs
+from tests.helpers.strategies import Setting, examples, kv_settings, request_specs
 
 from tensorrt_llm._torch.pyexecutor.kv_cache.events import (
     AllBlocksCleared,
@@ -120,16 +119,12 @@ class OverlapEventsMachine(EventsMachine):
     overlap = True
 
 
-class DroppedEventsMachine(RuleBasedStateMachine):
+class DroppedEventsMachine(TrafficState):
     """A buffer of a few events, read now and then: what is read comes in order, what is
     lost is counted, and reading never changes what the pool does."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.checker: ExecutorChecker | None = None
-        self.setting: Setting | None = None
-        self.earlier: list[Prompt] = []
-        self.ids = itertools.count()
         self.read: list[int] = []
 
     @initialize(setting=kv_settings(max_blocks=16, reuse=True), size=st.integers(1, 6))
@@ -139,9 +134,7 @@ class DroppedEventsMachine(RuleBasedStateMachine):
 
     @rule(data=st.data())
     def arrive(self, data) -> None:
-        spec = data.draw(request_specs(self.setting, tuple(self.earlier)), label="request")
-        self.earlier.append(spec.prompt)
-        self.checker.submit(spec.build(next(self.ids)))
+        self._submit(data.draw(request_specs(self.setting, tuple(self.earlier)), label="request"), data)
 
     @rule(steps=st.integers(1, 6))
     def run(self, steps: int) -> None:
